@@ -1,0 +1,422 @@
+"""PPO / RLHF math: advantage estimators, KL penalty and controllers, losses and their aggregation.
+
+Names and arguments follow verl's ``core_algos`` so a verl user can map them one to one. Tensors are
+``[batch, response_len]`` unless said otherwise; ``response_mask`` is 1 on valid response tokens.
+
+Nothing here talks to ``torch.distributed``. Where a statistic has to be over the *global* batch
+(whitening, the KL controller input, explained variance), the function takes ``reduce_sum``: a
+callable the caller supplies that turns a small 1-D tensor of local sums into global sums, e.g.
+
+    def reduce_sum(t):
+        dist.all_reduce(t, group=pool_group)   # SUM
+        return t
+
+``None`` means this process holds the whole batch. Loss normalisation is global through the
+``num_tokens`` / ``num_seqs`` arguments of :func:`agg_loss` instead.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Hashable, Sequence
+
+import torch
+from torch import Tensor
+
+ReduceSum = Callable[[Tensor], Tensor]
+
+__all__ = [
+    "masked_sum", "masked_mean", "masked_var", "masked_whiten",
+    "compute_gae_advantage_return", "compute_grpo_outcome_advantage", "compute_rloo_outcome_advantage",
+    "compute_reinforce_plus_plus_outcome_advantage",
+    "compute_reinforce_plus_plus_baseline_outcome_advantage", "compute_remax_outcome_advantage",
+    "kl_penalty", "FixedKLController", "AdaptiveKLController", "get_kl_controller", "apply_kl_penalty",
+    "LOSS_AGG_MODES", "agg_loss", "compute_policy_loss", "compute_value_loss",
+    "logprobs_from_logits", "entropy_from_logits", "compute_explained_variance",
+]
+
+
+# ----------------------------------------------------------------------------- masked statistics
+
+def masked_sum(values: Tensor, mask: Tensor, axis=None) -> Tensor:
+    # torch.where, not values * mask: padding may hold inf/NaN (e.g. -inf logprobs) and 0 * inf = NaN.
+    kept = torch.where(mask.bool(), values, torch.zeros((), dtype=values.dtype, device=values.device))
+    return kept.sum() if axis is None else kept.sum(dim=axis)
+
+
+def masked_mean(values: Tensor, mask: Tensor, axis=None) -> Tensor:
+    """Mean over mask; an empty row/batch gives 0 rather than NaN."""
+    count = mask.sum() if axis is None else mask.sum(dim=axis)
+    return masked_sum(values, mask, axis) / torch.where(count > 0, count, torch.ones_like(count))
+
+
+def masked_var(values: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
+    mean = masked_mean(values, mask)
+    var = masked_mean((values - mean) ** 2, mask)
+    if unbiased:
+        count = mask.sum()
+        if count < 2:
+            raise ValueError(f"unbiased masked_var needs at least 2 valid elements, got {int(count)}")
+        var = var * count / (count - 1)
+    return var
+
+
+def _global_sums(local: Sequence[Tensor], reduce_sum: ReduceSum | None) -> Tensor:
+    """Stack local scalar sums into one float64 vector: one collective for all of them, and float64
+    keeps the one-pass variance (sum_sq - sum * mean) accurate."""
+    device = local[0].device
+    sums = torch.stack([x.detach().to(device=device, dtype=torch.float64).reshape(()) for x in local])
+    return sums if reduce_sum is None else reduce_sum(sums)
+
+
+def _moment_sums(values: Tensor, mask: Tensor) -> list[Tensor]:
+    v = values.detach().to(torch.float64)
+    return [masked_sum(v, mask), masked_sum(v * v, mask), mask.bool().sum()]
+
+
+def _mean_var(s: Tensor, sq: Tensor, n: Tensor) -> tuple[Tensor, Tensor]:
+    """Mean and unbiased (Bessel, with the *global* count) variance from sum, sum of squares, count."""
+    mean = s / n
+    return mean, ((sq - s * mean) / (n - 1)).clamp_min(0.0)
+
+
+def masked_whiten(values: Tensor, mask: Tensor, shift_mean: bool = True,
+                  reduce_sum: ReduceSum | None = None) -> Tensor:
+    """(v - mean) / sqrt(var + 1e-8) with mean/var over the valid entries of the global batch.
+
+    Statistics are constants (no gradient flows through them). With ``shift_mean=False`` the mean is
+    added back, i.e. only the scale is normalised.
+    """
+    s, sq, n = _global_sums(_moment_sums(values, mask), reduce_sum)
+    if n < 2:
+        raise ValueError(f"masked_whiten needs at least 2 valid elements in the batch, got {int(n)}")
+    mean, var = _mean_var(s, sq, n)
+    mean, scale = mean.to(values.dtype), torch.rsqrt(var + 1e-8).to(values.dtype)
+    whitened = (values - mean) * scale
+    return whitened if shift_mean else whitened + mean
+
+
+# ----------------------------------------------------------------------------- advantage estimators
+
+@torch.no_grad()
+def compute_gae_advantage_return(token_level_rewards: Tensor, values: Tensor, response_mask: Tensor,
+                                 gamma: float, lam: float, reduce_sum: ReduceSum | None = None):
+    """Generalized Advantage Estimation (Schulman et al. 2016), delta_t = r_t + gamma V_{t+1} - V_t.
+
+    Masked positions are skipped: they neither provide V_{t+1} nor reset the running estimate, so the
+    last valid token bootstraps from 0 (the episode ends) and values in the padding never leak in.
+    Returns are the unwhitened advantages + values (the critic's target); advantages are then
+    whitened over the global batch. Both are 0 where the mask is 0.
+    """
+    valid = response_mask.bool()
+    next_value = torch.zeros_like(values[:, 0])
+    last_gae = torch.zeros_like(values[:, 0])
+    advantages = torch.zeros_like(values)
+    for t in reversed(range(values.shape[1])):
+        delta = token_level_rewards[:, t] + gamma * next_value - values[:, t]
+        gae = delta + gamma * lam * last_gae
+        next_value = torch.where(valid[:, t], values[:, t], next_value)
+        last_gae = torch.where(valid[:, t], gae, last_gae)
+        advantages[:, t] = last_gae
+    zero = torch.zeros((), dtype=values.dtype, device=values.device)
+    returns = torch.where(valid, advantages + values, zero)
+    advantages = torch.where(valid, masked_whiten(advantages, response_mask, reduce_sum=reduce_sum), zero)
+    return advantages, returns
+
+
+def _group_stats(scores: Tensor, index) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-row (mean, unbiased std, size) of the row's group; ``index`` holds one hashable id per row.
+
+    A group of one has no baseline to compare with: mean 0, std 1 (as verl), so its score passes through.
+    """
+    if isinstance(index, Tensor):
+        index = index.tolist()
+    ids: dict[Hashable, int] = {}
+    group = torch.tensor([ids.setdefault(k, len(ids)) for k in index], device=scores.device)
+    x = scores.to(torch.float64)
+    count = torch.zeros(len(ids), dtype=torch.float64, device=x.device).index_add_(0, group, torch.ones_like(x))
+    mean = torch.zeros_like(count).index_add_(0, group, x) / count
+    sq_dev = torch.zeros_like(count).index_add_(0, group, (x - mean[group]) ** 2)
+    std = (sq_dev / (count - 1).clamp_min(1)).sqrt()
+    single = count == 1
+    mean, std = mean.masked_fill(single, 0.0), std.masked_fill(single, 1.0)
+    return mean[group], std[group], count[group]
+
+
+def _broadcast(per_row: Tensor, response_mask: Tensor, like: Tensor) -> Tensor:
+    return per_row.to(like.dtype).unsqueeze(-1) * response_mask.to(like.dtype)
+
+
+@torch.no_grad()
+def compute_grpo_outcome_advantage(token_level_rewards: Tensor, response_mask: Tensor, index,
+                                   epsilon: float = 1e-6, norm_adv_by_std_in_grpo: bool = True):
+    """GRPO (Shao et al. 2024): outcome score standardised within its prompt group.
+
+    ``norm_adv_by_std_in_grpo=False`` only subtracts the group mean (Dr. GRPO, Liu et al. 2025).
+    """
+    scores = token_level_rewards.sum(dim=-1)
+    mean, std, _ = _group_stats(scores, index)
+    adv = scores - mean
+    if norm_adv_by_std_in_grpo:
+        adv = adv / (std + epsilon)
+    adv = _broadcast(adv, response_mask, token_level_rewards)
+    return adv, adv
+
+
+@torch.no_grad()
+def compute_rloo_outcome_advantage(token_level_rewards: Tensor, response_mask: Tensor, index,
+                                   epsilon: float = 1e-6):
+    """REINFORCE leave-one-out (Ahmadian et al. 2024): baseline = mean score of the *other* samples.
+
+    score - sum_others/(n-1) == score*n/(n-1) - mean*n/(n-1). Groups of one keep their raw score.
+    ``epsilon`` is unused; it is accepted for signature parity with the other estimators.
+    """
+    scores = token_level_rewards.sum(dim=-1)
+    mean, _, n = _group_stats(scores, index)
+    scale = torch.where(n > 1, n / (n - 1).clamp_min(1), torch.ones_like(n))
+    adv = _broadcast(scores * scale - mean * scale, response_mask, token_level_rewards)
+    return adv, adv
+
+
+@torch.no_grad()
+def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards: Tensor, response_mask: Tensor,
+                                                  gamma: float, reduce_sum: ReduceSum | None = None):
+    """REINFORCE++ (Hu 2025): discounted return-to-go per token, whitened over the global batch."""
+    valid = response_mask.bool()
+    running = torch.zeros_like(token_level_rewards[:, 0])
+    returns = torch.zeros_like(token_level_rewards)
+    for t in reversed(range(token_level_rewards.shape[1])):
+        # masked positions neither add reward nor break the discounting chain
+        running = torch.where(valid[:, t], token_level_rewards[:, t] + gamma * running, running)
+        returns[:, t] = torch.where(valid[:, t], running, torch.zeros_like(running))
+    adv = masked_whiten(returns, response_mask, reduce_sum=reduce_sum) * response_mask.to(returns.dtype)
+    return adv, returns
+
+
+@torch.no_grad()
+def compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards: Tensor, response_mask: Tensor,
+                                                           index, epsilon: float = 1e-6,
+                                                           reduce_sum: ReduceSum | None = None):
+    """REINFORCE++-baseline: subtract the group mean score, then whiten over the global batch.
+
+    Returns (advantages, returns) with returns = the mean-subtracted score broadcast over valid tokens.
+    """
+    scores = token_level_rewards.sum(dim=-1)
+    mean, _, _ = _group_stats(scores, index)
+    returns = _broadcast(scores - mean, response_mask, token_level_rewards)
+    adv = masked_whiten(returns, response_mask, reduce_sum=reduce_sum) * response_mask.to(returns.dtype)
+    return adv, returns
+
+
+@torch.no_grad()
+def compute_remax_outcome_advantage(token_level_rewards: Tensor, reward_baselines: Tensor, response_mask: Tensor):
+    """ReMax (Li et al. 2023): return-to-go minus the reward of the greedy response (``reward_baselines``, [batch])."""
+    mask = response_mask.to(token_level_rewards.dtype)
+    returns = (token_level_rewards * mask).flip(-1).cumsum(-1).flip(-1)
+    adv = returns - reward_baselines.to(returns.dtype).unsqueeze(-1) * mask
+    return adv, returns
+
+
+# ----------------------------------------------------------------------------- KL penalty
+
+KL_PENALTY_NAMES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+
+
+def kl_penalty(logprob: Tensor, ref_logprob: Tensor, kl_penalty: str) -> Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from sampled-token log-probs (Schulman, "Approximating KL").
+
+    kl/k1: log r; abs: |log r|; mse/k2: (log r)^2 / 2; low_var_kl/k3: e^{-log r} + log r - 1, with
+    log r = logprob - ref_logprob. k3 is unbiased and non-negative; its log-ratio is clamped to
+    [-20, 20] and the result to [-10, 10] (as verl) so a single outlier token cannot explode.
+    """
+    diff = logprob - ref_logprob
+    if kl_penalty in ("kl", "k1"):
+        return diff
+    if kl_penalty == "abs":
+        return diff.abs()
+    if kl_penalty in ("mse", "k2"):
+        return 0.5 * diff.square()
+    if kl_penalty in ("low_var_kl", "k3"):
+        log_ratio = (-diff).clamp(-20.0, 20.0)  # log(pi_ref / pi)
+        return (log_ratio.exp() - log_ratio - 1).clamp(-10.0, 10.0)
+    raise ValueError(f"unknown kl_penalty {kl_penalty!r}; valid: {', '.join(KL_PENALTY_NAMES)}")
+
+
+_kl_penalty = kl_penalty  # apply_kl_penalty's argument shadows the function name (verl's naming)
+
+
+class FixedKLController:
+    """Constant KL coefficient beta."""
+
+    def __init__(self, kl_coef: float):
+        self.value = float(kl_coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = float(state["value"])
+
+
+class AdaptiveKLController(FixedKLController):
+    """Ziegler et al. 2019: move beta towards the KL target, proportionally, at most 20% per horizon."""
+
+    def __init__(self, init_kl_coef: float, target_kl: float, horizon: float):
+        super().__init__(init_kl_coef)
+        self.target, self.horizon = float(target_kl), float(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+
+
+def get_kl_controller(type: str, kl_coef: float, target_kl: float | None = None, horizon: float | None = None):
+    if type == "fixed":
+        return FixedKLController(kl_coef)
+    if type == "adaptive":
+        if target_kl is None or horizon is None or horizon <= 0:
+            raise ValueError(f"adaptive KL controller needs target_kl and horizon > 0, got {target_kl=}, {horizon=}")
+        return AdaptiveKLController(kl_coef, target_kl, horizon)
+    raise ValueError(f"unknown KL controller type {type!r}; valid: fixed, adaptive")
+
+
+@torch.no_grad()
+def apply_kl_penalty(token_level_scores: Tensor, old_log_probs: Tensor, ref_log_probs: Tensor,
+                     response_mask: Tensor, kl_ctrl: FixedKLController, kl_penalty: str = "kl",
+                     reduce_sum: ReduceSum | None = None):
+    """In-reward KL penalty (Ziegler et al. 2019): r_t = score_t - beta * KL_t on valid tokens.
+
+    The controller sees the global mean over sequences of each sequence's mean token KL, and
+    n_steps = the global number of sequences, so every rank updates beta identically.
+    """
+    kl_all = _kl_penalty(old_log_probs, ref_log_probs, kl_penalty)
+    kld = torch.where(response_mask.bool(), kl_all, torch.zeros_like(kl_all))
+    beta = float(kl_ctrl.value)
+    token_level_rewards = token_level_scores - beta * kld.to(token_level_scores.dtype)
+    seq_kl = masked_mean(kld, response_mask, axis=-1)
+    total, n_seqs = _global_sums([seq_kl.sum(), seq_kl.new_tensor(seq_kl.shape[0])], reduce_sum)
+    current_kl = float(total / n_seqs)
+    kl_ctrl.update(current_kl=current_kl, n_steps=int(n_seqs))
+    return token_level_rewards, {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
+
+
+# ----------------------------------------------------------------------------- losses
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def _positive(x):
+    return x.clamp_min(1) if isinstance(x, Tensor) else max(x, 1)
+
+
+def agg_loss(loss_mat: Tensor, loss_mask: Tensor, loss_agg_mode: str, num_tokens=None, num_seqs=None,
+             horizon=None) -> Tensor:
+    """Reduce a [batch, len] loss to a scalar.
+
+    token-mean:              sum(loss) / num_tokens
+    seq-mean-token-sum:      sum_seqs(token sum) / num_seqs
+    seq-mean-token-mean:     sum_seqs(token mean) / num_seqs
+    seq-mean-token-sum-norm: sum(loss) / (num_seqs * horizon)   (Dr. GRPO; horizon defaults to len)
+
+    ``num_tokens`` (valid tokens) and ``num_seqs`` (rows with >= 1 valid token) default to this call's
+    local counts. For data parallel training with gradient accumulation pass the counts of the whole
+    *mini-batch* (all ranks, all micro-batches): each term is then a sum over local rows divided by a
+    global constant, so summing the returned values over micro-batches and ranks (what gradient
+    accumulation plus a SUM all-reduce of gradients does) gives exactly the full-batch loss and
+    gradient, independent of how many ranks / micro-batches the batch was cut into. Likewise pass one
+    ``horizon`` if micro-batches are padded to different lengths. Rows with no valid token add 0.
+    """
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}; valid: {', '.join(LOSS_AGG_MODES)}")
+    tokens_per_seq = loss_mask.bool().sum(dim=-1)
+    if loss_agg_mode == "token-mean":
+        return masked_sum(loss_mat, loss_mask) / _positive(tokens_per_seq.sum() if num_tokens is None else num_tokens)
+    num_seqs = _positive((tokens_per_seq > 0).sum() if num_seqs is None else num_seqs)
+    if loss_agg_mode == "seq-mean-token-sum":
+        return masked_sum(loss_mat, loss_mask) / num_seqs
+    if loss_agg_mode == "seq-mean-token-mean":
+        seq_means = masked_sum(loss_mat, loss_mask, axis=-1) / tokens_per_seq.clamp_min(1)
+        return seq_means.sum() / num_seqs
+    horizon = loss_mat.shape[-1] if horizon is None else horizon
+    return masked_sum(loss_mat, loss_mask) / (num_seqs * horizon)
+
+
+def compute_policy_loss(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
+                        cliprange: float = 0.2, cliprange_low: float | None = None,
+                        cliprange_high: float | None = None, clip_ratio_c: float = 3.0,
+                        loss_agg_mode: str = "token-mean", num_tokens=None, num_seqs=None):
+    """PPO clipped surrogate (Schulman et al. 2017) with asymmetric clip and dual clip (Ye et al. 2020).
+
+    loss_t = max(-A r, -A clip(r, 1 - low, 1 + high)); for A < 0 it is further capped at -A * c, because
+    for a very large ratio with a negative advantage the plain PPO loss is unbounded.
+    Returns (pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower); the last three are local, detached metrics.
+    """
+    if clip_ratio_c <= 1.0:
+        raise ValueError(f"dual-clip bound clip_ratio_c must be > 1, got {clip_ratio_c}")
+    low = cliprange if cliprange_low is None else cliprange_low
+    high = cliprange if cliprange_high is None else cliprange_high
+    log_ratio = (log_prob - old_log_prob).clamp(-20.0, 20.0)  # clamp keeps exp finite
+    ratio = log_ratio.exp()
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * ratio.clamp(1 - low, 1 + high)
+    ppo_losses = torch.maximum(loss_unclipped, loss_clipped)
+    dual_cap = -advantages * clip_ratio_c
+    negative = advantages < 0
+    pg_losses = torch.where(negative, torch.minimum(ppo_losses, dual_cap), ppo_losses)
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+    with torch.no_grad():
+        pg_clipfrac = masked_mean((loss_clipped > loss_unclipped).float(), response_mask)
+        ppo_kl = masked_mean(-log_ratio, response_mask)
+        pg_clipfrac_lower = masked_mean(((ppo_losses > dual_cap) & negative).float(), response_mask)
+    return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
+
+
+def compute_value_loss(vpreds: Tensor, returns: Tensor, values: Tensor, response_mask: Tensor,
+                       cliprange_value: float, loss_agg_mode: str = "token-mean", num_tokens=None, num_seqs=None):
+    """Clipped value loss: 0.5 * max((V - R)^2, (clip(V, V_old +- eps) - R)^2), as in PPO2 baselines."""
+    vpred_clipped = torch.maximum(torch.minimum(vpreds, values + cliprange_value), values - cliprange_value)
+    loss_unclipped = (vpreds - returns) ** 2
+    loss_clipped = (vpred_clipped - returns) ** 2
+    vf_losses = 0.5 * torch.maximum(loss_unclipped, loss_clipped)
+    vf_loss = agg_loss(vf_losses, response_mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+    with torch.no_grad():
+        vf_clipfrac = masked_mean((loss_clipped > loss_unclipped).float(), response_mask)
+    return vf_loss, vf_clipfrac
+
+
+# ----------------------------------------------------------------------------- logits helpers
+
+def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
+    """log softmax(logits)[label] for logits [..., vocab] and labels [...].
+
+    fp32/fp64: label logit - logsumexp, never materialising a second vocab-sized tensor. Half
+    precision: upcast one leading-dim slice at a time (log-probs in fp32, since PPO ratios need the
+    precision) so the forward never holds a full fp32 copy of the logits.
+    """
+    if logits.dtype in (torch.float32, torch.float64):
+        picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        return picked - torch.logsumexp(logits, dim=-1)
+    rows = [torch.log_softmax(row.float(), dim=-1).gather(-1, lab.unsqueeze(-1)).squeeze(-1)
+            for row, lab in zip(logits, labels)]
+    return torch.stack(rows)
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy per position: H = logsumexp(z) - sum_i p_i z_i."""
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+
+
+@torch.no_grad()
+def compute_explained_variance(values: Tensor, returns: Tensor, response_mask: Tensor,
+                               reduce_sum: ReduceSum | None = None) -> float:
+    """1 - Var[R - V] / Var[R] over valid tokens of the global batch (1 = perfect critic, <= 0 = useless)."""
+    local = _moment_sums(returns - values, response_mask)[:2] + _moment_sums(returns, response_mask)
+    sd, sqd, sr, sqr, n = _global_sums(local, reduce_sum)
+    if n < 2:
+        return float("nan")
+    _, var_diff = _mean_var(sd, sqd, n)
+    _, var_ret = _mean_var(sr, sqr, n)
+    return float(1.0 - var_diff / (var_ret + 1e-8))

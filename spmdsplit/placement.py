@@ -1,0 +1,469 @@
+"""Where each role runs: one torchrun world cut into an actor pool and a critic pool.
+
+The actor pool holds actor + reference + rollout, the critic pool holds critic + reward
+model (verl's "split placement"). Every rank runs the same program; the placement only says
+which ranks take which roles, so it is worked out the same way on every rank from the
+config and the launch shape, with no communication.
+
+Two steps, in the manner of torchtitan's ``ParallelDims``:
+
+* :func:`plan_placement` is pure: it checks the config against the launch shape up front
+  and returns a frozen :class:`Placement` (rank lists only), or raises a
+  :class:`PlacementError` that names the config key and a value that would fit.
+* :func:`build_pools` runs after ``init_process_group`` and turns the placement into
+  process groups and 1-D device meshes (for FSDP2) on this rank, as :class:`Pools`.
+
+Layouts (``placement.mode``):
+
+* ``split``: one node -> first half of its ranks actor, second half critic; several nodes ->
+  first half of the nodes actor, the rest critic (whole nodes, so a pool never straddles a
+  node boundary in the middle of a node).
+* ``custom`` with ``placement.pools=[a, c]``: ``placement.pool_unit=ranks_per_node`` puts
+  local ranks ``[0, a)`` of every node in the actor pool and ``[a, a+c)`` in the critic pool
+  (a + c == ranks per node); ``placement.pool_unit=nodes`` gives the first ``a`` whole nodes
+  to the actor pool and the next ``c`` to the critic pool (a + c == nodes).
+* ``colocate``: every rank is in both pools; the roles take turns on the same ranks.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+
+MODES = ("split", "colocate", "custom")
+POOL_UNITS = ("ranks_per_node", "nodes")
+POOL_NAMES = ("actor", "critic")
+
+
+class PlacementError(ValueError):
+    """A placement config that does not fit the launch shape (the message says what would)."""
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _fmt_pools(a: int, c: int) -> str:
+    # Written the way it goes on a command line as an override: placement.pools=[4,4].
+    return f"[{a},{c}]"
+
+
+def _fmt_list(value) -> str:
+    """A config list as it is written on the command line ([4,4]); anything else as repr."""
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        return "[" + ",".join(str(v) for v in value) + "]"
+    return repr(value)
+
+
+def _halves(n: int) -> tuple[int, int]:
+    """An example split of n into two non-empty parts, actor side taking the odd one."""
+    return (n + 1) // 2, n // 2
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _fmt_ranks(ranks: Sequence[int]) -> str:
+    """[0, 1] for short lists; runs of 3+ consecutive ranks collapse to 0-31 so that a
+    64-rank pool still reads on one line."""
+    parts: list[str] = []
+    i = 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        if j - i >= 2:
+            parts.append(f"{ranks[i]}-{ranks[j]}")
+        else:
+            parts.extend(str(r) for r in ranks[i : j + 1])
+        i = j + 1
+    return "[" + ", ".join(parts) + "]"
+
+
+def _ranks_per_node_hint(lws: int) -> str | None:
+    """'placement.mode=custom with placement.pool_unit=ranks_per_node, e.g. ...' if a
+    per-node split exists for this node size (needs >= 2 ranks per node)."""
+    if lws < 2:
+        return None
+    return (
+        "placement.mode=custom with placement.pool_unit=ranks_per_node, "
+        f"e.g. placement.pools={_fmt_pools(*_halves(lws))}"
+    )
+
+
+def _nodes_hint(nnodes: int) -> str | None:
+    if nnodes < 2:
+        return None
+    return (
+        "placement.mode=custom with placement.pool_unit=nodes, "
+        f"e.g. placement.pools={_fmt_pools(*_halves(nnodes))}"
+    )
+
+
+def _alternatives(*hints: str | None) -> str:
+    # "; or " because the hints themselves contain commas.
+    return "; or ".join(h for h in hints if h)
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which global ranks form the actor pool and the critic pool. Pure data, no groups.
+
+    Invariants (checked on construction, so a hand-built one is as safe as a planned one):
+    rank lists sorted and non-empty, together they cover the whole world, and they are
+    either disjoint (split/custom) or identical (colocate).
+    """
+
+    mode: str
+    world_size: int
+    local_world_size: int
+    nnodes: int
+    actor_ranks: tuple[int, ...]
+    critic_ranks: tuple[int, ...]
+
+    def __post_init__(self):
+        # Accept lists/ranges but store tuples: the dataclass is frozen and hashable.
+        object.__setattr__(self, "actor_ranks", tuple(int(r) for r in self.actor_ranks))
+        object.__setattr__(self, "critic_ranks", tuple(int(r) for r in self.critic_ranks))
+        if self.mode not in MODES:
+            raise PlacementError(f"placement.mode={self.mode!r} is not one of {list(MODES)}")
+        if self.world_size != self.local_world_size * self.nnodes:
+            raise PlacementError(
+                f"world size {self.world_size} != {self.local_world_size} ranks per node x "
+                f"{self.nnodes} nodes"
+            )
+        world = set(range(self.world_size))
+        for name, ranks in (("actor", self.actor_ranks), ("critic", self.critic_ranks)):
+            if not ranks:
+                raise PlacementError(f"the {name} pool is empty; each pool needs at least 1 rank")
+            if list(ranks) != sorted(set(ranks)):
+                raise PlacementError(f"{name} pool ranks must be sorted and unique, got {list(ranks)}")
+            if not set(ranks) <= world:
+                raise PlacementError(
+                    f"{name} pool ranks {list(ranks)} fall outside the world of {self.world_size}"
+                )
+        a, c = set(self.actor_ranks), set(self.critic_ranks)
+        if a != c and a & c:
+            raise PlacementError(
+                f"actor pool {sorted(a)} and critic pool {sorted(c)} overlap without being the "
+                "same ranks; pools are either disjoint or, with placement.mode=colocate, identical"
+            )
+        if a | c != world:
+            raise PlacementError(f"ranks {sorted(world - (a | c))} are in no pool")
+        if (self.mode == "colocate") != (a == c):
+            raise PlacementError(
+                f"placement.mode={self.mode} does not match the rank lists "
+                f"({'identical' if a == c else 'disjoint'} pools)"
+            )
+
+    @property
+    def colocated(self) -> bool:
+        return self.actor_ranks == self.critic_ranks
+
+    def ranks_of(self, pool: str) -> tuple[int, ...]:
+        if pool == "actor":
+            return self.actor_ranks
+        if pool == "critic":
+            return self.critic_ranks
+        raise ValueError(f"unknown pool {pool!r}; expected one of {list(POOL_NAMES)}")
+
+    def roles_of(self, rank: int) -> set[str]:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside the world of {self.world_size}")
+        return {p for p in POOL_NAMES if rank in self.ranks_of(p)}
+
+    def describe(self) -> str:
+        """One line for the log, e.g.
+        'split: actor pool ranks [0, 1] | critic pool ranks [2, 3] (1 node x 2+2)'."""
+        head = self.mode + ": "
+        if self.colocated:
+            return (
+                f"{head}actor and critic pools share ranks {_fmt_ranks(self.actor_ranks)} "
+                f"({_plural(self.nnodes, 'node')} x {self.local_world_size}, roles take turns)"
+            )
+        lws = self.local_world_size
+        per_node_actor = [
+            sum(1 for r in self.actor_ranks if r // lws == n) for n in range(self.nnodes)
+        ]
+        a0 = per_node_actor[0]
+        if all(k == a0 for k in per_node_actor) and 0 < a0 < lws:
+            shape = f"{_plural(self.nnodes, 'node')} x {a0}+{lws - a0}"  # every node cut the same way
+        else:
+            an = sum(1 for k in per_node_actor if k == lws)
+            shape = f"{an}+{self.nnodes - an} nodes x {lws}"  # whole nodes per pool
+        return (
+            f"{head}actor pool ranks {_fmt_ranks(self.actor_ranks)} | "
+            f"critic pool ranks {_fmt_ranks(self.critic_ranks)} ({shape})"
+        )
+
+
+def _check_pools_value(pools) -> tuple[int, int]:
+    if isinstance(pools, (str, bytes)) or not isinstance(pools, Sequence) or len(pools) != 2:
+        raise PlacementError(
+            f"placement.pools={_fmt_list(pools)} must be two sizes [actor, critic], e.g. placement.pools=[4,4]"
+        )
+    for p in pools:
+        # bool is an int subclass; True as a pool size is surely a mistake.
+        if isinstance(p, bool) or not isinstance(p, int):
+            raise PlacementError(
+                f"placement.pools={_fmt_list(pools)} must hold whole numbers, e.g. placement.pools=[4,4]"
+            )
+    return int(pools[0]), int(pools[1])
+
+
+def plan_placement(
+    mode: str,
+    pools: Sequence[int] | None,
+    pool_unit: str,
+    world_size: int,
+    local_world_size: int,
+    nnodes: int,
+) -> Placement:
+    """Work out the pools from the config and the launch shape. Pure: no torch.distributed,
+    so every rank gets the same answer and a bad config fails before any group exists."""
+    for name, v in (("world size", world_size), ("ranks per node", local_world_size), ("nodes", nnodes)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise PlacementError(f"launch shape: {name} must be a positive integer, got {v!r}")
+    if world_size != local_world_size * nnodes:
+        raise PlacementError(
+            f"launch shape: world size {world_size} != {local_world_size} ranks per node x "
+            f"{nnodes} nodes; launch the same number of ranks on every node "
+            "(torchrun --nproc-per-node N on each node)"
+        )
+    if mode not in MODES:
+        raise PlacementError(
+            f"placement.mode={mode!r} is unknown; use one of {', '.join(MODES)} "
+            "(e.g. placement.mode=split)"
+        )
+    # Checked whatever the mode: a typo should not sit silently in a config.
+    if pool_unit not in POOL_UNITS:
+        raise PlacementError(
+            f"placement.pool_unit={pool_unit!r} is unknown; use one of {', '.join(POOL_UNITS)} "
+            "(e.g. placement.pool_unit=ranks_per_node)"
+        )
+    lws = local_world_size
+    all_ranks = tuple(range(world_size))
+    shape = f"{_plural(nnodes, 'node')} x {_plural(lws, 'rank')}"
+
+    if isinstance(pools, Sequence) and not isinstance(pools, (str, bytes)) and len(pools) == 0:
+        pools = None  # an empty list is how a config leaves the sizes unset
+    if mode != "custom" and pools is not None:
+        # Only custom reads the sizes; ignoring them would hide a config that means something else.
+        raise PlacementError(
+            f"placement.pools={_fmt_list(pools)} is only used with placement.mode=custom "
+            f"(got placement.mode={mode}); drop placement.pools or set placement.mode=custom"
+        )
+
+    if mode == "colocate":
+        return Placement(mode, world_size, lws, nnodes, all_ranks, all_ranks)
+
+    if mode == "split":
+        if nnodes == 1:
+            if lws < 2 or lws % 2:
+                alt = _alternatives(
+                    f"{_ranks_per_node_hint(lws)} (an uneven split)" if lws >= 2 else None,
+                    "placement.mode=colocate",
+                )
+                need = "at least 2 ranks" if lws < 2 else "an even number of ranks"
+                raise PlacementError(
+                    f"placement.mode=split on one node needs {need} to cut in half, got {shape}; "
+                    f"launch an even number of ranks, or use {alt}"
+                )
+            half = lws // 2
+            return Placement(mode, world_size, lws, nnodes, all_ranks[:half], all_ranks[half:])
+        if nnodes % 2:
+            alt = _alternatives(_ranks_per_node_hint(lws), _nodes_hint(nnodes), "placement.mode=colocate")
+            raise PlacementError(
+                f"placement.mode=split over several nodes gives each pool half of the nodes, "
+                f"which needs an even number of nodes, got {shape}; use an even number of nodes, "
+                f"or {alt}"
+            )
+        cut = (nnodes // 2) * lws
+        return Placement(mode, world_size, lws, nnodes, all_ranks[:cut], all_ranks[cut:])
+
+    # custom
+    if pools is None:
+        alt = _alternatives(_ranks_per_node_hint(lws), _nodes_hint(nnodes))
+        raise PlacementError(
+            "placement.mode=custom needs placement.pools=[actor, critic]"
+            + (f"; for {shape} use {alt}" if alt else f"; {shape} has no room for two pools, use placement.mode=colocate")
+        )
+    a, c = _check_pools_value(pools)
+    if pool_unit == "ranks_per_node":
+        total, what = lws, f"the ranks per node ({lws}, LOCAL_WORLD_SIZE)"
+        other = _nodes_hint(nnodes)
+    else:
+        total, what = nnodes, f"the number of nodes ({nnodes})"
+        other = _ranks_per_node_hint(lws)
+    if total < 2:
+        alt = _alternatives(other, "placement.mode=colocate")
+        raise PlacementError(
+            f"placement.pools={_fmt_pools(a, c)} with placement.pool_unit={pool_unit} must add up to "
+            f"{what}, which leaves no room for two pools of at least 1; use {alt}"
+        )
+    example = f"placement.pools={_fmt_pools(*_halves(total))}"
+    if a < 1 or c < 1:
+        raise PlacementError(
+            f"placement.pools={_fmt_pools(a, c)}: each pool needs at least 1 "
+            f"{'rank per node' if pool_unit == 'ranks_per_node' else 'node'}; with "
+            f"placement.pool_unit={pool_unit} the sizes add up to {what}, e.g. {example} "
+            "(or placement.mode=colocate to put both roles on every rank)"
+        )
+    if a + c != total:
+        raise PlacementError(
+            f"placement.pools={_fmt_pools(a, c)} adds up to {a + c}, but with "
+            f"placement.pool_unit={pool_unit} it must add up to {what}, e.g. {example}"
+        )
+    if pool_unit == "ranks_per_node":
+        # global rank = node * ranks_per_node + local rank (torchrun's contiguous numbering).
+        actor = tuple(n * lws + lr for n in range(nnodes) for lr in range(a))
+        critic = tuple(n * lws + lr for n in range(nnodes) for lr in range(a, lws))
+    else:
+        actor, critic = all_ranks[: a * lws], all_ranks[a * lws :]
+    return Placement(mode, world_size, lws, nnodes, actor, critic)
+
+
+def _env_int(env: Mapping[str, str], key: str) -> int | None:
+    raw = env.get(key)
+    if raw is None or raw == "":
+        return None
+    try:
+        v = int(raw)
+    except ValueError:
+        raise PlacementError(f"launch shape: {key}={raw!r} is not an integer") from None
+    if v < 1:
+        raise PlacementError(f"launch shape: {key}={v} must be at least 1")
+    return v
+
+
+def launch_shape_from_env(env: Mapping[str, str] | None = None) -> tuple[int, int, int]:
+    """(world_size, local_world_size, nnodes) from torchrun's environment.
+
+    WORLD_SIZE and LOCAL_WORLD_SIZE (ranks on this node) come from torchrun;
+    GROUP_WORLD_SIZE is torchrun's count of node groups, i.e. nodes. Missing values fall back
+    to a single node (a plain ``python`` run is (1, 1, 1)). ``env`` defaults to os.environ,
+    read at call time.
+    """
+    env = os.environ if env is None else env
+    world = _env_int(env, "WORLD_SIZE") or 1
+    local = _env_int(env, "LOCAL_WORLD_SIZE") or world
+    if world % local:
+        raise PlacementError(
+            f"launch shape: WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local}; "
+            "every node must run the same number of ranks"
+        )
+    nnodes = world // local
+    group = _env_int(env, "GROUP_WORLD_SIZE")
+    if group is not None and group != nnodes:
+        raise PlacementError(
+            f"launch shape: GROUP_WORLD_SIZE={group} nodes disagrees with WORLD_SIZE={world} / "
+            f"LOCAL_WORLD_SIZE={local} = {nnodes} nodes"
+        )
+    return world, local, nnodes
+
+
+# --------------------------------------------------------------------------- runtime side
+
+
+@dataclass
+class Pools:
+    """The placement made real on one rank: groups and meshes for the pools it is in."""
+
+    placement: Placement
+    rank: int
+    device: torch.device
+    actor_group: ProcessGroup | None
+    critic_group: ProcessGroup | None
+    actor_mesh: DeviceMesh | None
+    critic_mesh: DeviceMesh | None
+
+    @property
+    def is_actor(self) -> bool:
+        return self.actor_group is not None
+
+    @property
+    def is_critic(self) -> bool:
+        return self.critic_group is not None
+
+    def group(self, pool: str) -> ProcessGroup | None:
+        self.placement.ranks_of(pool)  # validates the name
+        return self.actor_group if pool == "actor" else self.critic_group
+
+    def mesh(self, pool: str) -> DeviceMesh | None:
+        self.placement.ranks_of(pool)
+        return self.actor_mesh if pool == "actor" else self.critic_mesh
+
+    def rank_in(self, pool: str) -> int:
+        """This rank's index within the pool. Same as dist.get_rank(group): new_group sorts
+        its ranks and the placement's lists are sorted, so no call is needed."""
+        ranks = self.placement.ranks_of(pool)
+        if self.rank not in ranks:
+            raise ValueError(f"rank {self.rank} is not in the {pool} pool {list(ranks)}")
+        return ranks.index(self.rank)
+
+
+def _member_or_none(group) -> ProcessGroup | None:
+    # new_group returns GroupMember.NON_GROUP_MEMBER (a sentinel, not None) on ranks outside
+    # the group; None reads better and cannot be passed to a collective by mistake.
+    if group is None or group is dist.GroupMember.NON_GROUP_MEMBER:
+        return None
+    return group
+
+
+def _mesh_for(group: ProcessGroup | None, device: torch.device) -> DeviceMesh | None:
+    if group is None:
+        # A DeviceMesh is only meaningful (and only needed, for FSDP2) on its own members.
+        return None
+    # from_group wraps the existing group (DeviceMesh(..., _init_backend=False) plus a
+    # registry entry): no new group and no collective, so members may call it alone.
+    # It wants a bare device type ("cuda", "cpu"); "cuda:0" is rejected, hence .type.
+    return DeviceMesh.from_group(group, device.type, mesh_dim_names=("fsdp",))
+
+
+def build_pools(placement: Placement, device: torch.device) -> Pools:
+    """Create the pool process groups and 1-D meshes on this rank.
+
+    Must be called by every rank of the world, after init_process_group, with the same
+    placement. Every rank calls new_group for every pool, members or not (torch's rule):
+    torch names a group from a per-process counter of new_group calls, and the members meet
+    in the store under that name, so all ranks must make the same calls in the same order or
+    the names drift apart and the job hangs; with TORCH_DIST_INIT_BARRIER=1 each call also
+    waits on the whole world. Order: actor pool, then critic pool; colocate makes one group
+    that both pools share.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("build_pools needs torch.distributed initialised (init_process_group) first")
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    # Checked before any new_group: every rank sees the same mismatch and raises together,
+    # rather than some ranks waiting in a group creation the others never reach.
+    if world != placement.world_size:
+        raise PlacementError(
+            f"placement was planned for {placement.world_size} ranks but the running world has "
+            f"{world}; plan it from launch_shape_from_env()"
+        )
+    device = torch.device(device)
+
+    # use_local_synchronization=False (the default): keep torch's whole-world rule, so
+    # correctness never depends on which ranks happen to be members.
+    if placement.colocated:
+        shared = _member_or_none(dist.new_group(ranks=list(placement.actor_ranks)))
+        mesh = _mesh_for(shared, device)
+        # One group and one mesh for both pools: the roles take turns on the same ranks,
+        # so a second, identical group would only cost another communicator.
+        return Pools(placement, rank, device, shared, shared, mesh, mesh)
+
+    actor = _member_or_none(dist.new_group(ranks=list(placement.actor_ranks)))
+    critic = _member_or_none(dist.new_group(ranks=list(placement.critic_ranks)))
+    return Pools(
+        placement, rank, device, actor, critic, _mesh_for(actor, device), _mesh_for(critic, device)
+    )

@@ -1,0 +1,362 @@
+import pytest
+import torch
+import torch.distributed as dist
+
+from spmdsplit.placement import (
+    Placement,
+    PlacementError,
+    Pools,
+    build_pools,
+    launch_shape_from_env,
+    plan_placement,
+)
+from tests.multiproc import run_ranks
+
+
+def plan(mode, pools=None, unit="ranks_per_node", *, lws, nnodes=1):
+    return plan_placement(mode, pools, unit, lws * nnodes, lws, nnodes)
+
+
+# --------------------------------------------------------------------------- split
+
+
+def test_split_one_node_of_4():
+    p = plan("split", lws=4)
+    assert p.actor_ranks == (0, 1) and p.critic_ranks == (2, 3)
+    assert not p.colocated
+    assert p.roles_of(1) == {"actor"} and p.roles_of(2) == {"critic"}
+    assert p.describe() == "split: actor pool ranks [0, 1] | critic pool ranks [2, 3] (1 node x 2+2)"
+
+
+def test_split_one_node_of_8():
+    p = plan("split", lws=8)
+    assert p.actor_ranks == (0, 1, 2, 3) and p.critic_ranks == (4, 5, 6, 7)
+    assert "(1 node x 4+4)" in p.describe()
+
+
+def test_split_two_nodes_of_8_splits_whole_nodes():
+    p = plan("split", lws=8, nnodes=2)
+    assert p.actor_ranks == tuple(range(8)) and p.critic_ranks == tuple(range(8, 16))
+    assert p.describe() == "split: actor pool ranks [0-7] | critic pool ranks [8-15] (1+1 nodes x 8)"
+
+
+def test_split_four_nodes_of_2():
+    p = plan("split", lws=2, nnodes=4)
+    assert p.actor_ranks == (0, 1, 2, 3) and p.critic_ranks == (4, 5, 6, 7)
+    assert "(2+2 nodes x 2)" in p.describe()
+
+
+def test_split_odd_node_count_says_what_fits():
+    with pytest.raises(PlacementError) as e:
+        plan("split", lws=8, nnodes=3)
+    msg = str(e.value)
+    assert "placement.mode=split" in msg
+    assert "use an even number of nodes" in msg
+    assert "placement.mode=custom with placement.pool_unit=ranks_per_node, e.g. placement.pools=[4,4]" in msg
+    assert "placement.pool_unit=nodes, e.g. placement.pools=[2,1]" in msg
+
+
+def test_split_one_node_odd_or_single_rank():
+    with pytest.raises(PlacementError, match=r"placement\.mode=split.*even number of ranks.*placement\.pools=\[2,1\]"):
+        plan("split", lws=3)
+    with pytest.raises(PlacementError, match=r"placement\.mode=split.*at least 2 ranks.*placement\.mode=colocate"):
+        plan("split", lws=1)
+
+
+def test_split_rejects_pools():
+    with pytest.raises(PlacementError, match=r"placement\.pools=.*only used with placement\.mode=custom"):
+        plan("split", [2, 2], lws=4)
+    # An empty list is a config's "unset", not sizes.
+    assert plan("split", [], lws=4).actor_ranks == (0, 1)
+    with pytest.raises(PlacementError, match=r"placement\.mode=custom needs placement\.pools"):
+        plan("custom", [], lws=4)
+
+
+# --------------------------------------------------------------------------- custom
+
+
+def test_custom_6_plus_2_per_node_on_two_nodes():
+    p = plan("custom", [6, 2], "ranks_per_node", lws=8, nnodes=2)
+    assert p.actor_ranks == (0, 1, 2, 3, 4, 5, 8, 9, 10, 11, 12, 13)
+    assert p.critic_ranks == (6, 7, 14, 15)
+    assert p.describe() == (
+        "custom: actor pool ranks [0-5, 8-13] | critic pool ranks [6, 7, 14, 15] (2 nodes x 6+2)"
+    )
+
+
+def test_custom_3_plus_5_per_node_on_two_nodes():
+    p = plan("custom", [3, 5], "ranks_per_node", lws=8, nnodes=2)
+    assert p.actor_ranks == (0, 1, 2, 8, 9, 10)
+    assert p.critic_ranks == (3, 4, 5, 6, 7, 11, 12, 13, 14, 15)
+    for r in range(16):
+        assert p.roles_of(r) == ({"actor"} if r % 8 < 3 else {"critic"})
+
+
+def test_custom_nodes_1_1():
+    p = plan("custom", [1, 1], "nodes", lws=8, nnodes=2)
+    assert p.actor_ranks == tuple(range(8)) and p.critic_ranks == tuple(range(8, 16))
+    assert "(1+1 nodes x 8)" in p.describe()
+
+
+def test_custom_nodes_2_1():
+    p = plan("custom", [2, 1], "nodes", lws=4, nnodes=3)
+    assert p.actor_ranks == tuple(range(8)) and p.critic_ranks == (8, 9, 10, 11)
+    assert "(2+1 nodes x 4)" in p.describe()
+
+
+def test_custom_accepts_a_tuple_or_list_config_value():
+    assert plan("custom", (1, 3), lws=4).actor_ranks == (0,)
+
+
+# --------------------------------------------------------------------------- colocate
+
+
+def test_colocate():
+    p = plan("colocate", lws=4, nnodes=2)
+    assert p.actor_ranks == p.critic_ranks == tuple(range(8))
+    assert p.colocated
+    assert p.roles_of(5) == {"actor", "critic"}
+    assert p.describe().startswith("colocate: actor and critic pools share ranks [0-7]")
+
+
+def test_colocate_single_rank():
+    p = plan("colocate", lws=1)
+    assert p.actor_ranks == p.critic_ranks == (0,)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_custom_sizes_must_add_up_per_node():
+    with pytest.raises(
+        PlacementError,
+        match=r"placement\.pools=\[4,2\] adds up to 6.*placement\.pool_unit=ranks_per_node.*"
+        r"ranks per node \(8.*e\.g\. placement\.pools=\[4,4\]",
+    ):
+        plan("custom", [4, 2], "ranks_per_node", lws=8, nnodes=2)
+
+
+def test_custom_sizes_must_add_up_in_nodes():
+    with pytest.raises(
+        PlacementError,
+        match=r"placement\.pools=\[2,2\] adds up to 4.*placement\.pool_unit=nodes.*"
+        r"number of nodes \(3\).*e\.g\. placement\.pools=\[2,1\]",
+    ):
+        plan("custom", [2, 2], "nodes", lws=8, nnodes=3)
+
+
+def test_zero_size_pool():
+    with pytest.raises(PlacementError, match=r"placement\.pools=\[8,0\].*at least 1.*placement\.pools=\[4,4\]"):
+        plan("custom", [8, 0], lws=8)
+    with pytest.raises(PlacementError, match=r"placement\.pools=\[0,2\].*at least 1 node.*placement\.pools=\[1,1\]"):
+        plan("custom", [0, 2], "nodes", lws=8, nnodes=2)
+
+
+def test_custom_nodes_on_one_node_points_to_ranks_per_node():
+    with pytest.raises(
+        PlacementError,
+        match=r"placement\.pool_unit=nodes.*no room.*placement\.pool_unit=ranks_per_node, e\.g\. placement\.pools=\[4,4\]",
+    ):
+        plan("custom", [1, 1], "nodes", lws=8)
+
+
+def test_custom_without_pools():
+    with pytest.raises(PlacementError, match=r"placement\.mode=custom needs placement\.pools.*placement\.pools=\[4,4\]"):
+        plan("custom", None, lws=8)
+
+
+def test_custom_pools_malformed():
+    with pytest.raises(PlacementError, match=r"placement\.pools=.*two sizes"):
+        plan("custom", [8], lws=8)
+    with pytest.raises(PlacementError, match=r"placement\.pools=.*whole numbers"):
+        plan("custom", [4.0, 4], lws=8)
+
+
+def test_world_must_be_local_times_nodes():
+    with pytest.raises(PlacementError, match=r"world size 12 != 8 ranks per node x 2 nodes"):
+        plan_placement("split", None, "ranks_per_node", 12, 8, 2)
+
+
+def test_unknown_mode():
+    with pytest.raises(PlacementError, match=r"placement\.mode='spilt' is unknown.*split, colocate, custom"):
+        plan("spilt", lws=4)
+
+
+def test_unknown_pool_unit():
+    with pytest.raises(PlacementError, match=r"placement\.pool_unit='gpus' is unknown.*ranks_per_node, nodes"):
+        plan("custom", [2, 2], "gpus", lws=4)
+
+
+def test_placement_invariants_on_hand_built_ones():
+    with pytest.raises(PlacementError, match="overlap"):
+        Placement("custom", 4, 4, 1, (0, 1), (1, 2, 3))
+    with pytest.raises(PlacementError, match="in no pool"):
+        Placement("custom", 4, 4, 1, (0,), (2, 3))
+    with pytest.raises(PlacementError, match="empty"):
+        Placement("custom", 4, 4, 1, (), (0, 1, 2, 3))
+    with pytest.raises(ValueError):
+        plan("split", lws=4).roles_of(4)
+
+
+# --------------------------------------------------------------------------- launch shape
+
+
+def test_launch_shape_from_env():
+    assert launch_shape_from_env({}) == (1, 1, 1)
+    assert launch_shape_from_env({"WORLD_SIZE": "4"}) == (4, 4, 1)
+    assert launch_shape_from_env({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}) == (16, 8, 2)
+    assert launch_shape_from_env({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8", "GROUP_WORLD_SIZE": "2"}) == (16, 8, 2)
+
+
+def test_launch_shape_from_env_errors():
+    with pytest.raises(PlacementError, match=r"WORLD_SIZE=12 is not a multiple of LOCAL_WORLD_SIZE=8"):
+        launch_shape_from_env({"WORLD_SIZE": "12", "LOCAL_WORLD_SIZE": "8"})
+    with pytest.raises(PlacementError, match=r"GROUP_WORLD_SIZE=3 nodes disagrees"):
+        launch_shape_from_env({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8", "GROUP_WORLD_SIZE": "3"})
+    with pytest.raises(PlacementError, match=r"WORLD_SIZE='x' is not an integer"):
+        launch_shape_from_env({"WORLD_SIZE": "x"})
+
+
+def test_launch_shape_from_process_env(monkeypatch):
+    for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    assert launch_shape_from_env() == (1, 1, 1)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert launch_shape_from_env() == (8, 4, 2)
+
+
+# --------------------------------------------------------------------------- real groups (gloo)
+
+
+def _pool_report(pools: Pools, pool: str):
+    """On a member rank: all_reduce of the global rank over the pool group, plus what the
+    mesh says. None on a non-member."""
+    group, mesh = pools.group(pool), pools.mesh(pool)
+    if group is None:
+        assert mesh is None
+        return None
+    t = torch.tensor([float(pools.rank)])
+    dist.all_reduce(t, group=group)
+    return {
+        "sum": t.item(),
+        "group_ranks": dist.get_process_group_ranks(group),
+        "rank_in": pools.rank_in(pool),
+        "dist_rank_in": dist.get_rank(group),
+        "mesh_size": mesh.size(),
+        "mesh_ranks": mesh.mesh.tolist(),
+        "mesh_group_ranks": dist.get_process_group_ranks(mesh.get_group()),
+        "mesh_local_rank": mesh.get_local_rank(),
+    }
+
+
+def _probe(pools: Pools):
+    return {
+        "rank": pools.rank,
+        "is_actor": pools.is_actor,
+        "is_critic": pools.is_critic,
+        "actor": _pool_report(pools, "actor"),
+        "critic": _pool_report(pools, "critic"),
+        "same_group": pools.actor_group is pools.critic_group and pools.actor_group is not None,
+        "same_mesh": pools.actor_mesh is pools.critic_mesh and pools.actor_mesh is not None,
+    }
+
+
+def _build_scenarios(rank, world_size, scenarios):
+    """Builds the pools of several placements one after another in the same world (every
+    rank in the same order, as build_pools requires) and probes each. Starting processes
+    costs seconds here, so one world serves several scenarios."""
+    out = {"env_shape": launch_shape_from_env()}
+    for name, mode, pools_cfg, unit, shape in scenarios:
+        shape = shape or out["env_shape"]  # None: plan from torchrun's env, as a real run does
+        pools = build_pools(plan_placement(mode, pools_cfg, unit, *shape), torch.device("cpu"))
+        assert pools.rank == rank
+        out[name] = _probe(pools)
+    # The world group still works after all the pool groups: nobody was left in a creation.
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    out["world_sum"] = t.item()
+    return out
+
+
+def _check_pool(results, pool, ranks):
+    for rank, res in enumerate(results):
+        rep = res[pool]
+        if rank not in ranks:
+            assert rep is None, (pool, rank)
+            continue
+        assert rep["sum"] == float(sum(ranks))
+        assert rep["group_ranks"] == list(ranks)
+        assert rep["rank_in"] == rep["dist_rank_in"] == ranks.index(rank)
+        assert rep["mesh_size"] == len(ranks)
+        assert rep["mesh_ranks"] == list(ranks)
+        assert rep["mesh_group_ranks"] == list(ranks)
+        assert rep["mesh_local_rank"] == ranks.index(rank)
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    # 4 gloo ranks launched as 2 "nodes" x 2 (LOCAL_WORLD_SIZE=2). The one-node scenarios
+    # pass their shape (4, 4, 1) explicitly; the per-node one reads the env.
+    scenarios = [
+        ("split", "split", None, "ranks_per_node", (4, 4, 1)),
+        ("custom_3_1", "custom", [3, 1], "ranks_per_node", (4, 4, 1)),
+        ("per_node_1_1", "custom", [1, 1], "ranks_per_node", None),
+    ]
+    results = run_ranks(_build_scenarios, 4, scenarios, timeout=60, local_world_size=2)
+    assert all(r["world_sum"] == 4.0 for r in results)
+    return {name: [r[name] for r in results] for name in results[0]}
+
+
+def test_build_pools_split_4_ranks(four_ranks):
+    results = four_ranks["split"]
+    assert [r["is_actor"] for r in results] == [True, True, False, False]
+    assert [r["is_critic"] for r in results] == [False, False, True, True]
+    _check_pool(results, "actor", [0, 1])
+    _check_pool(results, "critic", [2, 3])
+
+
+def test_build_pools_custom_3_plus_1(four_ranks):
+    results = four_ranks["custom_3_1"]
+    assert [r["is_critic"] for r in results] == [False, False, False, True]
+    _check_pool(results, "actor", [0, 1, 2])
+    _check_pool(results, "critic", [3])
+
+
+def test_build_pools_custom_per_node_on_two_simulated_nodes(four_ranks):
+    # 2 nodes x 2 ranks, 1+1 per node: interleaved pools actor [0, 2], critic [1, 3].
+    assert four_ranks["env_shape"] == [(4, 2, 2)] * 4
+    results = four_ranks["per_node_1_1"]
+    _check_pool(results, "actor", [0, 2])
+    _check_pool(results, "critic", [1, 3])
+
+
+def _wrong_world_then_colocate(rank, world_size):
+    # A placement planned for another world size is refused on every rank before any
+    # new_group, so no rank is left waiting in a group creation; the world stays usable.
+    try:
+        build_pools(plan_placement("split", None, "ranks_per_node", 4, 4, 1), torch.device("cpu"))
+        refused = None
+    except PlacementError as e:
+        refused = str(e)
+    out = _build_scenarios(rank, world_size, [("colocate", "colocate", None, "ranks_per_node", None)])
+    out["refused"] = refused
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_ranks(_wrong_world_then_colocate, 2, timeout=60)
+
+
+def test_build_pools_colocate_2_ranks(two_ranks):
+    results = [r["colocate"] for r in two_ranks]
+    for r in results:
+        assert r["is_actor"] and r["is_critic"]
+        assert r["same_group"] and r["same_mesh"]
+    _check_pool(results, "actor", [0, 1])
+    _check_pool(results, "critic", [0, 1])
+
+
+def test_build_pools_rejects_a_placement_for_another_world(two_ranks):
+    assert all("planned for 4 ranks" in r["refused"] and "has 2" in r["refused"] for r in two_ranks)

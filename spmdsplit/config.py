@@ -1,0 +1,242 @@
+"""The job's configuration: a typed schema, YAML presets and `key=value` overrides (OmegaConf).
+
+Keys follow verl's names where verl has one (`data.train_batch_size`, `actor.ppo_mini_batch_size`,
+`algorithm.kl_ctrl.kl_coef`, ...), so a verl recipe maps over key by key. Everything is checked
+here, from the config and the launch shape alone, so a bad value fails on every rank before the
+first collective instead of hanging the ranks that got further.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from spmdsplit.data.synthetic import TASKS
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the key and what was expected."""
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 100
+    seed: int = 1
+    log_dir: str = "outputs/tensorboard"  # TensorBoard event files, written by world rank 0
+    timeline: str = "outputs/timeline.json"  # Chrome-trace JSON of every rank's phases; "" = off
+    output_dir: str = "outputs/actor_hf"  # the trained actor in Hugging Face format; "" = don't save
+    device: str = "auto"  # auto (cuda when available) | cpu | cuda
+    num_threads: int = 1  # torch threads per rank on CPU (1 avoids oversubscribing cores); 0 = torch's default
+    dist_timeout_s: int = 600  # a collective that waits longer than this fails instead of hanging
+    progress_bar: bool = True
+
+
+@dataclass
+class PlacementConfig:
+    mode: str = "split"  # split | colocate | custom
+    pools: list[int] = field(default_factory=list)  # custom: [actor, critic] sizes
+    pool_unit: str = "ranks_per_node"  # custom sizes count ranks_per_node | nodes
+    overlap: bool = True  # false: the pools wait for each other at each phase (verl's blocking calls)
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""  # local dir or hub id; "" = the embedded tiny model, built locally on first use
+    embedded_dir: str = ""  # where the embedded model is built; "" = $SPMDSPLIT_CACHE or ~/.cache/spmdsplit
+    dtype: str = "auto"  # auto (bf16 on cuda, fp32 on cpu) | float32 | bfloat16
+    trust_remote_code: bool = False
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class DataConfig:
+    task: str = "repeat"  # the built-in synthetic task (see spmdsplit/data/synthetic.py)
+    num_train_samples: int = 20000  # size of the synthetic training set
+    train_batch_size: int = 128  # prompts per step, over the whole world
+    max_prompt_length: int = 8
+    max_response_length: int = 5
+    shuffle: bool = True
+    seed: int = 1
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    lr_warmup_steps: int = 0  # linear warmup over this many optimizer steps, then constant
+    grad_clip: float = 1.0
+
+
+@dataclass
+class ActorConfig:
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-3, lr_warmup_steps=5))
+    ppo_mini_batch_size: int = 32  # prompts per optimizer step, over the whole pool
+    ppo_micro_batch_size_per_gpu: int = 16  # rows per forward/backward on one rank
+    ppo_epochs: int = 1
+    shuffle: bool = True
+    clip_ratio: float = 0.2
+    clip_ratio_low: Optional[float] = None
+    clip_ratio_high: Optional[float] = None
+    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    loss_agg_mode: str = "token-mean"
+    log_prob_micro_batch_size_per_gpu: int = 32
+
+
+@dataclass
+class CriticConfig:
+    model_path: str = ""  # "" = model.path (a value head on the policy's backbone, as verl does)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-3, lr_warmup_steps=5))
+    ppo_mini_batch_size: int = 32
+    ppo_micro_batch_size_per_gpu: int = 16
+    ppo_epochs: int = 1
+    shuffle: bool = True
+    cliprange_value: float = 0.5
+    loss_agg_mode: str = "token-mean"
+    forward_micro_batch_size_per_gpu: int = 32
+
+
+@dataclass
+class RolloutConfig:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = off
+    do_sample: bool = True
+
+
+@dataclass
+class KLCtrlConfig:
+    type: str = "fixed"  # fixed | adaptive
+    kl_coef: float = 0.001
+    target_kl: float = 0.1
+    horizon: int = 10000
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "gae"
+    gamma: float = 1.0
+    lam: float = 1.0
+    use_kl_in_reward: bool = False
+    kl_penalty: str = "kl"
+    kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+
+
+@dataclass
+class Config:
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+
+
+CHOICES = {
+    "placement.mode": ("split", "colocate", "custom"),
+    "placement.pool_unit": ("ranks_per_node", "nodes"),
+    "trainer.device": ("auto", "cpu", "cuda"),
+    "model.dtype": ("auto", "float32", "bfloat16"),
+    "algorithm.adv_estimator": ("gae",),
+    "data.task": tuple(TASKS),
+    "algorithm.kl_penalty": ("kl", "abs", "mse", "low_var_kl"),
+    "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
+    "actor.kl_loss_type": ("kl", "abs", "mse", "low_var_kl"),
+    "actor.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+    "critic.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+}
+
+POSITIVE = (
+    "trainer.total_steps", "trainer.dist_timeout_s", "data.train_batch_size", "data.max_prompt_length",
+    "data.max_response_length", "data.num_train_samples", "actor.ppo_mini_batch_size",
+    "actor.ppo_micro_batch_size_per_gpu", "actor.ppo_epochs", "actor.log_prob_micro_batch_size_per_gpu",
+    "critic.ppo_mini_batch_size", "critic.ppo_micro_batch_size_per_gpu", "critic.ppo_epochs",
+    "critic.forward_micro_batch_size_per_gpu", "rollout.temperature",
+)
+
+
+def load_config(config_file: str | None = None, overrides: list[str] | None = None) -> DictConfig:
+    """Schema <- YAML preset <- `key=value` overrides; unknown keys and wrong types raise ConfigError."""
+    cfg = OmegaConf.structured(Config)
+    try:
+        if config_file:
+            if not os.path.isfile(config_file):
+                raise ConfigError(f"--config {config_file!r}: no such file")
+            cfg = OmegaConf.merge(cfg, OmegaConf.load(config_file))
+        if overrides:
+            bad = [o for o in overrides if "=" not in o]
+            if bad:
+                raise ConfigError(f"overrides must look like key=value, got {bad}")
+            # `key=` (what the shell leaves of `key=""`) means the empty string, not null.
+            overrides = [o + "''" if o.endswith("=") else o for o in overrides]
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "?"
+        reason = str(e).splitlines()[0]
+        raise ConfigError(f"config key {key!r}: {reason}") from None
+    check_values(cfg)
+    return cfg
+
+
+def check_values(cfg: DictConfig) -> None:
+    """Checks that need no knowledge of the world: choices, signs, batch arithmetic within a pool."""
+    for key, allowed in CHOICES.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r}: expected one of {list(allowed)}")
+    for key in POSITIVE:
+        value = OmegaConf.select(cfg, key)
+        if not value > 0:
+            raise ConfigError(f"{key}={value!r}: expected a positive number")
+    if not 0 < cfg.rollout.top_p <= 1:
+        raise ConfigError(f"rollout.top_p={cfg.rollout.top_p}: expected 0 < top_p <= 1")
+    if cfg.actor.clip_ratio_c <= 1:
+        raise ConfigError(f"actor.clip_ratio_c={cfg.actor.clip_ratio_c}: the dual-clip bound must be > 1")
+    for role in ("actor", "critic"):
+        mini = cfg[role].ppo_mini_batch_size
+        if cfg.data.train_batch_size % mini:
+            raise ConfigError(
+                f"{role}.ppo_mini_batch_size={mini} must divide data.train_batch_size={cfg.data.train_batch_size}"
+            )
+    if cfg.placement.mode == "custom" and len(cfg.placement.pools) != 2:
+        raise ConfigError(
+            f"placement.pools={list(cfg.placement.pools)}: placement.mode=custom needs two sizes [actor, critic], "
+            "e.g. placement.pools=[6,2]"
+        )
+
+
+def check_against_pools(cfg: DictConfig, actor_pool_size: int, critic_pool_size: int) -> None:
+    """Batch sizes must split evenly over each pool, so every rank of a pool runs the same
+    number of forward/backward passes (FSDP's collectives would hang otherwise)."""
+    B = cfg.data.train_batch_size
+    for pool, size in (("actor", actor_pool_size), ("critic", critic_pool_size)):
+        if B % size:
+            raise ConfigError(
+                f"data.train_batch_size={B} is not divisible by the {pool} pool size {size}; "
+                f"use a multiple of {size}"
+            )
+        role = cfg[pool]
+        mini = role.ppo_mini_batch_size
+        if mini % size:
+            raise ConfigError(f"{pool}.ppo_mini_batch_size={mini} is not divisible by the {pool} pool size {size}")
+        per_rank = mini // size
+        micro = role.ppo_micro_batch_size_per_gpu
+        if per_rank % micro:
+            raise ConfigError(
+                f"{pool}.ppo_micro_batch_size_per_gpu={micro} must divide the per-rank mini-batch "
+                f"{pool}.ppo_mini_batch_size / pool size = {per_rank}"
+            )
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg, resolve=True)

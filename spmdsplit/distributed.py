@@ -1,0 +1,41 @@
+"""Small pool-scoped reductions. Everything here takes the pool's group: nothing reduces over
+the world, because the other pool is busy with different work and would never join."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def pool_sum(group):
+    """A `reduce_sum` for algo.py: sums a small tensor of statistics over the pool."""
+
+    def reduce_sum(t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        return t
+
+    return reduce_sum
+
+
+def pool_reduce_metrics(sums: dict[str, float], counts: dict[str, float], group, device) -> dict[str, float]:
+    """Pool-wide weighted means: each metric's local sum and weight are summed over the pool in
+    one all-reduce, so a rank that saw more tokens counts for more, as in a single-rank run."""
+    keys = sorted(sums)
+    if not keys:
+        return {}
+    packed = torch.tensor([float(sums[k]) for k in keys] + [float(counts[k]) for k in keys], device=device, dtype=torch.float64)
+    packed = pool_sum(group)(packed)
+    n = len(keys)
+    return {k: (packed[i] / packed[n + i]).item() if packed[n + i] > 0 else float("nan") for i, k in enumerate(keys)}
+
+
+def pool_max_min(maxes: dict[str, float], mins: dict[str, float], group, device) -> tuple[dict, dict]:
+    """Pool-wide max and min of several metrics in one MAX all-reduce (min as max of negation)."""
+    max_keys, min_keys = sorted(maxes), sorted(mins)
+    packed = torch.tensor([float(maxes[k]) for k in max_keys] + [-float(mins[k]) for k in min_keys], device=device, dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+    values = packed.tolist()
+    return dict(zip(max_keys, values[: len(max_keys)])), {k: -v for k, v in zip(min_keys, values[len(max_keys) :])}

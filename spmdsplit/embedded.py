@@ -1,0 +1,94 @@
+"""The embedded default model: a tiny Qwen2-architecture causal LM and a character-level
+tokenizer, built locally (no download) and saved with `save_pretrained`, so the job loads it
+back through the same `from_pretrained` path a real Hugging Face model takes.
+
+Every rank may call `ensure_embedded_model` at once, with no collective: each builds the same
+deterministic files into its own temporary folder and renames it into place; the first rename
+wins and the others find the folder there and discard theirs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+
+import torch
+
+from spmdsplit.data.synthetic import prompt_vocabulary
+from spmdsplit.models import save_hf_folder
+
+SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+
+# Small enough to train in minutes on two CPU cores, with the structure of a real model
+# (rotary attention, grouped-query heads, SwiGLU MLP) so the same code path is exercised.
+MODEL_SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+)
+BUILD_SEED = 1234
+
+
+def build_tokenizer():
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = list(SPECIAL_TOKENS.values()) + prompt_vocabulary()
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=SPECIAL_TOKENS["unk_token"]))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")  # one token per character
+    core.decoder = decoders.Fuse()  # decode without spaces between characters
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, **SPECIAL_TOKENS)
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def build_model(tokenizer):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),  # the tokenizer's real size, specials included
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **MODEL_SHAPE,
+    )
+    torch.manual_seed(BUILD_SEED)
+    return Qwen2ForCausalLM(config)
+
+
+def _fingerprint() -> str:
+    spec = json.dumps({"shape": MODEL_SHAPE, "vocab": prompt_vocabulary(), "seed": BUILD_SEED}, sort_keys=True)
+    return hashlib.sha256(spec.encode()).hexdigest()[:10]
+
+
+def default_cache_dir() -> str:
+    return os.environ.get("SPMDSPLIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "spmdsplit")
+
+
+def ensure_embedded_model(cache_dir: str = "") -> str:
+    """Returns the folder of the embedded model, building it there first if it isn't yet."""
+    cache_dir = cache_dir or default_cache_dir()
+    target = os.path.join(cache_dir, f"tiny-qwen2-{_fingerprint()}")
+    if os.path.isfile(os.path.join(target, "config.json")):
+        return target
+    os.makedirs(cache_dir, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".building-", dir=cache_dir)
+    try:
+        tokenizer = build_tokenizer()
+        model = build_model(tokenizer)
+        save_hf_folder(model, model.state_dict(), staging, tokenizer)
+        try:
+            os.rename(staging, target)  # atomic: readers see no folder or a whole one
+        except OSError:
+            if not os.path.isfile(os.path.join(target, "config.json")):
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target

@@ -1,0 +1,138 @@
+"""What a run reports: verl's metric names, TensorBoard on world rank 0, a console line and a
+progress bar, and a per-rank phase timeline written as Chrome-trace JSON (opens in Perfetto)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from contextlib import contextmanager
+
+import torch
+
+from spmdsplit import algo
+from spmdsplit.batch import Batch
+from spmdsplit.distributed import pool_max_min, pool_reduce_metrics
+
+
+class PhaseTimer:
+    """Times named phases on one rank: their last durations feed `timing_s/<name>`, and every
+    occurrence becomes a complete ("X") trace event. Wall-clock microseconds (time.time_ns), the
+    one clock all ranks of a machine share (across nodes, as good as their NTP sync)."""
+
+    def __init__(self, rank: int, device: torch.device):
+        self.rank, self.device = rank, device
+        self.events: list[dict] = []
+        self.durations: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str, step: int):
+        start = time.time_ns()
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # time the kernels, not their launch
+            end = time.time_ns()
+            self.durations[name] = self.durations.get(name, 0.0) + (end - start) / 1e9
+            self.events.append(
+                {"name": name, "ph": "X", "pid": self.rank, "tid": 0, "ts": start // 1000,
+                 "dur": max(1, (end - start) // 1000), "args": {"step": step}}
+            )
+
+    def pop_timings(self) -> dict[str, float]:
+        timings = {f"timing_s/{k}": v for k, v in self.durations.items()}
+        self.durations = {}
+        return timings
+
+
+def write_timeline(path: str, events_per_rank: list[list[dict]], roles_per_rank: list[str]) -> None:
+    trace = []
+    for rank, role in enumerate(roles_per_rank):
+        trace.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank} ({role})"}})
+        trace.append({"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}})
+    for events in events_per_rank:
+        trace.extend(events)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
+    os.replace(tmp, path)
+
+
+@torch.no_grad()
+def compute_data_metrics(batch: Batch, group, device) -> dict[str, float]:
+    """verl's data metrics (critic/score, rewards, advantages, returns, values, response and
+    prompt lengths) over the pool's whole global batch, from one SUM and one MAX all-reduce."""
+    response_mask = batch["response_mask"].float()
+    prompt_mask = batch["attention_mask"][:, : -response_mask.shape[1]].float()
+    response_length = response_mask.sum(-1)
+    prompt_length = prompt_mask.sum(-1)
+    ones = torch.ones_like(response_length)
+    n_valid = response_mask.sum().item()
+    per_token = {"advantages": batch["advantages"], "returns": batch["returns"], "values": batch["values"]}
+    per_seq = {
+        "critic/score": batch["token_level_scores"].sum(-1),
+        "critic/rewards": batch["token_level_rewards"].sum(-1),
+        "response_length": response_length,
+        "prompt_length": prompt_length,
+    }
+    sums, counts, maxes, mins = {}, {}, {}, {}
+    for name, x in per_seq.items():
+        sums[f"{name}/mean"], counts[f"{name}/mean"] = x.sum().item(), len(x)
+        maxes[f"{name}/max"], mins[f"{name}/min"] = x.max().item(), x.min().item()
+    for name, x in per_token.items():
+        key = f"critic/{name}"
+        sums[f"{key}/mean"], counts[f"{key}/mean"] = (x * response_mask).sum().item(), n_valid
+        valid = x[response_mask.bool()]
+        maxes[f"{key}/max"] = valid.max().item() if valid.numel() else float("-inf")
+        mins[f"{key}/min"] = valid.min().item() if valid.numel() else float("inf")
+    max_len = response_mask.shape[1]
+    sums["response_length/clip_ratio"] = (response_length >= max_len).float().sum().item()
+    counts["response_length/clip_ratio"] = len(response_length)
+    metrics = pool_reduce_metrics(sums, counts, group, device)
+    maxes, mins = pool_max_min(maxes, mins, group, device)
+    metrics.update(maxes)
+    metrics.update(mins)
+    from spmdsplit.distributed import pool_sum
+
+    metrics["critic/vf_explained_var"] = algo.compute_explained_variance(
+        batch["values"], batch["returns"], batch["response_mask"], reduce_sum=pool_sum(group)
+    )
+    return metrics
+
+
+class MetricsLogger:
+    """World rank 0 only: TensorBoard scalars, one console line per step, and a progress bar."""
+
+    CONSOLE_KEYS = ("critic/score/mean", "actor/pg_loss", "critic/vf_loss", "actor/entropy", "timing_s/step")
+
+    def __init__(self, log_dir: str, total_steps: int, progress_bar: bool):
+        from torch.utils.tensorboard import SummaryWriter
+        from tqdm import tqdm
+
+        self.writer = SummaryWriter(log_dir=log_dir) if log_dir else None
+        self.bar = tqdm(total=total_steps, desc="ppo", unit="step", dynamic_ncols=True) if progress_bar else None
+        self.history: list[dict[str, float]] = []
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.history.append({"step": step, **metrics})
+        if self.writer:
+            for key, value in sorted(metrics.items()):
+                self.writer.add_scalar(key, value, step)
+            self.writer.flush()
+        line = f"step {step}: " + "  ".join(
+            f"{k.split('/')[-2] if k.endswith('/mean') else k.split('/')[-1]}={metrics[k]:.4g}"
+            for k in self.CONSOLE_KEYS if k in metrics
+        )
+        if self.bar:
+            self.bar.write(line)
+            self.bar.update(1)
+        else:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.writer:
+            self.writer.close()
+        if self.bar:
+            self.bar.close()

@@ -1,0 +1,64 @@
+"""The policy (and, frozen, the reference policy): log-probs of rollouts and the PPO update."""
+
+from __future__ import annotations
+
+import torch
+
+from spmdsplit import algo
+from spmdsplit.batch import Batch
+from spmdsplit.roles.common import forward_response, run_ppo_updates
+
+
+class Actor:
+    def __init__(self, engine, cfg, temperature: float, device):
+        self.engine, self.cfg, self.temperature, self.device = engine, cfg, temperature, device
+
+    def _log_probs(self, micro: Batch, with_entropy: bool):
+        # Logits divided by the sampling temperature: the log-probs must be those of the
+        # distribution the rollout actually sampled from.
+        logits = forward_response(self.engine, micro).float() / self.temperature
+        log_probs = algo.logprobs_from_logits(logits, micro["responses"])
+        entropy = algo.entropy_from_logits(logits) if with_entropy else None
+        return log_probs, entropy
+
+    @torch.no_grad()
+    def compute_log_prob(self, batch: Batch) -> torch.Tensor:
+        parts = [self._log_probs(m, False)[0] for m in batch.split(self.cfg.log_prob_micro_batch_size_per_gpu)]
+        return torch.cat(parts)
+
+    def update_policy(self, batch: Batch, seed: int) -> dict[str, float]:
+        cfg = self.cfg
+        self.engine.model.train()
+
+        def micro_loss(micro: Batch, num_tokens, num_seqs):
+            mask = micro["response_mask"]
+            log_prob, entropy = self._log_probs(micro, with_entropy=True)
+            pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = algo.compute_policy_loss(
+                micro["old_log_probs"], log_prob, micro["advantages"], mask,
+                cliprange=cfg.clip_ratio, cliprange_low=cfg.clip_ratio_low, cliprange_high=cfg.clip_ratio_high,
+                clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
+            )
+            entropy_share = algo.agg_loss(entropy, mask, cfg.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+            loss = pg_loss - cfg.entropy_coeff * entropy_share
+            shares = {"actor/pg_loss": pg_loss.item()}
+            if cfg.use_kl_loss:
+                kl = algo.kl_penalty(log_prob, micro["ref_log_prob"], cfg.kl_loss_type)
+                kl_share = algo.agg_loss(kl, mask, cfg.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+                loss = loss + cfg.kl_loss_coef * kl_share
+                shares["actor/kl_loss"] = kl_share.item()
+            self.engine.backward(loss)
+            n = mask.sum().item()
+            pieces = {
+                "actor/pg_clipfrac": (pg_clipfrac.item(), n),
+                "actor/ppo_kl": (ppo_kl.item(), n),
+                "actor/pg_clipfrac_lower": (pg_clipfrac_lower.item(), n),
+                "actor/entropy": (algo.masked_mean(entropy.detach(), mask).item(), n),
+            }
+            return shares, pieces
+
+        metrics = run_ppo_updates(self.engine, batch, cfg, seed, self.device, micro_loss)
+        metrics["actor/grad_norm"] = metrics.pop("grad_norm")
+        metrics["actor/lr"] = metrics.pop("lr")
+        if cfg.use_kl_loss:
+            metrics["actor/kl_coef"] = cfg.kl_loss_coef
+        return metrics

@@ -1,0 +1,76 @@
+"""What the actor and the critic share: the forward over a rollout and the PPO mini-batch loop."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import torch
+
+from spmdsplit.batch import Batch
+from spmdsplit.distributed import pool_reduce_metrics, pool_sum
+
+
+def forward_response(model, batch: Batch):
+    """Model output at the positions that *predict* each response token (one to the left), so
+    column t of the result scores response token t: log-prob of it, or the value of the state
+    before it."""
+    R = batch["responses"].shape[1]
+    out = model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        position_ids=batch["position_ids"],
+        use_cache=False,
+    )
+    return out.logits[:, -R - 1 : -1]
+
+
+def minibatches(batch: Batch, mini_batch_rows: int, epochs: int, shuffle: bool, seed: int) -> Iterator[Batch]:
+    """ppo_epochs passes over the rank's rows, cut into mini-batches (one optimizer step each).
+    The shuffle is seeded identically on every rank so the pool stays in lockstep."""
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(epochs):
+        rows = torch.randperm(len(batch), generator=generator) if shuffle else torch.arange(len(batch))
+        shuffled = batch.index(rows)
+        yield from shuffled.split(mini_batch_rows)
+
+
+def global_counts(mini: Batch, group, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Valid tokens and non-empty rows of the whole pool's mini-batch: the denominators that make
+    the loss of every micro-batch on every rank a share of one pool-wide mean."""
+    mask = mini["response_mask"]
+    local = torch.stack([mask.sum(), (mask.sum(-1) > 0).sum()]).to(device=device, dtype=torch.float64)
+    num_tokens, num_seqs = pool_sum(group)(local)
+    return num_tokens, num_seqs
+
+
+def run_ppo_updates(engine, batch: Batch, cfg, seed: int, device, micro_loss: Callable[[Batch, torch.Tensor, torch.Tensor], dict]):
+    """The PPO update loop (epochs x mini-batches x micro-batches with gradient accumulation).
+
+    `micro_loss(micro, num_tokens, num_seqs)` runs forward + `engine.backward` on one micro-batch
+    and returns (loss_shares, pieces): loss_shares {name: this micro-batch's share of the
+    mini-batch loss} (shares add up, over micro-batches and ranks, to the mini-batch loss) and
+    pieces {name: (local_mean, local_weight)} for token-weighted metrics. Returns pool-wide means,
+    losses averaged over optimizer steps, and grad_norm / lr.
+    """
+    mini_rows = cfg.ppo_mini_batch_size // engine.dp_size
+    sums: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    steps = []
+    for mini in minibatches(batch, mini_rows, cfg.ppo_epochs, cfg.shuffle, seed):
+        num_tokens, num_seqs = global_counts(mini, engine.group, device)
+        for micro in mini.split(cfg.ppo_micro_batch_size_per_gpu):
+            loss_shares, pieces = micro_loss(micro, num_tokens, num_seqs)
+            for name, share in loss_shares.items():
+                sums[name] = sums.get(name, 0.0) + float(share)
+                weights[name] = 0.0  # set below: the pool's share count is one per optimizer step
+            for name, (value, weight) in pieces.items():
+                sums[name] = sums.get(name, 0.0) + float(value) * float(weight)
+                weights[name] = weights.get(name, 0.0) + float(weight)
+        steps.append(engine.step())
+    for name in loss_shares:
+        # Each rank contributes len(steps)/pool_size so the pool-wide sum of weights is len(steps).
+        weights[name] = len(steps) / engine.dp_size
+    metrics = pool_reduce_metrics(sums, weights, engine.group, device)
+    metrics["grad_norm"] = sum(s["grad_norm"] for s in steps) / len(steps)
+    metrics["lr"] = steps[-1]["lr"]
+    return metrics

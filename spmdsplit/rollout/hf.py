@@ -1,0 +1,83 @@
+"""Rollout with transformers `generate` on a plain (unsharded) copy of the policy.
+
+Why a copy and not the FSDP actor itself: `generate` on an FSDP-managed model turns
+`synced_gpus` on and all-reduces over the *world* every token (it would hang the other pool),
+and each rank's prompts stop at different lengths, so per-token FSDP all-gathers inside the pool
+would not line up either. The copy is refreshed from the actor's full weights before each
+rollout (`load_weights`), which is the same contract a vLLM engine will have.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import GenerationConfig
+
+from spmdsplit.batch import Batch
+
+
+def response_mask_until_eos(responses: torch.Tensor, eos_token_id: int | list[int]) -> torch.Tensor:
+    """1 up to and including the first EOS of each row, 0 after it (all 1 if no EOS)."""
+    eos_ids = torch.as_tensor(eos_token_id if isinstance(eos_token_id, list) else [eos_token_id], device=responses.device)
+    is_eos = torch.isin(responses, eos_ids).int()
+    eos_seen_before = torch.cumsum(is_eos, dim=1) - is_eos  # EOS tokens strictly before each position
+    return (eos_seen_before == 0).long()
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    # Left padding shifts where real tokens start; positions must count real tokens only.
+    return (torch.cumsum(attention_mask, dim=1) - 1).clamp(min=0)
+
+
+class HFRollout:
+    def __init__(self, model, tokenizer, cfg, max_response_length: int):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.max_response_length = max_response_length
+        self.pad_token_id = tokenizer.pad_token_id
+        self.eos_token_id = tokenizer.eos_token_id
+        top_k = cfg.top_k if cfg.top_k > 0 else 0  # HF: 0 disables top-k
+        self.generation_config = GenerationConfig(
+            do_sample=cfg.do_sample,
+            temperature=cfg.temperature if cfg.do_sample else None,
+            top_p=cfg.top_p if cfg.do_sample else None,
+            top_k=top_k if cfg.do_sample else None,
+            max_new_tokens=max_response_length,
+            eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id,
+        )
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
+        self.model.load_state_dict(named_tensors, strict=True)
+
+    @torch.no_grad()
+    def generate(self, prompts: Batch) -> Batch:
+        """`prompts` holds left-padded `input_ids`/`attention_mask` [B, P]; returns the rollout with
+        right-padded `responses` [B, R] (R = max_response_length) and verl's column names."""
+        prompt_ids, prompt_mask = prompts["input_ids"], prompts["attention_mask"]
+        out = self.model.generate(
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask,
+            generation_config=self.generation_config,
+            synced_gpus=False,  # never the world all-reduce; this copy is not sharded
+            use_cache=True,
+        )
+        responses = out[:, prompt_ids.shape[1] :]
+        pad = self.max_response_length - responses.shape[1]
+        if pad > 0:  # every row stopped early: pad to the fixed width the exchange expects
+            responses = torch.nn.functional.pad(responses, (0, pad), value=self.pad_token_id)
+        response_mask = response_mask_until_eos(responses, self.eos_token_id)
+        responses = responses.masked_fill(response_mask == 0, self.pad_token_id)
+        attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+        rollout = Batch(
+            {
+                "prompts": prompt_ids,
+                "responses": responses,
+                "response_mask": response_mask,
+                "input_ids": torch.cat([prompt_ids, responses], dim=1),
+                "attention_mask": attention_mask,
+                "position_ids": position_ids_from_mask(attention_mask),
+            },
+            dict(prompts.non_tensors),
+        )
+        return rollout

@@ -1,0 +1,143 @@
+"""`torchrun --nproc-per-node N -m spmdsplit.train [--config FILE] [key=value ...]`
+
+Reads the config, checks it against the launch shape (every rank, before any collective, so a
+bad value ends every rank with the same message instead of a hang), joins the world, builds the
+pools and runs the PPO loop. `--print-config` prints the resolved config and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from spmdsplit.embedded import ensure_embedded_model
+from spmdsplit.config import ConfigError, check_against_pools, load_config, to_yaml
+from spmdsplit.placement import PlacementError, build_pools, launch_shape_from_env, plan_placement
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="spmdsplit.train", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", help="a YAML preset (see configs/); keys are overridden by key=value")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.total_steps=10")
+    return parser.parse_args(argv)
+
+
+def check_model_path(key: str, path: str, trust_remote_code: bool) -> None:
+    """A missing model is found now, on every rank, not by one rank after the others went on."""
+    if not path:
+        return
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ConfigError(f"{key}={path!r}: the folder has no config.json (not a Hugging Face model folder)")
+        return
+    if path.startswith((".", "/", "~")) or os.sep in path.strip("/").replace("/", "", 1):
+        raise ConfigError(f"{key}={path!r}: no such folder")
+    try:  # a hub id: found in the local cache, or fetched where the hub is reachable
+        from transformers import AutoConfig
+
+        AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - any failure here means the same thing to the user
+        raise ConfigError(f"{key}={path!r}: not a local folder and not loadable from the Hugging Face hub ({e})") from None
+
+
+def pick_device(setting: str, local_rank: int) -> torch.device:
+    if setting == "cuda" or (setting == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("trainer.device=cuda but CUDA is not available on this machine")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def prepare(argv):
+    """Everything that can fail without talking to other ranks; returns (cfg, placement, device)."""
+    args = parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    world, local, nnodes = launch_shape_from_env()
+    p = cfg.placement
+    placement = plan_placement(p.mode, list(p.pools) or None, p.pool_unit, world, local, nnodes)
+    check_against_pools(cfg, len(placement.actor_ranks), len(placement.critic_ranks))
+    check_model_path("model.path", cfg.model.path, cfg.model.trust_remote_code)
+    check_model_path("critic.model_path", cfg.critic.model_path, cfg.model.trust_remote_code)
+    if not cfg.model.path:
+        # Built before the world forms: a file race between ranks, settled by an atomic rename.
+        cfg.model.path = ensure_embedded_model(cfg.model.embedded_dir)
+    device = pick_device(cfg.trainer.device, int(os.environ.get("LOCAL_RANK", 0)))
+    return args, cfg, placement, device
+
+
+def quiet_libraries(rank: int) -> None:
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()  # load reports x every rank x every model
+    transformers.utils.logging.disable_progress_bar()
+    # FSDP2 warns that HF returns views of its outputs; only in-place ops on them are unsafe,
+    # and the roles never do those.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+
+
+@record  # torchrun then shows this rank's traceback in its failure summary
+def main(argv=None) -> int:
+    rank = int(os.environ.get("RANK", 0))
+    try:
+        args, cfg, placement, device = prepare(sys.argv[1:] if argv is None else argv)
+    except (ConfigError, PlacementError) as e:
+        print(f"spmdsplit [rank {rank}]: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    if args.print_config:
+        if rank == 0:
+            print(to_yaml(cfg), end="")
+        return 0
+
+    if cfg.trainer.num_threads > 0 and device.type == "cpu":
+        torch.set_num_threads(cfg.trainer.num_threads)
+    quiet_libraries(rank)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # a plain single-process `python -m` run
+    os.environ.setdefault("MASTER_PORT", "29512")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend, rank=rank, world_size=placement.world_size, timeout=timedelta(seconds=cfg.trainer.dist_timeout_s)
+    )
+    try:
+        pools = build_pools(placement, device)
+        if rank == 0:
+            print(f"spmdsplit: {placement.describe()}; device={device.type}, backend={backend}", flush=True)
+        from spmdsplit.trainer import Trainer
+
+        history = Trainer(cfg, pools).fit()
+        if rank == 0 and history:
+            report(history, cfg)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def report(history: list[dict], cfg) -> None:
+    """The end-of-run summary: did the score rise from where the random policy started?"""
+    scores = [h["critic/score/mean"] for h in history]
+    k = max(1, min(5, len(scores) // 4))
+    first, last = sum(scores[:k]) / k, sum(scores[-k:]) / k
+    step_times = sorted(h["timing_s/step"] for h in history[1:] or history)
+    print(
+        f"spmdsplit: mean score {first:.3f} (first {k} steps) -> {last:.3f} (last {k} steps); "
+        f"median step {step_times[len(step_times) // 2]:.2f}s over {len(history)} steps",
+        flush=True,
+    )
+    where = [f"TensorBoard: {cfg.trainer.log_dir}"]
+    if cfg.trainer.timeline:
+        where.append(f"timeline: {cfg.trainer.timeline}")
+    if cfg.trainer.output_dir:
+        where.append(f"trained actor: {cfg.trainer.output_dir}")
+    print("spmdsplit: " + "; ".join(where), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+"""The PPO step loop, as each pool lives it.
+
+    actor pool : gen ──rollout──► old_log_prob, ref ──(log-probs)──►   ◄──advantages── update_actor ──► gen(k+1)
+    critic pool:     ──rollout──► values, reward ───(log-probs)──► adv ──advantages──► update_critic ───────────►
+
+Each rank runs only its pool's branches (in colocate placement, every rank runs all of them, one
+after another). The pools meet only at the point-to-point exchanges, so old/ref log-probs run
+beside values/rewards, update_actor beside update_critic, and the critic update may run on while
+the actor pool starts the next rollout. Sends are non-blocking: a pool never waits for its data
+to be picked up. `placement.overlap=false` adds pool hand-offs that make the phases run one after
+another (verl's blocking calls), to measure what overlapping gains.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from spmdsplit import algo
+from spmdsplit.batch import Batch
+from spmdsplit.data.prompts import PromptDataset, collate_prompts
+from spmdsplit.data.synthetic import make_dataset
+from spmdsplit.distributed import pool_sum
+from spmdsplit.embedded import ensure_embedded_model
+from spmdsplit.engines.fsdp import FSDPEngine
+from spmdsplit.exchange import recv_object, recv_rows, send_object, send_rows
+from spmdsplit.metrics import MetricsLogger, PhaseTimer, compute_data_metrics, write_timeline
+from spmdsplit.models import load_causal_lm, load_tokenizer, load_value_model, resolve_dtype
+from spmdsplit.placement import Pools
+from spmdsplit.roles.actor import Actor
+from spmdsplit.roles.critic import Critic
+from spmdsplit.roles.reward import RuleReward
+from spmdsplit.rollout.hf import HFRollout
+
+# One tag per kind of message, so messages of different phases between the same two ranks never mix.
+TAG_ROLLOUT, TAG_LOG_PROBS, TAG_ADVANTAGES, TAG_CRITIC_METRICS = 11, 12, 13, 14
+ROLLOUT_KEYS = ("responses", "response_mask", "input_ids", "attention_mask", "position_ids",
+                "data_source", "ground_truth", "uid")
+
+
+class Trainer:
+    def __init__(self, cfg, pools: Pools):
+        self.cfg, self.pools = cfg, pools
+        self.device = pools.device
+        self.rank = pools.rank
+        self.placement = pools.placement
+        self.actor_ranks = list(self.placement.actor_ranks)
+        self.critic_ranks = list(self.placement.critic_ranks)
+        assert self.actor_ranks[0] == 0, "world rank 0 logs and must be in the actor pool"
+        self.batch_size = cfg.data.train_batch_size
+        self.timer = PhaseTimer(self.rank, self.device)
+        # verl's blocking calls, for comparison; meaningless when the roles share ranks anyway.
+        self.blocking = not cfg.placement.overlap and not self.placement.colocated
+        self.handoff_group = dist.new_group(ranks=list(range(self.placement.world_size))) if self.blocking else None
+
+        self.model_path = cfg.model.path or ensure_embedded_model(cfg.model.embedded_dir)  # train.py built it
+        self.tokenizer = load_tokenizer(self.model_path, cfg.model.trust_remote_code)
+        dtype = resolve_dtype(cfg.model.dtype, self.device)
+        seed, remote = cfg.trainer.seed, cfg.model.trust_remote_code
+
+        if pools.is_actor:
+            temperature = cfg.rollout.temperature
+            policy = load_causal_lm(self.model_path, dtype, self.device, seed, remote)
+            if cfg.model.gradient_checkpointing:
+                policy.gradient_checkpointing_enable()
+            self.actor = Actor(FSDPEngine(policy, pools.actor_mesh, cfg.actor.optim), cfg.actor, temperature, self.device)
+            reference = load_causal_lm(self.model_path, dtype, self.device, seed, remote)
+            self.ref = Actor(FSDPEngine(reference, pools.actor_mesh, optim=None), cfg.actor, temperature, self.device)
+            rollout_model = load_causal_lm(self.model_path, dtype, self.device, seed, remote)
+            self.rollout = HFRollout(rollout_model, self.tokenizer, cfg.rollout, cfg.data.max_response_length)
+            rows = make_dataset(cfg.data.task, cfg.data.num_train_samples, cfg.data.seed)
+            self.dataset = PromptDataset(rows, self.batch_size, cfg.data.shuffle, cfg.data.seed)
+        if pools.is_critic:
+            critic_path = cfg.critic.model_path or self.model_path
+            value_model = load_value_model(critic_path, dtype, self.device, seed, remote)
+            self.critic = Critic(FSDPEngine(value_model, pools.critic_mesh, cfg.critic.optim), cfg.critic, self.device)
+            self.reward = RuleReward(self.tokenizer)
+            kl = cfg.algorithm.kl_ctrl
+            self.kl_ctrl = algo.get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
+        # Sampling must differ between ranks (else every shard draws the same responses).
+        torch.manual_seed(seed * 1000 + 7 + self.rank)
+        self.logger = MetricsLogger(cfg.trainer.log_dir, cfg.trainer.total_steps, cfg.trainer.progress_bar) if self.rank == 0 else None
+        self.unlogged: dict[int, dict] = {}  # rank 0: step -> {"actor": ..., "critic": ...} until both are in
+        self.critic_metrics_received = 0
+        self.sent_metrics = None  # the critic pool's first rank: its last metrics send in flight
+
+    # ------------------------------------------------------------------ the loop
+
+    def fit(self) -> list[dict]:
+        for step in range(1, self.cfg.trainer.total_steps + 1):
+            self.train_step(step)
+        if self.rank == 0:
+            self.receive_critic_metrics(upto=self.cfg.trainer.total_steps)
+        self.finish()
+        return self.logger.history if self.logger else []
+
+    def train_step(self, step: int) -> None:
+        cfg, P, B, phase = self.cfg, self.pools, self.batch_size, self.timer.phase
+        use_kl_in_reward = cfg.algorithm.use_kl_in_reward
+        step_start = time.time()
+
+        # ---- actor pool: roll out, then score what was generated under the policy and the reference
+        if P.is_actor:
+            prompts = self.prompts_for(step)
+            with phase("sync_weights", step):
+                self.rollout.load_weights(self.actor.engine.full_state_dict())
+            with phase("gen", step):
+                rollout = self.rollout.generate(prompts)
+            sent_rollout = send_rows(rollout.select(ROLLOUT_KEYS), self.actor_ranks, self.critic_ranks, B, TAG_ROLLOUT, self.device)
+            with phase("old_log_prob", step):
+                rollout["old_log_probs"] = self.actor.compute_log_prob(rollout)
+            with phase("ref", step):
+                rollout["ref_log_prob"] = self.ref.compute_log_prob(rollout)
+            self.handoff()  # blocking mode: the critic starts values only now
+            if use_kl_in_reward:
+                sent_log_probs = send_rows(rollout.select(["old_log_probs", "ref_log_prob"]),
+                                           self.actor_ranks, self.critic_ranks, B, TAG_LOG_PROBS, self.device)
+
+        # ---- critic pool: values and rewards of the same rollout, meanwhile
+        if P.is_critic:
+            with phase("exchange/rollout", step):
+                batch = recv_rows(self.actor_ranks, self.critic_ranks, B, TAG_ROLLOUT, self.device)
+            self.handoff()
+            with phase("values", step):
+                batch["values"] = self.critic.compute_values(batch)
+            with phase("reward", step):
+                batch["token_level_scores"], _ = self.reward.compute(batch)
+            critic_metrics = {}
+            if use_kl_in_reward:
+                with phase("exchange/log_probs", step):
+                    batch.update(recv_rows(self.actor_ranks, self.critic_ranks, B, TAG_LOG_PROBS, self.device))
+            with phase("adv", step):
+                critic_metrics.update(self.compute_advantage(batch))
+            sent_advantages = send_rows(batch.select(["advantages"]), self.critic_ranks, self.actor_ranks, B, TAG_ADVANTAGES, self.device)
+            with phase("update_critic", step):
+                critic_metrics.update(self.critic.update_critic(batch, seed=cfg.trainer.seed * 7919 + step))
+            critic_metrics.update(compute_data_metrics(batch, P.critic_group, self.device))
+            self.handoff()  # blocking mode: the actor updates only after the critic did
+            sent_advantages.wait()
+            if self.rank == self.critic_ranks[0]:
+                if not P.is_actor:  # colocated, rank 0 reports every phase itself
+                    critic_metrics.update(self.timer.pop_timings())
+                self.send_critic_metrics(step, critic_metrics)
+
+        # ---- actor pool: the policy update, as soon as the advantages are in
+        if P.is_actor:
+            with phase("exchange/advantages", step):
+                rollout.update(recv_rows(self.critic_ranks, self.actor_ranks, B, TAG_ADVANTAGES, self.device))
+            if self.rank == 0:
+                # What the critic pool has surely sent by now: this step's metrics if rank 0 is
+                # its first rank too, else the previous step's (sent before these advantages).
+                self.receive_critic_metrics(upto=step if self.critic_ranks[0] == 0 else step - 1)
+            self.handoff()
+            with phase("update_actor", step):
+                actor_metrics = self.actor.update_policy(rollout, seed=cfg.trainer.seed * 7919 + step)
+            sent_rollout.wait()
+            if use_kl_in_reward:
+                sent_log_probs.wait()
+            if self.rank == 0:
+                timings = {**self.timer.pop_timings(), "timing_s/step": time.time() - step_start}
+                self.record(step, "actor", {**actor_metrics, **timings, **self.throughput(rollout, timings)})
+
+    # ------------------------------------------------------------------ pieces of the step
+
+    def prompts_for(self, step: int) -> Batch:
+        part, parts = self.pools.rank_in("actor"), len(self.actor_ranks)
+        rows = self.dataset.shard(step, part, parts)
+        first_row = self.dataset.batch_size * (step - 1) + part * len(rows)
+        return collate_prompts(rows, self.tokenizer, self.cfg.data.max_prompt_length, step, first_row).to(self.device)
+
+    def compute_advantage(self, batch: Batch) -> dict[str, float]:
+        alg = self.cfg.algorithm
+        reduce_sum = pool_sum(self.pools.critic_group)  # statistics of the whole global batch
+        metrics = {}
+        if alg.use_kl_in_reward:
+            batch["token_level_rewards"], metrics = algo.apply_kl_penalty(
+                batch["token_level_scores"], batch["old_log_probs"], batch["ref_log_prob"],
+                batch["response_mask"], self.kl_ctrl, alg.kl_penalty, reduce_sum=reduce_sum,
+            )
+        else:
+            batch["token_level_rewards"] = batch["token_level_scores"]
+        batch["advantages"], batch["returns"] = algo.compute_gae_advantage_return(
+            batch["token_level_rewards"], batch["values"], batch["response_mask"], alg.gamma, alg.lam, reduce_sum=reduce_sum,
+        )
+        return metrics
+
+    def handoff(self) -> None:
+        """Blocking mode only: both pools meet here, so one pool's phase ends before the other's
+        next one starts. A barrier over the world on purpose: it is the thing being measured."""
+        if self.blocking:
+            dist.barrier(group=self.handoff_group)
+
+    def throughput(self, rollout: Batch, timings: dict) -> dict[str, float]:
+        step_time = timings["timing_s/step"]
+        tokens = rollout["attention_mask"].sum().item() * len(self.actor_ranks)  # rank 0's shard x shards
+        return {"perf/time_per_step": step_time, "perf/throughput": tokens / step_time / self.placement.world_size}
+
+    def send_critic_metrics(self, step: int, metrics: dict) -> None:
+        # Not waited for here: rank 0 picks them up during the next step, and waiting would
+        # stall this pool until then. The previous send is surely done once this step ran.
+        if self.sent_metrics is not None:
+            self.sent_metrics.wait()
+        self.sent_metrics = send_object((step, metrics), dst=0, tag=TAG_CRITIC_METRICS, device=self.device)
+
+    def receive_critic_metrics(self, upto: int) -> None:
+        """Rank 0 logs step k once the critic pool's metrics of step k arrived, which in split
+        placement is during step k+1: waiting for them at the end of step k would stop the actor
+        pool from starting the next rollout while the critic still updates."""
+        while self.critic_metrics_received < upto:
+            step, metrics = recv_object(self.critic_ranks[0], TAG_CRITIC_METRICS, self.device)
+            assert step == self.critic_metrics_received + 1, f"critic metrics of step {step} out of order"
+            self.critic_metrics_received = step
+            self.record(step, "critic", metrics)
+
+    def record(self, step: int, side: str, metrics: dict) -> None:
+        parts = self.unlogged.setdefault(step, {})
+        parts[side] = metrics
+        if len(parts) == 2:
+            self.logger.log(step, {**parts["critic"], **parts["actor"]})
+            del self.unlogged[step]
+
+    def finish(self) -> None:
+        cfg, P = self.cfg, self.pools
+        if self.sent_metrics is not None:
+            self.sent_metrics.wait()
+        if P.is_actor and cfg.trainer.output_dir:
+            self.actor.engine.save_hf(cfg.trainer.output_dir, self.tokenizer, is_writer=self.rank == self.actor_ranks[0])
+        if cfg.trainer.timeline:
+            # After the last step, outside any pool's work: one gather of every rank's events.
+            events = [None] * self.placement.world_size if self.rank == 0 else None
+            dist.gather_object(self.timer.events, events, dst=0)
+            if self.rank == 0:
+                roles = ["+".join(sorted(self.placement.roles_of(r))) for r in range(self.placement.world_size)]
+                write_timeline(cfg.trainer.timeline, events, roles)
+        if self.logger:
+            self.logger.close()

@@ -57,15 +57,18 @@ class Trainer:
 
         self.model_path = cfg.model.path or ensure_embedded_model(cfg.model.embedded_dir)  # train.py built it
         self.tokenizer = load_tokenizer(self.model_path, cfg.model.trust_remote_code)
+        # Trained models keep fp32 master weights and compute in `dtype` (FSDP mixed precision);
+        # models that only infer (reference, rollout copy) are held in `dtype` outright.
         dtype = resolve_dtype(cfg.model.dtype, self.device)
+        mixed = dtype if dtype != torch.float32 else None
         seed, remote = cfg.trainer.seed, cfg.model.trust_remote_code
 
         if pools.is_actor:
             temperature = cfg.rollout.temperature
-            policy = load_causal_lm(self.model_path, dtype, self.device, seed, remote)
+            policy = load_causal_lm(self.model_path, torch.float32, self.device, seed, remote)
             if cfg.model.gradient_checkpointing:
                 policy.gradient_checkpointing_enable()
-            self.actor = Actor(FSDPEngine(policy, pools.actor_mesh, cfg.actor.optim), cfg.actor, temperature, self.device)
+            self.actor = Actor(FSDPEngine(policy, pools.actor_mesh, cfg.actor.optim, mixed), cfg.actor, temperature, self.device)
             reference = load_causal_lm(self.model_path, dtype, self.device, seed, remote)
             self.ref = Actor(FSDPEngine(reference, pools.actor_mesh, optim=None), cfg.actor, temperature, self.device)
             rollout_model = load_causal_lm(self.model_path, dtype, self.device, seed, remote)
@@ -74,8 +77,8 @@ class Trainer:
             self.dataset = PromptDataset(rows, self.batch_size, cfg.data.shuffle, cfg.data.seed)
         if pools.is_critic:
             critic_path = cfg.critic.model_path or self.model_path
-            value_model = load_value_model(critic_path, dtype, self.device, seed, remote)
-            self.critic = Critic(FSDPEngine(value_model, pools.critic_mesh, cfg.critic.optim), cfg.critic, self.device)
+            value_model = load_value_model(critic_path, torch.float32, self.device, seed, remote)
+            self.critic = Critic(FSDPEngine(value_model, pools.critic_mesh, cfg.critic.optim, mixed), cfg.critic, self.device)
             self.reward = RuleReward(self.tokenizer)
             kl = cfg.algorithm.kl_ctrl
             self.kl_ctrl = algo.get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)

@@ -10,6 +10,7 @@ traceback; ranks still alive after `timeout` seconds are killed and the test fai
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 from datetime import timedelta
@@ -39,7 +40,8 @@ def _worker(rank, world_size, port, fn, args, queue, local_world_size):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        # Plain pickle, not torch's shared-memory reduction: the tensors must outlive this process.
+        queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
         raise SystemExit(1)
@@ -89,4 +91,4 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120, local_world_size
         raise AssertionError(f"rank(s) {sorted(errors)} failed:\n{msg}")
     if hung:
         raise AssertionError(f"rank(s) {hung} still running after {timeout}s (hang) and were killed")
-    return [results[r] for r in range(world_size)]
+    return [pickle.loads(results[r]) for r in range(world_size)]

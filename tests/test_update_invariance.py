@@ -1,0 +1,99 @@
+"""The PPO update is the same whatever the layout: one rank, two ranks (FSDP2 over a pool), or
+more micro-batches. This is what token-mean with pool-wide token counts and FSDP's gradient
+averaging undone by the pool size must give."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from tests.multiproc import run_ranks
+
+ROWS, PROMPT, RESPONSE = 8, 4, 5
+
+
+def make_batch(vocab: int):
+    from spmdsplit.batch import Batch
+    from spmdsplit.rollout.hf import position_ids_from_mask
+
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, vocab, (ROWS, PROMPT), generator=g)
+    responses = torch.randint(3, vocab, (ROWS, RESPONSE), generator=g)
+    lengths = torch.tensor([5, 1, 3, 5, 2, 4, 5, 1])  # ragged: token-mean must weigh tokens, not rows
+    response_mask = (torch.arange(RESPONSE)[None] < lengths[:, None]).long()
+    prompt_mask = torch.ones(ROWS, PROMPT, dtype=torch.long)
+    prompt_mask[::3, 0] = 0  # some left padding
+    attention_mask = torch.cat([prompt_mask, response_mask], 1)
+    return Batch({
+        "prompts": prompts, "responses": responses, "response_mask": response_mask,
+        "input_ids": torch.cat([prompts, responses], 1), "attention_mask": attention_mask,
+        "position_ids": position_ids_from_mask(attention_mask),
+        "old_log_probs": -2.0 - torch.rand(ROWS, RESPONSE, generator=g),
+        "advantages": torch.randn(ROWS, RESPONSE, generator=g) * response_mask,
+        "values": torch.randn(ROWS, RESPONSE, generator=g) * 0.1 * response_mask,
+        "returns": torch.randn(ROWS, RESPONSE, generator=g) * response_mask,
+    })
+
+
+def _update(rank, world_size, model_dir, role, micro):
+    from spmdsplit.config import ActorConfig, CriticConfig, OptimConfig
+    from spmdsplit.engines.fsdp import FSDPEngine
+    from spmdsplit.exchange import row_ranges
+    from spmdsplit.models import load_causal_lm, load_value_model
+    from spmdsplit.roles.actor import Actor
+    from spmdsplit.roles.critic import Critic
+
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    device = torch.device("cpu")
+    optim = OptimConfig(lr=1e-2, lr_warmup_steps=0, grad_clip=1e9)
+    if role == "actor":
+        cfg = ActorConfig(optim=optim, ppo_mini_batch_size=ROWS, ppo_micro_batch_size_per_gpu=micro,
+                          entropy_coeff=0.01, shuffle=False)
+        model = load_causal_lm(model_dir, torch.float32, device, seed=3)
+        worker = Actor(FSDPEngine(model, mesh, cfg.optim), cfg, temperature=1.0, device=device)
+    else:
+        cfg = CriticConfig(optim=optim, ppo_mini_batch_size=ROWS, ppo_micro_batch_size_per_gpu=micro,
+                           cliprange_value=0.05, shuffle=False)
+        model = load_value_model(model_dir, torch.float32, device, seed=3)
+        worker = Critic(FSDPEngine(model, mesh, cfg.optim), cfg, device)
+    batch = make_batch(model.config.vocab_size)
+    start, end = row_ranges(ROWS, world_size)[rank]
+    mine = batch.slice(start, end)
+    metrics = worker.update_policy(mine, seed=1) if role == "actor" else worker.update_critic(mine, seed=1)
+    state = {k: v.clone() for k, v in worker.engine.full_state_dict().items()}
+    return state, metrics
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    from spmdsplit.embedded import ensure_embedded_model
+
+    return ensure_embedded_model()
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_update_matches_across_ranks_and_micro_batches(model_dir, role):
+    (one_rank, metrics_1), = run_ranks(_update, 1, model_dir, role, 4)
+    two_ranks = run_ranks(_update, 2, model_dir, role, 2)
+    (more_micro, _), = run_ranks(_update, 1, model_dir, role, 1)
+    initial = _initial_state(model_dir, role)
+
+    moved = max((one_rank[k] - initial[k]).abs().max().item() for k in one_rank)
+    assert moved > 1e-3, "the update did not change the weights: nothing to compare"
+    # Adam's first step is ~lr * sign(grad), which magnifies float noise in near-zero gradient
+    # entries and hides a uniform gradient scale: so the weights are compared to 0.2% of how far
+    # they moved, and the gradient itself through its norm (before clipping), tightly.
+    for name, expected in one_rank.items():
+        for got in (two_ranks[0][0][name], two_ranks[1][0][name], more_micro[name]):
+            torch.testing.assert_close(got, expected, rtol=0, atol=2e-5)
+    grad = "actor/grad_norm" if role == "actor" else "critic/grad_norm"
+    loss = "actor/pg_loss" if role == "actor" else "critic/vf_loss"
+    for key in (grad, loss):
+        assert two_ranks[0][1][key] == pytest.approx(metrics_1[key], rel=1e-5, abs=1e-8), key
+
+
+def _initial_state(model_dir, role):
+    from spmdsplit.models import load_causal_lm, load_value_model
+
+    load = load_causal_lm if role == "actor" else load_value_model
+    return {k: v.clone() for k, v in load(model_dir, torch.float32, torch.device("cpu"), seed=3).state_dict().items()}

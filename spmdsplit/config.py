@@ -231,7 +231,8 @@ def check_against_pools(cfg: DictConfig, actor_pool_size: int, critic_pool_size:
             raise ConfigError(f"{pool}.ppo_mini_batch_size={mini} is not divisible by the {pool} pool size {size}")
         per_rank = mini // size
         micro = role.ppo_micro_batch_size_per_gpu
-        if per_rank % micro:
+        # A micro-batch larger than a rank's mini-batch just means one micro-batch per step.
+        if micro < per_rank and per_rank % micro:
             raise ConfigError(
                 f"{pool}.ppo_micro_batch_size_per_gpu={micro} must divide the per-rank mini-batch "
                 f"{pool}.ppo_mini_batch_size / pool size = {per_rank}"

@@ -57,21 +57,19 @@ def pick_device(setting: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def prepare(argv):
-    """Everything that can fail without talking to other ranks; returns (cfg, placement, device)."""
-    args = parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
+def prepare(cfg):
+    """Everything that can fail without talking to other ranks; returns (placement, device)."""
     world, local, nnodes = launch_shape_from_env()
     p = cfg.placement
     placement = plan_placement(p.mode, list(p.pools) or None, p.pool_unit, world, local, nnodes)
     check_against_pools(cfg, len(placement.actor_ranks), len(placement.critic_ranks))
     check_model_path("model.path", cfg.model.path, cfg.model.trust_remote_code)
     check_model_path("critic.model_path", cfg.critic.model_path, cfg.model.trust_remote_code)
+    device = pick_device(cfg.trainer.device, int(os.environ.get("LOCAL_RANK", 0)))
     if not cfg.model.path:
         # Built before the world forms: a file race between ranks, settled by an atomic rename.
         cfg.model.path = ensure_embedded_model(cfg.model.embedded_dir)
-    device = pick_device(cfg.trainer.device, int(os.environ.get("LOCAL_RANK", 0)))
-    return args, cfg, placement, device
+    return placement, device
 
 
 def quiet_libraries(rank: int) -> None:
@@ -87,15 +85,17 @@ def quiet_libraries(rank: int) -> None:
 @record  # torchrun then shows this rank's traceback in its failure summary
 def main(argv=None) -> int:
     rank = int(os.environ.get("RANK", 0))
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        args, cfg, placement, device = prepare(sys.argv[1:] if argv is None else argv)
+        cfg = load_config(args.config, args.overrides)
+        if args.print_config:
+            if rank == 0:
+                print(to_yaml(cfg), end="")
+            return 0
+        placement, device = prepare(cfg)
     except (ConfigError, PlacementError) as e:
         print(f"spmdsplit [rank {rank}]: error: {e}", file=sys.stderr, flush=True)
         return 2
-    if args.print_config:
-        if rank == 0:
-            print(to_yaml(cfg), end="")
-        return 0
 
     if cfg.trainer.num_threads > 0 and device.type == "cpu":
         torch.set_num_threads(cfg.trainer.num_threads)

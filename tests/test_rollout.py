@@ -235,3 +235,30 @@ def test_generate_needs_no_process_group_and_calls_no_collective(model, tokenize
         assert out["responses"].shape == (4, R)
     assert called == []
     assert not dist.is_initialized()
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG: HFRollout leaves GenerationConfig fields at None, and transformers fills them from the "
+    "checkpoint's generation_config.json (e.g. Qwen2.5-Instruct's repetition_penalty=1.05), so the "
+    "rollout samples from a distribution the actor's log-probs never see"))
+def test_checkpoint_generation_defaults_do_not_leak_into_the_rollout(model_path, tokenizer, tmp_path):
+    import json
+    import shutil
+
+    folder = tmp_path / "with-generation-defaults"
+    shutil.copytree(model_path, folder)
+    gen = json.loads((folder / "generation_config.json").read_text())
+    # What an instruct checkpoint ships (Qwen2.5-*-Instruct's values).
+    gen.update(repetition_penalty=1.05, temperature=0.7, top_p=0.8, top_k=20, do_sample=True)
+    (folder / "generation_config.json").write_text(json.dumps(gen))
+    model = load_causal_lm(str(folder), torch.float32, CPU, seed=0)
+    seven, eight = tokenizer.convert_tokens_to_ids("7"), tokenizer.convert_tokens_to_ids("8")
+    state = forcing_state_dict(model, seven)  # logit 64 for "7", 0 for all else ...
+    state["lm_head.weight"][eight] = 63 / 64  # ... but 63 for "8": a close second
+    rollout = HFRollout(model, tokenizer, RolloutConfig(do_sample=False), R)
+    rollout.load_weights(state)
+    batch = collate_prompts([{"prompt": p, "data_source": "synthetic/repeat", "reward_model": {"ground_truth": "x"}}
+                             for p in ("12=", "345=", "9=")], tokenizer, P, step=1, first_row=0)
+    out = rollout.generate(batch)
+    # The policy's greedy choice is "7" at every step; a penalty on repeats would pick "8" once "7" is out.
+    assert out["responses"].tolist() == [[seven] * R] * 3

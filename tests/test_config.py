@@ -1,0 +1,321 @@
+"""The config (spmdsplit/config.py) and the command line's early failures (spmdsplit/train.py)."""
+
+import glob
+import os
+import select
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from omegaconf import OmegaConf
+
+from spmdsplit.config import ConfigError, check_against_pools, load_config, to_yaml
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def error_of(*overrides, config_file=None):
+    with pytest.raises(ConfigError) as e:
+        load_config(config_file, list(overrides))
+    return str(e.value)
+
+
+# --------------------------------------------------------------------------- load_config
+
+
+def test_defaults_load_and_overrides_apply():
+    cfg = load_config(None, ["trainer.total_steps=7", "actor.optim.lr=0.5", "placement.pools=[3,1]"])
+    assert cfg.trainer.total_steps == 7 and isinstance(cfg.trainer.total_steps, int)
+    assert cfg.actor.optim.lr == 0.5
+    assert list(cfg.placement.pools) == [3, 1]
+    assert cfg.critic.optim.lr == load_config().critic.optim.lr  # nothing else moved
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("trainer.totl_steps=3", "trainer.totl_steps"),
+        ("algorithm.kl_ctrl.kl_cof=0.1", "algorithm.kl_ctrl.kl_cof"),
+        ("actor.optim.learning_rate=0.1", "actor.optim.learning_rate"),
+        ("trainr.total_steps=3", "trainr"),  # a typo in the section itself names the section
+    ],
+)
+def test_unknown_key_names_the_full_key(override, key):
+    msg = error_of("trainer.total_steps=5", override)
+    assert key in msg
+
+
+def test_unknown_key_suggests_the_close_one():
+    assert "total_steps" in error_of("trainer.totl_steps=3")
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("trainer.total_steps=abc", "trainer.total_steps"),
+        ("actor.optim.lr=fast", "actor.optim.lr"),
+        ("trainer.progress_bar=maybe", "trainer.progress_bar"),
+        ("data.train_batch_size=1.5", "data.train_batch_size"),
+        ("trainer.total_steps=", "trainer.total_steps"),  # empty is a string, not an int
+    ],
+)
+def test_wrong_type_names_the_key(override, key):
+    msg = error_of(override)
+    assert key in msg
+    assert override.split("=", 1)[1] in msg or "''" in msg
+
+
+@pytest.mark.parametrize(
+    "override, key, allowed",
+    [
+        ("placement.mode=halves", "placement.mode", ["split", "colocate", "custom"]),
+        ("data.task=sort", "data.task", ["repeat", "count", "copy", "reverse"]),
+        ("algorithm.kl_ctrl.type=pid", "algorithm.kl_ctrl.type", ["fixed", "adaptive"]),
+        ("model.dtype=fp16", "model.dtype", ["auto", "float32", "bfloat16"]),
+    ],
+)
+def test_bad_choice_lists_the_allowed_values(override, key, allowed):
+    msg = error_of(override)
+    assert key in msg and override.split("=")[1] in msg
+    for value in allowed:
+        assert value in msg, value
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["trainer.total_steps=0", "data.train_batch_size=-8", "data.max_response_length=0",
+     "actor.ppo_micro_batch_size_per_gpu=0", "critic.ppo_epochs=-1", "rollout.temperature=0"],
+)
+def test_non_positive_values_are_rejected(override):
+    key = override.split("=")[0]
+    msg = error_of(override)
+    assert key in msg and "positive" in msg
+
+
+def test_other_range_checks():
+    assert "rollout.top_p" in error_of("rollout.top_p=0")
+    assert "rollout.top_p" in error_of("rollout.top_p=1.5")
+    load_config(None, ["rollout.top_p=1.0"])
+    assert "actor.clip_ratio_c" in error_of("actor.clip_ratio_c=1.0")
+    assert "actor.ppo_mini_batch_size" in error_of("actor.ppo_mini_batch_size=48")  # 48 does not divide 128
+    assert "critic.ppo_mini_batch_size" in error_of("critic.ppo_mini_batch_size=100")
+    assert "placement.pools" in error_of("placement.mode=custom")  # custom needs two sizes
+    load_config(None, ["placement.mode=custom", "placement.pools=[3,1]"])
+
+
+def test_override_without_equals_is_an_error():
+    assert "key=value" in error_of("trainer.total_steps")
+
+
+def test_key_equals_nothing_means_the_empty_string():
+    cfg = load_config(None, ["model.path=", "trainer.timeline=", "trainer.output_dir="])
+    assert cfg.model.path == "" and cfg.trainer.timeline == "" and cfg.trainer.output_dir == ""
+    assert cfg.trainer.timeline is not None
+
+
+def test_yaml_then_overrides_precedence(tmp_path):
+    path = tmp_path / "preset.yaml"
+    path.write_text(
+        "trainer:\n  total_steps: 11\n  seed: 5\n"
+        "data:\n  train_batch_size: 64\n"
+        "actor:\n  optim:\n    lr: 0.25\n"
+    )
+    cfg = load_config(str(path), ["trainer.total_steps=7", "actor.optim.lr=0.5"])
+    assert cfg.trainer.total_steps == 7  # override beats YAML
+    assert cfg.actor.optim.lr == 0.5
+    assert cfg.trainer.seed == 5  # YAML beats the schema default
+    assert cfg.data.train_batch_size == 64
+    assert cfg.data.max_response_length == 5  # untouched: schema default
+    assert cfg.actor.optim.lr_warmup_steps == 5  # the actor's own default survives a partial optim block
+    cfg = load_config(str(path))
+    assert cfg.trainer.total_steps == 11 and cfg.actor.optim.lr == 0.25
+
+
+def test_yaml_with_an_unknown_key_names_it(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("trainer:\n  total_stepz: 3\n")
+    assert "trainer.total_stepz" in error_of(config_file=str(path))
+
+
+def test_yaml_with_a_wrong_type_names_the_key(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("data:\n  train_batch_size: lots\n")
+    assert "data.train_batch_size" in error_of(config_file=str(path))
+
+
+def test_missing_yaml_file_is_a_config_error(tmp_path):
+    assert "no such file" in error_of(config_file=str(tmp_path / "absent.yaml"))
+
+
+def test_to_yaml_round_trips(tmp_path):
+    cfg = load_config(None, ["trainer.total_steps=9", "placement.mode=colocate", "model.path="])
+    path = tmp_path / "dump.yaml"
+    path.write_text(to_yaml(cfg))
+    assert load_config(str(path)) == cfg
+
+
+PRESETS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")) + glob.glob(os.path.join(REPO, "configs", "*.yml")))
+
+
+@pytest.mark.skipif(not PRESETS, reason="configs/ has no YAML presets")
+@pytest.mark.parametrize("preset", PRESETS or [None], ids=lambda p: os.path.basename(p) if p else "none")
+def test_every_preset_loads_against_the_schema(preset):
+    cfg = load_config(preset)
+    assert cfg.trainer.total_steps > 0
+
+
+# --------------------------------------------------------------------------- check_against_pools
+
+
+def pools_error(actor, critic, *overrides):
+    cfg = load_config(None, list(overrides))
+    with pytest.raises(ConfigError) as e:
+        check_against_pools(cfg, actor, critic)
+    return str(e.value)
+
+
+def test_batch_not_divisible_by_a_pool_size():
+    msg = pools_error(3, 1)  # 128 prompts over 3 actor ranks
+    assert "data.train_batch_size=128" in msg and "actor" in msg and "3" in msg
+    msg = pools_error(2, 3, "data.train_batch_size=64")
+    assert "data.train_batch_size=64" in msg and "critic" in msg and "3" in msg
+
+
+def test_mini_batch_not_divisible_by_the_pool_size():
+    # 24 prompts split over 3 ranks, but a mini-batch of 8 does not.
+    msg = pools_error(3, 1, "data.train_batch_size=24", "actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=8",
+                      "actor.ppo_micro_batch_size_per_gpu=1", "critic.ppo_micro_batch_size_per_gpu=1")
+    assert "actor.ppo_mini_batch_size=8" in msg and "3" in msg
+    msg = pools_error(1, 3, "data.train_batch_size=24", "actor.ppo_mini_batch_size=12", "critic.ppo_mini_batch_size=8",
+                      "actor.ppo_micro_batch_size_per_gpu=1", "critic.ppo_micro_batch_size_per_gpu=1")
+    assert "critic.ppo_mini_batch_size=8" in msg
+
+
+def test_micro_batch_must_divide_the_per_rank_mini_batch():
+    # mini 32 over 2 ranks = 16 rows per rank; micro 3 (or 12) does not divide it.
+    msg = pools_error(2, 2, "actor.ppo_micro_batch_size_per_gpu=3")
+    assert "actor.ppo_micro_batch_size_per_gpu=3" in msg and "16" in msg
+    msg = pools_error(2, 2, "critic.ppo_micro_batch_size_per_gpu=12")
+    assert "critic.ppo_micro_batch_size_per_gpu=12" in msg and "16" in msg
+    # 128 / mini 64 over 2 ranks = 32 per rank; micro 24 does not divide it.
+    msg = pools_error(1, 2, "critic.ppo_mini_batch_size=64", "critic.ppo_micro_batch_size_per_gpu=24")
+    assert "critic.ppo_micro_batch_size_per_gpu=24" in msg and "32" in msg
+
+
+def test_micro_batch_larger_than_a_ranks_mini_batch_is_one_micro_batch():
+    # 32 / 4 = 8 rows per rank with the default micro-batch of 16: a single micro-batch.
+    check_against_pools(load_config(), 4, 4)
+    check_against_pools(load_config(None, ["actor.ppo_micro_batch_size_per_gpu=12"]), 4, 1)
+
+
+@pytest.mark.parametrize(
+    "actor, critic, overrides",
+    [
+        (1, 1, []),  # the defaults: 128 prompts, mini-batch 32, micro 16
+        (2, 2, []),  # 16 rows of a mini-batch per rank
+        (2, 1, []),
+        (4, 4, ["actor.ppo_micro_batch_size_per_gpu=8", "critic.ppo_micro_batch_size_per_gpu=4"]),
+        (3, 1, ["data.train_batch_size=24", "actor.ppo_mini_batch_size=12", "critic.ppo_mini_batch_size=12",
+                "actor.ppo_micro_batch_size_per_gpu=2", "critic.ppo_micro_batch_size_per_gpu=6"]),
+    ],
+)
+def test_valid_layouts_pass(actor, critic, overrides):
+    check_against_pools(load_config(None, overrides), actor, critic)
+
+
+# --------------------------------------------------------------------------- the command line
+
+
+CLI_TIMEOUT = 30  # a config error must end the job in seconds; a process group would wait 600 s
+
+
+class Rendezvous:
+    """A listening socket posing as MASTER_ADDR:MASTER_PORT for a rank>0 environment: a process
+    that tries to join a process group connects to it, which `connected()` sees."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.port = self.sock.getsockname()[1]
+
+    def env(self):
+        return {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.port)}
+
+    def connected(self) -> bool:
+        readable, _, _ = select.select([self.sock], [], [], 0)
+        return bool(readable)
+
+    def close(self):
+        self.sock.close()
+
+
+CLI_RUNS = {
+    "print_config": (["--print-config", "trainer.total_steps=7"], False),  # a plain `python -m`, one rank
+    "typo": (["trainer.totl_steps=3"], True),  # as rank 1 of a 2-rank torchrun
+    "missing_model": (["model.path=/nonexistent/dir"], True),
+}
+
+
+@pytest.fixture(scope="module")
+def cli():
+    """Runs every `python -m spmdsplit.train` case of this module at once (they are import-bound)
+    and returns name -> (returncode, stdout, stderr, seconds, tried_to_join_a_process_group)."""
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE",
+                         "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
+    procs = {}
+    for name, (args, as_rank1) in CLI_RUNS.items():
+        rdv = Rendezvous() if as_rank1 else None
+        env = {**base, "OMP_NUM_THREADS": "1", **(rdv.env() if rdv else {})}
+        proc = subprocess.Popen([sys.executable, "-m", "spmdsplit.train", *args], cwd=REPO, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        procs[name] = (proc, rdv, time.monotonic())
+    results = {}
+    try:
+        for name, (proc, rdv, start) in procs.items():
+            try:
+                out, err = proc.communicate(timeout=max(1.0, start + CLI_TIMEOUT - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+                err += f"\n[test] still running after {CLI_TIMEOUT}s: killed"
+            results[name] = (proc.returncode, out, err, time.monotonic() - start, bool(rdv and rdv.connected()))
+    finally:
+        for proc, rdv, _ in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            if rdv:
+                rdv.close()
+    return results
+
+
+def test_print_config_without_torchrun(cli):
+    # The default split placement could not run on one rank; printing the config must not care.
+    rc, out, err, _, _ = cli["print_config"]
+    assert rc == 0, err
+    assert "  total_steps: 7\n" in out
+    printed = OmegaConf.create(out)
+    assert printed.trainer.total_steps == 7 and printed.data.max_response_length == 5
+
+
+def test_typo_exits_2_naming_the_key_before_any_process_group(cli):
+    rc, out, err, took, joined = cli["typo"]
+    assert rc == 2, (out, err)
+    assert "trainer.totl_steps" in err
+    assert "Traceback" not in err
+    assert not joined, "the job tried to join a process group before checking its config"
+    assert took < CLI_TIMEOUT
+
+
+def test_missing_model_path_exits_2_naming_it(cli):
+    rc, out, err, took, joined = cli["missing_model"]
+    assert rc == 2, (out, err)
+    assert "model.path" in err and "/nonexistent/dir" in err
+    assert "Traceback" not in err
+    assert not joined
+    assert took < CLI_TIMEOUT

@@ -156,6 +156,9 @@ CHOICES = {
     "critic.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
 }
 
+PATH_KEYS = ("trainer.log_dir", "trainer.timeline", "trainer.output_dir", "model.path", "model.embedded_dir",
+             "critic.model_path")
+
 POSITIVE = (
     "trainer.total_steps", "trainer.dist_timeout_s", "data.train_batch_size", "data.max_prompt_length",
     "data.max_response_length", "data.num_train_samples", "actor.ppo_mini_batch_size",
@@ -184,6 +187,9 @@ def load_config(config_file: str | None = None, overrides: list[str] | None = No
         key = getattr(e, "full_key", None) or "?"
         reason = str(e).splitlines()[0]
         raise ConfigError(f"config key {key!r}: {reason}") from None
+    for key in PATH_KEYS:
+        # The shell expands ~ only at the start of a word, never in `key=~/x`: do it here.
+        OmegaConf.update(cfg, key, os.path.expanduser(OmegaConf.select(cfg, key)))
     check_values(cfg)
     return cfg
 

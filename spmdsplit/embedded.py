@@ -59,8 +59,9 @@ def build_model(tokenizer):
         eos_token_id=tokenizer.eos_token_id,
         **MODEL_SHAPE,
     )
-    torch.manual_seed(BUILD_SEED)
-    return Qwen2ForCausalLM(config)
+    with torch.random.fork_rng(devices=[]):  # the caller's random state stays as it was
+        torch.manual_seed(BUILD_SEED)
+        return Qwen2ForCausalLM(config)
 
 
 def _fingerprint() -> str:
@@ -80,6 +81,7 @@ def ensure_embedded_model(cache_dir: str = "") -> str:
         return target
     os.makedirs(cache_dir, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".building-", dir=cache_dir)
+    os.chmod(staging, 0o755)  # mkdtemp makes it private; a shared cache must be readable by all
     try:
         tokenizer = build_tokenizer()
         model = build_model(tokenizer)

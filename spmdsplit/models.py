@@ -37,6 +37,22 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     return tokenizer
 
 
+def eos_token_ids(path: str, tokenizer) -> list[int]:
+    """Every token that ends a response: the tokenizer's EOS and those the checkpoint's
+    generation config lists (chat models end turns with a token other than the tokenizer's EOS)."""
+    from transformers import GenerationConfig
+
+    ids = [tokenizer.eos_token_id]
+    try:
+        listed = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:  # no generation_config.json
+        listed = None
+    for i in listed if isinstance(listed, list) else [listed]:
+        if i is not None and i not in ids:
+            ids.append(i)
+    return ids
+
+
 def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device, seed: int, trust_remote_code=False):
     from transformers import AutoModelForCausalLM
 

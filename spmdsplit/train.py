@@ -34,6 +34,7 @@ def check_model_path(key: str, path: str, trust_remote_code: bool) -> None:
     """A missing model is found now, on every rank, not by one rank after the others went on."""
     if not path:
         return
+    path = os.path.expanduser(path)
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ConfigError(f"{key}={path!r}: the folder has no config.json (not a Hugging Face model folder)")

@@ -27,7 +27,7 @@ from spmdsplit.embedded import ensure_embedded_model
 from spmdsplit.engines.fsdp import FSDPEngine
 from spmdsplit.exchange import recv_object, recv_rows, send_object, send_rows
 from spmdsplit.metrics import MetricsLogger, PhaseTimer, compute_data_metrics, write_timeline
-from spmdsplit.models import load_causal_lm, load_tokenizer, load_value_model, resolve_dtype
+from spmdsplit.models import eos_token_ids, load_causal_lm, load_tokenizer, load_value_model, resolve_dtype
 from spmdsplit.placement import Pools
 from spmdsplit.roles.actor import Actor
 from spmdsplit.roles.critic import Critic
@@ -57,6 +57,7 @@ class Trainer:
 
         self.model_path = cfg.model.path or ensure_embedded_model(cfg.model.embedded_dir)  # train.py built it
         self.tokenizer = load_tokenizer(self.model_path, cfg.model.trust_remote_code)
+        eos_ids = eos_token_ids(self.model_path, self.tokenizer)
         # Trained models keep fp32 master weights and compute in `dtype` (FSDP mixed precision);
         # models that only infer (reference, rollout copy) are held in `dtype` outright.
         dtype = resolve_dtype(cfg.model.dtype, self.device)
@@ -72,14 +73,14 @@ class Trainer:
             reference = load_causal_lm(self.model_path, dtype, self.device, seed, remote)
             self.ref = Actor(FSDPEngine(reference, pools.actor_mesh, optim=None), cfg.actor, temperature, self.device)
             rollout_model = load_causal_lm(self.model_path, dtype, self.device, seed, remote)
-            self.rollout = HFRollout(rollout_model, self.tokenizer, cfg.rollout, cfg.data.max_response_length)
+            self.rollout = HFRollout(rollout_model, self.tokenizer, cfg.rollout, cfg.data.max_response_length, eos_ids)
             rows = make_dataset(cfg.data.task, cfg.data.num_train_samples, cfg.data.seed)
             self.dataset = PromptDataset(rows, self.batch_size, cfg.data.shuffle, cfg.data.seed)
         if pools.is_critic:
             critic_path = cfg.critic.model_path or self.model_path
             value_model = load_value_model(critic_path, torch.float32, self.device, seed, remote)
             self.critic = Critic(FSDPEngine(value_model, pools.critic_mesh, cfg.critic.optim, mixed), cfg.critic, self.device)
-            self.reward = RuleReward(self.tokenizer)
+            self.reward = RuleReward(self.tokenizer, eos_ids)
             kl = cfg.algorithm.kl_ctrl
             self.kl_ctrl = algo.get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         # Sampling must differ between ranks (else every shard draws the same responses).

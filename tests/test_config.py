@@ -341,9 +341,6 @@ def test_model_path_checks(tmp_path):
             check_model_path("model.path", missing, False)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: check_model_path (spmdsplit/train.py) routes '~/...' to the local-path branch but never "
-    "expands '~', so an existing model under $HOME is rejected as 'no such folder'"))
 def test_model_path_under_home_with_a_tilde(tmp_path, monkeypatch):
     # The shell leaves `model.path=~/m` alone (model.path is not a variable name), so "~" arrives as is.
     from spmdsplit.train import check_model_path

@@ -237,10 +237,6 @@ def test_generate_needs_no_process_group_and_calls_no_collective(model, tokenize
     assert not dist.is_initialized()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: HFRollout leaves GenerationConfig fields at None, and transformers fills them from the "
-    "checkpoint's generation_config.json (e.g. Qwen2.5-Instruct's repetition_penalty=1.05), so the "
-    "rollout samples from a distribution the actor's log-probs never see"))
 def test_checkpoint_generation_defaults_do_not_leak_into_the_rollout(model_path, tokenizer, tmp_path):
     import json
     import shutil
@@ -262,3 +258,28 @@ def test_checkpoint_generation_defaults_do_not_leak_into_the_rollout(model_path,
     out = rollout.generate(batch)
     # The policy's greedy choice is "7" at every step; a penalty on repeats would pick "8" once "7" is out.
     assert out["responses"].tolist() == [[seven] * R] * 3
+
+
+def test_eos_token_ids_include_the_checkpoints_generation_config(model_path, tokenizer, tmp_path):
+    """Chat checkpoints end a turn with a token other than the tokenizer's EOS (Qwen's
+    <|im_end|>); a rollout that stopped only at the tokenizer's EOS would run past it."""
+    import json
+    import shutil
+
+    from spmdsplit.models import eos_token_ids
+
+    folder = tmp_path / "chat"
+    shutil.copytree(model_path, folder)
+    equals = tokenizer.convert_tokens_to_ids("=")
+    gen = json.loads((folder / "generation_config.json").read_text())
+    gen["eos_token_id"] = [equals, tokenizer.eos_token_id]
+    (folder / "generation_config.json").write_text(json.dumps(gen))
+    assert eos_token_ids(str(folder), tokenizer) == [tokenizer.eos_token_id, equals]
+    assert eos_token_ids(str(model_path), tokenizer) == [tokenizer.eos_token_id]
+
+    model = load_causal_lm(str(folder), torch.float32, CPU, seed=0)
+    rollout = HFRollout(model, tokenizer, RolloutConfig(do_sample=False), R, eos_token_ids(str(folder), tokenizer))
+    rollout.load_weights(forcing_state_dict(model, equals))  # always emits the chat-style stop token
+    _, prompts = prompts_batch(tokenizer, n=2, seed=1)
+    out = rollout.generate(prompts)
+    assert out["response_mask"].tolist() == [[1] + [0] * (R - 1)] * 2

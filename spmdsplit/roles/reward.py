@@ -9,8 +9,9 @@ from spmdsplit.rewards.rule import compute_score
 
 
 class RuleReward:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, eos_token_ids: list[int] | None = None):
         self.tokenizer = tokenizer
+        self.eos_token_ids = set(eos_token_ids or [tokenizer.eos_token_id])
 
     @torch.no_grad()
     def compute(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -18,11 +19,10 @@ class RuleReward:
         token and 0 elsewhere, scores [B])."""
         responses, mask = batch["responses"], batch["response_mask"]
         lengths = mask.sum(-1)
-        eos = self.tokenizer.eos_token_id
         scores = []
         for i in range(len(batch)):
             ids = responses[i, : lengths[i]].tolist()
-            if ids and ids[-1] == eos:
+            if ids and ids[-1] in self.eos_token_ids:
                 ids = ids[:-1]
             # Other special tokens stay in the text: stripping them would let a policy pad its
             # answer with tokens the scorer never sees (a reward hack seen on the embedded task).

@@ -29,18 +29,22 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 class HFRollout:
-    def __init__(self, model, tokenizer, cfg, max_response_length: int):
+    def __init__(self, model, tokenizer, cfg, max_response_length: int, eos_token_ids: list[int] | None = None):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_response_length = max_response_length
         self.pad_token_id = tokenizer.pad_token_id
-        self.eos_token_id = tokenizer.eos_token_id
-        top_k = cfg.top_k if cfg.top_k > 0 else 0  # HF: 0 disables top-k
+        self.eos_token_id = eos_token_ids or [tokenizer.eos_token_id]
+        # Replace the checkpoint's generation defaults, which transformers would otherwise fill
+        # into every field left unset (an instruct model's repetition_penalty, min_new_tokens,
+        # ...): the rollout must sample from exactly the distribution the actor's log-probs score.
+        self.model.generation_config = GenerationConfig(
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id
+        )
+        sampling = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k if cfg.top_k > 0 else 0)
         self.generation_config = GenerationConfig(
             do_sample=cfg.do_sample,
-            temperature=cfg.temperature if cfg.do_sample else None,
-            top_p=cfg.top_p if cfg.do_sample else None,
-            top_k=top_k if cfg.do_sample else None,
+            **(sampling if cfg.do_sample else {}),
             max_new_tokens=max_response_length,
             eos_token_id=self.eos_token_id,
             pad_token_id=self.pad_token_id,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from contextlib import contextmanager
 
@@ -112,7 +113,9 @@ class MetricsLogger:
         from tqdm import tqdm
 
         self.writer = SummaryWriter(log_dir=log_dir) if log_dir else None
-        self.bar = tqdm(total=total_steps, desc="ppo", unit="step", dynamic_ncols=True) if progress_bar else None
+        # A bar only on a terminal: in a log file (Slurm, CI) its redraws would bury the step lines.
+        show_bar = progress_bar and sys.stderr.isatty()
+        self.bar = tqdm(total=total_steps, desc="ppo", unit="step", dynamic_ncols=True) if show_bar else None
         self.history: list[dict[str, float]] = []
 
     def log(self, step: int, metrics: dict[str, float]) -> None:

@@ -110,6 +110,9 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = -1  # -1 = off
     do_sample: bool = True
+    # >1: the actor pool sends its rollout in this many chunks, each as soon as it is generated,
+    # so the critic pool computes values and rewards while generation goes on.
+    stream_chunks: int = 1
 
 
 @dataclass
@@ -164,7 +167,7 @@ POSITIVE = (
     "data.max_response_length", "data.num_train_samples", "actor.ppo_mini_batch_size",
     "actor.ppo_micro_batch_size_per_gpu", "actor.ppo_epochs", "actor.log_prob_micro_batch_size_per_gpu",
     "critic.ppo_mini_batch_size", "critic.ppo_micro_batch_size_per_gpu", "critic.ppo_epochs",
-    "critic.forward_micro_batch_size_per_gpu", "rollout.temperature",
+    "critic.forward_micro_batch_size_per_gpu", "rollout.temperature", "rollout.stream_chunks",
 )
 
 
@@ -225,6 +228,13 @@ def check_against_pools(cfg: DictConfig, actor_pool_size: int, critic_pool_size:
     """Batch sizes must split evenly over each pool, so every rank of a pool runs the same
     number of forward/backward passes (FSDP's collectives would hang otherwise)."""
     B = cfg.data.train_batch_size
+    chunks = cfg.rollout.stream_chunks
+    # Every rank of a pool must hold equal rows of every chunk (FSDP runs in lockstep).
+    if chunks > 1 and (B % (actor_pool_size * chunks) or (B // chunks) % critic_pool_size):
+        raise ConfigError(
+            f"rollout.stream_chunks={chunks}: data.train_batch_size={B} must split into {chunks} chunks that divide "
+            f"evenly over the actor pool ({actor_pool_size} ranks) and the critic pool ({critic_pool_size} ranks)"
+        )
     for pool, size in (("actor", actor_pool_size), ("critic", critic_pool_size)):
         if B % size:
             raise ConfigError(

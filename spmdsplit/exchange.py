@@ -24,6 +24,7 @@ the two pools run different code and would never meet in one.
 from __future__ import annotations
 
 import pickle
+import time
 from typing import Any, Sequence
 
 import torch
@@ -157,9 +158,12 @@ def send_rows(batch: Batch, src_ranks, dst_ranks, num_rows: int, tag: int, devic
     return pending
 
 
-def recv_rows(src_ranks, dst_ranks, num_rows: int, tag: int, device="cpu") -> Batch:
+def recv_rows(src_ranks, dst_ranks, num_rows: int, tag: int, device="cpu", stats: dict | None = None) -> Batch:
     """On a destination rank: blocks until its rows arrived; returns them in global row order.
-    A destination with no rows gets an empty Batch (no columns: nobody sent it any)."""
+    A destination with no rows gets an empty Batch (no columns: nobody sent it any).
+
+    `stats`, if given, receives `bytes` (received over the wire) and `transfer_us` (from all
+    headers in to all bodies in): the transfer itself, without the wait for the senders."""
     src, dst = _check_ranks(src_ranks, dst_ranks, num_rows)
     me = _rank()
     if me not in dst:
@@ -170,6 +174,7 @@ def recv_rows(src_ranks, dst_ranks, num_rows: int, tag: int, device="cpu") -> Ba
     headers = {s: torch.empty(2, dtype=torch.int64, device=device) for s in peers if s != me}
     for w in [dist.irecv(h, s, tag=tag) for s, h in headers.items()]:
         w.wait()
+    headers_in = time.perf_counter_ns()
     bodies, works = {}, []
     for s, h in headers.items():
         meta_len, payload_len = h.tolist()
@@ -179,6 +184,9 @@ def recv_rows(src_ranks, dst_ranks, num_rows: int, tag: int, device="cpu") -> Ba
         bodies[s] = (meta, payload)
     for w in works:
         w.wait()
+    if stats is not None:
+        stats["bytes"] = sum(m.numel() + (p.numel() if p is not None else 0) for m, p in bodies.values())
+        stats["transfer_us"] = (time.perf_counter_ns() - headers_in) // 1000
     pieces = []
     for s in peers:
         if s == me:

@@ -27,10 +27,12 @@ class PhaseTimer:
         self.durations: dict[str, float] = {}
 
     @contextmanager
-    def phase(self, name: str, step: int):
+    def phase(self, name: str, step: int, **args):
+        """Times the block; the dict it yields may be filled with more event args (bytes, ...)."""
+        args = {"step": step, **args}
         start = time.time_ns()
         try:
-            yield
+            yield args
         finally:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # time the kernels, not their launch
@@ -38,8 +40,18 @@ class PhaseTimer:
             self.durations[name] = self.durations.get(name, 0.0) + (end - start) / 1e9
             self.events.append(
                 {"name": name, "ph": "X", "pid": self.rank, "tid": 0, "ts": start // 1000,
-                 "dur": max(1, (end - start) // 1000), "args": {"step": step}}
+                 "dur": max(1, (end - start) // 1000), "args": args}
             )
+
+    def record_peak_memory(self) -> None:
+        """A counter event with this rank's peak memory: RSS (Linux reports ru_maxrss in KiB) and,
+        on GPUs, the CUDA caching allocator's peak."""
+        import resource
+
+        cuda = torch.cuda.max_memory_allocated(self.device) / 2**20 if self.device.type == "cuda" else 0.0
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        self.events.append({"name": "peak_memory", "ph": "C", "pid": self.rank, "tid": 0, "ts": time.time_ns() // 1000,
+                            "args": {"rss_mb": rss, "cuda_max_allocated_mb": cuda}})
 
     def pop_timings(self) -> dict[str, float]:
         timings = {f"timing_s/{k}": v for k, v in self.durations.items()}

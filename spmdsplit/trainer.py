@@ -50,6 +50,7 @@ class Trainer:
         self.critic_ranks = list(self.placement.critic_ranks)
         assert self.actor_ranks[0] == 0, "world rank 0 logs and must be in the actor pool"
         self.batch_size = cfg.data.train_batch_size
+        self.stream_chunks = cfg.rollout.stream_chunks
         self.timer = PhaseTimer(self.rank, self.device)
         # verl's blocking calls, for comparison; meaningless when the roles share ranks anyway.
         self.blocking = not cfg.placement.overlap and not self.placement.colocated
@@ -101,70 +102,89 @@ class Trainer:
         return self.logger.history if self.logger else []
 
     def train_step(self, step: int) -> None:
-        cfg, P, B, phase = self.cfg, self.pools, self.batch_size, self.timer.phase
+        cfg, P, phase = self.cfg, self.pools, self.timer.phase
+        A, C, chunks = self.actor_ranks, self.critic_ranks, self.stream_chunks
         use_kl_in_reward = cfg.algorithm.use_kl_in_reward
         step_start = time.time()
 
-        # ---- actor pool: roll out, then score what was generated under the policy and the reference
+        # ---- actor pool: roll out, chunk by chunk, each chunk sent on as soon as it is generated;
+        #      then score the whole rollout under the policy and the reference
         if P.is_actor:
             prompts = self.prompts_for(step)
             with phase("sync_weights", step):
                 self.rollout.load_weights(self.actor.engine.full_state_dict())
-            with phase("gen", step):
-                rollout = self.rollout.generate(prompts)
-            sent_rollout = send_rows(rollout.select(ROLLOUT_KEYS), self.actor_ranks, self.critic_ranks, B, TAG_ROLLOUT, self.device)
+            parts, sends = [], []
+            for c, chunk_prompts in enumerate(prompts.split(len(prompts) // chunks)):
+                with phase("gen", step, chunk=c):
+                    parts.append(self.rollout.generate(chunk_prompts))
+                sends.append(self.send_chunk(parts[-1].select(ROLLOUT_KEYS), A, C, TAG_ROLLOUT, c))
+            rollout = Batch.concat(parts)
             with phase("old_log_prob", step):
                 rollout["old_log_probs"] = self.actor.compute_log_prob(rollout)
             with phase("ref", step):
                 rollout["ref_log_prob"] = self.ref.compute_log_prob(rollout)
             self.handoff()  # blocking mode: the critic starts values only now
             if use_kl_in_reward:
-                sent_log_probs = send_rows(rollout.select(["old_log_probs", "ref_log_prob"]),
-                                           self.actor_ranks, self.critic_ranks, B, TAG_LOG_PROBS, self.device)
+                log_probs = rollout.select(["old_log_probs", "ref_log_prob"]).split(len(parts[0]))
+                sends += [self.send_chunk(part, A, C, TAG_LOG_PROBS, c) for c, part in enumerate(log_probs)]
 
-        # ---- critic pool: values and rewards of the same rollout, meanwhile
+        # ---- critic pool: values and rewards of each chunk as it arrives, meanwhile
         if P.is_critic:
-            with phase("exchange/rollout", step):
-                batch = recv_rows(self.actor_ranks, self.critic_ranks, B, TAG_ROLLOUT, self.device)
-            self.handoff()
-            with phase("values", step):
-                batch["values"] = self.critic.compute_values(batch)
-            with phase("reward", step):
-                batch["token_level_scores"], _ = self.reward.compute(batch)
-            critic_metrics = {}
-            if use_kl_in_reward:
-                with phase("exchange/log_probs", step):
-                    batch.update(recv_rows(self.actor_ranks, self.critic_ranks, B, TAG_LOG_PROBS, self.device))
+            parts = []
+            for c in range(chunks):
+                part = self.recv_chunk(A, C, TAG_ROLLOUT, c, "exchange/rollout", step)
+                if c == 0:
+                    self.handoff()
+                with phase("values", step, chunk=c):
+                    part["values"] = self.critic.compute_values(part)
+                with phase("reward", step, chunk=c):
+                    part["token_level_scores"], _ = self.reward.compute(part)
+                if use_kl_in_reward:
+                    part.update(self.recv_chunk(A, C, TAG_LOG_PROBS, c, "exchange/log_probs", step))
+                parts.append(part)
+            batch = Batch.concat(parts)
             with phase("adv", step):
-                critic_metrics.update(self.compute_advantage(batch))
-            sent_advantages = send_rows(batch.select(["advantages"]), self.critic_ranks, self.actor_ranks, B, TAG_ADVANTAGES, self.device)
+                critic_metrics = self.compute_advantage(batch)
+            advantages = batch.select(["advantages"]).split(len(parts[0]))  # back in the chunks they came in
+            sent_advantages = [self.send_chunk(part, C, A, TAG_ADVANTAGES, c) for c, part in enumerate(advantages)]
             with phase("update_critic", step):
                 critic_metrics.update(self.critic.update_critic(batch, seed=cfg.trainer.seed * 7919 + step))
             critic_metrics.update(compute_data_metrics(batch, P.critic_group, self.device))
             self.handoff()  # blocking mode: the actor updates only after the critic did
-            sent_advantages.wait()
-            if self.rank == self.critic_ranks[0]:
+            for sent in sent_advantages:
+                sent.wait()
+            if self.rank == C[0]:
                 if not P.is_actor:  # colocated, rank 0 reports every phase itself
                     critic_metrics.update(self.timer.pop_timings())
                 self.send_critic_metrics(step, critic_metrics)
 
         # ---- actor pool: the policy update, as soon as the advantages are in
         if P.is_actor:
-            with phase("exchange/advantages", step):
-                rollout.update(recv_rows(self.critic_ranks, self.actor_ranks, B, TAG_ADVANTAGES, self.device))
+            rollout.update(Batch.concat([self.recv_chunk(C, A, TAG_ADVANTAGES, c, "exchange/advantages", step)
+                                         for c in range(chunks)]))
             if self.rank == 0:
                 # What the critic pool has surely sent by now: this step's metrics if rank 0 is
                 # its first rank too, else the previous step's (sent before these advantages).
-                self.receive_critic_metrics(upto=step if self.critic_ranks[0] == 0 else step - 1)
+                self.receive_critic_metrics(upto=step if C[0] == 0 else step - 1)
             self.handoff()
             with phase("update_actor", step):
                 actor_metrics = self.actor.update_policy(rollout, seed=cfg.trainer.seed * 7919 + step)
-            sent_rollout.wait()
-            if use_kl_in_reward:
-                sent_log_probs.wait()
+            for sent in sends:
+                sent.wait()
             if self.rank == 0:
                 timings = {**self.timer.pop_timings(), "timing_s/step": time.time() - step_start}
                 self.record(step, "actor", {**actor_metrics, **timings, **self.throughput(rollout, timings)})
+
+    # ------------------------------------------------------------------ exchanges
+
+    def send_chunk(self, part: Batch, src, dst, tag: int, chunk: int):
+        """Chunk c of the global batch is chunk c of every source rank, laid end to end; each
+        chunk moves as its own exchange, under its own tag."""
+        return send_rows(part, src, dst, self.batch_size // self.stream_chunks, tag * 1000 + chunk, self.device)
+
+    def recv_chunk(self, src, dst, tag: int, chunk: int, name: str, step: int) -> Batch:
+        with self.timer.phase(name, step, chunk=chunk) as args:
+            return recv_rows(src, dst, self.batch_size // self.stream_chunks, tag * 1000 + chunk, self.device, stats=args)
 
     # ------------------------------------------------------------------ pieces of the step
 
@@ -227,6 +247,7 @@ class Trainer:
 
     def finish(self) -> None:
         cfg, P = self.cfg, self.pools
+        self.timer.record_peak_memory()
         if self.sent_metrics is not None:
             self.sent_metrics.wait()
         if P.is_actor and cfg.trainer.output_dir:

@@ -349,3 +349,15 @@ def test_model_path_under_home_with_a_tilde(tmp_path, monkeypatch):
     (tmp_path / "mymodel").mkdir()
     (tmp_path / "mymodel" / "config.json").write_text("{}")
     check_model_path("model.path", "~/mymodel", False)
+
+
+def test_stream_chunks_must_split_evenly_over_both_pools():
+    from spmdsplit.config import check_against_pools
+
+    cfg = load_config(None, ["rollout.stream_chunks=4", "data.train_batch_size=16",
+                             "actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=8"])
+    check_against_pools(cfg, 2, 2)  # 4 chunks of 4 rows: 2 per rank in either pool
+    with pytest.raises(ConfigError, match=r"rollout.stream_chunks=4: data.train_batch_size=16 must split"):
+        check_against_pools(cfg, 2, 3)  # a chunk of 4 rows cannot be shared by 3 critic ranks
+    with pytest.raises(ConfigError, match=r"rollout.stream_chunks=4"):
+        check_against_pools(cfg, 8, 1)  # 16 rows / 8 actor ranks = 2 rows per rank: not 4 chunks

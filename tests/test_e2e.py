@@ -1,6 +1,6 @@
 """The real job under torchrun on CPU/gloo: placements, metrics, timeline, output, learning."""
 
-import os
+import json
 
 import pytest
 
@@ -110,3 +110,27 @@ def test_default_job_learns_the_embedded_task(tmp_path):
     first, last = sum(scores[:10]) / 10, sum(scores[-10:]) / 10
     assert first < 0.15, f"the random policy already scores {first:.3f}: the task is too easy to show learning"
     assert last > first + 0.15 and last > 2 * first, f"score {first:.3f} -> {last:.3f}: did not learn"
+
+
+def test_streaming_rollout_chunks_give_the_same_step(tmp_path):
+    """rollout.stream_chunks=2 sends the rollout in two chunks, each as soon as it is generated,
+    and the critic scores each on arrival. With greedy decoding the rollout is the same, so the
+    step must be too; the timeline shows values of chunk 0 before generation of chunk 1 ends."""
+    greedy = ["rollout.do_sample=false", "trainer.total_steps=2"]
+    whole, _ = run_short(tmp_path / "whole", 2, *greedy)
+    streamed, _ = run_short(tmp_path / "streamed", 2, *greedy, "rollout.stream_chunks=2")
+
+    a, b = scalars(str(whole / "tb")), scalars(str(streamed / "tb"))
+    assert a["critic/score/mean"] == b["critic/score/mean"]
+    for key in ("actor/pg_loss", "critic/vf_loss", "critic/values/mean"):
+        for (_, x), (_, y) in zip(a[key], b[key]):
+            assert y == pytest.approx(x, rel=1e-4, abs=1e-6), key
+
+    events = timeline_events(str(streamed / "timeline.json"))
+    for name, rank in (("gen", 0), ("values", 1), ("reward", 1), ("exchange/rollout", 1)):
+        assert sorted(e["args"]["chunk"] for e in events if e["name"] == name and e["pid"] == rank) == [0, 0, 1, 1]
+    received = [e for e in events if e["name"] == "exchange/rollout"]
+    assert all(e["args"]["bytes"] > 0 and e["args"]["transfer_us"] >= 0 for e in received)
+    with open(streamed / "timeline.json") as f:
+        memory = [e for e in json.load(f)["traceEvents"] if e["name"] == "peak_memory" and e["ph"] == "C"]
+    assert sorted(e["pid"] for e in memory) == [0, 1] and all(e["args"]["rss_mb"] > 50 for e in memory)

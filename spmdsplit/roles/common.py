@@ -53,6 +53,7 @@ def run_ppo_updates(engine, batch: Batch, cfg, seed: int, device, micro_loss: Ca
     losses averaged over optimizer steps, and grad_norm / lr.
     """
     mini_rows = cfg.ppo_mini_batch_size // engine.dp_size
+    loss_sums: dict[str, float] = {}
     sums: dict[str, float] = {}
     weights: dict[str, float] = {}
     steps = []
@@ -61,15 +62,15 @@ def run_ppo_updates(engine, batch: Batch, cfg, seed: int, device, micro_loss: Ca
         for micro in mini.split(cfg.ppo_micro_batch_size_per_gpu):
             loss_shares, pieces = micro_loss(micro, num_tokens, num_seqs)
             for name, share in loss_shares.items():
-                sums[name] = sums.get(name, 0.0) + float(share)
-                weights[name] = 0.0  # set below: the pool's share count is one per optimizer step
+                loss_sums[name] = loss_sums.get(name, 0.0) + float(share)
             for name, (value, weight) in pieces.items():
                 sums[name] = sums.get(name, 0.0) + float(value) * float(weight)
                 weights[name] = weights.get(name, 0.0) + float(weight)
         steps.append(engine.step())
-    for name in loss_shares:
-        # Each rank contributes len(steps)/pool_size so the pool-wide sum of weights is len(steps).
-        weights[name] = len(steps) / engine.dp_size
+    # Shares summed over the pool give each mini-batch's loss once: weighting each rank's sum by
+    # steps / pool size makes the pool-wide mean the loss averaged over optimizer steps.
+    sums.update(loss_sums)
+    weights.update({name: len(steps) / engine.dp_size for name in loss_sums})
     metrics = pool_reduce_metrics(sums, weights, engine.group, device)
     metrics["grad_norm"] = sum(s["grad_norm"] for s in steps) / len(steps)
     metrics["lr"] = steps[-1]["lr"]

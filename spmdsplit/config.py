@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -33,6 +33,9 @@ class TrainerConfig:
     num_threads: int = 1  # torch threads per rank on CPU (1 avoids oversubscribing cores); 0 = torch's default
     dist_timeout_s: int = 600  # a collective that waits longer than this fails instead of hanging
     progress_bar: bool = True
+    val_freq: int = -1  # validate every this many steps (and after the last); -1 = never
+    val_before_train: bool = False
+    critic_warmup: int = 0  # the first this many steps train only the critic
 
 
 @dataclass
@@ -54,11 +57,18 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    task: str = "repeat"  # the built-in synthetic task (see spmdsplit/data/synthetic.py)
+    task: str = "repeat"  # the built-in synthetic task (see spmdsplit/data/synthetic.py), when no train_files
     num_train_samples: int = 20000  # size of the synthetic training set
+    # verl's parquet files (a path or a list of paths); "" = the synthetic task
+    train_files: Any = ""
+    val_files: Any = ""
+    prompt_key: str = "prompt"
     train_batch_size: int = 128  # prompts per step, over the whole world
     max_prompt_length: int = 8
     max_response_length: int = 5
+    filter_overlong_prompts: bool = False  # drop (and count) prompts longer than max_prompt_length
+    truncation: str = "error"  # a prompt still too long: error | left | right
+    skip_malformed_rows: bool = False  # false: malformed rows stop the job, with their row numbers
     shuffle: bool = True
     seed: int = 1
 
@@ -105,14 +115,43 @@ class CriticConfig:
 
 
 @dataclass
+class ValKwargsConfig:
+    n: int = 1
+    do_sample: bool = False  # greedy by default
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+
+
+@dataclass
 class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1 = off
     do_sample: bool = True
+    n: int = 1  # responses sampled per prompt (GRPO/RLOO group size)
     # >1: the actor pool sends its rollout in this many chunks, each as soon as it is generated,
     # so the critic pool computes values and rewards while generation goes on.
     stream_chunks: int = 1
+    val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)  # sampling for validation
+
+
+@dataclass
+class CustomRewardFnConfig:
+    path: str = ""  # a .py file defining the function; "" = the built-in scorers by data_source
+    name: str = "compute_score"
+
+
+@dataclass
+class RewardModelConfig:
+    path: str = ""  # an AutoModelForSequenceClassification checkpoint; "" = rule rewards only
+    micro_batch_size_per_gpu: int = 16
+
+
+@dataclass
+class RewardConfig:
+    custom_fn: CustomRewardFnConfig = field(default_factory=CustomRewardFnConfig)
+    model: RewardModelConfig = field(default_factory=RewardModelConfig)
 
 
 @dataclass
@@ -128,6 +167,7 @@ class AlgorithmConfig:
     adv_estimator: str = "gae"
     gamma: float = 1.0
     lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True
     use_kl_in_reward: bool = False
     kl_penalty: str = "kl"
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
@@ -142,6 +182,7 @@ class Config:
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
 
 
@@ -150,7 +191,8 @@ CHOICES = {
     "placement.pool_unit": ("ranks_per_node", "nodes"),
     "trainer.device": ("auto", "cpu", "cuda"),
     "model.dtype": ("auto", "float32", "bfloat16"),
-    "algorithm.adv_estimator": ("gae",),
+    "algorithm.adv_estimator": ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"),
+    "data.truncation": ("error", "left", "right"),
     "data.task": tuple(TASKS),
     "algorithm.kl_penalty": ("kl", "abs", "mse", "low_var_kl"),
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
@@ -167,7 +209,8 @@ POSITIVE = (
     "data.max_response_length", "data.num_train_samples", "actor.ppo_mini_batch_size",
     "actor.ppo_micro_batch_size_per_gpu", "actor.ppo_epochs", "actor.log_prob_micro_batch_size_per_gpu",
     "critic.ppo_mini_batch_size", "critic.ppo_micro_batch_size_per_gpu", "critic.ppo_epochs",
-    "critic.forward_micro_batch_size_per_gpu", "rollout.temperature", "rollout.stream_chunks",
+    "critic.forward_micro_batch_size_per_gpu", "rollout.temperature", "rollout.stream_chunks", "rollout.n",
+    "rollout.val_kwargs.n", "reward.model.micro_batch_size_per_gpu",
 )
 
 

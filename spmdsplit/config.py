@@ -191,7 +191,7 @@ CHOICES = {
     "placement.pool_unit": ("ranks_per_node", "nodes"),
     "trainer.device": ("auto", "cpu", "cuda"),
     "model.dtype": ("auto", "float32", "bfloat16"),
-    "algorithm.adv_estimator": ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"),
+    "algorithm.adv_estimator": ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
     "data.truncation": ("error", "left", "right"),
     "data.task": tuple(TASKS),
     "algorithm.kl_penalty": ("kl", "abs", "mse", "low_var_kl"),
@@ -260,6 +260,18 @@ def check_values(cfg: DictConfig) -> None:
             raise ConfigError(
                 f"{role}.ppo_mini_batch_size={mini} must divide data.train_batch_size={cfg.data.train_batch_size}"
             )
+    if (cfg.algorithm.adv_estimator != "gae" and cfg.placement.mode != "colocate"
+            and not cfg.reward.model.path):
+        raise ConfigError(
+            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} trains no critic, and without "
+            "reward.model.path the critic pool would only run a rule reward while the actor pool does "
+            "all the work: use placement.mode=colocate, or give the critic pool a reward model"
+        )
+    if cfg.algorithm.adv_estimator in ("grpo", "rloo") and cfg.rollout.n < 2:
+        raise ConfigError(
+            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares responses to the same prompt: "
+            f"set rollout.n >= 2 (got {cfg.rollout.n})"
+        )
     if cfg.placement.mode == "custom" and len(cfg.placement.pools) != 2:
         raise ConfigError(
             f"placement.pools={list(cfg.placement.pools)}: placement.mode=custom needs two sizes [actor, critic], "

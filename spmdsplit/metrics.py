@@ -83,7 +83,7 @@ def compute_data_metrics(batch: Batch, group, device) -> dict[str, float]:
     prompt_length = prompt_mask.sum(-1)
     ones = torch.ones_like(response_length)
     n_valid = response_mask.sum().item()
-    per_token = {"advantages": batch["advantages"], "returns": batch["returns"], "values": batch["values"]}
+    per_token = {k: batch[k] for k in ("advantages", "returns", "values") if k in batch}  # no values without a critic
     per_seq = {
         "critic/score": batch["token_level_scores"].sum(-1),
         "critic/rewards": batch["token_level_rewards"].sum(-1),
@@ -109,9 +109,10 @@ def compute_data_metrics(batch: Batch, group, device) -> dict[str, float]:
     metrics.update(mins)
     from spmdsplit.distributed import pool_sum
 
-    metrics["critic/vf_explained_var"] = algo.compute_explained_variance(
-        batch["values"], batch["returns"], batch["response_mask"], reduce_sum=pool_sum(group)
-    )
+    if "values" in batch:
+        metrics["critic/vf_explained_var"] = algo.compute_explained_variance(
+            batch["values"], batch["returns"], batch["response_mask"], reduce_sum=pool_sum(group)
+        )
     return metrics
 
 

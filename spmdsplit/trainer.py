@@ -49,8 +49,12 @@ class Trainer:
         self.actor_ranks = list(self.placement.actor_ranks)
         self.critic_ranks = list(self.placement.critic_ranks)
         assert self.actor_ranks[0] == 0, "world rank 0 logs and must be in the actor pool"
-        self.batch_size = cfg.data.train_batch_size
+        self.batch_size = cfg.data.train_batch_size  # prompts per step
+        self.rows_per_step = self.batch_size * cfg.rollout.n  # n responses of each prompt, side by side
         self.stream_chunks = cfg.rollout.stream_chunks
+        # Critic-free estimators (GRPO, RLOO, REINFORCE++) train no value model: the critic pool
+        # then hosts only the reward.
+        self.use_critic = cfg.algorithm.adv_estimator == "gae"
         self.timer = PhaseTimer(self.rank, self.device)
         # verl's blocking calls, for comparison; meaningless when the roles share ranks anyway.
         self.blocking = not cfg.placement.overlap and not self.placement.colocated
@@ -70,7 +74,8 @@ class Trainer:
             policy = load_causal_lm(self.model_path, torch.float32, self.device, seed, remote)
             if cfg.model.gradient_checkpointing:
                 policy.gradient_checkpointing_enable()
-            self.actor = Actor(FSDPEngine(policy, pools.actor_mesh, cfg.actor.optim, mixed), cfg.actor, temperature, self.device)
+            self.actor = Actor(FSDPEngine(policy, pools.actor_mesh, cfg.actor.optim, mixed), cfg.actor, temperature,
+                               self.device, rollout_n=cfg.rollout.n)
             reference = load_causal_lm(self.model_path, dtype, self.device, seed, remote)
             self.ref = Actor(FSDPEngine(reference, pools.actor_mesh, optim=None), cfg.actor, temperature, self.device)
             rollout_model = load_causal_lm(self.model_path, dtype, self.device, seed, remote)
@@ -78,9 +83,11 @@ class Trainer:
             rows = make_dataset(cfg.data.task, cfg.data.num_train_samples, cfg.data.seed)
             self.dataset = PromptDataset(rows, self.batch_size, cfg.data.shuffle, cfg.data.seed)
         if pools.is_critic:
-            critic_path = cfg.critic.model_path or self.model_path
-            value_model = load_value_model(critic_path, torch.float32, self.device, seed, remote)
-            self.critic = Critic(FSDPEngine(value_model, pools.critic_mesh, cfg.critic.optim, mixed), cfg.critic, self.device)
+            if self.use_critic:
+                critic_path = cfg.critic.model_path or self.model_path
+                value_model = load_value_model(critic_path, torch.float32, self.device, seed, remote)
+                self.critic = Critic(FSDPEngine(value_model, pools.critic_mesh, cfg.critic.optim, mixed), cfg.critic,
+                                     self.device, rollout_n=cfg.rollout.n)
             self.reward = RuleReward(self.tokenizer, eos_ids)
             kl = cfg.algorithm.kl_ctrl
             self.kl_ctrl = algo.get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
@@ -135,8 +142,9 @@ class Trainer:
                 part = self.recv_chunk(A, C, TAG_ROLLOUT, c, "exchange/rollout", step)
                 if c == 0:
                     self.handoff()
-                with phase("values", step, chunk=c):
-                    part["values"] = self.critic.compute_values(part)
+                if self.use_critic:
+                    with phase("values", step, chunk=c):
+                        part["values"] = self.critic.compute_values(part)
                 with phase("reward", step, chunk=c):
                     part["token_level_scores"], _ = self.reward.compute(part)
                 if use_kl_in_reward:
@@ -147,8 +155,9 @@ class Trainer:
                 critic_metrics = self.compute_advantage(batch)
             advantages = batch.select(["advantages"]).split(len(parts[0]))  # back in the chunks they came in
             sent_advantages = [self.send_chunk(part, C, A, TAG_ADVANTAGES, c) for c, part in enumerate(advantages)]
-            with phase("update_critic", step):
-                critic_metrics.update(self.critic.update_critic(batch, seed=cfg.trainer.seed * 7919 + step))
+            if self.use_critic:
+                with phase("update_critic", step):
+                    critic_metrics.update(self.critic.update_critic(batch, seed=cfg.trainer.seed * 7919 + step))
             critic_metrics.update(compute_data_metrics(batch, P.critic_group, self.device))
             self.handoff()  # blocking mode: the actor updates only after the critic did
             for sent in sent_advantages:
@@ -167,8 +176,10 @@ class Trainer:
                 # its first rank too, else the previous step's (sent before these advantages).
                 self.receive_critic_metrics(upto=step if C[0] == 0 else step - 1)
             self.handoff()
-            with phase("update_actor", step):
-                actor_metrics = self.actor.update_policy(rollout, seed=cfg.trainer.seed * 7919 + step)
+            actor_metrics = {}
+            if step > cfg.trainer.critic_warmup:  # the first steps train only the critic
+                with phase("update_actor", step):
+                    actor_metrics = self.actor.update_policy(rollout, seed=cfg.trainer.seed * 7919 + step)
             for sent in sends:
                 sent.wait()
             if self.rank == 0:
@@ -180,19 +191,23 @@ class Trainer:
     def send_chunk(self, part: Batch, src, dst, tag: int, chunk: int):
         """Chunk c of the global batch is chunk c of every source rank, laid end to end; each
         chunk moves as its own exchange, under its own tag."""
-        return send_rows(part, src, dst, self.batch_size // self.stream_chunks, tag * 1000 + chunk, self.device)
+        return send_rows(part, src, dst, self.rows_per_step // self.stream_chunks, tag * 1000 + chunk, self.device)
 
     def recv_chunk(self, src, dst, tag: int, chunk: int, name: str, step: int) -> Batch:
         with self.timer.phase(name, step, chunk=chunk) as args:
-            return recv_rows(src, dst, self.batch_size // self.stream_chunks, tag * 1000 + chunk, self.device, stats=args)
+            return recv_rows(src, dst, self.rows_per_step // self.stream_chunks, tag * 1000 + chunk, self.device, stats=args)
 
     # ------------------------------------------------------------------ pieces of the step
 
     def prompts_for(self, step: int) -> Batch:
+        """This rank's share of the step's prompts, each repeated rollout.n times in a row (one
+        group per prompt, sharing its uid); groups never straddle ranks since the batch divides."""
         part, parts = self.pools.rank_in("actor"), len(self.actor_ranks)
         rows = self.dataset.shard(step, part, parts)
         first_row = self.dataset.batch_size * (step - 1) + part * len(rows)
-        return collate_prompts(rows, self.tokenizer, self.cfg.data.max_prompt_length, step, first_row).to(self.device)
+        prompts = collate_prompts(rows, self.tokenizer, self.cfg.data.max_prompt_length, step, first_row)
+        n = self.cfg.rollout.n
+        return (prompts.index(torch.arange(len(prompts)).repeat_interleave(n)) if n > 1 else prompts).to(self.device)
 
     def compute_advantage(self, batch: Batch) -> dict[str, float]:
         alg = self.cfg.algorithm
@@ -205,9 +220,21 @@ class Trainer:
             )
         else:
             batch["token_level_rewards"] = batch["token_level_scores"]
-        batch["advantages"], batch["returns"] = algo.compute_gae_advantage_return(
-            batch["token_level_rewards"], batch["values"], batch["response_mask"], alg.gamma, alg.lam, reduce_sum=reduce_sum,
-        )
+        rewards, mask, groups = batch["token_level_rewards"], batch["response_mask"], batch["uid"]
+        est = alg.adv_estimator
+        if est == "gae":
+            adv, ret = algo.compute_gae_advantage_return(rewards, batch["values"], mask, alg.gamma, alg.lam, reduce_sum=reduce_sum)
+        elif est == "grpo":
+            adv, ret = algo.compute_grpo_outcome_advantage(rewards, mask, groups, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
+        elif est == "rloo":
+            adv, ret = algo.compute_rloo_outcome_advantage(rewards, mask, groups)
+        elif est == "reinforce_plus_plus":
+            adv, ret = algo.compute_reinforce_plus_plus_outcome_advantage(rewards, mask, alg.gamma, reduce_sum=reduce_sum)
+        elif est == "reinforce_plus_plus_baseline":
+            adv, ret = algo.compute_reinforce_plus_plus_baseline_outcome_advantage(rewards, mask, groups, reduce_sum=reduce_sum)
+        else:
+            raise ValueError(f"algorithm.adv_estimator={est!r} is not supported")
+        batch["advantages"], batch["returns"] = adv, ret
         return metrics
 
     def handoff(self) -> None:

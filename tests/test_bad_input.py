@@ -18,8 +18,10 @@ from tests.runjob import torchrun
         (2, ["trainer.totl_steps=3"], "trainer.totl_steps"),
         (2, ["trainer.total_steps=many"], "trainer.total_steps"),
         (2, ["model.path=/no/such/model"], "model.path"),
+        (2, ["algorithm.adv_estimator=grpo", "rollout.n=4"], "the critic pool would only run a rule reward"),
     ],
-    ids=["odd-split", "pools-dont-add-up", "batch-not-divisible", "unknown-key", "wrong-type", "missing-model"],
+    ids=["odd-split", "pools-dont-add-up", "batch-not-divisible", "unknown-key", "wrong-type", "missing-model",
+         "critic-free-split-with-nothing-to-do"],
 )
 def test_every_rank_fails_fast_naming_the_key(nproc, overrides, expected):
     start = time.monotonic()

@@ -134,3 +134,22 @@ def test_streaming_rollout_chunks_give_the_same_step(tmp_path):
     with open(streamed / "timeline.json") as f:
         memory = [e for e in json.load(f)["traceEvents"] if e["name"] == "peak_memory" and e["ph"] == "C"]
     assert sorted(e["pid"] for e in memory) == [0, 1] and all(e["args"]["rss_mb"] > 50 for e in memory)
+
+
+def test_grpo_groups_responses_and_trains_no_critic(tmp_path):
+    """GRPO: rollout.n responses per prompt, advantages from each group's scores, no value model."""
+    out, _ = run_short(tmp_path, 2, "placement.mode=colocate", "algorithm.adv_estimator=grpo", "rollout.n=4",
+                       "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=4")
+    logged = scalars(str(out / "tb"))
+    assert "actor/pg_loss" in logged and "critic/advantages/mean" in logged
+    assert not any(k.startswith("critic/values") or k in ("critic/vf_loss", "timing_s/update_critic") for k in logged)
+    events = timeline_events(str(out / "timeline.json"))
+    assert not [e for e in events if e["name"] in ("values", "update_critic")]
+    assert len([e for e in events if e["name"] == "update_actor"]) == 2 * 4  # 2 ranks x 4 steps
+
+
+def test_critic_warmup_holds_the_actor_back(tmp_path):
+    out, _ = run_short(tmp_path, 2, "trainer.critic_warmup=2")
+    logged = scalars(str(out / "tb"))
+    assert [s for s, _ in logged["actor/pg_loss"]] == [3, 4]
+    assert [s for s, _ in logged["critic/vf_loss"]] == [1, 2, 3, 4]

@@ -10,8 +10,9 @@ from spmdsplit.roles.common import forward_response, run_ppo_updates
 
 
 class Actor:
-    def __init__(self, engine, cfg, temperature: float, device):
+    def __init__(self, engine, cfg, temperature: float, device, rollout_n: int = 1):
         self.engine, self.cfg, self.temperature, self.device = engine, cfg, temperature, device
+        self.rollout_n = rollout_n
 
     def _log_probs(self, micro: Batch, with_entropy: bool):
         # Logits divided by the sampling temperature: the log-probs must be those of the
@@ -56,7 +57,7 @@ class Actor:
             }
             return shares, pieces
 
-        metrics = run_ppo_updates(self.engine, batch, cfg, seed, self.device, micro_loss)
+        metrics = run_ppo_updates(self.engine, batch, cfg, self.rollout_n, seed, self.device, micro_loss)
         metrics["actor/grad_norm"] = metrics.pop("grad_norm")
         metrics["actor/lr"] = metrics.pop("lr")
         if cfg.use_kl_loss:

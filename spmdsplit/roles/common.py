@@ -43,7 +43,8 @@ def global_counts(mini: Batch, group, device) -> tuple[torch.Tensor, torch.Tenso
     return num_tokens, num_seqs
 
 
-def run_ppo_updates(engine, batch: Batch, cfg, seed: int, device, micro_loss: Callable[[Batch, torch.Tensor, torch.Tensor], dict]):
+def run_ppo_updates(engine, batch: Batch, cfg, rollout_n: int, seed: int, device,
+                    micro_loss: Callable[[Batch, torch.Tensor, torch.Tensor], dict]):
     """The PPO update loop (epochs x mini-batches x micro-batches with gradient accumulation).
 
     `micro_loss(micro, num_tokens, num_seqs)` runs forward + `engine.backward` on one micro-batch
@@ -52,7 +53,7 @@ def run_ppo_updates(engine, batch: Batch, cfg, seed: int, device, micro_loss: Ca
     pieces {name: (local_mean, local_weight)} for token-weighted metrics. Returns pool-wide means,
     losses averaged over optimizer steps, and grad_norm / lr.
     """
-    mini_rows = cfg.ppo_mini_batch_size // engine.dp_size
+    mini_rows = cfg.ppo_mini_batch_size * rollout_n // engine.dp_size  # mini-batches count prompts, as in verl
     loss_sums: dict[str, float] = {}
     sums: dict[str, float] = {}
     weights: dict[str, float] = {}

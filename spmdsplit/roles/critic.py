@@ -10,8 +10,9 @@ from spmdsplit.roles.common import forward_response, run_ppo_updates
 
 
 class Critic:
-    def __init__(self, engine, cfg, device):
+    def __init__(self, engine, cfg, device, rollout_n: int = 1):
         self.engine, self.cfg, self.device = engine, cfg, device
+        self.rollout_n = rollout_n
 
     def _values(self, micro: Batch) -> torch.Tensor:
         values = forward_response(self.engine, micro)[..., 0].float()
@@ -40,7 +41,7 @@ class Critic:
             }
             return {"critic/vf_loss": vf_loss.item()}, pieces
 
-        metrics = run_ppo_updates(self.engine, batch, cfg, seed, self.device, micro_loss)
+        metrics = run_ppo_updates(self.engine, batch, cfg, self.rollout_n, seed, self.device, micro_loss)
         metrics["critic/grad_norm"] = metrics.pop("grad_norm")
         metrics["critic/lr"] = metrics.pop("lr")
         return metrics

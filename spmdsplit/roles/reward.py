@@ -1,35 +1,115 @@
-"""The rule reward: decodes each response and scores it with the scorer of its data_source."""
+"""The rule reward: decodes each response and scores it with the scorer of its data_source (or
+with the custom reward function, which then replaces them all).
+
+A scorer that raises, or gives NaN/inf, stops the job: `RewardError` carries the sample (its
+data_source, response text and ground truth) and the original error. The roles let it propagate;
+the rank exits with it and torchrun ends the job, so a broken reward never trains silently.
+"""
 
 from __future__ import annotations
+
+import math
+from typing import Callable
 
 import torch
 
 from spmdsplit.batch import Batch
-from spmdsplit.rewards.rule import compute_score
+from spmdsplit.rewards.rule import SCORERS, score_sample
+
+SHOW_CHARS = 500  # how much of a response an error shows
+
+
+class RewardError(RuntimeError):
+    """A reward could not be computed for a sample; the message shows the sample."""
+
+
+class UnknownDataSourceError(RewardError, KeyError):
+    """No built-in scorer for a sample's data_source: a RewardError that is also the KeyError
+    `rule.compute_score` raises, so callers may catch either."""
+
+    __str__ = BaseException.__str__  # KeyError's own str() would quote the multi-line message
+
+
+def _shorten(text: str, limit: int = SHOW_CHARS) -> str:
+    """Head and tail of a long text: the start shows what it is, the end holds the final answer."""
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]} [... {len(text) - 2 * half} chars cut ...] {text[-half:]}"
+
+
+def describe_sample(index: int, response: str, data_source=None, ground_truth=None, prompt: str | None = None) -> str:
+    lines = [f"  sample {index} of this rank's batch"]
+    if data_source is not None:
+        lines.append(f"  data_source: {data_source!r}")
+    if prompt is not None:
+        lines.append(f"  prompt ({len(prompt)} chars): {_shorten(prompt)!r}")
+    lines.append(f"  response ({len(response)} chars): {_shorten(response)!r}")
+    if ground_truth is not None:
+        lines.append(f"  ground_truth: {_shorten(str(ground_truth))!r}")
+    return "\n".join(lines)
+
+
+def response_texts(tokenizer, responses: torch.Tensor, lengths: torch.Tensor, eos_token_ids: set[int]) -> list[str]:
+    """Each response's valid tokens, decoded, without the EOS that ends it."""
+    texts = []
+    for i in range(responses.shape[0]):
+        ids = responses[i, : int(lengths[i])].tolist()
+        if ids and ids[-1] in eos_token_ids:
+            ids = ids[:-1]
+        # Other special tokens stay in the text: stripping them would let a policy pad its
+        # answer with tokens the scorer never sees (a reward hack seen on the embedded task).
+        texts.append(tokenizer.decode(ids, skip_special_tokens=False))
+    return texts
+
+
+def on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """[B, R] float32 with each row's score on its last valid response token, 0 elsewhere (and
+    everywhere for an empty response)."""
+    lengths = response_mask.sum(-1)
+    out = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
+    last = (lengths - 1).clamp(min=0)
+    out[torch.arange(response_mask.shape[0], device=response_mask.device), last] = scores.to(out.device, torch.float32)
+    return out * (lengths > 0).unsqueeze(-1)
 
 
 class RuleReward:
-    def __init__(self, tokenizer, eos_token_ids: list[int] | None = None):
+    def __init__(self, tokenizer, eos_token_ids: list[int] | None = None, custom_fn: Callable | None = None):
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids or [tokenizer.eos_token_id])
+        self.custom_fn = custom_fn
 
     @torch.no_grad()
     def compute(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (token_level_scores [B, R] with the score on each response's last valid
         token and 0 elsewhere, scores [B])."""
+        token_level_scores, scores, _ = self.compute_with_extras(batch)
+        return token_level_scores, scores
+
+    @torch.no_grad()
+    def compute_with_extras(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, list[float]]]:
+        """As `compute`, plus the other numbers scorers returned in a dict (e.g. "acc"), one list
+        of B floats per key; a sample whose scorer did not give that key has NaN there."""
         responses, mask = batch["responses"], batch["response_mask"]
-        lengths = mask.sum(-1)
-        scores = []
-        for i in range(len(batch)):
-            ids = responses[i, : lengths[i]].tolist()
-            if ids and ids[-1] in self.eos_token_ids:
-                ids = ids[:-1]
-            # Other special tokens stay in the text: stripping them would let a policy pad its
-            # answer with tokens the scorer never sees (a reward hack seen on the embedded task).
-            text = self.tokenizer.decode(ids, skip_special_tokens=False)
-            scores.append(compute_score(batch["data_source"][i], text, batch["ground_truth"][i]))
+        texts = response_texts(self.tokenizer, responses, mask.sum(-1), self.eos_token_ids)
+        sources, truths = batch["data_source"], batch["ground_truth"]
+        extra_info = batch["extra_info"] if "extra_info" in batch else [None] * len(batch)
+        scores, per_sample = [], []
+        for i, text in enumerate(texts):
+            try:
+                score, extras = score_sample(sources[i], text, truths[i], extra_info[i], fn=self.custom_fn)
+            except Exception as e:
+                which = "the custom reward function" if self.custom_fn is not None else "the rule reward"
+                unknown = self.custom_fn is None and sources[i] not in SCORERS
+                cls = UnknownDataSourceError if unknown else RewardError
+                raise cls(
+                    f"{which} failed on a sample; the job stops here so that it does not train on a broken reward:\n"
+                    f"{describe_sample(i, text, sources[i], truths[i])}\n"
+                    f"  error: {type(e).__name__}: {e.args[0] if isinstance(e, KeyError) and e.args else e}"
+                ) from e
+            scores.append(score)
+            per_sample.append(extras)
+        keys = sorted({k for extras in per_sample for k in extras})
+        collected = {k: [extras.get(k, math.nan) for extras in per_sample] for k in keys}
         scores = torch.tensor(scores, dtype=torch.float32, device=responses.device)
-        token_level_scores = torch.zeros(mask.shape, dtype=torch.float32, device=responses.device)
-        last = (lengths - 1).clamp(min=0)
-        token_level_scores[torch.arange(len(batch), device=responses.device), last] = scores
-        return token_level_scores * (lengths > 0).unsqueeze(-1), scores
+        return on_last_token(scores, mask), scores, collected

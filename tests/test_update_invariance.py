@@ -35,7 +35,7 @@ def make_batch(vocab: int):
     })
 
 
-def _update(rank, world_size, model_dir, role, micro):
+def _update(rank, world_size, model_dir, role, micro, loss_agg_mode="token-mean"):
     from spmdsplit.config import ActorConfig, CriticConfig, OptimConfig
     from spmdsplit.engines.fsdp import FSDPEngine
     from spmdsplit.exchange import row_ranges
@@ -48,12 +48,12 @@ def _update(rank, world_size, model_dir, role, micro):
     optim = OptimConfig(lr=1e-2, lr_warmup_steps=0, grad_clip=1e9)
     if role == "actor":
         cfg = ActorConfig(optim=optim, ppo_mini_batch_size=ROWS, ppo_micro_batch_size_per_gpu=micro,
-                          entropy_coeff=0.01, shuffle=False)
+                          entropy_coeff=0.01, shuffle=False, loss_agg_mode=loss_agg_mode)
         model = load_causal_lm(model_dir, torch.float32, device, seed=3)
         worker = Actor(FSDPEngine(model, mesh, cfg.optim), cfg, temperature=1.0, device=device)
     else:
         cfg = CriticConfig(optim=optim, ppo_mini_batch_size=ROWS, ppo_micro_batch_size_per_gpu=micro,
-                           cliprange_value=0.05, shuffle=False)
+                           cliprange_value=0.05, shuffle=False, loss_agg_mode=loss_agg_mode)
         model = load_value_model(model_dir, torch.float32, device, seed=3)
         worker = Critic(FSDPEngine(model, mesh, cfg.optim), cfg, device)
     batch = make_batch(model.config.vocab_size)
@@ -71,11 +71,15 @@ def model_dir():
     return ensure_embedded_model()
 
 
-@pytest.mark.parametrize("role", ["actor", "critic"])
-def test_update_matches_across_ranks_and_micro_batches(model_dir, role):
-    (one_rank, metrics_1), = run_ranks(_update, 1, model_dir, role, 4)
-    two_ranks = run_ranks(_update, 2, model_dir, role, 2)
-    (more_micro, _), = run_ranks(_update, 1, model_dir, role, 1)
+@pytest.mark.parametrize(
+    "role, mode",
+    [("actor", "token-mean"), ("actor", "seq-mean-token-sum"), ("actor", "seq-mean-token-mean"),
+     ("actor", "seq-mean-token-sum-norm"), ("critic", "token-mean")],
+)
+def test_update_matches_across_ranks_and_micro_batches(model_dir, role, mode):
+    (one_rank, metrics_1), = run_ranks(_update, 1, model_dir, role, 4, mode)
+    two_ranks = run_ranks(_update, 2, model_dir, role, 2, mode)
+    (more_micro, _), = run_ranks(_update, 1, model_dir, role, 1, mode)
     initial = _initial_state(model_dir, role)
 
     moved = max((one_rank[k] - initial[k]).abs().max().item() for k in one_rank)

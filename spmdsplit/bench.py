@@ -117,40 +117,35 @@ def exchange_stats(events: list[dict], step_times: dict[int, float], warmup: int
     """Cross-pool exchange per step, on the receiving ranks. transfer = first header to last
     payload (`args.transfer_us`), wait = the whole exchange phase (mostly waiting for the other
     pool). Per step the busiest receiving rank counts; shares are over that step's step time.
-    Bandwidth = all bytes / all transfer time (after warmup)."""
-    transfer: dict[tuple[int, int], float] = {}
-    wait: dict[tuple[int, int], float] = {}
-    nbytes = {}
-    total_bytes = total_us = 0.0
-    has_transfer = False
+    Bandwidth = all bytes / all transfer time (after warmup). None where the timeline lacks the fields."""
+    sums: dict[str, dict[tuple[int, int], float]] = {"wait": {}, "transfer": {}, "bytes": {}}
     for e in events:
         if not e["name"].startswith("exchange/") or e["args"]["step"] <= warmup:
             continue
         key, args = (e["args"]["step"], e["pid"]), e["args"]
-        wait[key] = wait.get(key, 0.0) + e["dur"] / 1e6
-        if "transfer_us" in args:
-            has_transfer = True
-            transfer[key] = transfer.get(key, 0.0) + args["transfer_us"] / 1e6
-            nbytes[key] = nbytes.get(key, 0) + args.get("bytes", 0)
-            total_bytes, total_us = total_bytes + args.get("bytes", 0), total_us + args["transfer_us"]
+        values = {"wait": e["dur"] / 1e6, "bytes": args.get("bytes"),
+                  "transfer": args["transfer_us"] / 1e6 if "transfer_us" in args else None}
+        for name, v in values.items():
+            if v is not None:
+                sums[name][key] = sums[name].get(key, 0.0) + v
+    wait, transfer, nbytes = (_busiest_per_step(sums[k]) for k in ("wait", "transfer", "bytes"))
+    total_bytes, total_s = sum(sums["bytes"].values()), sum(sums["transfer"].values())
 
-    def per_step(d):
-        out: dict[int, float] = {}
-        for (step, _), v in d.items():
-            out[step] = max(out.get(step, 0.0), v)
-        return out
+    def share(per_step):
+        return median(v / step_times[s] for s, v in per_step.items() if step_times.get(s))
 
-    t, w, b = per_step(transfer), per_step(wait), per_step(nbytes)
-    share = {s: v / step_times[s] for s, v in t.items() if step_times.get(s)}
-    wait_share = {s: v / step_times[s] for s, v in w.items() if step_times.get(s)}
-    return {
-        "transfer_s": median(t.values()) if has_transfer else None,
-        "share": median(share.values()) if has_transfer else None,
-        "wait_s": median(w.values()),
-        "wait_share": median(wait_share.values()),
-        "bytes_per_step": median(b.values()) if has_transfer else None,
-        "bandwidth_MBps": total_bytes / total_us if total_bytes and total_us else None,  # bytes/µs = MB/s
-    }
+    return {"transfer_s": median(transfer.values()), "share": share(transfer),
+            "wait_s": median(wait.values()), "wait_share": share(wait),
+            "bytes_per_step": median(nbytes.values()),
+            "bandwidth_MBps": total_bytes / total_s / 1e6 if total_bytes and total_s else None}
+
+
+def _busiest_per_step(sums: dict[tuple[int, int], float]) -> dict[int, float]:
+    """(step, rank) -> value  to  step -> the largest value of any rank."""
+    out: dict[int, float] = {}
+    for (step, _), v in sums.items():
+        out[step] = max(out.get(step, 0.0), v)
+    return out
 
 
 def peak_memory(trace: dict, pools: dict[int, str]) -> list[dict]:
@@ -229,8 +224,10 @@ def _p2p_worker(rank: int, port: int, nbytes: int, repeats: int, backend: str, q
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group(backend, rank=rank, world_size=2)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, rank=rank, world_size=2)
     samples = []
     for i in range(repeats + 1):  # the first round warms up the connection
         # Fresh buffers every round, as the exchange allocates its own.
@@ -238,7 +235,10 @@ def _p2p_worker(rank: int, port: int, nbytes: int, repeats: int, backend: str, q
             torch.empty(nbytes // 4, device=device)
         dist.barrier()
         start = time.perf_counter()
-        dist.send(buf, 1) if rank == 0 else dist.recv(buf, 0)
+        if rank == 0:
+            dist.send(buf, 1)
+        else:
+            dist.recv(buf, 0)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if i and rank == 1:
@@ -274,8 +274,9 @@ def render_markdown(report: dict) -> str:
     lines = [
         f"# spmdsplit bench: {meta['device']}, {meta['nproc']} ranks, torch {meta['torch']}, {meta['date']}", "",
         f"Workload: `{' '.join(meta['workload']) or '(defaults)'}`; {meta['steps']} steps, medians over steps "
-        f"> {meta['warmup']}. Critic weight: critic.ppo_epochs={meta['critic_weight'] or 'as configured'} "
-        "(`--critic-weight K` sets it; actor.ppo_epochs / critic.ppo_epochs scale each pool's update work).", "",
+        f"> {meta['warmup']}. Critic weight: {meta['critic_weight'] or 'not set'} (`--critic-weight K` sets "
+        "critic.ppo_epochs=K; actor.ppo_epochs / critic.ppo_epochs scale each pool's update work, so the ideal "
+        "update speedup goes from ~2 at 1:1 to ~1.25 at 1:4).", "",
         "| mode | median step (s) | vs colocate | update span (s) | exchange transfer share | "
         "exchange wait share | exchange bandwidth (MB/s) | raw p2p (MB/s) | peak memory per rank (MB) |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -321,9 +322,10 @@ def plot_timeline(trace: dict, title: str, path: str, steps: tuple[int, int]) ->
     events = [e for e in complete_events(trace) if steps[0] <= e["args"]["step"] <= steps[1]]
     pools = pools_by_rank(trace)
     ranks = sorted(pools or {e["pid"] for e in events})
-    colors = {p: plt.get_cmap("tab20")(i) for i, p in enumerate(PHASES)}
+    colors = {p: plt.get_cmap("tab10")(i) for p, i in zip(PHASES[:9], (0, 1, 2, 3, 4, 5, 6, 8, 9))}  # 7 is grey
+    colors.update({"exchange/rollout": "0.8", "exchange/log_probs": "0.65", "exchange/advantages": "0.5"})  # waits: grey
     t0 = min((e["ts"] for e in events), default=0)
-    fig, ax = plt.subplots(figsize=(12, 1.0 + 0.6 * len(ranks)))
+    fig, ax = plt.subplots(figsize=(12, max(2.8, 1.2 + 0.5 * len(ranks))))
     names = [p for p in PHASES if any(e["name"] == p for e in events)] + sorted({e["name"] for e in events} - set(PHASES))
     for name in names:
         labeled = False
@@ -332,13 +334,12 @@ def plot_timeline(trace: dict, title: str, path: str, steps: tuple[int, int]) ->
             if bars:
                 ax.broken_barh(bars, (i - 0.4, 0.8), facecolors=colors.get(name, "black"), label=None if labeled else name)
                 labeled = True
-    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     ax.set_yticks(range(len(ranks)), [f"rank {r} ({pools.get(r, '?')})" for r in ranks])
     ax.invert_yaxis()
     ax.set_xlabel("seconds")
     ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, bbox_inches="tight")  # "tight": the legend below the axes stays in
     plt.close(fig)
 
 

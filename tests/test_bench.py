@@ -1,0 +1,213 @@
+"""The benchmark harness and the placement planner: their pure math on hand-made events and
+phase times, then one real `--short` bench run and one planner run, checked by shape (never by
+timings: those belong to the machine)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from spmdsplit import bench, plan
+
+SHORT = ["data.train_batch_size=16", "actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=8",
+         "actor.ppo_micro_batch_size_per_gpu=4", "critic.ppo_micro_batch_size_per_gpu=4"]
+
+
+def ev(name, rank, step, ts, dur, **args):
+    return {"name": name, "ph": "X", "pid": rank, "tid": 0, "ts": ts, "dur": dur, "args": {"step": step, **args}}
+
+
+def meta(rank, pool):
+    return {"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank} ({pool})"}}
+
+
+# ------------------------------------------------------------------ pure pieces
+
+def test_ideal_speedup():
+    assert bench.ideal_speedup(1.0, 1.0) == 2.0
+    assert bench.ideal_speedup(1.0, 4.0) == pytest.approx(1.25)
+    assert bench.ideal_speedup(3.0, 1.0) == pytest.approx(4 / 3)
+    assert bench.ideal_speedup(None, 1.0) is None and bench.ideal_speedup(0.0, 1.0) is None
+
+
+def test_median_skips_warmup_steps():
+    by_step = {1: 100.0, 2: 50.0, 3: 1.0, 4: 2.0, 5: 3.0}
+    assert bench.median_after_warmup(by_step, 2) == 2.0
+    assert bench.median_after_warmup(by_step, 0) == 3.0
+    assert bench.median_after_warmup({1: 5.0, 2: 6.0}, 2) is None
+
+
+def test_update_span_from_the_earliest_start_to_the_latest_end():
+    events = [
+        ev("update_actor", 0, 1, ts=1_000_000, dur=500_000), ev("update_critic", 1, 1, ts=1_200_000, dur=600_000),
+        ev("update_actor", 0, 2, ts=5_000_000, dur=300_000), ev("update_critic", 1, 2, ts=5_300_000, dur=200_000),
+        ev("gen", 0, 2, ts=0, dur=9_000_000),  # other phases do not count
+    ]
+    assert bench.update_spans(events) == {1: pytest.approx(0.8), 2: pytest.approx(0.5)}
+
+
+def test_pool_phase_medians_sum_chunks_and_take_the_slowest_rank():
+    trace = {"traceEvents": [meta(0, "actor"), meta(1, "actor"), meta(2, "critic")] + [
+        # two gen chunks per step on rank 0, one slower gen on rank 1
+        ev("gen", 0, s, 0, 100_000, chunk=0) for s in (1, 2, 3)] + [
+        ev("gen", 0, s, 0, 100_000, chunk=1) for s in (1, 2, 3)] + [
+        ev("gen", 1, s, 0, 300_000) for s in (1, 2, 3)] + [
+        ev("values", 2, s, 0, s * 100_000) for s in (1, 2, 3)]}
+    pools = bench.pools_by_rank(trace)
+    assert pools == {0: "actor", 1: "actor", 2: "critic"}
+    medians = bench.pool_phase_medians(bench.complete_events(trace), pools, warmup=1)
+    assert medians == {"actor": {"gen": pytest.approx(0.3)}, "critic": {"values": pytest.approx(0.25)}}
+
+
+def test_exchange_stats_with_and_without_transfer_fields():
+    step_times = {1: 10.0, 2: 2.0, 3: 4.0}
+    events = [ev("exchange/rollout", 1, s, 0, 400_000, bytes=1_000_000, transfer_us=200_000) for s in (1, 2, 3)]
+    events += [ev("exchange/advantages", 0, s, 0, 100_000, bytes=1_000_000, transfer_us=100_000) for s in (2, 3)]
+    stats = bench.exchange_stats(events, step_times, warmup=1)
+    assert stats["transfer_s"] == pytest.approx(0.2)  # the busiest receiving rank
+    assert stats["share"] == pytest.approx((0.2 / 2 + 0.2 / 4) / 2)
+    assert stats["wait_share"] == pytest.approx((0.4 / 2 + 0.4 / 4) / 2)
+    assert stats["bandwidth_MBps"] == pytest.approx(4e6 / 6e5)  # 4 MB in 0.6 s
+    old = bench.exchange_stats([ev("exchange/rollout", 1, 2, 0, 400_000)], step_times, warmup=1)
+    assert old["share"] is None and old["bandwidth_MBps"] is None and old["wait_s"] == pytest.approx(0.4)
+
+
+def test_peak_memory_and_overlap_summary():
+    trace = {"traceEvents": [meta(0, "actor"), meta(1, "critic"),
+                             {"name": "peak_memory", "ph": "C", "pid": 1, "ts": 0,
+                              "args": {"rss_mb": 300.0, "cuda_max_allocated_mb": 0.0}}]}
+    assert bench.peak_memory(trace, bench.pools_by_rank(trace)) == [
+        {"rank": 1, "pool": "critic", "rss_mb": 300.0, "cuda_max_allocated_mb": 0.0}]
+    modes = {"split-blocking": {"update": {"T_actor_s": 1.0, "T_critic_s": 1.0, "span_s": 2.0}},
+             "split": {"update": {"T_actor_s": 1.0, "T_critic_s": 1.0, "span_s": 1.25}}}
+    summary = bench.overlap_summary(modes)
+    assert summary["ideal"] == 2.0 and summary["measured"] == pytest.approx(1.6)
+    assert bench.overlap_summary({"split": modes["split"]}) == {}
+
+
+def test_mode_overrides_keep_a_custom_layout():
+    assert bench.mode_overrides("split", [], 1) == ["placement.mode=split", "placement.overlap=true"]
+    custom = ["placement.mode=custom", "placement.pools=[3,1]"]
+    assert bench.mode_overrides("split-blocking", custom, 1) == ["placement.overlap=false"]
+    assert "rollout.stream_chunks=4" in bench.mode_overrides("split-stream", [], 4)
+    assert bench.mode_overrides("colocate", custom, 1) == ["placement.mode=colocate", "placement.pools=[]"]
+
+
+def profile(actor_s, critic_s):
+    """Phase times on 1+1 ranks, all the work in the update phases."""
+    return {"actor_size": 1, "critic_size": 1, "exchange_s": 0.01,
+            "actor": {"update_actor": actor_s, "exchange/advantages": 99.0},  # waits never count as busy
+            "critic": {"update_critic": critic_s}}
+
+
+def test_planner_prediction_is_linear_in_pool_size():
+    p = profile(1.0, 2.0)
+    p["actor"]["sync_weights"] = 0.1  # does not shrink with the pool
+    got = plan.predict(p, 2, 4)
+    assert got["actor_s"] == pytest.approx(0.6) and got["critic_s"] == pytest.approx(0.5)
+    assert got["step_s"] == pytest.approx(0.61)
+
+
+def test_planner_gives_the_slower_pool_more_ranks():
+    workload = ["data.train_batch_size=120", "actor.ppo_mini_batch_size=120", "critic.ppo_mini_batch_size=120",
+                "actor.ppo_micro_batch_size_per_gpu=1", "critic.ppo_micro_batch_size_per_gpu=1"]
+    best, _ = plan.rank_candidates(profile(1.0, 2.0), 8, None, workload)
+    assert best[0]["pools"] == [3, 5]  # max(1/3, 2/5) beats max(1/2, 2/6) and max(1/4, 2/4)
+    best, _ = plan.rank_candidates(profile(2.0, 1.0), 8, None, workload)
+    assert best[0]["pools"] == [5, 3]
+
+
+def test_planner_only_ranks_splits_the_batch_sizes_allow():
+    accepted, rejected = plan.rank_candidates(profile(1.0, 3.0), 4, None, SHORT)
+    assert [r["pools"] for r in accepted] == [[2, 2]]  # 16 rows do not split over 3 ranks
+    assert sorted(r["pools"] for r in rejected) == [[1, 3], [3, 1]]
+    assert all("divisible" in r["reason"] for r in rejected)
+
+
+def test_planner_candidates_per_node_and_node_level():
+    got = plan.candidates(16, 8)
+    assert ("ranks_per_node", 6, 2, 12, 4) in got and ("nodes", 1, 1, 8, 8) in got and len(got) == 8
+    assert plan.candidates(4) == [("ranks_per_node", a, 4 - a, a, 4 - a) for a in (1, 2, 3)]
+
+
+# ------------------------------------------------------------------ real runs
+
+def run_module(*args, timeout=400):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    result = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def short_bench(tmp_path_factory, embedded_cache):
+    out = tmp_path_factory.mktemp("bench")
+    result = run_module("spmdsplit.bench", "--short", "--out", str(out))
+    with open(out / "bench.json") as f:
+        return out, json.load(f), result.stdout
+
+
+def test_bench_json_schema(short_bench):
+    _, report, _ = short_bench
+    assert report["schema"] == "spmdsplit.bench/1"
+    assert {"device", "nproc", "torch", "date", "workload", "steps", "warmup"} <= set(report["meta"])
+    assert report["meta"]["device"] in ("cpu", "cuda") and report["meta"]["nproc"] == 2
+    assert report["p2p"]["bandwidth_MBps"] > 0 and len(report["p2p"]["samples_MBps"]) == report["p2p"]["repeats"]
+    assert list(report["modes"]) == ["colocate", "split-blocking", "split"]
+    expected_pools = {"colocate": {"actor+critic"}, "split-blocking": {"actor", "critic"}, "split": {"actor", "critic"}}
+    for name, m in report["modes"].items():
+        assert m["step_time_s"] > 0 and m["steps_used"] == report["meta"]["steps"] - report["meta"]["warmup"]
+        assert set(m["phases"]) == expected_pools[name]
+        for pool, phases in m["phases"].items():
+            wanted = {"actor": {"gen", "update_actor"}, "critic": {"values", "update_critic"}}
+            assert set().union(*(wanted[p] for p in pool.split("+"))) <= set(phases)
+        assert m["update"]["span_s"] > 0 and m["update"]["T_actor_s"] > 0 and m["update"]["T_critic_s"] > 0
+        assert {"transfer_s", "share", "wait_s", "wait_share", "bytes_per_step", "bandwidth_MBps"} <= set(m["exchange"])
+        assert [r["rank"] for r in m["peak_memory"]] == [0, 1]
+        assert all(r["pool"] in expected_pools[name] and r["rss_mb"] > 0 for r in m["peak_memory"])
+    for name in ("split-blocking", "split"):  # real P2P between the pools
+        ex = report["modes"][name]["exchange"]
+        assert ex["bytes_per_step"] > 0 and ex["bandwidth_MBps"] > 0 and 0 <= ex["share"] < 1
+    ov = report["overlap"]
+    assert ov["ideal"] >= 1 and ov["measured"] > 0 and ov["span_blocking_s"] > 0 and ov["span_overlap_s"] > 0
+
+
+def test_bench_markdown_table(short_bench):
+    out, _, stdout = short_bench
+    markdown = (out / "bench.md").read_text()
+    assert markdown.strip() in stdout
+    for column in ("mode", "median step (s)", "update span (s)", "exchange transfer share",
+                   "exchange bandwidth (MB/s)", "raw p2p (MB/s)", "peak memory per rank (MB)"):
+        assert f"| {column} |" in markdown
+    assert "| measured | ideal |" in markdown
+    assert "| phase | colocate actor+critic | split-blocking actor | split-blocking critic |" in markdown
+    for mode in ("colocate", "split-blocking", "split"):
+        assert f"\n| {mode} | " in markdown
+
+
+def test_bench_timeline_pngs(short_bench):
+    import matplotlib.image
+
+    out, report, _ = short_bench
+    for name, m in report["modes"].items():
+        path = out / m["timeline_png"]
+        assert path.name == f"timeline_{name}.png" and path.stat().st_size > 0
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        image = matplotlib.image.imread(str(path))
+        assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+
+
+def test_plan_prints_an_override_line_the_job_accepts(tmp_path, embedded_cache):
+    from spmdsplit.config import check_against_pools, load_config
+    from spmdsplit.placement import plan_placement
+
+    result = run_module("spmdsplit.plan", "--world-size", "4", "--steps", "3", "--warmup", "1",
+                        "--out", str(tmp_path), "--", *SHORT)
+    line = result.stdout.strip().splitlines()[-1]
+    assert line.startswith("placement.mode=custom placement.pool_unit=ranks_per_node placement.pools=[")
+    cfg = load_config(None, SHORT + line.split())
+    placement = plan_placement(cfg.placement.mode, list(cfg.placement.pools), cfg.placement.pool_unit, 4, 4, 1)
+    check_against_pools(cfg, len(placement.actor_ranks), len(placement.critic_ranks))
+    assert json.loads((tmp_path / "plan.json").read_text())["candidates"][0]["override"] == line

@@ -1,5 +1,6 @@
 """Prompts for each step: a fixed dataset, shuffled per epoch with a seed, cut into global
-batches, of which each rank of the rollout pool takes its contiguous share of rows."""
+batches, of which each rank of the rollout pool takes its contiguous share of rows; and the
+prompt-length rules (verl's data.filter_overlong_prompts and data.truncation)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import random
 import torch
 
 from spmdsplit.batch import Batch
+from spmdsplit.data.parquet import DataError, render_prompt
 from spmdsplit.exchange import row_ranges
+
+TRUNCATIONS = ("error", "left", "right")
 
 
 class PromptDataset:
@@ -36,24 +40,75 @@ class PromptDataset:
         return self.global_batch(step)[start:end]
 
 
-def collate_prompts(rows: list[dict], tokenizer, max_prompt_length: int, step: int, first_row: int) -> Batch:
-    """Tokenises and left-pads prompts to `max_prompt_length`; carries what the reward needs."""
-    texts = [r["prompt"] for r in rows]
-    enc = tokenizer(texts, add_special_tokens=False)
-    too_long = [(first_row + i, len(ids)) for i, ids in enumerate(enc["input_ids"]) if len(ids) > max_prompt_length]
-    if too_long:
-        raise ValueError(
-            f"{len(too_long)} prompt(s) longer than data.max_prompt_length={max_prompt_length} "
-            f"(row, tokens): {too_long[:5]}; raise data.max_prompt_length"
+def prompt_texts(rows: list[dict], tokenizer) -> list[str]:
+    """Each row's prompt as the model sees it (chat messages rendered by the chat template)."""
+    return [render_prompt(r["prompt"], tokenizer) for r in rows]
+
+
+def prompt_lengths(rows: list[dict], tokenizer, chunk: int = 1024) -> list[int]:
+    """Each row's prompt length in tokens, tokenising `chunk` rows at a time."""
+    lengths = []
+    for start in range(0, len(rows), chunk):
+        enc = tokenizer(
+            prompt_texts(rows[start : start + chunk], tokenizer), add_special_tokens=False, return_attention_mask=False
         )
-    enc = tokenizer(
-        texts, add_special_tokens=False, padding="max_length", max_length=max_prompt_length, return_tensors="pt"
-    )
+        lengths += [len(ids) for ids in enc["input_ids"]]
+    return lengths
+
+
+def filter_overlong_prompts(rows: list[dict], tokenizer, max_prompt_length: int) -> tuple[list[dict], int]:
+    """verl's data.filter_overlong_prompts: keeps the rows whose rendered prompt has at most
+    `max_prompt_length` tokens. Returns (kept rows, how many were dropped)."""
+    lengths = prompt_lengths(rows, tokenizer)
+    kept = [r for r, n in zip(rows, lengths) if n <= max_prompt_length]
+    return kept, len(rows) - len(kept)
+
+
+def _row_name(row: dict, global_row: int) -> str:
+    return row.get("source_row") or f"row {global_row}"
+
+
+def collate_prompts(
+    rows: list[dict], tokenizer, max_prompt_length: int, step: int, first_row: int, truncation: str = "error"
+) -> Batch:
+    """Tokenises and left-pads prompts to `max_prompt_length`; carries what the reward needs.
+
+    Chat-message prompts go through the tokenizer's chat template. A prompt longer than
+    `max_prompt_length` tokens is cut per `truncation` (verl's data.truncation): `left` keeps its
+    last tokens, `right` its first, `error` stops with the rows' numbers."""
+    if truncation not in TRUNCATIONS:
+        raise ValueError(f"data.truncation={truncation!r}: expected one of {list(TRUNCATIONS)}")
+    ids = tokenizer(prompt_texts(rows, tokenizer), add_special_tokens=False)["input_ids"]
+    empty = [_row_name(r, first_row + i) for i, (r, t) in enumerate(zip(rows, ids)) if not t]
+    if empty:
+        raise DataError(f"{len(empty)} prompt(s) have no tokens after tokenisation: {empty[:5]}")
+    too_long = [(first_row + i, len(t)) for i, t in enumerate(ids) if len(t) > max_prompt_length]
+    if too_long and truncation == "error":
+        sources = [rows[row - first_row].get("source_row") for row, _ in too_long[:5]]
+        where = f" from {sources}" if any(sources) else ""
+        raise DataError(
+            f"{len(too_long)} prompt(s) longer than data.max_prompt_length={max_prompt_length} "
+            f"(row, tokens): {too_long[:5]}{where}; raise data.max_prompt_length, drop them when the data "
+            f"is loaded with data.filter_overlong_prompts=true, or cut them with data.truncation=left|right"
+        )
+    if truncation == "left":
+        ids = [t[-max_prompt_length:] for t in ids]
+    elif truncation == "right":
+        ids = [t[:max_prompt_length] for t in ids]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    input_ids = torch.full((len(rows), max_prompt_length), pad, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), max_prompt_length), dtype=torch.long)
+    for i, t in enumerate(ids):  # left padding: every prompt ends at the last column
+        if t:
+            input_ids[i, max_prompt_length - len(t) :] = torch.tensor(t, dtype=torch.long)
+            attention_mask[i, max_prompt_length - len(t) :] = 1
     return Batch(
-        {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"].long()},
+        {"input_ids": input_ids, "attention_mask": attention_mask},
         {
             "data_source": [r["data_source"] for r in rows],
             "ground_truth": [r["reward_model"]["ground_truth"] for r in rows],
+            "extra_info": [r.get("extra_info") or {} for r in rows],
+            "index": [r.get("index") for r in rows],
             "uid": [f"{step}-{first_row + i}" for i in range(len(rows))],
         },
     )

@@ -1,0 +1,135 @@
+"""Where a job's prompts come from: verl parquet files (`data.train_files` / `data.val_files`)
+or, when none are given, the built-in synthetic task (`data.task`).
+
+`build_rows` is the one entry point: it returns rows of one shape whatever the source,
+
+    {"prompt": str | [{"role", "content"}, ...], "data_source": str, "ability": str | None,
+     "reward_model": {"ground_truth": ..., "style": ...}, "extra_info": dict,
+     "source_row": str | None, "index": int}
+
+(`index` is the row's position in the returned list; `extra_info` is kept as the data has it),
+and a report of what was read, skipped and filtered, for the job's log (`format_report`).
+Every rank may call it: it reads and decides the same way everywhere, with no collective.
+"""
+
+from __future__ import annotations
+
+from spmdsplit.data.parquet import DataError, as_file_list, has_chat_template, read_parquet_rows
+from spmdsplit.data.prompts import TRUNCATIONS, filter_overlong_prompts, prompt_lengths
+from spmdsplit.data.synthetic import make_dataset
+
+SYNTHETIC_VAL_SAMPLES = 256  # validation set of the synthetic task when data.val_files is empty
+SYNTHETIC_VAL_SEED_OFFSET = 1_000_003  # its seed: data.seed + this, so it differs from the train set's
+EXAMPLES = 5  # row ids shown in errors about prompt lengths
+
+
+def _synthetic_rows(data_cfg, split: str) -> list[dict]:
+    if split == "train":
+        rows = make_dataset(data_cfg.task, int(data_cfg.num_train_samples), int(data_cfg.seed))
+    else:
+        rows = make_dataset(data_cfg.task, SYNTHETIC_VAL_SAMPLES, int(data_cfg.seed) + SYNTHETIC_VAL_SEED_OFFSET)
+    return [
+        {
+            "prompt": r["prompt"],
+            "data_source": r["data_source"],
+            "ability": r.get("ability"),
+            "reward_model": {"ground_truth": r["reward_model"]["ground_truth"], "style": r["reward_model"].get("style")},
+            "extra_info": r.get("extra_info") or {},
+            "source_row": None,
+        }
+        for r in rows
+    ]
+
+
+def build_rows(data_cfg, tokenizer, split: str) -> tuple[list[dict], dict]:
+    """The rows of `split` ("train" or "val") and a report:
+    {"split", "source" ("parquet" | "synthetic/<task>"), "files", "rows_read", "malformed",
+     "malformed_examples", "skipped", "filtered_overlong", "rows"}.
+
+    Parquet rows are checked (data.skip_malformed_rows decides whether malformed ones stop the
+    job or are dropped and counted); with data.filter_overlong_prompts, prompts longer than
+    data.max_prompt_length tokens are dropped and counted; with data.truncation=error and no
+    filtering, a parquet prompt that is too long stops the job here, before any training."""
+    if split not in ("train", "val"):
+        raise ValueError(f"split={split!r}: expected 'train' or 'val'")
+    key = "data.train_files" if split == "train" else "data.val_files"
+    files = as_file_list(getattr(data_cfg, "train_files" if split == "train" else "val_files", ""))
+    truncation = getattr(data_cfg, "truncation", "error")
+    if truncation not in TRUNCATIONS:
+        raise DataError(f"data.truncation={truncation!r}: expected one of {list(TRUNCATIONS)}")
+    max_len = int(data_cfg.max_prompt_length)
+
+    if files:
+        rows, report = read_parquet_rows(
+            files,
+            prompt_key=getattr(data_cfg, "prompt_key", "prompt") or "prompt",
+            skip_malformed=bool(getattr(data_cfg, "skip_malformed_rows", False)),
+            key=key,
+        )
+        report = {"split": split, "source": "parquet", **report}
+    else:
+        rows = _synthetic_rows(data_cfg, split)
+        report = {
+            "split": split,
+            "source": f"synthetic/{data_cfg.task}",
+            "files": [],
+            "rows_read": len(rows),
+            "malformed": {},
+            "malformed_examples": {},
+            "skipped": 0,
+        }
+
+    needs_template = any(not isinstance(r["prompt"], str) for r in rows)
+    if needs_template and tokenizer is not None and not has_chat_template(tokenizer):
+        raise DataError(
+            f"{key}: the prompts are chat messages, but the tokenizer has no chat template: use a chat "
+            "model's tokenizer (model.path), or give the prompts as plain strings"
+        )
+
+    filtered = 0
+    if getattr(data_cfg, "filter_overlong_prompts", False):
+        if tokenizer is None:
+            raise ValueError("data.filter_overlong_prompts needs the tokenizer")
+        rows, filtered = filter_overlong_prompts(rows, tokenizer, max_len)
+        if not rows:
+            raise DataError(
+                f"{key}: every prompt is longer than data.max_prompt_length={max_len} tokens "
+                f"({filtered} dropped by data.filter_overlong_prompts); raise data.max_prompt_length"
+            )
+    elif truncation == "error" and files and tokenizer is not None:
+        # checked here for files, so a long prompt stops the job before training rather than at its
+        # step; the synthetic task's prompts are short by design, and collate_prompts checks them
+        too_long = [(i, n) for i, n in enumerate(prompt_lengths(rows, tokenizer)) if n > max_len]
+        if too_long:
+            shown = [f"{rows[i].get('source_row') or f'row {i}'} ({n} tokens)" for i, n in too_long[:EXAMPLES]]
+            raise DataError(
+                f"{key}: {len(too_long)} of {len(rows)} prompt(s) are longer than data.max_prompt_length={max_len} "
+                f"tokens, e.g. {', '.join(shown)}; raise data.max_prompt_length, drop them with "
+                f"data.filter_overlong_prompts=true, or cut them with data.truncation=left|right"
+            )
+
+    for i, r in enumerate(rows):
+        r["index"] = i
+    report["filtered_overlong"] = filtered
+    report["rows"] = len(rows)
+    return rows, report
+
+
+def format_report(report: dict, max_prompt_length: int | None = None) -> str:
+    """One line for the job's log."""
+    split, source = report["split"], report["source"]
+    if source == "parquet":
+        text = f"data ({split}): {report['rows_read']} row(s) from {len(report['files'])} parquet file(s)"
+    else:
+        text = f"data ({split}): {report['rows_read']} row(s) of the synthetic task {source}"
+    if report.get("skipped"):
+        details = "; ".join(
+            f"{reason}: {n} [{', '.join(report['malformed_examples'].get(reason, []))}"
+            + (", ...]" if n > len(report["malformed_examples"].get(reason, [])) else "]")
+            for reason, n in report["malformed"].items()
+        )
+        text += f"; skipped {report['skipped']} malformed (data.skip_malformed_rows=true): {details}"
+    if report.get("filtered_overlong"):
+        limit = f"={max_prompt_length}" if max_prompt_length is not None else ""
+        text += f"; dropped {report['filtered_overlong']} prompt(s) longer than data.max_prompt_length{limit}"
+    return text + f"; {report['rows']} row(s) used"

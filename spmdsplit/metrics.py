@@ -130,6 +130,7 @@ class MetricsLogger:
         show_bar = progress_bar and sys.stderr.isatty()
         self.bar = tqdm(total=total_steps, desc="ppo", unit="step", dynamic_ncols=True) if show_bar else None
         self.history: list[dict[str, float]] = []
+        self.validation: list[dict[str, float]] = []
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.history.append({"step": step, **metrics})
@@ -146,6 +147,16 @@ class MetricsLogger:
             self.bar.update(1)
         else:
             print(line, flush=True)
+
+    def log_scalars(self, step: int, metrics: dict[str, float]) -> None:
+        """Metrics outside the step's own line (validation): TensorBoard and one console line."""
+        if self.writer:
+            for key, value in sorted(metrics.items()):
+                self.writer.add_scalar(key, value, step)
+            self.writer.flush()
+        line = f"step {step}: " + "  ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()))
+        (self.bar.write if self.bar else print)(line)
+        self.validation.append({"step": step, **metrics})
 
     def close(self) -> None:
         if self.writer:

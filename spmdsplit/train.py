@@ -17,7 +17,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from spmdsplit.data.parquet import DataError
+from spmdsplit.data.sources import build_rows, format_report
 from spmdsplit.embedded import ensure_embedded_model
+from spmdsplit.models import load_tokenizer
 from spmdsplit.config import ConfigError, check_against_pools, load_config, to_yaml
 from spmdsplit.placement import PlacementError, build_pools, launch_shape_from_env, plan_placement
 
@@ -59,7 +62,8 @@ def pick_device(setting: str, local_rank: int) -> torch.device:
 
 
 def prepare(cfg):
-    """Everything that can fail without talking to other ranks; returns (placement, device)."""
+    """Everything that can fail without talking to other ranks, the data included, so that bad
+    rows stop every rank alike; returns (placement, device, data)."""
     world, local, nnodes = launch_shape_from_env()
     p = cfg.placement
     placement = plan_placement(p.mode, list(p.pools) or None, p.pool_unit, world, local, nnodes)
@@ -70,7 +74,11 @@ def prepare(cfg):
     if not cfg.model.path:
         # Built before the world forms: a file race between ranks, settled by an atomic rename.
         cfg.model.path = ensure_embedded_model(cfg.model.embedded_dir)
-    return placement, device
+    tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
+    data = {"train": build_rows(cfg.data, tokenizer, "train")}
+    if cfg.trainer.val_freq > 0 or cfg.trainer.val_before_train:
+        data["val"] = build_rows(cfg.data, tokenizer, "val")
+    return placement, device, data
 
 
 def quiet_libraries(rank: int) -> None:
@@ -93,8 +101,8 @@ def main(argv=None) -> int:
             if rank == 0:
                 print(to_yaml(cfg), end="")
             return 0
-        placement, device = prepare(cfg)
-    except (ConfigError, PlacementError) as e:
+        placement, device, data = prepare(cfg)
+    except (ConfigError, PlacementError, DataError) as e:
         print(f"spmdsplit [rank {rank}]: error: {e}", file=sys.stderr, flush=True)
         return 2
 
@@ -111,9 +119,11 @@ def main(argv=None) -> int:
         pools = build_pools(placement, device)
         if rank == 0:
             print(f"spmdsplit: {placement.describe()}; device={device.type}, backend={backend}", flush=True)
+            for _, data_report in data.values():
+                print(f"spmdsplit: {format_report(data_report, cfg.data.max_prompt_length)}", flush=True)
         from spmdsplit.trainer import Trainer
 
-        history = Trainer(cfg, pools).fit()
+        history = Trainer(cfg, pools, {split: rows for split, (rows, _) in data.items()}).fit()
         if rank == 0 and history:
             report(history, cfg)
     finally:

@@ -13,6 +13,7 @@ another (verl's blocking calls), to measure what overlapping gains.
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -21,11 +22,10 @@ import torch.distributed as dist
 from spmdsplit import algo
 from spmdsplit.batch import Batch
 from spmdsplit.data.prompts import PromptDataset, collate_prompts
-from spmdsplit.data.synthetic import make_dataset
-from spmdsplit.distributed import pool_sum
+from spmdsplit.distributed import pool_reduce_metrics, pool_sum
 from spmdsplit.embedded import ensure_embedded_model
 from spmdsplit.engines.fsdp import FSDPEngine
-from spmdsplit.exchange import recv_object, recv_rows, send_object, send_rows
+from spmdsplit.exchange import recv_object, recv_rows, row_ranges, send_object, send_rows
 from spmdsplit.metrics import MetricsLogger, PhaseTimer, compute_data_metrics, write_timeline
 from spmdsplit.models import eos_token_ids, load_causal_lm, load_tokenizer, load_value_model, resolve_dtype
 from spmdsplit.placement import Pools
@@ -35,13 +35,14 @@ from spmdsplit.roles.reward import RuleReward
 from spmdsplit.rollout.hf import HFRollout
 
 # One tag per kind of message, so messages of different phases between the same two ranks never mix.
-TAG_ROLLOUT, TAG_LOG_PROBS, TAG_ADVANTAGES, TAG_CRITIC_METRICS = 11, 12, 13, 14
+TAG_ROLLOUT, TAG_LOG_PROBS, TAG_ADVANTAGES, TAG_CRITIC_METRICS, TAG_VAL_ROLLOUT, TAG_VAL_METRICS = 11, 12, 13, 14, 15, 16
 ROLLOUT_KEYS = ("responses", "response_mask", "input_ids", "attention_mask", "position_ids",
                 "data_source", "ground_truth", "uid")
 
 
 class Trainer:
-    def __init__(self, cfg, pools: Pools):
+    def __init__(self, cfg, pools: Pools, rows: dict[str, list[dict]]):
+        """`rows`: the prompt rows of each split ("train", and "val" when validating)."""
         self.cfg, self.pools = cfg, pools
         self.device = pools.device
         self.rank = pools.rank
@@ -52,6 +53,7 @@ class Trainer:
         self.batch_size = cfg.data.train_batch_size  # prompts per step
         self.rows_per_step = self.batch_size * cfg.rollout.n  # n responses of each prompt, side by side
         self.stream_chunks = cfg.rollout.stream_chunks
+        self.val_rows = rows.get("val", [])
         # Critic-free estimators (GRPO, RLOO, REINFORCE++) train no value model: the critic pool
         # then hosts only the reward.
         self.use_critic = cfg.algorithm.adv_estimator == "gae"
@@ -79,9 +81,9 @@ class Trainer:
             reference = load_causal_lm(self.model_path, dtype, self.device, seed, remote)
             self.ref = Actor(FSDPEngine(reference, pools.actor_mesh, optim=None), cfg.actor, temperature, self.device)
             rollout_model = load_causal_lm(self.model_path, dtype, self.device, seed, remote)
-            self.rollout = HFRollout(rollout_model, self.tokenizer, cfg.rollout, cfg.data.max_response_length, eos_ids)
-            rows = make_dataset(cfg.data.task, cfg.data.num_train_samples, cfg.data.seed)
-            self.dataset = PromptDataset(rows, self.batch_size, cfg.data.shuffle, cfg.data.seed)
+            self.rollout = HFRollout(rollout_model, self.tokenizer, cfg.rollout, cfg.data.max_response_length, eos_ids,
+                                     val_cfg=cfg.rollout.val_kwargs)
+            self.dataset = PromptDataset(rows["train"], self.batch_size, cfg.data.shuffle, cfg.data.seed)
         if pools.is_critic:
             if self.use_critic:
                 critic_path = cfg.critic.model_path or self.model_path
@@ -101,8 +103,13 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
 
     def fit(self) -> list[dict]:
-        for step in range(1, self.cfg.trainer.total_steps + 1):
+        trainer = self.cfg.trainer
+        if trainer.val_before_train:
+            self.validate(0)
+        for step in range(1, trainer.total_steps + 1):
             self.train_step(step)
+            if trainer.val_freq > 0 and (step % trainer.val_freq == 0 or step == trainer.total_steps):
+                self.validate(step)
         if self.rank == 0:
             self.receive_critic_metrics(upto=self.cfg.trainer.total_steps)
         self.finish()
@@ -186,6 +193,51 @@ class Trainer:
                 timings = {**self.timer.pop_timings(), "timing_s/step": time.time() - step_start}
                 self.record(step, "actor", {**actor_metrics, **timings, **self.throughput(rollout, timings)})
 
+    # ------------------------------------------------------------------ validation
+
+    def validate(self, step: int) -> None:
+        """Responses to the validation set (sampled as rollout.val_kwargs says, greedy by default),
+        scored by the critic pool's reward; rank 0 logs verl's val-core/<data_source>/reward/mean@n.
+        The set is cut to a multiple of both pool sizes, so every rank holds equal rows."""
+        cfg, P, A, C = self.cfg, self.pools, self.actor_ranks, self.critic_ranks
+        n = cfg.rollout.val_kwargs.n
+        unit = math.lcm(len(A), len(C))
+        rows = self.val_rows[: len(self.val_rows) // unit * unit]
+        if not rows:
+            raise ValueError(f"validation needs at least {unit} rows (one per rank of each pool), got {len(self.val_rows)}")
+        num_rows = len(rows) * n
+        if P.is_actor:
+            with self.timer.phase("sync_weights", step):
+                self.rollout.load_weights(self.actor.engine.full_state_dict())
+            start, end = row_ranges(len(rows), len(A))[P.rank_in("actor")]
+            per_batch = max(1, self.batch_size // len(A))  # generate in training-sized batches
+            parts = []
+            with self.timer.phase("val_gen", step):
+                for first in range(start, end, per_batch):
+                    prompts = collate_prompts(rows[first:min(end, first + per_batch)], self.tokenizer,
+                                              cfg.data.max_prompt_length, step, first, truncation=cfg.data.truncation)
+                    if n > 1:
+                        prompts = prompts.index(torch.arange(len(prompts)).repeat_interleave(n))
+                    parts.append(self.rollout.generate(prompts.to(self.device), validate=True))
+            sent = send_rows(Batch.concat(parts).select(ROLLOUT_KEYS), A, C, num_rows, TAG_VAL_ROLLOUT, self.device)
+        if P.is_critic:
+            batch = recv_rows(A, C, num_rows, TAG_VAL_ROLLOUT, self.device)
+            with self.timer.phase("val_reward", step):
+                _, scores = self.reward.compute(batch)
+            sources = sorted({r["data_source"] for r in rows})
+            sums = {f"val-core/{ds}/reward/mean@{n}": 0.0 for ds in sources}
+            counts = dict.fromkeys(sums, 0.0)
+            for ds, score in zip(batch["data_source"], scores.tolist()):
+                sums[f"val-core/{ds}/reward/mean@{n}"] += score
+                counts[f"val-core/{ds}/reward/mean@{n}"] += 1
+            metrics = pool_reduce_metrics(sums, counts, P.critic_group, self.device)
+            if self.rank == C[0]:
+                send_object(metrics, dst=0, tag=TAG_VAL_METRICS, device=self.device).wait()
+        if P.is_actor:
+            sent.wait()
+        if self.rank == 0:
+            self.logger.log_scalars(step, recv_object(C[0], TAG_VAL_METRICS, self.device))
+
     # ------------------------------------------------------------------ exchanges
 
     def send_chunk(self, part: Batch, src, dst, tag: int, chunk: int):
@@ -205,7 +257,8 @@ class Trainer:
         part, parts = self.pools.rank_in("actor"), len(self.actor_ranks)
         rows = self.dataset.shard(step, part, parts)
         first_row = self.dataset.batch_size * (step - 1) + part * len(rows)
-        prompts = collate_prompts(rows, self.tokenizer, self.cfg.data.max_prompt_length, step, first_row)
+        prompts = collate_prompts(rows, self.tokenizer, self.cfg.data.max_prompt_length, step, first_row,
+                                  truncation=self.cfg.data.truncation)
         n = self.cfg.rollout.n
         return (prompts.index(torch.arange(len(prompts)).repeat_interleave(n)) if n > 1 else prompts).to(self.device)
 

@@ -153,3 +153,41 @@ def test_critic_warmup_holds_the_actor_back(tmp_path):
     logged = scalars(str(out / "tb"))
     assert [s for s, _ in logged["actor/pg_loss"]] == [3, 4]
     assert [s for s, _ in logged["critic/vf_loss"]] == [1, 2, 3, 4]
+
+
+def test_validation_logs_verl_val_core_metrics(tmp_path):
+    out, result = run_short(tmp_path, 2, "trainer.val_freq=2", "trainer.val_before_train=true", "trainer.total_steps=3")
+    logged = scalars(str(out / "tb"))
+    key = "val-core/synthetic/repeat/reward/mean@1"
+    assert [s for s, _ in logged[key]] == [0, 2, 3]  # before training, every 2 steps, and after the last
+    assert all(0.0 <= v <= 1.0 for _, v in logged[key])
+    assert "data (val): 256 row(s)" in result.stdout
+
+
+def test_gsm8k_parquet_files_train_through_the_chat_template(tmp_path):
+    """verl's parquet path end to end: files written by scripts/make_gsm8k_parquet.py, chat
+    messages rendered by the tokenizer's template, the openai/gsm8k scorer on the critic pool."""
+    import pathlib
+    import shutil
+    import subprocess
+    import sys
+
+    from spmdsplit.embedded import ensure_embedded_model
+
+    repo = pathlib.Path(__file__).parent.parent
+    data = tmp_path / "gsm8k"
+    subprocess.run([sys.executable, str(repo / "scripts/make_gsm8k_parquet.py"), "--out", str(data),
+                    "--train-rows", "64", "--test-rows", "8"], check=True)
+    model = tmp_path / "chat-model"  # the embedded model with a chat template and digits-only vocabulary
+    shutil.copytree(ensure_embedded_model(), model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    # A template this tiny vocabulary can spell: each message becomes its length in digits, then "=".
+    config["chat_template"] = "{% for m in messages %}{{ m['content'] | length }}={% endfor %}"
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    out, result = run_short(
+        tmp_path, 2, f"model.path={model}", f"data.train_files={data}/train.parquet",
+        f"data.val_files={data}/test.parquet", "data.max_prompt_length=16", "trainer.val_freq=4",
+    )
+    logged = scalars(str(out / "tb"))
+    assert "val-core/openai/gsm8k/reward/mean@1" in logged
+    assert "data (train): 64 row(s)" in result.stdout

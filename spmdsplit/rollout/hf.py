@@ -29,7 +29,8 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 class HFRollout:
-    def __init__(self, model, tokenizer, cfg, max_response_length: int, eos_token_ids: list[int] | None = None):
+    def __init__(self, model, tokenizer, cfg, max_response_length: int, eos_token_ids: list[int] | None = None,
+                 val_cfg=None):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_response_length = max_response_length
@@ -41,11 +42,15 @@ class HFRollout:
         self.model.generation_config = GenerationConfig(
             bos_token_id=tokenizer.bos_token_id, eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id
         )
+        self.generation_config = self._generation_config(cfg)
+        self.val_generation_config = self._generation_config(val_cfg or cfg)
+
+    def _generation_config(self, cfg) -> GenerationConfig:
         sampling = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k if cfg.top_k > 0 else 0)
-        self.generation_config = GenerationConfig(
+        return GenerationConfig(
             do_sample=cfg.do_sample,
             **(sampling if cfg.do_sample else {}),
-            max_new_tokens=max_response_length,
+            max_new_tokens=self.max_response_length,
             eos_token_id=self.eos_token_id,
             pad_token_id=self.pad_token_id,
         )
@@ -55,14 +60,14 @@ class HFRollout:
         self.model.load_state_dict(named_tensors, strict=True)
 
     @torch.no_grad()
-    def generate(self, prompts: Batch) -> Batch:
+    def generate(self, prompts: Batch, validate: bool = False) -> Batch:
         """`prompts` holds left-padded `input_ids`/`attention_mask` [B, P]; returns the rollout with
         right-padded `responses` [B, R] (R = max_response_length) and verl's column names."""
         prompt_ids, prompt_mask = prompts["input_ids"], prompts["attention_mask"]
         out = self.model.generate(
             input_ids=prompt_ids,
             attention_mask=prompt_mask,
-            generation_config=self.generation_config,
+            generation_config=self.val_generation_config if validate else self.generation_config,
             synced_gpus=False,  # never the world all-reduce; this copy is not sharded
             use_cache=True,
         )

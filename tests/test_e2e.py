@@ -191,3 +191,15 @@ def test_gsm8k_parquet_files_train_through_the_chat_template(tmp_path):
     logged = scalars(str(out / "tb"))
     assert "val-core/openai/gsm8k/reward/mean@1" in logged
     assert "data (train): 64 row(s)" in result.stdout
+
+
+@pytest.mark.slow
+def test_grpo_learns_the_embedded_task(tmp_path):
+    out = tmp_path / "run"
+    result = torchrun(2, "placement.mode=colocate", "algorithm.adv_estimator=grpo", "rollout.n=4",
+                      "data.train_batch_size=32", "actor.ppo_mini_batch_size=16", f"trainer.log_dir={out}/tb",
+                      "trainer.timeline=", "trainer.output_dir=", timeout=900)
+    assert result.returncode == 0, result.stderr[-5000:]
+    scores = [v for _, v in scalars(str(out / "tb"))["critic/score/mean"]]
+    first, last = sum(scores[:10]) / 10, sum(scores[-10:]) / 10
+    assert last > first + 0.15 and last > 2 * first, f"score {first:.3f} -> {last:.3f}: did not learn"

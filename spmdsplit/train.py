@@ -21,6 +21,7 @@ from spmdsplit.data.parquet import DataError
 from spmdsplit.data.sources import build_rows, format_report
 from spmdsplit.embedded import ensure_embedded_model
 from spmdsplit.models import load_tokenizer
+from spmdsplit.rewards.custom import load_custom_reward_fn
 from spmdsplit.config import ConfigError, check_against_pools, load_config, to_yaml
 from spmdsplit.placement import PlacementError, build_pools, launch_shape_from_env, plan_placement
 
@@ -70,6 +71,9 @@ def prepare(cfg):
     check_against_pools(cfg, len(placement.actor_ranks), len(placement.critic_ranks))
     check_model_path("model.path", cfg.model.path, cfg.model.trust_remote_code)
     check_model_path("critic.model_path", cfg.critic.model_path, cfg.model.trust_remote_code)
+    check_model_path("reward.model.path", cfg.reward.model.path, cfg.model.trust_remote_code)
+    if cfg.reward.custom_fn.path:
+        load_custom_reward_fn(cfg.reward.custom_fn.path, cfg.reward.custom_fn.name)  # fails here, on every rank
     device = pick_device(cfg.trainer.device, int(os.environ.get("LOCAL_RANK", 0)))
     if not cfg.model.path:
         # Built before the world forms: a file race between ranks, settled by an atomic rename.

@@ -31,7 +31,9 @@ from spmdsplit.models import eos_token_ids, load_causal_lm, load_tokenizer, load
 from spmdsplit.placement import Pools
 from spmdsplit.roles.actor import Actor
 from spmdsplit.roles.critic import Critic
+from spmdsplit.rewards.custom import load_custom_reward_fn
 from spmdsplit.roles.reward import RuleReward
+from spmdsplit.roles.reward_model import RewardModel, load_reward_model
 from spmdsplit.rollout.hf import HFRollout
 
 # One tag per kind of message, so messages of different phases between the same two ranks never mix.
@@ -90,7 +92,14 @@ class Trainer:
                 value_model = load_value_model(critic_path, torch.float32, self.device, seed, remote)
                 self.critic = Critic(FSDPEngine(value_model, pools.critic_mesh, cfg.critic.optim, mixed), cfg.critic,
                                      self.device, rollout_n=cfg.rollout.n)
-            self.reward = RuleReward(self.tokenizer, eos_ids)
+            custom = cfg.reward.custom_fn
+            custom_fn = load_custom_reward_fn(custom.path, custom.name) if custom.path else None
+            self.reward = RuleReward(self.tokenizer, eos_ids, custom_fn=custom_fn)
+            if cfg.reward.model.path:  # a reward model replaces the rule scores, as in verl
+                rm_path = cfg.reward.model.path
+                rm_engine = FSDPEngine(load_reward_model(rm_path, dtype, self.device, seed, remote), pools.critic_mesh, optim=None)
+                self.reward = RewardModel(rm_engine, load_tokenizer(rm_path, remote), self.tokenizer,
+                                          cfg.reward.model.micro_batch_size_per_gpu, self.device, eos_ids)
             kl = cfg.algorithm.kl_ctrl
             self.kl_ctrl = algo.get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         # Sampling must differ between ranks (else every shard draws the same responses).

@@ -203,3 +203,29 @@ def test_grpo_learns_the_embedded_task(tmp_path):
     scores = [v for _, v in scalars(str(out / "tb"))["critic/score/mean"]]
     first, last = sum(scores[:10]) / 10, sum(scores[-10:]) / 10
     assert last > first + 0.15 and last > 2 * first, f"score {first:.3f} -> {last:.3f}: did not learn"
+
+
+def test_grpo_with_a_reward_model_on_the_critic_pool(tmp_path):
+    """Critic-free GRPO in split placement: the critic pool hosts a reward model
+    (AutoModelForSequenceClassification, FSDP over the pool) that scores every rollout."""
+    from spmdsplit.embedded import ensure_embedded_model
+
+    out, _ = run_short(tmp_path, 2, "algorithm.adv_estimator=grpo", "rollout.n=2",
+                       f"reward.model.path={ensure_embedded_model()}", "reward.model.micro_batch_size_per_gpu=8")
+    logged = scalars(str(out / "tb"))
+    scores = [v for _, v in logged["critic/score/mean"]]
+    assert len(scores) == 4 and all(v == v for v in scores)  # a random head scores anything but NaN
+    events = timeline_events(str(out / "timeline.json"))
+    assert {e["pid"] for e in events if e["name"] == "reward"} == {1}
+    assert not [e for e in events if e["name"] in ("values", "update_critic")]
+
+
+def test_custom_reward_function_from_a_file(tmp_path):
+    reward_file = tmp_path / "my_reward.py"
+    reward_file.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return {'score': 0.25 + 0.5 * (solution_str[:1] == ground_truth[:1]), 'acc': 1.0}\n"
+    )
+    out, _ = run_short(tmp_path, 2, f"reward.custom_fn.path={reward_file}")
+    scores = [v for _, v in scalars(str(out / "tb"))["critic/score/mean"]]
+    assert all(0.25 <= v <= 0.75 for v in scores)

@@ -51,7 +51,7 @@ def test_score_is_one_only_when_exact():
 
 
 def test_every_task_has_a_scorer():
-    assert set(rule.SCORERS) == {f"synthetic/{t}" for t in TASKS}
+    assert {f"synthetic/{t}" for t in TASKS} <= set(rule.SCORERS)
 
 
 def test_compute_score_dispatches_on_data_source(monkeypatch):
@@ -71,8 +71,8 @@ def test_compute_score_returns_a_float(monkeypatch):
 
 def test_unknown_data_source_is_a_key_error_naming_it():
     with pytest.raises(KeyError) as e:
-        compute_score("openai/gsm8k", "42", "42")
-    assert "openai/gsm8k" in str(e.value)
+        compute_score("nobody/knows", "42", "42")
+    assert "nobody/knows" in str(e.value)
     assert "synthetic/repeat" in str(e.value)  # and says what is known
 
 

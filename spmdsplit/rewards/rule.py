@@ -1,11 +1,20 @@
-"""Rule scorers, chosen by each sample's `data_source` as verl does (`compute_score`)."""
+"""Rule scorers, chosen by each sample's `data_source` as verl does (`default_compute_score`).
+
+A scorer is `scorer(solution_str, ground_truth)` and returns a float, or a dict holding the
+score under "score" and, optionally, other numbers to log (e.g. "acc"). `compute_score` returns
+what the scorer gave (a float, or the dict as is); `score_sample` turns either into
+`(score, extras)` and is what the reward role calls, for the built-in scorers and for a custom
+reward function alike.
+"""
 
 from __future__ import annotations
 
 import math
-from typing import Callable
+import numbers
+from typing import Any, Callable, Mapping
 
 from spmdsplit.data.synthetic import TASKS, data_source
+from spmdsplit.rewards import gsm8k, math_exact
 
 
 def positional_match_score(solution_str: str, ground_truth: str) -> float:
@@ -18,16 +27,82 @@ def positional_match_score(solution_str: str, ground_truth: str) -> float:
     return hits / max(len(solution), len(ground_truth))
 
 
-SCORERS: dict[str, Callable[[str, str], float]] = {data_source(task): positional_match_score for task in TASKS}
+SCORERS: dict[str, Callable[[str, Any], Any]] = {data_source(task): positional_match_score for task in TASKS}
+SCORERS["openai/gsm8k"] = gsm8k.compute_score  # strict extraction, 1.0 / 0.0, as verl
+for _name in math_exact.DATA_SOURCES:
+    SCORERS[_name] = math_exact.compute_score
 
 
-def compute_score(data_source: str, solution_str: str, ground_truth) -> float:
+def _check_finite(score: float, data_source: str, solution_str: str, ground_truth) -> float:
+    if not math.isfinite(score):
+        what = "NaN" if math.isnan(score) else f"{score} (not finite)"
+        raise ValueError(
+            f"reward for data_source={data_source!r} is {what} on response {solution_str!r} "
+            f"(ground truth {ground_truth!r})"
+        )
+    return score
+
+
+def compute_score(data_source: str, solution_str: str, ground_truth, extra_info=None):
+    """The built-in scorer of `data_source` on one response: a float, or the scorer's dict as is.
+    `extra_info` is accepted for verl's signature; the built-in scorers do not use it."""
     scorer = SCORERS.get(data_source)
     if scorer is None:
         raise KeyError(f"no reward function for data_source={data_source!r}; known: {sorted(SCORERS)}")
-    score = float(scorer(solution_str, ground_truth))
-    if math.isnan(score):
-        raise ValueError(
-            f"reward for data_source={data_source!r} is NaN on response {solution_str!r} (ground truth {ground_truth!r})"
-        )
-    return score
+    result = scorer(solution_str, ground_truth)
+    if isinstance(result, Mapping):
+        return result
+    return normalize_result(result, data_source, solution_str, ground_truth)[0]
+
+
+def _as_number(value) -> float | None:
+    """A real number (bool, int, float, a numpy scalar, a one-element tensor) as a float; else None."""
+    if isinstance(value, numbers.Real):
+        return float(value)
+    item = getattr(value, "item", None)  # numpy scalars and arrays, torch tensors
+    if callable(item):
+        try:
+            value = item()
+        except (ValueError, RuntimeError, TypeError):  # more than one element
+            return None
+        if isinstance(value, numbers.Real):
+            return float(value)
+    return None
+
+
+def normalize_result(result, data_source: str = "", solution_str: str = "", ground_truth=None) -> tuple[float, dict[str, float]]:
+    """(score, extras) from what a scorer returned: a number, or a dict with "score" and other
+    keys; of those, the numeric ones become extras (strings and the like are dropped). A missing
+    "score", a score that is not a number, or a score that is NaN/inf is an error."""
+    if isinstance(result, Mapping):
+        if "score" not in result:
+            raise ValueError(f"the reward function returned a dict without 'score' (keys: {sorted(map(str, result))})")
+        score = _as_number(result["score"])
+        if score is None:
+            raise TypeError(f"the reward function's 'score' must be a number, got {type(result['score']).__name__}: {result['score']!r}")
+        extras = {}
+        for key, value in result.items():
+            if key == "score":
+                continue
+            number = _as_number(value)
+            if number is not None:
+                extras[str(key)] = number
+    else:
+        score = _as_number(result)
+        if score is None:
+            raise TypeError(
+                f"the reward function must return a number or a dict with 'score', got {type(result).__name__}: {result!r}"
+            )
+        extras = {}
+    return _check_finite(score, data_source, solution_str, ground_truth), extras
+
+
+def score_sample(data_source: str, solution_str: str, ground_truth, extra_info=None,
+                 fn: Callable | None = None) -> tuple[float, dict[str, float]]:
+    """Scores one response: with `fn` (a custom reward function, called as verl calls it, by
+    keyword) when given, else with the built-in scorer of `data_source`."""
+    if fn is None:
+        result = compute_score(data_source, solution_str, ground_truth, extra_info)
+    else:
+        result = fn(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth, extra_info=extra_info)
+    return normalize_result(result, data_source, solution_str, ground_truth)

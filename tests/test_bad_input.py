@@ -1,36 +1,67 @@
 """Bad input ends every rank with a clear message and a non-zero exit, before any collective:
 never a hang, never one rank failing while the others wait."""
 
+import os
 import re
+import subprocess
+import sys
 import time
 
 import pytest
 
+from tests.multiproc import free_port
 from tests.runjob import torchrun
 
+CASES = [
+    (3, ["placement.mode=split"], "placement"),
+    (2, ["placement.mode=custom", "placement.pools=[2,1]"], "placement.pools"),
+    (2, ["placement.mode=colocate", "data.train_batch_size=15", "actor.ppo_mini_batch_size=5",
+         "critic.ppo_mini_batch_size=5"], "data.train_batch_size=15 is not divisible"),
+    (2, ["trainer.totl_steps=3"], "trainer.totl_steps"),
+    (2, ["trainer.total_steps=many"], "trainer.total_steps"),
+    (2, ["model.path=/no/such/model"], "model.path"),
+    (2, ["algorithm.adv_estimator=grpo", "rollout.n=4"], "the critic pool would only run a rule reward"),
+]
+IDS = ["odd-split", "pools-dont-add-up", "batch-not-divisible", "unknown-key", "wrong-type", "missing-model",
+       "critic-free-split-with-nothing-to-do"]
 
-@pytest.mark.parametrize(
-    "nproc, overrides, expected",
-    [
-        (3, ["placement.mode=split"], "placement"),
-        (2, ["placement.mode=custom", "placement.pools=[2,1]"], "placement.pools"),
-        (2, ["placement.mode=colocate", "data.train_batch_size=15", "actor.ppo_mini_batch_size=5", "critic.ppo_mini_batch_size=5"], "data.train_batch_size=15 is not divisible"),
-        (2, ["trainer.totl_steps=3"], "trainer.totl_steps"),
-        (2, ["trainer.total_steps=many"], "trainer.total_steps"),
-        (2, ["model.path=/no/such/model"], "model.path"),
-        (2, ["algorithm.adv_estimator=grpo", "rollout.n=4"], "the critic pool would only run a rule reward"),
-    ],
-    ids=["odd-split", "pools-dont-add-up", "batch-not-divisible", "unknown-key", "wrong-type", "missing-model",
-         "critic-free-split-with-nothing-to-do"],
-)
-def test_every_rank_fails_fast_naming_the_key(nproc, overrides, expected):
-    start = time.monotonic()
-    result = torchrun(nproc, *overrides, timeout=120)
-    elapsed = time.monotonic() - start
-    assert result.returncode != 0
+
+def launch_ranks_by_hand(nproc: int, overrides: list[str]) -> list[subprocess.CompletedProcess]:
+    """Every rank as its own process with torchrun's environment, but no torchrun to kill the
+    others when one fails: each rank must reach the check, say why and exit on its own. A rank
+    that went on to init_process_group would wait there for the ones that left, and time out."""
+    port, procs = free_port(), []
     for rank in range(nproc):
-        assert f"spmdsplit [rank {rank}]: error:" in result.stderr, result.stderr[-3000:]
-    assert expected in result.stderr
-    # A message, not a crash: no traceback through our code (torchrun prints its own summary).
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+               "LOCAL_WORLD_SIZE": str(nproc), "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "TORCH_DIST_INIT_BARRIER": "0"}
+        procs.append(subprocess.Popen([sys.executable, "-m", "spmdsplit.train", "trainer.dist_timeout_s=30", *overrides],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    for rank, p in enumerate(procs):
+        try:
+            out, err = p.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise AssertionError(f"rank {rank} did not exit: it went past the checks and waited") from None
+        results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return results
+
+
+@pytest.mark.parametrize("nproc, overrides, expected", CASES, ids=IDS)
+def test_every_rank_fails_on_its_own_naming_the_key(nproc, overrides, expected):
+    for rank, result in enumerate(launch_ranks_by_hand(nproc, overrides)):
+        assert result.returncode == 2, (rank, result.stderr[-3000:])
+        assert f"spmdsplit [rank {rank}]: error:" in result.stderr and expected in result.stderr, result.stderr[-3000:]
+        # A message, not a crash: no traceback through our code.
+        assert "Traceback" not in result.stderr, result.stderr[-3000:]
+
+
+def test_under_torchrun_the_job_fails_fast_with_the_message():
+    start = time.monotonic()
+    result = torchrun(2, "trainer.totl_steps=3", timeout=120)
+    assert result.returncode != 0
+    assert re.search(r"spmdsplit \[rank \d\]: error: config key 'trainer.totl_steps'", result.stderr), result.stderr[-3000:]
     assert not re.search(r'File ".*spmdsplit/', result.stderr), result.stderr[-3000:]
-    assert elapsed < 90, f"took {elapsed:.0f}s: something waited"
+    assert time.monotonic() - start < 90

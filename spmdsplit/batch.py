@@ -85,6 +85,10 @@ class Batch:
             {k: [v[i] for i in idx] for k, v in self.non_tensors.items()},
         )
 
+    def repeat_interleave(self, n: int) -> "Batch":
+        """Each row n times in a row (rows 0,0,1,1,... for n=2): one group per row."""
+        return self if n == 1 else self.index(torch.arange(len(self)).repeat_interleave(n))
+
     def split(self, size: int) -> list["Batch"]:
         """Consecutive chunks of `size` rows (the last may be shorter)."""
         if size <= 0:

@@ -13,7 +13,7 @@ import torch
 
 from spmdsplit import algo
 from spmdsplit.batch import Batch
-from spmdsplit.distributed import pool_max_min, pool_reduce_metrics
+from spmdsplit.distributed import pool_max_min, pool_reduce_metrics, pool_sum
 
 
 class PhaseTimer:
@@ -107,8 +107,6 @@ def compute_data_metrics(batch: Batch, group, device) -> dict[str, float]:
     maxes, mins = pool_max_min(maxes, mins, group, device)
     metrics.update(maxes)
     metrics.update(mins)
-    from spmdsplit.distributed import pool_sum
-
     if "values" in batch:
         metrics["critic/vf_explained_var"] = algo.compute_explained_variance(
             batch["values"], batch["returns"], batch["response_mask"], reduce_sum=pool_sum(group)

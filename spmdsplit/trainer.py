@@ -23,7 +23,6 @@ from spmdsplit import algo
 from spmdsplit.batch import Batch
 from spmdsplit.data.prompts import PromptDataset, collate_prompts
 from spmdsplit.distributed import pool_reduce_metrics, pool_sum
-from spmdsplit.embedded import ensure_embedded_model
 from spmdsplit.engines.fsdp import FSDPEngine
 from spmdsplit.exchange import recv_object, recv_rows, row_ranges, send_object, send_rows
 from spmdsplit.metrics import MetricsLogger, PhaseTimer, compute_data_metrics, write_timeline
@@ -64,7 +63,7 @@ class Trainer:
         self.blocking = not cfg.placement.overlap and not self.placement.colocated
         self.handoff_group = dist.new_group(ranks=list(range(self.placement.world_size))) if self.blocking else None
 
-        self.model_path = cfg.model.path or ensure_embedded_model(cfg.model.embedded_dir)  # train.py built it
+        self.model_path = cfg.model.path  # train.py has resolved "" to the embedded model
         self.tokenizer = load_tokenizer(self.model_path, cfg.model.trust_remote_code)
         eos_ids = eos_token_ids(self.model_path, self.tokenizer)
         # Trained models keep fp32 master weights and compute in `dtype` (FSDP mixed precision);
@@ -225,9 +224,7 @@ class Trainer:
                 for first in range(start, end, per_batch):
                     prompts = collate_prompts(rows[first:min(end, first + per_batch)], self.tokenizer,
                                               cfg.data.max_prompt_length, step, first, truncation=cfg.data.truncation)
-                    if n > 1:
-                        prompts = prompts.index(torch.arange(len(prompts)).repeat_interleave(n))
-                    parts.append(self.rollout.generate(prompts.to(self.device), validate=True))
+                    parts.append(self.rollout.generate(prompts.repeat_interleave(n).to(self.device), validate=True))
             sent = send_rows(Batch.concat(parts).select(ROLLOUT_KEYS), A, C, num_rows, TAG_VAL_ROLLOUT, self.device)
         if P.is_critic:
             batch = recv_rows(A, C, num_rows, TAG_VAL_ROLLOUT, self.device)
@@ -268,8 +265,7 @@ class Trainer:
         first_row = self.dataset.batch_size * (step - 1) + part * len(rows)
         prompts = collate_prompts(rows, self.tokenizer, self.cfg.data.max_prompt_length, step, first_row,
                                   truncation=self.cfg.data.truncation)
-        n = self.cfg.rollout.n
-        return (prompts.index(torch.arange(len(prompts)).repeat_interleave(n)) if n > 1 else prompts).to(self.device)
+        return prompts.repeat_interleave(self.cfg.rollout.n).to(self.device)
 
     def compute_advantage(self, batch: Batch) -> dict[str, float]:
         alg = self.cfg.algorithm

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -87,3 +88,21 @@ class FSDPEngine:
         if is_writer:
             save_hf_folder(self.model, state, output_dir, tokenizer)
 
+
+    def save_checkpoint(self, path: str) -> None:
+        """Weights, optimizer and LR schedule under `path`, each rank writing its own shards
+        (torch.distributed.checkpoint over the pool's group only); every pool rank calls it."""
+        dcp.save(self._training_state(), checkpoint_id=path, process_group=self.group)
+
+    def load_checkpoint(self, path: str) -> None:
+        """The inverse of save_checkpoint. DCP reshards, so the pool may have another size."""
+        state = self._training_state()
+        dcp.load(state, checkpoint_id=path, process_group=self.group)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def _training_state(self) -> dict:
+        if self.optimizer is None:
+            raise RuntimeError("a frozen model has no training state to checkpoint; it is reloaded from its path")
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optim": optim_state, "scheduler": self.scheduler.state_dict()}

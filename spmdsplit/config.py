@@ -36,6 +36,11 @@ class TrainerConfig:
     val_freq: int = -1  # validate every this many steps (and after the last); -1 = never
     val_before_train: bool = False
     critic_warmup: int = 0  # the first this many steps train only the critic
+    # Checkpoints (see spmdsplit/checkpoint.py). A stop request (SIGUSR2, SIGTERM) always checkpoints.
+    save_freq: int = -1  # checkpoint every this many steps and after the last; -1 = only when stopped
+    default_local_dir: str = "checkpoints"  # on a filesystem every node sees, to resume after a requeue
+    max_ckpt_to_keep: int = 0  # keep the newest this many; 0 = keep all
+    resume: str = "auto"  # auto (the latest complete checkpoint, if any) | disable | a global_step_* folder
 
 
 @dataclass
@@ -201,8 +206,8 @@ CHOICES = {
     "critic.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
 }
 
-PATH_KEYS = ("trainer.log_dir", "trainer.timeline", "trainer.output_dir", "model.path", "model.embedded_dir",
-             "critic.model_path")
+PATH_KEYS = ("trainer.log_dir", "trainer.timeline", "trainer.output_dir", "trainer.default_local_dir",
+             "model.path", "model.embedded_dir", "critic.model_path")
 
 POSITIVE = (
     "trainer.total_steps", "trainer.dist_timeout_s", "data.train_batch_size", "data.max_prompt_length",
@@ -250,6 +255,12 @@ def check_values(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if not value > 0:
             raise ConfigError(f"{key}={value!r}: expected a positive number")
+    if cfg.trainer.save_freq == 0 or cfg.trainer.save_freq < -1:
+        raise ConfigError(f"trainer.save_freq={cfg.trainer.save_freq}: expected a positive number of steps, or -1 (off)")
+    if cfg.trainer.max_ckpt_to_keep < 0:
+        raise ConfigError(f"trainer.max_ckpt_to_keep={cfg.trainer.max_ckpt_to_keep}: expected >= 0 (0 = keep all)")
+    if (cfg.trainer.save_freq > 0 or cfg.trainer.resume == "auto") and not cfg.trainer.default_local_dir:
+        raise ConfigError("trainer.default_local_dir is empty: checkpoints need a folder")
     if not 0 < cfg.rollout.top_p <= 1:
         raise ConfigError(f"rollout.top_p={cfg.rollout.top_p}: expected 0 < top_p <= 1")
     if cfg.actor.clip_ratio_c <= 1:

@@ -119,14 +119,17 @@ class MetricsLogger:
 
     CONSOLE_KEYS = ("critic/score/mean", "actor/pg_loss", "critic/vf_loss", "actor/entropy", "timing_s/step")
 
-    def __init__(self, log_dir: str, total_steps: int, progress_bar: bool):
+    def __init__(self, log_dir: str, total_steps: int, progress_bar: bool, first_step: int = 1):
         from torch.utils.tensorboard import SummaryWriter
         from tqdm import tqdm
 
-        self.writer = SummaryWriter(log_dir=log_dir) if log_dir else None
+        # A resumed run purges what the stopped one logged after its checkpoint, so TensorBoard
+        # shows each step once.
+        purge = first_step if first_step > 1 else None
+        self.writer = SummaryWriter(log_dir=log_dir, purge_step=purge) if log_dir else None
         # A bar only on a terminal: in a log file (Slurm, CI) its redraws would bury the step lines.
         show_bar = progress_bar and sys.stderr.isatty()
-        self.bar = tqdm(total=total_steps, desc="ppo", unit="step", dynamic_ncols=True) if show_bar else None
+        self.bar = tqdm(total=total_steps, initial=first_step - 1, desc="ppo", unit="step", dynamic_ncols=True) if show_bar else None
         self.history: list[dict[str, float]] = []
         self.validation: list[dict[str, float]] = []
 

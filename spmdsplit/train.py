@@ -3,6 +3,10 @@
 Reads the config, checks it against the launch shape (every rank, before any collective, so a
 bad value ends every rank with the same message instead of a hang), joins the world, builds the
 pools and runs the PPO loop. `--print-config` prints the resolved config and exits.
+
+Also runs as one Slurm task per rank (`srun python -m spmdsplit.train`, see launch/): the rank
+comes from SLURM_PROCID when torchrun's variables are absent. Exit codes: 0 done, 2 bad config
+or data, 75 (EXIT_STOPPED) stopped early on SIGUSR2/SIGTERM after writing a checkpoint.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from spmdsplit import preempt
+from spmdsplit.checkpoint import CheckpointError, find_resume
 from spmdsplit.data.parquet import DataError
 from spmdsplit.data.sources import build_rows, format_report
 from spmdsplit.embedded import ensure_embedded_model
@@ -24,6 +30,25 @@ from spmdsplit.models import load_tokenizer
 from spmdsplit.rewards.custom import load_custom_reward_fn
 from spmdsplit.config import ConfigError, check_against_pools, load_config, to_yaml
 from spmdsplit.placement import PlacementError, build_pools, launch_shape_from_env, plan_placement
+
+
+EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped on request, checkpoint written; run again to go on
+
+
+def env_from_slurm(env=os.environ) -> None:
+    """Under `srun` without torchrun: torchrun's variables from Slurm's. MASTER_ADDR/PORT must
+    come from the batch script (the first node of the allocation) when there are several nodes."""
+    if "RANK" in env or "SLURM_PROCID" not in env:
+        return
+    tasks = int(env["SLURM_NTASKS"])
+    nodes = int(env.get("SLURM_NNODES", 1))
+    env.update(RANK=env["SLURM_PROCID"], WORLD_SIZE=str(tasks), LOCAL_RANK=env.get("SLURM_LOCALID", "0"),
+               LOCAL_WORLD_SIZE=str(tasks // nodes))
+    if nodes == 1:
+        env.setdefault("MASTER_ADDR", "127.0.0.1")
+    elif "MASTER_ADDR" not in env:
+        raise ConfigError("running under Slurm on several nodes without torchrun: export MASTER_ADDR (the first "
+                          "node, e.g. $(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1)) and MASTER_PORT")
 
 
 def parse_args(argv):
@@ -64,7 +89,7 @@ def pick_device(setting: str, local_rank: int) -> torch.device:
 
 def prepare(cfg):
     """Everything that can fail without talking to other ranks, the data included, so that bad
-    rows stop every rank alike; returns (placement, device, data)."""
+    rows stop every rank alike; returns (placement, device, data, checkpoint to resume or None)."""
     world, local, nnodes = launch_shape_from_env()
     p = cfg.placement
     placement = plan_placement(p.mode, list(p.pools) or None, p.pool_unit, world, local, nnodes)
@@ -82,7 +107,8 @@ def prepare(cfg):
     data = {"train": build_rows(cfg.data, tokenizer, "train")}
     if cfg.trainer.val_freq > 0 or cfg.trainer.val_before_train:
         data["val"] = build_rows(cfg.data, tokenizer, "val")
-    return placement, device, data
+    resume_from = find_resume(cfg.trainer.resume, cfg.trainer.default_local_dir)
+    return placement, device, data, resume_from
 
 
 def quiet_libraries(rank: int) -> None:
@@ -97,22 +123,24 @@ def quiet_libraries(rank: int) -> None:
 
 @record  # torchrun then shows this rank's traceback in its failure summary
 def main(argv=None) -> int:
-    rank = int(os.environ.get("RANK", 0))
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
     try:
+        env_from_slurm()
         cfg = load_config(args.config, args.overrides)
         if args.print_config:
             if rank == 0:
                 print(to_yaml(cfg), end="")
             return 0
-        placement, device, data = prepare(cfg)
-    except (ConfigError, PlacementError, DataError) as e:
+        placement, device, data, resume_from = prepare(cfg)
+    except (ConfigError, PlacementError, DataError, CheckpointError) as e:
         print(f"spmdsplit [rank {rank}]: error: {e}", file=sys.stderr, flush=True)
         return 2
 
     if cfg.trainer.num_threads > 0 and device.type == "cpu":
         torch.set_num_threads(cfg.trainer.num_threads)
     quiet_libraries(rank)
+    preempt.install_handlers()  # from here on, SIGUSR2/SIGTERM mean "checkpoint and stop", not "die now"
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # a plain single-process `python -m` run
     os.environ.setdefault("MASTER_PORT", "29512")
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -127,11 +155,17 @@ def main(argv=None) -> int:
                 print(f"spmdsplit: {format_report(data_report, cfg.data.max_prompt_length)}", flush=True)
         from spmdsplit.trainer import Trainer
 
-        history = Trainer(cfg, pools, {split: rows for split, (rows, _) in data.items()}).fit()
-        if rank == 0 and history:
-            report(history, cfg)
+        trainer = Trainer(cfg, pools, {split: rows for split, (rows, _) in data.items()}, resume_from)
+        completed = trainer.fit()
+        if rank == 0 and trainer.logger.history and completed:
+            report(trainer.logger.history, cfg)
     finally:
         dist.destroy_process_group()
+    if not completed:
+        if rank == 0:
+            print(f"spmdsplit: stopped on request; run the same command again to resume "
+                  f"(trainer.resume=auto reads {cfg.trainer.default_local_dir})", flush=True)
+        return EXIT_STOPPED
     return 0
 
 

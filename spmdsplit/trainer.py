@@ -14,12 +14,15 @@ another (verl's blocking calls), to measure what overlapping gains.
 from __future__ import annotations
 
 import math
+import os
+import shutil
 import time
 
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 
-from spmdsplit import algo
+from spmdsplit import algo, checkpoint
 from spmdsplit.batch import Batch
 from spmdsplit.data.prompts import PromptDataset, collate_prompts
 from spmdsplit.distributed import pool_reduce_metrics, pool_sum
@@ -28,6 +31,7 @@ from spmdsplit.exchange import recv_object, recv_rows, row_ranges, send_object, 
 from spmdsplit.metrics import MetricsLogger, PhaseTimer, compute_data_metrics, write_timeline
 from spmdsplit.models import eos_token_ids, load_causal_lm, load_tokenizer, load_value_model, resolve_dtype
 from spmdsplit.placement import Pools
+from spmdsplit.preempt import StopVote
 from spmdsplit.roles.actor import Actor
 from spmdsplit.roles.critic import Critic
 from spmdsplit.rewards.custom import load_custom_reward_fn
@@ -37,13 +41,15 @@ from spmdsplit.rollout.hf import HFRollout
 
 # One tag per kind of message, so messages of different phases between the same two ranks never mix.
 TAG_ROLLOUT, TAG_LOG_PROBS, TAG_ADVANTAGES, TAG_CRITIC_METRICS, TAG_VAL_ROLLOUT, TAG_VAL_METRICS = 11, 12, 13, 14, 15, 16
+TAG_CHECKPOINT = 17
 ROLLOUT_KEYS = ("responses", "response_mask", "input_ids", "attention_mask", "position_ids",
                 "data_source", "ground_truth", "uid")
 
 
 class Trainer:
-    def __init__(self, cfg, pools: Pools, rows: dict[str, list[dict]]):
-        """`rows`: the prompt rows of each split ("train", and "val" when validating)."""
+    def __init__(self, cfg, pools: Pools, rows: dict[str, list[dict]], resume_from: str | None = None):
+        """`rows`: the prompt rows of each split ("train", and "val" when validating);
+        `resume_from`: a complete checkpoint folder to continue from (checkpoint.find_resume)."""
         self.cfg, self.pools = cfg, pools
         self.device = pools.device
         self.rank = pools.rank
@@ -62,6 +68,7 @@ class Trainer:
         # verl's blocking calls, for comparison; meaningless when the roles share ranks anyway.
         self.blocking = not cfg.placement.overlap and not self.placement.colocated
         self.handoff_group = dist.new_group(ranks=list(range(self.placement.world_size))) if self.blocking else None
+        self.stop_vote = StopVote()
 
         self.model_path = cfg.model.path  # train.py has resolved "" to the embedded model
         self.tokenizer = load_tokenizer(self.model_path, cfg.model.trust_remote_code)
@@ -103,25 +110,39 @@ class Trainer:
             self.kl_ctrl = algo.get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         # Sampling must differ between ranks (else every shard draws the same responses).
         torch.manual_seed(seed * 1000 + 7 + self.rank)
-        self.logger = MetricsLogger(cfg.trainer.log_dir, cfg.trainer.total_steps, cfg.trainer.progress_bar) if self.rank == 0 else None
+        self.start_step = 1
         self.unlogged: dict[int, dict] = {}  # rank 0: step -> {"actor": ..., "critic": ...} until both are in
         self.critic_metrics_received = 0
         self.sent_metrics = None  # the critic pool's first rank: its last metrics send in flight
+        if resume_from:
+            self.load_checkpoint(resume_from)
+        self.logger = MetricsLogger(cfg.trainer.log_dir, cfg.trainer.total_steps, cfg.trainer.progress_bar,
+                                    first_step=self.start_step) if self.rank == 0 else None
 
     # ------------------------------------------------------------------ the loop
 
-    def fit(self) -> list[dict]:
+    def fit(self) -> bool:
+        """Runs the remaining steps; False when it stopped early on request (after checkpointing)."""
         trainer = self.cfg.trainer
-        if trainer.val_before_train:
+        last = trainer.total_steps
+        if trainer.val_before_train and self.start_step == 1:
             self.validate(0)
-        for step in range(1, trainer.total_steps + 1):
+        step = self.start_step - 1
+        for step in range(self.start_step, trainer.total_steps + 1):
+            self.stop_vote.cast()
             self.train_step(step)
             if trainer.val_freq > 0 and (step % trainer.val_freq == 0 or step == trainer.total_steps):
                 self.validate(step)
+            stop = self.stop_vote.outcome()
+            if stop or (trainer.save_freq > 0 and (step % trainer.save_freq == 0 or step == trainer.total_steps)):
+                self.save_checkpoint(step)
+            if stop and step < trainer.total_steps:
+                last = step
+                break
         if self.rank == 0:
-            self.receive_critic_metrics(upto=self.cfg.trainer.total_steps)
-        self.finish()
-        return self.logger.history if self.logger else []
+            self.receive_critic_metrics(upto=last)
+        self.finish(completed=last == trainer.total_steps)
+        return last == trainer.total_steps
 
     def train_step(self, step: int) -> None:
         cfg, P, phase = self.cfg, self.pools, self.timer.phase
@@ -330,12 +351,12 @@ class Trainer:
             self.logger.log(step, {**parts["critic"], **parts["actor"]})
             del self.unlogged[step]
 
-    def finish(self) -> None:
+    def finish(self, completed: bool) -> None:
         cfg, P = self.cfg, self.pools
         self.timer.record_peak_memory()
         if self.sent_metrics is not None:
             self.sent_metrics.wait()
-        if P.is_actor and cfg.trainer.output_dir:
+        if P.is_actor and cfg.trainer.output_dir and completed:  # a stopped run's weights are in its checkpoint
             self.actor.engine.save_hf(cfg.trainer.output_dir, self.tokenizer, is_writer=self.rank == self.actor_ranks[0])
         if cfg.trainer.timeline:
             # After the last step, outside any pool's work: one gather of every rank's events.
@@ -346,3 +367,82 @@ class Trainer:
                 write_timeline(cfg.trainer.timeline, events, roles)
         if self.logger:
             self.logger.close()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def my_pools(self) -> list[str]:
+        return [pool for pool, member in (("actor", self.pools.is_actor), ("critic", self.pools.is_critic)) if member]
+
+    def trained_engine(self, pool: str):
+        if pool == "actor":
+            return self.actor.engine
+        return self.critic.engine if self.use_critic else None
+
+    def rank_state(self, pool: str, step: int) -> dict:
+        state = {"step": step, "rng": checkpoint.rng_state(self.device)}
+        if pool == "actor":
+            # The data order is a function of (seed, step), so the step is the data position;
+            # the rest is there to notice a different dataset on resume.
+            state["data"] = {"prompts_consumed": step * self.batch_size, "dataset_rows": len(self.dataset.rows),
+                             "seed": self.cfg.data.seed, "shuffle": self.cfg.data.shuffle}
+        else:
+            state["kl_ctrl"] = self.kl_ctrl.state_dict()
+        return state
+
+    def save_checkpoint(self, step: int) -> None:
+        """Each pool writes its half inside its own group; world rank 0 publishes the whole once
+        the critic pool's first rank says its half is on disk (see spmdsplit/checkpoint.py)."""
+        cfg, P, C = self.cfg, self.pools, self.critic_ranks
+        root = cfg.trainer.default_local_dir
+        partial = checkpoint.partial_dir(root, step)
+        for pool in self.my_pools():
+            group, leader = P.group(pool), self.placement.ranks_of(pool)[0]
+            folder = os.path.join(partial, pool)
+            with self.timer.phase(f"save_checkpoint/{pool}", step):
+                if self.rank == leader:  # a crash may have left a half of this step behind
+                    shutil.rmtree(folder, ignore_errors=True)
+                    os.makedirs(folder)
+                dist.barrier(group=group)
+                checkpoint.save_rank_state(os.path.join(folder, f"rank_{self.rank}.pt"), self.rank_state(pool, step))
+                engine = self.trained_engine(pool)
+                if engine is not None:
+                    engine.save_checkpoint(os.path.join(folder, "engine"))
+                dist.barrier(group=group)  # every rank's files are written
+        if self.rank == C[0] and C[0] != 0:
+            send_object(step, dst=0, tag=TAG_CHECKPOINT, device=self.device).wait()
+        if self.rank == 0:
+            self.receive_critic_metrics(upto=step)  # a resumed run logs from step + 1 on
+            if C[0] != 0:
+                assert recv_object(C[0], TAG_CHECKPOINT, self.device) == step
+            meta = {"step": step, "world_size": self.placement.world_size, "actor_ranks": self.actor_ranks,
+                    "critic_ranks": self.critic_ranks, "time": time.time(),
+                    "config": OmegaConf.to_container(cfg, resolve=True)}
+            path = checkpoint.publish(root, step, meta, cfg.trainer.max_ckpt_to_keep)
+            print(f"spmdsplit: checkpoint of step {step} written to {path}", flush=True)
+
+    def load_checkpoint(self, path: str) -> None:
+        meta = checkpoint.read_meta(path)
+        step = meta["step"]
+        same_layout = meta["actor_ranks"] == self.actor_ranks and meta["critic_ranks"] == self.critic_ranks
+        for pool in self.my_pools():
+            folder = os.path.join(path, pool)
+            engine = self.trained_engine(pool)
+            if engine is not None:
+                engine.load_checkpoint(os.path.join(folder, "engine"))  # DCP reshards if the pool size changed
+            mine = os.path.join(folder, f"rank_{self.rank}.pt")
+            state = checkpoint.load_rank_state(mine if same_layout else os.path.join(folder, f"rank_{meta[f'{pool}_ranks'][0]}.pt"))
+            if same_layout:
+                checkpoint.set_rng_state(state["rng"], self.device)
+            else:
+                torch.manual_seed(self.cfg.trainer.seed * 1000 + 7 + self.rank + 7919 * step)
+            if pool == "critic":
+                self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+            elif state["data"]["dataset_rows"] != len(self.dataset.rows) and self.rank == 0:
+                print(f"spmdsplit: warning: the checkpoint was trained on {state['data']['dataset_rows']} prompts, "
+                      f"the data now has {len(self.dataset.rows)}: the data order differs from the stopped run", flush=True)
+        if self.rank == 0:
+            note = "" if same_layout else (" (the pools have other sizes now: weights and optimizer are resharded, "
+                                           "sampling is reseeded, so the run will not repeat the stopped one exactly)")
+            print(f"spmdsplit: resuming from {path} at step {step + 1}{note}", flush=True)
+        self.start_step = step + 1
+        self.critic_metrics_received = step

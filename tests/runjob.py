@@ -6,11 +6,15 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 from tests.multiproc import free_port
 
 
 def torchrun(nproc: int, *overrides: str, timeout: float = 600, cwd=None) -> subprocess.CompletedProcess:
+    if not any(o.startswith("trainer.default_local_dir=") for o in overrides):
+        # Never resume from (or write to) checkpoints another run left in the working folder.
+        overrides = (f"trainer.default_local_dir={tempfile.mkdtemp(prefix='spmdsplit-ckpt-')}", *overrides)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
         f"--master-port={free_port()}", "-m", "spmdsplit.train", "trainer.progress_bar=false", *overrides,

@@ -1,0 +1,67 @@
+"""Stopping a job cleanly when Slurm (or a user) asks: finish the step, checkpoint, exit.
+
+A signal may reach one rank, some ranks or all of them, at any moment of a step. The handler
+only sets a flag: the step is never cut short, since a rank leaving mid-collective would hang
+the others. At each step's start every rank casts its flag into a sum over a small gloo group
+of the whole world, without waiting; at the step's end it reads the sum. By then every rank
+has started the step (the step's exchanges depend on all of them), so reading costs nothing
+and never stalls the overlap between pools, and all ranks see the same answer: stop after
+this step, or not. A flag set during step k is cast at step k+1, so the job stops within two
+steps of the signal.
+
+The vote is the only world collective inside the loop; it is control, not a pool's work, and
+runs on its own group so it never queues behind (or in front of) a pool's traffic.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import torch
+import torch.distributed as dist
+
+_stop = threading.Event()
+
+
+def request_stop(signum=None, frame=None) -> None:
+    if signum is not None and not _stop.is_set():
+        # os.write, not print: print is not safe inside a signal handler that may interrupt print.
+        rank = os.environ.get("RANK", "?")
+        os.write(2, f"spmdsplit [rank {rank}]: got {signal.Signals(signum).name}: finishing the step, "
+                    "then checkpointing and stopping\n".encode())
+    _stop.set()
+
+
+def stop_requested() -> bool:
+    return _stop.is_set()
+
+
+def install_handlers() -> None:
+    """SIGUSR2 (Slurm's warning before the time limit, as submitit asks for it) and SIGTERM
+    (preemption) set the stop flag instead of killing the rank. Under torchrun SIGTERM stays
+    deadly: the agent sends it to tear down the survivors when a rank fails, and they must go
+    at once rather than wait for a step that cannot finish; send SIGUSR2 there to stop cleanly."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    for sig in (signal.SIGUSR2,) if under_torchrun else (signal.SIGUSR2, signal.SIGTERM):
+        signal.signal(sig, request_stop)
+
+
+class StopVote:
+    """Every rank must create it, in the same place in the sequence of group creations."""
+
+    def __init__(self):
+        self.group = dist.new_group(backend="gloo")  # CPU tensors, also beside an NCCL world
+        self.pending = None
+
+    def cast(self) -> None:
+        flag = torch.tensor([int(stop_requested())])
+        self.pending = (flag, dist.all_reduce(flag, group=self.group, async_op=True))
+
+    def outcome(self) -> bool:
+        flag, work = self.pending
+        work.wait()
+        return flag.item() > 0

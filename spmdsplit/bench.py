@@ -205,7 +205,9 @@ def run_job(nproc: int, overrides: list[str], job_dir: str, timeout: float = 360
     tb, timeline = os.path.join(job_dir, "tb"), os.path.join(job_dir, "timeline.json")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-port", str(free_port()), "-m", "spmdsplit.train", "trainer.progress_bar=false",
-           f"trainer.log_dir={tb}", f"trainer.timeline={timeline}", "trainer.output_dir=", *overrides]
+           f"trainer.log_dir={tb}", f"trainer.timeline={timeline}", "trainer.output_dir=",
+           # every mode starts from step 1, whatever checkpoints lie in the working folder
+           "trainer.resume=disable", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     os.makedirs(job_dir, exist_ok=True)
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)

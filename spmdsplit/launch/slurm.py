@@ -265,8 +265,13 @@ def follow(job, poll_s: float = 5.0) -> int:
             print(f"spmdsplit.launch.slurm: {time.strftime('%H:%M:%S')} job {job.job_id} {state}", flush=True)
             last = state
         time.sleep(poll_s)
+    # The ranks' results appear just before their processes end: wait for Slurm to say so too.
+    deadline = time.monotonic() + 120
+    while (state := job.watcher.get_state(job.job_id, mode="force")) in ("RUNNING", "COMPLETING", "CONFIGURING"):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(1)
     rank0 = job.task(0)
-    state = job.watcher.get_state(job.job_id, mode="force")
     print(f"spmdsplit.launch.slurm: job {job.job_id} {state}; the end of {rank0.paths.stdout}:")
     print("\n".join((rank0.stdout() or "").splitlines()[-15:]))
     try:

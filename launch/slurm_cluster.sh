@@ -12,7 +12,7 @@
 # STATE_DIR (default $SPMDSPLIT_SLURM_DIR or /tmp/spmdsplit-slurm) holds every config, socket,
 # database, spool, log and pid file, so nothing in /etc or /run is touched and two clusters can run
 # side by side with different SPMDSPLIT_SLURM_PORT bases (ctld = base, slurmd +1, slurmdbd +2,
-# mariadb +3). Each `start` is a fresh cluster: job ids restart at 1.
+# mariadb +3, several nodes' slurmds +4...). Each `start` is a fresh cluster: job ids restart at 1.
 #
 # Why these settings (measured with Slurm 22.05 from Debian 12):
 # - There is no systemd here, so every daemon is started by hand, in the foreground (-D / -F)
@@ -32,6 +32,12 @@ state=$(realpath -m "${2:-${SPMDSPLIT_SLURM_DIR:-/tmp/spmdsplit-slurm}}")
 base=${SPMDSPLIT_SLURM_PORT:-16817}
 ctld_port=$base slurmd_port=$((base + 1)) dbd_port=$((base + 2)) db_port=$((base + 3))
 host=$(hostname -s)
+# SPMDSPLIT_SLURM_NODES=N > 1: N nodes on this one machine, one slurmd each (own port, spool,
+# log), named spmdsplit-node0.. with NodeAddr=127.0.0.1: multi-node jobs for the tests. Those
+# names resolve nowhere, so the launcher and the sbatch template take the first node's address
+# from Slurm (NodeAddr) when its name does not resolve.
+nnodes=${SPMDSPLIT_SLURM_NODES:-1}
+if [ "$nnodes" = 1 ]; then nodes=$host; else nodes=$(seq -f "spmdsplit-node%g" 0 $((nnodes - 1))); fi
 cluster=${SPMDSPLIT_SLURM_CLUSTER:-spmdsplit}
 packages="slurmctld slurmd slurm-client slurmdbd munge mariadb-server mariadb-client"
 
@@ -92,11 +98,11 @@ AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket=$state/munge/munge.socket,cred_expire=10
 StateSaveLocation=$state/ctld
-SlurmdSpoolDir=$state/slurmd
+SlurmdSpoolDir=$state/slurmd/%n
 SlurmctldPidFile=$state/run/slurmctld.pid
-SlurmdPidFile=$state/run/slurmd.pid
+SlurmdPidFile=$state/run/slurmd-%n.pid
 SlurmctldLogFile=$state/log/slurmctld.log
-SlurmdLogFile=$state/log/slurmd.log
+SlurmdLogFile=$state/log/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
@@ -116,9 +122,15 @@ ReturnToService=2
 KillWait=5
 MinJobAge=3600
 SchedulerParameters=batch_sched_delay=0,sched_interval=2,bf_interval=1
-NodeName=$host NodeAddr=127.0.0.1 CPUs=4 State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
+    local i=0 name port
+    for name in $nodes; do
+        # One node: slurmd on SlurmdPort. Several: each its own Port after the others' ports.
+        port=$([ "$nnodes" = 1 ] && echo "$slurmd_port" || echo $((base + 4 + i)))
+        echo "NodeName=$name NodeAddr=127.0.0.1 Port=$port CPUs=4 State=UNKNOWN" >>"$state/slurm.conf"
+        i=$((i + 1))
+    done
     # slurmdbd refuses a config that others can read (it holds the database password).
     (umask 077 && cat >"$state/slurmdbd.conf" <<EOF
 AuthType=auth/munge
@@ -200,13 +212,17 @@ start() {
     sacctmgr -i add cluster "$cluster" >/dev/null
     spawn slurmctld slurmctld -D -i -f "$state/slurm.conf"
     wait_for 30 slurmctld scontrol ping
-    spawn slurmd slurmd -D -f "$state/slurm.conf"
-    wait_for 30 "slurmd (node idle)" node_idle
+    local name
+    for name in $nodes; do
+        mkdir -p "$state/slurmd/$name"
+        spawn slurmd slurmd -D -N "$name" -f "$state/slurm.conf"
+    done
+    wait_for 30 "slurmd (every node idle)" nodes_idle
     up=1
-    log "up in $((SECONDS - t0))s: $host with 4 CPUs, partition debug; source $state/env (SLURM_CONF=$state/slurm.conf)"
+    log "up in $((SECONDS - t0))s: $(echo $nodes) with 4 CPUs each, partition debug; source $state/env (SLURM_CONF=$state/slurm.conf)"
 }
 
-node_idle() { [ "$(sinfo -h -n "$host" -o %t 2>/dev/null)" = idle ]; }
+nodes_idle() { [ "$(sinfo -h -N -o %t 2>/dev/null | grep -c '^idle$')" = "$nnodes" ]; }
 
 stop() {
     [ -s "$state/pids" ] || { log "nothing recorded in $state/pids"; return 0; }

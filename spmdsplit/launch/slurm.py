@@ -20,6 +20,7 @@ import argparse
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -51,6 +52,24 @@ def slurm_job_states(job_id: str) -> set[str]:
     return states
 
 
+def resolvable(host: str) -> bool:
+    try:
+        socket.getaddrinfo(host, None)
+        return True
+    except socket.gaierror:
+        return False
+
+
+def node_address(node: str) -> str:
+    """Slurm's NodeAddr for a node whose name does not resolve (clusters where NodeName is only
+    a label, and the test cluster's several nodes on one machine)."""
+    out = subprocess.run(["scontrol", "show", "node", "-o", node], capture_output=True, text=True, timeout=60).stdout
+    found = re.search(r"\bNodeAddr=(\S+)", out)
+    if not found:
+        raise RuntimeError(f"the first node {node!r} does not resolve and `scontrol show node` gives no NodeAddr")
+    return found.group(1)
+
+
 class SlurmTrain(submitit.helpers.Checkpointable):
     """What every Slurm task of the job runs: one training rank."""
 
@@ -64,11 +83,14 @@ class SlurmTrain(submitit.helpers.Checkpointable):
         # A result this task left before a requeue would make submitit report the task done
         # while the requeued job still runs: it goes now, and the new one replaces it.
         env.paths.result_pickle.unlink(missing_ok=True)
-        # RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE from Slurm; MASTER_ADDR = the first node,
+        # RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE from Slurm; MASTER_ADDR = the first node
+        # (its NodeAddr if its name does not resolve),
         # MASTER_PORT drawn from the job id (the same after a requeue). CUDA_VISIBLE_DEVICES is left
         # alone: every task sees the node's GPUs and train.py takes cuda:LOCAL_RANK. overwrite:
         # sbatch copies the submitting shell's environment, which may hold a torchrun's RANK.
         dist_env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
+        if not resolvable(dist_env.master_addr):
+            os.environ["MASTER_ADDR"] = node_address(dist_env.master_addr)
         # submitit installed its SIGUSR2 handler before calling us; train.main replaces it with
         # one that only asks the ranks to stop after the step (a step cut short on one rank
         # would leave the others hanging in a collective). Kept to be called once the

@@ -35,7 +35,7 @@ TINY = ["data.train_batch_size=16", "actor.ppo_mini_batch_size=8", "critic.ppo_m
 TIME = "20"
 
 
-def ports_free(base: int, n: int = 4) -> bool:
+def ports_free(base: int, n: int = 6) -> bool:
     for port in range(base, base + n):
         with socket.socket() as s:
             try:
@@ -48,13 +48,14 @@ def ports_free(base: int, n: int = 4) -> bool:
 @pytest.fixture(scope="session")
 def slurm_cluster():
     """A fresh cluster for the session, its state in a temporary folder and its ports free ones,
-    so a developer's own cluster (or a second session) is left alone; stopped at the end."""
+    so a developer's own cluster (or a second session) is left alone; stopped at the end. Two
+    nodes (two slurmds on this machine, 4 CPUs each), so multi-node jobs run for real."""
     # Not under pytest's tmp folder: that one is private to root, and munged and mariadbd run as
     # their own users.
     state = Path(tempfile.mkdtemp(prefix="spmdsplit-slurm-"))
     state.chmod(0o755)
     base = next(b for b in (random.randrange(15000, 19000) for _ in range(100)) if ports_free(b))
-    env = {**os.environ, "SPMDSPLIT_SLURM_PORT": str(base)}
+    env = {**os.environ, "SPMDSPLIT_SLURM_PORT": str(base), "SPMDSPLIT_SLURM_NODES": "2"}
     t0 = time.monotonic()
     started = subprocess.run(["bash", str(CLUSTER), "start", str(state)], env=env, capture_output=True, text=True,
                              timeout=600)
@@ -81,10 +82,11 @@ def job_env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def launch(folder: Path, *args: str, timeout: float) -> tuple[subprocess.CompletedProcess, str]:
-    """`python -m spmdsplit.launch.slurm` as a user types it; returns the result and the job id."""
-    cmd = [sys.executable, "-m", "spmdsplit.launch.slurm", "--ranks-per-node", "2", "--time", TIME,
-           "--folder", str(folder), *args]
+def launch(folder: Path, *args: str, timeout: float, nodes: int = 1) -> tuple[subprocess.CompletedProcess, str]:
+    """`python -m spmdsplit.launch.slurm` as a user types it, 2 ranks on `nodes` nodes; returns
+    the result and the job id."""
+    cmd = [sys.executable, "-m", "spmdsplit.launch.slurm", "--nodes", str(nodes), "--ranks-per-node", str(2 // nodes),
+           "--time", TIME, "--folder", str(folder), *args]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=job_env(), cwd=folder.parent)
     found = re.search(r"submitted job (\d+)", out.stdout)
     assert found, out.stdout + out.stderr
@@ -206,13 +208,14 @@ def test_launcher_job_runs_to_the_end_with_tensorboard_and_checkpoints(slurm_clu
 
 @pytest.mark.timeout(540)
 def test_preempted_job_requeues_itself_resumes_and_ends_with_every_step(slurm_cluster, tmp_path):
-    """Two preemptions of one job: submitit's (scancel --signal SIGTERM, then USR2: the job
-    requeues itself through submitit's checkpointing) and Slurm's own (`scontrol requeue`:
-    SIGTERM, Slurm requeues the job, and its tasks have KillWait=5 s to checkpoint)."""
+    """Two preemptions of one 2-node job (one rank per node: actor pool on node 0, critic pool on
+    node 1): submitit's (scancel --signal SIGTERM, then USR2: the job requeues itself through
+    submitit's checkpointing) and Slurm's own (`scontrol requeue`: SIGTERM, Slurm requeues the
+    job, and its tasks have KillWait=5 s to checkpoint)."""
     import submitit
 
     folder, total = tmp_path / "run", 24
-    out, job_id = launch(folder, "--", *TINY, f"trainer.total_steps={total}", timeout=120)
+    out, job_id = launch(folder, "--", *TINY, f"trainer.total_steps={total}", timeout=120, nodes=2)
     assert out.returncode == 0, out.stdout + out.stderr
     job = submitit.SlurmJob(folder=folder / "logs" / "%j", job_id=job_id, tasks=(0, 1))
     log = folder / "logs" / job_id / f"{job_id}_0_log.out"
@@ -242,6 +245,7 @@ def test_preempted_job_requeues_itself_resumes_and_ends_with_every_step(slurm_cl
     assert_every_step_once(folder / "tensorboard", total)
 
     text = log.read_text()
+    assert text.count("(1+1 nodes x 1)") == 3, "every run split the two nodes into the two pools"
     # After the first stop rank 0 handed over to submitit, whose handler requeued the job (its
     # own log line); after the second, Slurm had requeued it already.
     assert text.count("requeueing Slurm job") == 1 and text.count("Requeued job") == 1, text[-4000:]
@@ -253,14 +257,16 @@ def test_preempted_job_requeues_itself_resumes_and_ends_with_every_step(slurm_cl
 
 @pytest.mark.timeout(420)
 def test_sbatch_template_stops_checkpoints_and_requeues_itself(slurm_cluster, tmp_path):
-    """The plain template: SIGUSR2 as Slurm sends it before the time limit (--signal, here by
-    scancel), every rank stops with a checkpoint, the script requeues the job, which resumes."""
+    """The plain template on 2 nodes: SIGUSR2 as Slurm sends it before the time limit (--signal,
+    here by scancel), every rank stops with a checkpoint, the script requeues the job, which
+    resumes."""
     total, run = 16, tmp_path / "run"
     paths = [f"trainer.default_local_dir={run}/checkpoints", f"trainer.log_dir={run}/tensorboard",
              f"trainer.timeline={run}/timeline.json", f"trainer.output_dir={run}/actor_hf"]
     run.mkdir()
     submitted = subprocess.run(
-        ["sbatch", "--parsable", f"--output={run}/%j.out", "--time=20", str(REPO / "launch" / "spmdsplit.sbatch"),
+        ["sbatch", "--parsable", f"--output={run}/%j.out", "--time=20", "--nodes=2", "--ntasks-per-node=1",
+         str(REPO / "launch" / "spmdsplit.sbatch"),
          *TINY, f"trainer.total_steps={total}", *paths],
         capture_output=True, text=True, timeout=60, cwd=run, env={**job_env(), "PYTHON": sys.executable},
     )
@@ -277,6 +283,7 @@ def test_sbatch_template_stops_checkpoints_and_requeues_itself(slurm_cluster, tm
     (resumed,) = resumes(log)
     assert resumed[0] >= 3
     assert "stopped with a checkpoint; requeueing job" in text and "(restart 1)" in text
+    assert text.count("2 ranks on 2 node(s)") == 2 and text.count("(1+1 nodes x 1)") == 2
     assert_every_step_once(run / "tensorboard", total)
 
 

@@ -7,11 +7,12 @@ Slurm is the process manager, so its signals reach every rank directly, and
 `srun --kill-on-bad-exit=1` ends the whole job when one rank dies.
 
 Preemption and time limits: Slurm sends SIGUSR2 (`--signal-delay` seconds before the time
-limit, or `scancel --signal=USR2`), or SIGTERM (preemption, `scontrol requeue`). Every rank then
-finishes its step, the job writes a checkpoint and `train.main` returns EXIT_STOPPED; rank 0
-then hands over to submitit, which pickles the job again (`SlurmTrain.checkpoint`) and requeues
-it (`scontrol requeue`). The requeued job resumes from the latest checkpoint
-(`trainer.resume=auto`) and runs the remaining steps.
+limit, or `scancel --signal=USR2`), or SIGTERM (preemption, `scontrol requeue`, scancel). Every
+rank then finishes its step, the job writes a checkpoint and `train.main` returns EXIT_STOPPED.
+While Slurm still runs the job (SIGUSR2), rank 0 then hands over to submitit, which pickles the
+job again (`SlurmTrain.checkpoint`) and requeues it (`scontrol requeue`); after SIGTERM, Slurm
+has already requeued (or cancelled) the job and the job leaves it at that. A requeued job
+resumes from the latest checkpoint (`trainer.resume=auto`) and runs the remaining steps.
 """
 
 from __future__ import annotations
@@ -299,7 +300,10 @@ def follow(job, poll_s: float = 5.0) -> int:
     try:
         job.results()
     except Exception as e:  # noqa: BLE001 - submitit re-raises whatever the job raised
-        print(f"spmdsplit.launch.slurm: job {job.job_id} failed: {str(e).strip().splitlines()[-1]}", file=sys.stderr)
+        # submitit's message is the job's traceback followed by log paths: show the error line.
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        errors = [line for line in lines if re.match(r"[\w.]+(Error|Exception): ", line)]
+        print(f"spmdsplit.launch.slurm: job {job.job_id} failed: {(errors or lines or [repr(e)])[-1]}", file=sys.stderr)
         print(f"spmdsplit.launch.slurm: every rank's log: {rank0.paths.folder}", file=sys.stderr)
         return 1
     return 0

@@ -177,7 +177,8 @@ def report(history: list[dict], cfg) -> None:
     step_times = sorted(h["timing_s/step"] for h in history[1:] or history)
     print(
         f"spmdsplit: mean score {first:.3f} (first {k} steps) -> {last:.3f} (last {k} steps); "
-        f"median step {step_times[len(step_times) // 2]:.2f}s over {len(history)} steps",
+        f"median step {step_times[len(step_times) // 2]:.2f}s over {len(history)} steps"
+        + (f" (steps {history[0]['step']}-{history[-1]['step']}: this run resumed)" if history[0]["step"] > 1 else ""),
         flush=True,
     )
     where = [f"TensorBoard: {cfg.trainer.log_dir}"]

@@ -104,6 +104,8 @@ class ActorConfig:
     kl_loss_type: str = "low_var_kl"
     loss_agg_mode: str = "token-mean"
     log_prob_micro_batch_size_per_gpu: int = 32
+    engine: str = "fsdp"  # fsdp (FSDP2) | deepspeed (ZeRO, over the actor pool's group)
+    zero_stage: int = 3  # deepspeed: 1 (optimizer state), 2 (+ gradients), 3 (+ weights) sharded over the pool
 
 
 @dataclass
@@ -117,6 +119,18 @@ class CriticConfig:
     cliprange_value: float = 0.5
     loss_agg_mode: str = "token-mean"
     forward_micro_batch_size_per_gpu: int = 32
+    engine: str = "fsdp"  # fsdp | deepspeed, over the critic pool's group
+    zero_stage: int = 3  # deepspeed: 1 | 2 | 3
+
+
+@dataclass
+class RefConfig:
+    """The reference policy: evaluated only, on the actor pool."""
+
+    engine: str = ""  # "" = actor.engine | fsdp | deepspeed
+    # deepspeed: 3 (weights sharded over the pool) | 0 (whole on every rank); -1 = 3 if the
+    # actor's stage is 3, else 0. Stages 1 and 2 shard optimizer state, which it has none of.
+    zero_stage: int = -1
 
 
 @dataclass
@@ -151,6 +165,8 @@ class CustomRewardFnConfig:
 class RewardModelConfig:
     path: str = ""  # an AutoModelForSequenceClassification checkpoint; "" = rule rewards only
     micro_batch_size_per_gpu: int = 16
+    engine: str = ""  # "" = critic.engine | fsdp | deepspeed
+    zero_stage: int = -1  # deepspeed: 3 | 0; -1 = 3 if critic.zero_stage is 3, else 0 (as ref.zero_stage)
 
 
 @dataclass
@@ -186,6 +202,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
@@ -204,7 +221,16 @@ CHOICES = {
     "actor.kl_loss_type": ("kl", "abs", "mse", "low_var_kl"),
     "actor.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
     "critic.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+    "actor.engine": ("fsdp", "deepspeed"),
+    "critic.engine": ("fsdp", "deepspeed"),
+    "ref.engine": ("", "fsdp", "deepspeed"),
+    "reward.model.engine": ("", "fsdp", "deepspeed"),
+    "actor.zero_stage": (1, 2, 3),
+    "critic.zero_stage": (1, 2, 3),
 }
+
+# Models that only infer: DeepSpeed can shard their weights (3) or hold them whole (0); -1 = follow.
+INFERENCE_ZERO_STAGES = {"ref.zero_stage": "actor", "reward.model.zero_stage": "critic"}
 
 PATH_KEYS = ("trainer.log_dir", "trainer.timeline", "trainer.output_dir", "trainer.default_local_dir",
              "model.path", "model.embedded_dir", "critic.model_path")
@@ -283,11 +309,34 @@ def check_values(cfg: DictConfig) -> None:
             f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares responses to the same prompt: "
             f"set rollout.n >= 2 (got {cfg.rollout.n})"
         )
+    check_engines(cfg)
     if cfg.placement.mode == "custom" and len(cfg.placement.pools) != 2:
         raise ConfigError(
             f"placement.pools={list(cfg.placement.pools)}: placement.mode=custom needs two sizes [actor, critic], "
             "e.g. placement.pools=[6,2]"
         )
+
+
+def check_engines(cfg: DictConfig) -> None:
+    """ZeRO stages of the inference-only models, and DeepSpeed installed where it is chosen."""
+    for key, trained in INFERENCE_ZERO_STAGES.items():
+        stage = OmegaConf.select(cfg, key)
+        if stage in (1, 2):
+            raise ConfigError(
+                f"{key}={stage}: ZeRO stages 1 and 2 shard optimizer state (and gradients), and this model only "
+                f"infers and has none; use {key}=3 (weights sharded over the pool), 0 (whole on every rank) "
+                f"or -1 (3 if {trained}.zero_stage is 3, else 0)"
+            )
+        if stage not in (-1, 0, 3):
+            raise ConfigError(f"{key}={stage!r}: expected one of [-1, 0, 3]")
+    chosen = [key for key in ("actor.engine", "critic.engine", "ref.engine", "reward.model.engine")
+              if OmegaConf.select(cfg, key) == "deepspeed"]
+    if chosen:
+        import importlib.util
+
+        if importlib.util.find_spec("deepspeed") is None:
+            raise ConfigError(f"{chosen[0]}=deepspeed: DeepSpeed is not installed "
+                              "(pip install 'spmdsplit[deepspeed]')")
 
 
 def check_against_pools(cfg: DictConfig, actor_pool_size: int, critic_pool_size: int) -> None:

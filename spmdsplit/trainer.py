@@ -26,7 +26,7 @@ from spmdsplit import algo, checkpoint
 from spmdsplit.batch import Batch
 from spmdsplit.data.prompts import PromptDataset, collate_prompts
 from spmdsplit.distributed import pool_reduce_metrics, pool_sum
-from spmdsplit.engines.fsdp import FSDPEngine
+from spmdsplit.engines import build_engine
 from spmdsplit.exchange import recv_object, recv_rows, row_ranges, send_object, send_rows
 from spmdsplit.metrics import MetricsLogger, PhaseTimer, compute_data_metrics, write_timeline
 from spmdsplit.models import eos_token_ids, load_causal_lm, load_tokenizer, load_value_model, resolve_dtype
@@ -84,10 +84,10 @@ class Trainer:
             policy = load_causal_lm(self.model_path, torch.float32, self.device, seed, remote)
             if cfg.model.gradient_checkpointing:
                 policy.gradient_checkpointing_enable()
-            self.actor = Actor(FSDPEngine(policy, pools.actor_mesh, cfg.actor.optim, mixed), cfg.actor, temperature,
+            self.actor = Actor(build_engine(cfg, "actor", policy, pools.actor_mesh, mixed), cfg.actor, temperature,
                                self.device, rollout_n=cfg.rollout.n)
             reference = load_causal_lm(self.model_path, dtype, self.device, seed, remote)
-            self.ref = Actor(FSDPEngine(reference, pools.actor_mesh, optim=None), cfg.actor, temperature, self.device)
+            self.ref = Actor(build_engine(cfg, "ref", reference, pools.actor_mesh), cfg.actor, temperature, self.device)
             rollout_model = load_causal_lm(self.model_path, dtype, self.device, seed, remote)
             self.rollout = HFRollout(rollout_model, self.tokenizer, cfg.rollout, cfg.data.max_response_length, eos_ids,
                                      val_cfg=cfg.rollout.val_kwargs)
@@ -96,14 +96,14 @@ class Trainer:
             if self.use_critic:
                 critic_path = cfg.critic.model_path or self.model_path
                 value_model = load_value_model(critic_path, torch.float32, self.device, seed, remote)
-                self.critic = Critic(FSDPEngine(value_model, pools.critic_mesh, cfg.critic.optim, mixed), cfg.critic,
+                self.critic = Critic(build_engine(cfg, "critic", value_model, pools.critic_mesh, mixed), cfg.critic,
                                      self.device, rollout_n=cfg.rollout.n)
             custom = cfg.reward.custom_fn
             custom_fn = load_custom_reward_fn(custom.path, custom.name) if custom.path else None
             self.reward = RuleReward(self.tokenizer, eos_ids, custom_fn=custom_fn)
             if cfg.reward.model.path:  # a reward model replaces the rule scores, as in verl
                 rm_path = cfg.reward.model.path
-                rm_engine = FSDPEngine(load_reward_model(rm_path, dtype, self.device, seed, remote), pools.critic_mesh, optim=None)
+                rm_engine = build_engine(cfg, "reward_model", load_reward_model(rm_path, dtype, self.device, seed, remote), pools.critic_mesh)
                 self.reward = RewardModel(rm_engine, load_tokenizer(rm_path, remote), self.tokenizer,
                                           cfg.reward.model.micro_batch_size_per_gpu, self.device, eos_ids)
             kl = cfg.algorithm.kl_ctrl

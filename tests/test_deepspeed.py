@@ -1,0 +1,191 @@
+"""The DeepSpeed engine (ZeRO 1/2/3) confined to its pool, with real processes on gloo.
+
+Each multi-rank test runs a DeepSpeed pool *beside* another pool that does its own work and never
+joins a world collective: a DeepSpeed call that still went to the world would hang there, and
+run_ranks' timeout turns that hang into a failure.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from tests.multiproc import run_ranks
+from tests.test_update_invariance import ROWS, make_batch
+
+pytest.importorskip("deepspeed")
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    from spmdsplit.embedded import ensure_embedded_model
+
+    return ensure_embedded_model()
+
+
+def _role(role, model_dir, engine_for, micro):
+    """An actor or critic on the embedded model, its engine made by `engine_for(model, optim)`;
+    two optimizer steps (two mini-batches) per update, `micro` rows per micro-batch."""
+    from spmdsplit.config import ActorConfig, CriticConfig, OptimConfig
+    from spmdsplit.models import load_causal_lm, load_value_model
+    from spmdsplit.roles.actor import Actor
+    from spmdsplit.roles.critic import Critic
+
+    device = torch.device("cpu")
+    optim = OptimConfig(lr=1e-2, lr_warmup_steps=2, grad_clip=1e9)
+    if role == "actor":
+        cfg = ActorConfig(optim=optim, ppo_mini_batch_size=ROWS // 2, ppo_micro_batch_size_per_gpu=micro,
+                          entropy_coeff=0.01, shuffle=False)
+        model = load_causal_lm(model_dir, torch.float32, device, seed=3)
+        return Actor(engine_for(model, optim), cfg, temperature=1.0, device=device), model.config.vocab_size
+    cfg = CriticConfig(optim=optim, ppo_mini_batch_size=ROWS // 2, ppo_micro_batch_size_per_gpu=micro,
+                       cliprange_value=0.05, shuffle=False)
+    model = load_value_model(model_dir, torch.float32, device, seed=3)
+    return Critic(engine_for(model, optim), cfg, device), model.config.vocab_size
+
+
+def _update_beside_unsharded(rank, world_size, model_dir, role, stage):
+    """Ranks 0-1: a DeepSpeed ZeRO-`stage` pool, each rank with half the rows, 2 micro-batches of one
+    row per mini-batch. Rank 2: its own pool, FSDP2 on one rank = the unsharded update of all rows,
+    at the same time, its rows ordered so that each of its mini-batches holds the same rows as the
+    pool's (a pool's mini-batch k is rows k of every rank)."""
+    from spmdsplit.engines.deepspeed import DeepSpeedEngine
+    from spmdsplit.engines.fsdp import FSDPEngine
+    from spmdsplit.exchange import row_ranges
+
+    ds_pool, single_pool = dist.new_group([0, 1]), dist.new_group([2])
+    if rank < 2:
+        worker, vocab = _role(role, model_dir, lambda m, o: DeepSpeedEngine(m, ds_pool, stage, o), micro=1)
+        start, end = row_ranges(ROWS, 2)[rank]
+        mine = make_batch(vocab).slice(start, end)
+    else:
+        mesh = DeviceMesh.from_group(single_pool, "cpu")
+        worker, vocab = _role(role, model_dir, lambda m, o: FSDPEngine(m, mesh, o), micro=ROWS // 2)
+        mine = make_batch(vocab).index(torch.tensor([0, 1, 4, 5, 2, 3, 6, 7]))
+    update = worker.update_policy if role == "actor" else worker.update_critic
+    metrics = update(mine, seed=1)
+    metrics2 = update(mine, seed=2)  # a second update: Adam's state and the LR warmup carry over
+    state = {k: v.clone() for k, v in worker.engine.full_state_dict().items()}
+    return state, metrics, metrics2
+
+
+@pytest.mark.parametrize("role, stage", [("actor", 1), ("actor", 2), ("actor", 3), ("critic", 3)])
+def test_zero_update_matches_unsharded_update(model_dir, role, stage):
+    ds0, ds1, plain = run_ranks(_update_beside_unsharded, 3, model_dir, role, stage, timeout=240)
+    (state, m1, m2), (expected, e1, e2) = ds0, plain
+    from spmdsplit.models import load_causal_lm, load_value_model
+
+    load = load_causal_lm if role == "actor" else load_value_model
+    initial = load(model_dir, torch.float32, torch.device("cpu"), seed=3).state_dict()
+    assert max((expected[k] - initial[k]).abs().max().item() for k in expected) > 1e-3, "nothing moved"
+    assert state.keys() == expected.keys()
+    for name in expected:
+        # A key bias shifts every score of a query by the same amount, which softmax ignores: its
+        # true gradient is 0 and Adam turns the float noise of the reduction order (all-reduce vs
+        # reduce-scatter) into steps of up to ~1e-4 here. Every other weight: 2e-5, with lr 1e-2.
+        atol = 2e-4 if name.endswith("k_proj.bias") else 2e-5
+        torch.testing.assert_close(state[name], expected[name], rtol=0, atol=atol, msg=name)
+        torch.testing.assert_close(ds1[0][name], expected[name], rtol=0, atol=atol, msg=name)
+    prefix = "actor" if role == "actor" else "critic"
+    loss = "actor/pg_loss" if role == "actor" else "critic/vf_loss"
+    for got, want in ((m1, e1), (m2, e2)):
+        for key in (f"{prefix}/grad_norm", loss):
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-8), key
+        assert got[f"{prefix}/lr"] == want[f"{prefix}/lr"]
+
+
+def _save_load_beside_training(rank, world_size, model_dir, stage, out_dir, other_pool_s=300.0):
+    """Ranks 2-3: a DeepSpeed pool (its first rank is *not* global rank 0) updates, saves its whole
+    training state, updates again, then a fresh engine loads the checkpoint and repeats that
+    second update; and it exports the HF model. Ranks 0-1: an FSDP pool keeps training the whole
+    time, until the DeepSpeed pool is done (or `other_pool_s` have passed, then leaves). Returns
+    what each needs for the checks."""
+    import time
+
+    from spmdsplit.engines.deepspeed import DeepSpeedEngine
+    from spmdsplit.engines.fsdp import FSDPEngine
+    from spmdsplit.exchange import row_ranges
+    from spmdsplit.models import load_tokenizer
+
+    fsdp_pool, ds_pool = dist.new_group([0, 1]), dist.new_group([2, 3])
+    done = os.path.join(out_dir, "ds-pool-done")
+    if rank < 2:
+        mesh = DeviceMesh.from_group(fsdp_pool, "cpu")
+        worker, vocab = _role("critic", model_dir, lambda m, o: FSDPEngine(m, mesh, o), micro=2)
+        mine = make_batch(vocab).slice(*row_ranges(ROWS, 2)[rank])
+        spans, step, deadline = [], 0, time.time() + other_pool_s
+        while True:
+            start = time.time()
+            worker.update_critic(mine, seed=step)
+            spans.append((start, time.time()))
+            step += 1
+            flags = torch.tensor([float(os.path.exists(done) or time.time() > deadline)])
+            dist.all_reduce(flags, group=fsdp_pool)  # both ranks stop after the same update
+            if flags.item() > 0:
+                break
+        return {"spans": spans}
+
+    def engine(m, o):
+        return DeepSpeedEngine(m, ds_pool, stage, o)
+
+    worker, vocab = _role("actor", model_dir, engine, micro=1)
+    mine = make_batch(vocab).slice(*row_ranges(ROWS, 2)[rank - 2])
+    worker.update_policy(mine, seed=1)
+    checkpoint = os.path.join(out_dir, "ckpt")
+    save_start = time.time()
+    worker.engine.save_checkpoint(checkpoint)
+    save_span = (save_start, time.time())
+    after = worker.update_policy(mine, seed=2)
+    expected = {k: v.clone() for k, v in worker.engine.full_state_dict().items()}
+
+    fresh, _ = _role("actor", model_dir, engine, micro=1)  # initial weights, new optimizer and schedule
+    fresh.engine.load_checkpoint(checkpoint)
+    resumed = fresh.update_policy(mine, seed=2)
+    got = fresh.engine.full_state_dict()
+    fresh.engine.save_hf(os.path.join(out_dir, "hf"), load_tokenizer(model_dir), is_writer=rank == 2)
+    if rank == 2:
+        open(done, "w").close()
+    return {"expected": expected, "got": got, "after": after, "resumed": resumed, "save_span": save_span,
+            "files": sorted(os.listdir(checkpoint))}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_save_and_load_in_one_pool_while_the_other_trains(model_dir, tmp_path, stage):
+    fsdp0, _, ds2, ds3 = run_ranks(_save_load_beside_training, 4, model_dir, stage, str(tmp_path), timeout=300)
+    for ds in (ds2, ds3):
+        for name, want in ds["expected"].items():
+            torch.testing.assert_close(ds["got"][name], want, rtol=0, atol=1e-6, msg=name)
+        assert ds["resumed"]["actor/lr"] == ds["after"]["actor/lr"]  # the LR schedule came back too
+        assert ds["resumed"]["actor/grad_norm"] == pytest.approx(ds["after"]["actor/grad_norm"], rel=1e-6)
+    assert ds2["files"] == ["engine"], "only the fixed tag's folder: no DeepSpeed 'latest' file"
+    # The FSDP pool kept updating while the DeepSpeed pool saved: some update overlaps the save.
+    s0, s1 = ds2["save_span"]
+    assert len(fsdp0["spans"]) >= 2
+    assert any(a < s1 and s0 < b for a, b in fsdp0["spans"]), "the other pool did not train during the save"
+
+    # Full weights for the HF export on the pool's first rank (global rank 2), from ZeRO-3 shards.
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).state_dict()
+    for name, want in ds2["got"].items():
+        torch.testing.assert_close(exported[name], want, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize(
+    "stage, unscoped, where",
+    [(3, "barrier", "_create_fp16_partitions_with_defragmentation"),  # ZeRO-3 optimizer set-up
+     (3, "trace", "reset_step"),  # ZeRO-3 trace check after the first forward/backward
+     (2, "barrier", "save_checkpoint")],  # no ZeRO-3 set-up barriers: the checkpoint's is the first
+)
+def test_each_unscoped_call_hangs_beside_another_pool(model_dir, tmp_path, monkeypatch, stage, unscoped, where):
+    """The job above with one of the pool scopings left out (SPMDSPLIT_DS_UNSCOPED): that DeepSpeed
+    call waits on the world, which the FSDP pool never joins. The FSDP pool gives up after 20 s and
+    leaves, so the waiting call fails (peer gone) where it would otherwise hang; the traceback must
+    show the DeepSpeed function the scoping is for."""
+    monkeypatch.setenv("SPMDSPLIT_DS_UNSCOPED", unscoped)  # spawned ranks inherit it
+    with pytest.raises(AssertionError, match="hang|failed") as failure:
+        run_ranks(_save_load_beside_training, 4, model_dir, stage, str(tmp_path), 20.0, timeout=90)
+    assert "rank(s) [2, 3]" in str(failure.value) or "rank(s) [2]" in str(failure.value) or "rank(s) [3]" in str(failure.value)
+    assert where in str(failure.value)

@@ -5,6 +5,7 @@ joins a world collective: a DeepSpeed call that still went to the world would ha
 run_ranks' timeout turns that hang into a failure.
 """
 
+import importlib.util
 import os
 
 import pytest
@@ -15,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from tests.multiproc import run_ranks
 from tests.test_update_invariance import ROWS, make_batch
 
-pytest.importorskip("deepspeed")
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +72,7 @@ def _update_beside_unsharded(rank, world_size, model_dir, role, stage):
     return state, metrics, metrics2
 
 
+@needs_deepspeed
 @pytest.mark.parametrize("role, stage", [("actor", 1), ("actor", 2), ("actor", 3), ("critic", 3)])
 def test_zero_update_matches_unsharded_update(model_dir, role, stage):
     ds0, ds1, plain = run_ranks(_update_beside_unsharded, 3, model_dir, role, stage, timeout=240)
@@ -151,6 +153,7 @@ def _save_load_beside_training(rank, world_size, model_dir, stage, out_dir, othe
             "files": sorted(os.listdir(checkpoint))}
 
 
+@needs_deepspeed
 @pytest.mark.parametrize("stage", [2, 3])
 def test_save_and_load_in_one_pool_while_the_other_trains(model_dir, tmp_path, stage):
     fsdp0, _, ds2, ds3 = run_ranks(_save_load_beside_training, 4, model_dir, stage, str(tmp_path), timeout=300)
@@ -173,6 +176,7 @@ def test_save_and_load_in_one_pool_while_the_other_trains(model_dir, tmp_path, s
         torch.testing.assert_close(exported[name], want, rtol=0, atol=0, msg=name)
 
 
+@needs_deepspeed
 @pytest.mark.parametrize(
     "stage, unscoped, where",
     [(3, "barrier", "_create_fp16_partitions_with_defragmentation"),  # ZeRO-3 optimizer set-up
@@ -189,3 +193,114 @@ def test_each_unscoped_call_hangs_beside_another_pool(model_dir, tmp_path, monke
         run_ranks(_save_load_beside_training, 4, model_dir, stage, str(tmp_path), 20.0, timeout=90)
     assert "rank(s) [2, 3]" in str(failure.value) or "rank(s) [2]" in str(failure.value) or "rank(s) [3]" in str(failure.value)
     assert where in str(failure.value)
+
+
+def _inference_beside_plain(rank, world_size, model_dir):
+    """Ranks 0-1: a reference policy and a reward model under DeepSpeed ZeRO-3 and stage 0 (two
+    engines of each in one process), each rank with half the rows. Rank 2, its own pool: the same
+    models unwrapped, on all rows."""
+    from spmdsplit.config import ActorConfig
+    from spmdsplit.engines.deepspeed import DeepSpeedEngine
+    from spmdsplit.exchange import row_ranges
+    from spmdsplit.models import load_causal_lm
+    from spmdsplit.roles.actor import Actor
+    from spmdsplit.roles.reward_model import load_reward_model
+
+    pool = dist.new_group([0, 1])
+    dist.new_group([2])
+    cpu = torch.device("cpu")
+    cfg = ActorConfig(log_prob_micro_batch_size_per_gpu=2)
+    batch = make_batch(load_causal_lm(model_dir, torch.float32, cpu, seed=3).config.vocab_size)
+    if rank == 2:
+        model = load_causal_lm(model_dir, torch.float32, cpu, seed=3).eval()
+
+        class Plain:  # the engine interface, unwrapped
+            def __call__(self, **kw):
+                return model(**kw)
+
+        log_probs = Actor(Plain(), cfg, 1.0, cpu).compute_log_prob(batch)
+        rm = load_reward_model(model_dir, torch.float32, cpu, seed=5).eval()
+        with torch.no_grad():
+            scores = rm(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        return {"plain": (log_probs, scores)}
+    mine = batch.slice(*row_ranges(ROWS, 2)[rank])
+    out = {}
+    for stage in (3, 0):
+        engine = DeepSpeedEngine(load_causal_lm(model_dir, torch.float32, cpu, seed=3), pool, stage)
+        log_probs = Actor(engine, cfg, 1.0, cpu).compute_log_prob(mine)
+        rm = DeepSpeedEngine(load_reward_model(model_dir, torch.float32, cpu, seed=5), pool, stage)
+        with torch.no_grad():
+            scores = rm(input_ids=mine["input_ids"], attention_mask=mine["attention_mask"]).logits
+        sharded = stage == 3 and all(p.numel() == 0 for p in engine.model.parameters())
+        out[stage] = (log_probs, scores, sharded)
+    return out
+
+
+@needs_deepspeed
+def test_reference_and_reward_model_infer_under_zero3_and_stage0(model_dir):
+    r0, r1, plain = run_ranks(_inference_beside_plain, 3, model_dir, timeout=240)
+    want_logp, want_scores = plain["plain"]
+    for stage in (3, 0):
+        logp = torch.cat([r0[stage][0], r1[stage][0]])
+        scores = torch.cat([r0[stage][1], r1[stage][1]])
+        torch.testing.assert_close(logp, want_logp, rtol=1e-5, atol=1e-5, msg=f"stage {stage}")
+        torch.testing.assert_close(scores, want_scores, rtol=1e-5, atol=1e-5, msg=f"stage {stage}")
+    assert r0[3][2], "ZeRO-3 left some weight whole on a rank: not sharded"
+
+
+def test_engine_choice_and_inference_stage_errors():
+    """Which engine and stage each role gets, and the stages an inference-only model cannot take,
+    caught by the config before anything starts (no DeepSpeed needed)."""
+    from spmdsplit.config import ConfigError, load_config
+    from spmdsplit.engines import engine_choice
+
+    cfg = load_config(overrides=["actor.engine=deepspeed", "actor.zero_stage=2", "critic.engine=deepspeed"]) \
+        if importlib.util.find_spec("deepspeed") else None
+    if cfg is not None:
+        assert engine_choice(cfg, "actor") == ("deepspeed", 2)
+        assert engine_choice(cfg, "ref") == ("deepspeed", 0)  # follows the actor; stage 2 -> whole weights
+        assert engine_choice(cfg, "critic") == ("deepspeed", 3)
+        assert engine_choice(cfg, "reward_model") == ("deepspeed", 3)  # follows the critic's ZeRO-3
+    cfg = load_config()
+    assert engine_choice(cfg, "ref") == ("fsdp", 3) and engine_choice(cfg, "actor")[0] == "fsdp"
+    for key in ("ref.zero_stage", "reward.model.zero_stage"):
+        for stage in (1, 2):
+            with pytest.raises(ConfigError, match=rf"{key}={stage}: ZeRO stages 1 and 2"):
+                load_config(overrides=[f"{key}={stage}"])
+    for bad in ("actor.engine=megatron", "critic.zero_stage=4", "ref.engine=ds"):
+        with pytest.raises(ConfigError, match=bad.split("=")[0]):
+            load_config(overrides=[bad])
+
+
+MIXES = {
+    "actor-zero3+critic-fsdp": ["actor.engine=deepspeed", "actor.zero_stage=3"],
+    "actor-fsdp+critic-zero3": ["critic.engine=deepspeed", "critic.zero_stage=3"],
+    "both-zero2": ["actor.engine=deepspeed", "actor.zero_stage=2", "critic.engine=deepspeed", "critic.zero_stage=2"],
+    "both-zero3": ["actor.engine=deepspeed", "actor.zero_stage=3", "critic.engine=deepspeed", "critic.zero_stage=3"],
+}
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_ppo_job_with_engine_mix_on_2_plus_2(tmp_path, monkeypatch, mix):
+    """The real job under torchrun, 2+2 split, with DeepSpeed on one pool or both: the same metric
+    names as the all-FSDP job, update_actor beside update_critic, and nothing JIT-compiled."""
+    from tests.runjob import overlapping_steps, scalars, timeline_events
+    from tests.test_e2e import VERL_METRICS, run_short
+
+    extensions = tmp_path / "torch_extensions"  # where a JIT build of a DeepSpeed op would land
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(extensions))
+    out, result = run_short(tmp_path, 4, "placement.mode=split", "trainer.dist_timeout_s=120", *MIXES[mix])
+
+    logged = scalars(str(out / "tb"))
+    missing = [k for k in VERL_METRICS if k not in logged]
+    assert not missing, f"metrics not in TensorBoard: {missing}"
+    assert [s for s, _ in logged["actor/grad_norm"]] == [1, 2, 3, 4]
+    assert all(v > 0 and v == v for _, v in logged["actor/grad_norm"] + logged["critic/grad_norm"])
+    events = timeline_events(str(out / "timeline.json"))
+    both = overlapping_steps(events, "update_actor", [0, 1], "update_critic", [2, 3])
+    assert len(both) >= 3, f"update phases overlapped only in steps {both}"
+    assert not extensions.exists(), f"something was JIT-compiled: {list(extensions.iterdir())}"
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(str(out / "actor_hf"))  # the export from the actor's engine loads

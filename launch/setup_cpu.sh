@@ -8,4 +8,6 @@ cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
+# The test extra brings DeepSpeed (an sdist: it builds no ops at install and needs no torch to
+# build); the constraint keeps any dependency from swapping the CPU torch for another build.
+.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]" -c <(echo "torch==2.13.0")

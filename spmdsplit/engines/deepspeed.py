@@ -321,11 +321,19 @@ class DeepSpeedEngine:
         """Weights, optimizer and LR schedule under `path` (which the caller publishes); every rank
         of the pool calls it, only the pool communicates."""
         os.makedirs(path, exist_ok=True)  # DeepSpeed makes it on *global* rank 0 only
-        client_state = {"spmdsplit_scheduler": self.scheduler.state_dict() if self.scheduler else None}
+        client_state = {"spmdsplit_scheduler": self.scheduler.state_dict() if self.scheduler else None,
+                        "spmdsplit_pool_size": self.dp_size, "spmdsplit_zero_stage": self.zero_stage}
         with self._pool_scope():
             self.ds.save_checkpoint(path, tag=CHECKPOINT_TAG, client_state=client_state, save_latest=False)
 
     def load_checkpoint(self, path: str) -> None:
+        """The inverse of save_checkpoint, on a pool of the same size and the same ZeRO stage:
+        DeepSpeed's ZeRO files are one per data-parallel rank and do not reshard (FSDP's do)."""
+        saved = self._saved_layout(path)
+        if saved != (self.dp_size, self.zero_stage):
+            raise ValueError(
+                f"{path}: saved by DeepSpeed ZeRO-{saved[1]} on a pool of {saved[0]} rank(s); this engine is "
+                f"ZeRO-{self.zero_stage} on {self.dp_size}: DeepSpeed checkpoints load only on the same layout")
         with self._pool_scope():
             _, client_state = self.ds.load_checkpoint(
                 path, tag=CHECKPOINT_TAG, load_optimizer_states=self.optimizer is not None,
@@ -334,3 +342,14 @@ class DeepSpeedEngine:
             raise FileNotFoundError(f"no DeepSpeed checkpoint under {path}/{CHECKPOINT_TAG}")
         if self.scheduler is not None and client_state.get("spmdsplit_scheduler") is not None:
             self.scheduler.load_state_dict(client_state["spmdsplit_scheduler"])
+
+    @staticmethod
+    def _saved_layout(path: str) -> tuple[int, int]:
+        """(pool size, ZeRO stage) a checkpoint was saved with, from the client state DeepSpeed
+        keeps in its model-states file (read here before DeepSpeed fails on a mismatch)."""
+        folder = os.path.join(path, CHECKPOINT_TAG)
+        names = sorted(n for n in os.listdir(folder) if n.endswith("model_states.pt")) if os.path.isdir(folder) else []
+        if not names:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint under {folder}")
+        state = torch.load(os.path.join(folder, names[0]), map_location="cpu", weights_only=False)
+        return state.get("spmdsplit_pool_size"), state.get("spmdsplit_zero_stage")

@@ -304,3 +304,32 @@ def test_ppo_job_with_engine_mix_on_2_plus_2(tmp_path, monkeypatch, mix):
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(str(out / "actor_hf"))  # the export from the actor's engine loads
+
+
+@needs_deepspeed
+def test_trainer_checkpoint_resume_through_deepspeed_repeats_the_uninterrupted_run(tmp_path):
+    """The trainer's checkpointing with DeepSpeed on both pools (actor ZeRO-3, critic ZeRO-2, 2+2):
+    a job that stops after a checkpoint at step 2 and is started again logs steps 3-4 exactly as
+    the job that ran straight through (weights, Adam moments, LR warmup and RNG all came back)."""
+    from tests.runjob import torchrun
+    from tests.test_e2e import SHORT
+    from tests.test_resume import comparable
+
+    job = [*SHORT, "actor.engine=deepspeed", "actor.zero_stage=3", "critic.engine=deepspeed", "critic.zero_stage=2",
+           "actor.optim.lr_warmup_steps=3", "trainer.timeline=", "trainer.output_dir=", "trainer.seed=3"]
+
+    def run(out, *extra):
+        result = torchrun(4, *job, f"trainer.log_dir={out}/tb", f"trainer.default_local_dir={out}/ckpt", *extra,
+                          timeout=300)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+        return result.stdout
+
+    run(tmp_path / "straight", "trainer.resume=disable")
+    run(tmp_path / "stopped", "trainer.total_steps=2", "trainer.save_freq=2")
+    assert "resuming from" in run(tmp_path / "stopped")  # the same folder: resume=auto finds step 2
+
+    # Every scalar but wall-clock ones, each step logged once (a resumed run logs from step 3 on).
+    straight, resumed = comparable(str(tmp_path / "straight" / "tb")), comparable(str(tmp_path / "stopped" / "tb"))
+    assert resumed.keys() == straight.keys()
+    for tag, values in straight.items():
+        assert resumed[tag] == values, f"{tag} differs after resume"

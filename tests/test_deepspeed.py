@@ -146,6 +146,10 @@ def _save_load_beside_training(rank, world_size, model_dir, stage, out_dir, othe
     fresh.engine.load_checkpoint(checkpoint)
     resumed = fresh.update_policy(mine, seed=2)
     got = fresh.engine.full_state_dict()
+    # Another ZeRO stage cannot read these files: a clear error, not DeepSpeed's KeyError halfway.
+    other, _ = _role("actor", model_dir, lambda m, o: DeepSpeedEngine(m, ds_pool, 5 - stage, o), micro=1)
+    with pytest.raises(ValueError, match=f"saved by DeepSpeed ZeRO-{stage} on a pool of 2"):
+        other.engine.load_checkpoint(checkpoint)
     fresh.engine.save_hf(os.path.join(out_dir, "hf"), load_tokenizer(model_dir), is_writer=rank == 2)
     if rank == 2:
         open(done, "w").close()

@@ -337,3 +337,47 @@ def test_trainer_checkpoint_resume_through_deepspeed_repeats_the_uninterrupted_r
     assert resumed.keys() == straight.keys()
     for tag, values in straight.items():
         assert resumed[tag] == values, f"{tag} differs after resume"
+
+
+def _non_finite_step(rank, world_size, model_dir):
+    """For each ZeRO stage, on a 2-rank pool: a step whose gradients hold NaN must leave the weights
+    as they were (as FSDPEngine does), and the next, finite step must still move them."""
+    from spmdsplit.config import OptimConfig
+    from spmdsplit.engines.deepspeed import DeepSpeedEngine
+    from spmdsplit.models import load_causal_lm
+
+    pool = dist.new_group([0, 1])
+    out = {}
+    for stage in (1, 2, 3):
+        model = load_causal_lm(model_dir, torch.float32, torch.device("cpu"), seed=3)
+        batch = make_batch(model.config.vocab_size)
+        engine = DeepSpeedEngine(model, pool, stage, OptimConfig(lr=1e-2))
+        before = engine.full_state_dict()
+
+        def loss(scale):
+            logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            return logits.float().mean() * scale
+
+        engine.backward(loss(float("nan")))
+        skipped = engine.step()
+        after_skip = engine.full_state_dict()
+        engine.backward(loss(1.0))
+        taken = engine.step()
+        moved = engine.full_state_dict()
+        out[stage] = {
+            "skipped_norm": skipped["grad_norm"], "taken_norm": taken["grad_norm"],
+            "unchanged": all(torch.equal(before[k], after_skip[k]) for k in before),
+            "moved": max((moved[k] - before[k]).abs().max().item() for k in before),
+        }
+    return out
+
+
+@needs_deepspeed
+def test_a_non_finite_gradient_skips_the_step(model_dir):
+    import math
+
+    for rank_result in run_ranks(_non_finite_step, 2, model_dir, timeout=180):
+        for stage, r in rank_result.items():
+            assert r["unchanged"], f"ZeRO-{stage}: a NaN gradient changed the weights"
+            assert not math.isfinite(r["skipped_norm"]), f"ZeRO-{stage}: grad_norm {r['skipped_norm']}"
+            assert math.isfinite(r["taken_norm"]) and r["moved"] > 1e-4, f"ZeRO-{stage}: the next step did not train"

@@ -206,7 +206,9 @@ def ds_config(zero_stage: int, optim, param_dtype, dp_size: int) -> dict[str, An
         "train_batch_size": dp_size,
         "managed_gradient_accumulation": False,  # backward accumulates, step() is the boundary
         "zero_optimization": {"stage": zero_stage},
-        "bf16": {"enabled": param_dtype == torch.bfloat16},
+        # check_grad_overflow: skip a step whose grad norm is not finite in bf16 too (DeepSpeed's
+        # default, spelled out: FSDPEngine does the same, and fp32 ZeRO always does).
+        "bf16": {"enabled": param_dtype == torch.bfloat16, "check_grad_overflow": True},
         "zero_allow_untested_optimizer": True,  # a torch AdamW we build: no config-named op to JIT-compile
         "checkpoint": {"tag_validation": "Ignore"},  # 4: no world all-reduce of the tag
         "steps_per_print": 2**62,

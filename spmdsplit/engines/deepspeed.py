@@ -13,7 +13,7 @@ found, and `tests/test_deepspeed.py::test_each_unscoped_call_hangs_beside_anothe
 that without each scoping the same job hangs:
 
   1. `deepspeed.comm.torch.TorchBackend.__init__` JIT-builds the CPU shared-memory all-reduce
-     op (`build_shm_op`, ~40 s of C++ compile on a fresh machine) although only tensor-parallel
+     op (`build_shm_op`: 53 s of C++ compile on a fresh machine here) although only tensor-parallel
      inference (`inference_all_reduce`) ever uses it. Not a collective, but it makes the first
      start slow: `build_shm_op` is replaced by `lambda: None` while we create the backend.
   2. `PartitionedParameterCoordinator.reset_step` (ZeRO-3) checks that every rank recorded the
@@ -30,7 +30,7 @@ that without each scoping the same job hangs:
 The scope (2, 3) is active only inside this engine's methods (`_pool_scope`), so DeepSpeed calls
 made by anyone else are untouched.
 
-Gradient scale. `managed_gradient_accumulation=false` (DeepSpeed >= 0.19) makes `backward` only
+Gradient scale. `managed_gradient_accumulation=false` (DeepSpeed 0.19) makes `backward` only
 accumulate and `step` the boundary that reduces and updates, which is this interface exactly.
 DeepSpeed averages gradients over its data-parallel group (the pool), as FSDP does, so
 `backward` multiplies this rank's loss share by the pool size, as FSDPEngine does;
@@ -189,7 +189,7 @@ def init_deepspeed_comm() -> None:
     if ds_comm.cdb is not None:
         return
     # DeepSpeed 0.19.8, deepspeed/comm/torch.py, TorchBackend.__init__ calls build_shm_op(),
-    # which compiles deepspeed_shm_comm (C++, ~40 s) on first use; None is its own "not
+    # which compiles deepspeed_shm_comm (C++, 53 s here) on first use; None is its own "not
     # available" answer, after which all collectives go through torch.distributed as usual.
     original = ds_torch.build_shm_op
     ds_torch.build_shm_op = lambda: None

@@ -79,6 +79,17 @@ def find_resume(resume: str, root: str) -> str | None:
     return path
 
 
+def find_resume_after_restart(resume: str, root: str, restarts: int) -> str | None:
+    """As find_resume; but a job that Slurm restarted (`restarts` = SLURM_RESTART_COUNT > 0:
+    a requeue or preemption reruns the submitted arguments) goes on from its own latest
+    checkpoint, not back to the folder or the fresh start its first run was given."""
+    if restarts > 0 and resume != "auto":
+        latest = find_resume("auto", root)
+        if latest:
+            return latest
+    return find_resume(resume, root)
+
+
 def publish(root: str, step: int, meta: dict, max_to_keep: int) -> str:
     """World rank 0, once both pools wrote their halves: meta, rename, pointer, pruning."""
     partial, final = partial_dir(root, step), step_dir(root, step)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from spmdsplit import preempt
-from spmdsplit.checkpoint import CheckpointError, find_resume
+from spmdsplit.checkpoint import CheckpointError, find_resume_after_restart
 from spmdsplit.data.parquet import DataError
 from spmdsplit.data.sources import build_rows, format_report
 from spmdsplit.embedded import ensure_embedded_model
@@ -107,7 +107,8 @@ def prepare(cfg):
     data = {"train": build_rows(cfg.data, tokenizer, "train")}
     if cfg.trainer.val_freq > 0 or cfg.trainer.val_before_train:
         data["val"] = build_rows(cfg.data, tokenizer, "val")
-    resume_from = find_resume(cfg.trainer.resume, cfg.trainer.default_local_dir)
+    restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    resume_from = find_resume_after_restart(cfg.trainer.resume, cfg.trainer.default_local_dir, restarts)
     return placement, device, data, resume_from
 
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from spmdsplit.checkpoint import (
-    LATEST, CheckpointError, find_resume, partial_dir, publish, step_dir,
+    LATEST, CheckpointError, find_resume, find_resume_after_restart, partial_dir, publish, step_dir,
 )
 from tests.multiproc import run_ranks
 
@@ -57,6 +57,23 @@ def test_a_bad_resume_path_or_pointer_is_a_clear_error(tmp_path):
     (tmp_path / LATEST).write_text("7")
     with pytest.raises(CheckpointError, match="names step 7"):
         find_resume("auto", root)
+
+
+def test_a_run_slurm_restarted_resumes_from_the_jobs_latest_checkpoint(tmp_path):
+    """Preemption and `scontrol requeue` rerun the submitted arguments: a job submitted with
+    trainer.resume=<a folder> (or disable) must not go back there once it has checkpoints of its own."""
+    root = str(tmp_path)
+    for step in (3, 7):
+        write_half(root, step)
+        publish(root, step, {"step": step}, max_to_keep=0)
+    given = step_dir(root, 3)
+    assert find_resume_after_restart(given, root, restarts=0) == given  # the first run does what it was told
+    assert find_resume_after_restart(given, root, restarts=1) == step_dir(root, 7)
+    assert find_resume_after_restart("disable", root, restarts=0) is None
+    assert find_resume_after_restart("disable", root, restarts=2) == step_dir(root, 7)
+    empty = str(tmp_path / "fresh")
+    os.makedirs(empty)
+    assert find_resume_after_restart("disable", empty, restarts=1) is None  # nothing of its own yet
 
 
 def _train_save_load(rank, world_size, model_dir, ckpt):

@@ -97,7 +97,7 @@ class SlurmTrain(submitit.helpers.Checkpointable):
         # would leave the others hanging in a collective). Kept to be called once the
         # checkpoint is on disk.
         requeue = signal.getsignal(signal.SIGUSR2)
-        code = train.main(self.args_for_this_run())
+        code = train.main(self.train_args)
         if code == 0:
             return {"rank": dist_env.rank, "exit_code": 0}
         if code == train.EXIT_STOPPED:
@@ -137,30 +137,12 @@ class SlurmTrain(submitit.helpers.Checkpointable):
             f"see this rank's log {env.paths.stderr}"
         )
 
-    def args_for_this_run(self) -> list[str]:
-        """A run that Slurm restarted (preemption, `scontrol requeue`: submitit's pickle still
-        holds the submitted arguments) resumes from the latest checkpoint of the job, when
-        there is one, even if the job was submitted with trainer.resume=<a folder> or disable."""
-        if int(os.environ.get("SLURM_RESTART_COUNT") or 0) == 0:
-            return self.train_args
-        from spmdsplit.checkpoint import find_resume
-        from spmdsplit.config import load_config
-        from spmdsplit.train import parse_args
-
-        args = parse_args(self.train_args)
-        cfg = load_config(args.config, args.overrides)
-        if cfg.trainer.resume != "auto" and find_resume("auto", cfg.trainer.default_local_dir):
-            return with_resume_auto(self.train_args)
-        return self.train_args
-
     def checkpoint(self, *args, **kwargs) -> submitit.helpers.DelayedSubmission:
         # The training state is already on disk (train.main wrote it before returning
-        # EXIT_STOPPED): the requeued job only has to find it, whatever trainer.resume said.
-        return submitit.helpers.DelayedSubmission(type(self)(with_resume_auto(self.train_args)))
-
-
-def with_resume_auto(train_args: list[str]) -> list[str]:
-    return [a for a in train_args if not a.startswith("trainer.resume=")] + ["trainer.resume=auto"]
+        # EXIT_STOPPED). The requeued run reruns the same arguments; train.main sees
+        # SLURM_RESTART_COUNT > 0 and resumes from the job's latest checkpoint, whatever
+        # trainer.resume said (checkpoint.find_resume_after_restart).
+        return submitit.helpers.DelayedSubmission(type(self)(self.train_args))
 
 
 def parse_time(text: str) -> int:

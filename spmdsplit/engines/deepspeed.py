@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from spmdsplit.models import save_hf_folder
+from spmdsplit.engines.common import HFExport, adamw_with_warmup
 
 # DeepSpeed 0.19 calls torch's all_gather_into_tensor / reduce_scatter_tensor, which torch 2.13
 # deprecates with a FutureWarning on every call: theirs to change, and noise in every step's log.
@@ -223,7 +223,7 @@ def ds_config(zero_stage: int, optim, param_dtype, dp_size: int) -> dict[str, An
     return config
 
 
-class DeepSpeedEngine:
+class DeepSpeedEngine(HFExport):
     """A model under DeepSpeed ZeRO over a pool, with AdamW, linear warmup and grad clipping when it
     trains; `zero_stage` 0 (no sharding) or 3 for a frozen model (reference, reward model)."""
 
@@ -249,12 +249,8 @@ class DeepSpeedEngine:
             model.requires_grad_(False)
             model.eval()
         else:
-            optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=tuple(optim.betas),
-                                          weight_decay=optim.weight_decay)
-            warmup = max(0, optim.lr_warmup_steps)
-            # Stepped by us, not by DeepSpeed (which skips it on a skipped step): as in FSDPEngine.
-            scheduler = torch.optim.lr_scheduler.LambdaLR(
-                optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
+            # The schedule is stepped by us, not by DeepSpeed (which skips it on a skipped step): as in FSDPEngine.
+            optimizer, scheduler = adamw_with_warmup(model.parameters(), optim)
         config = ds_config(zero_stage, optim, param_dtype, self.dp_size)
         mpu = _PoolMPU(group, _single_rank_group())
         with self._pool_scope():
@@ -311,13 +307,6 @@ class DeepSpeedEngine:
                         clones[key] = tensor.detach().clone()
                     state[name] = clones[key]
             return state
-
-    def save_hf(self, output_dir: str, tokenizer, is_writer: bool) -> None:
-        """Writes a folder `AutoModel*.from_pretrained` loads; every pool rank must call it, and
-        `is_writer` (the pool's first rank, whatever its global rank) writes."""
-        state = self.full_state_dict()
-        if is_writer:
-            save_hf_folder(self.model, state, output_dir, tokenizer)
 
     def save_checkpoint(self, path: str) -> None:
         """Weights, optimizer and LR schedule under `path` (which the caller publishes); every rank

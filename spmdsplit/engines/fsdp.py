@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from spmdsplit.models import save_hf_folder
+from spmdsplit.engines.common import HFExport, adamw_with_warmup
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | None = None) -> nn.Module:
@@ -31,7 +31,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | No
     return model
 
 
-class FSDPEngine:
+class FSDPEngine(HFExport):
     """A model sharded over a pool, with AdamW, linear warmup and grad clipping when it trains.
 
     Losses handed to `backward` must already be this rank's share of the pool-wide loss (see
@@ -51,13 +51,7 @@ class FSDPEngine:
             self.model.requires_grad_(False)  # a frozen model (reference policy, reward model)
             self.model.eval()
             return
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay
-        )
-        warmup = max(0, optim.lr_warmup_steps)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
-        )
+        self.optimizer, self.scheduler = adamw_with_warmup(self.model.parameters(), optim)
 
     def __call__(self, *args, **kwargs):
         return self.model(*args, **kwargs)
@@ -81,12 +75,6 @@ class FSDPEngine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded weights on every rank of the pool (a pool-scoped all-gather)."""
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
-
-    def save_hf(self, output_dir: str, tokenizer, is_writer: bool) -> None:
-        """Writes a folder `AutoModel*.from_pretrained` loads; every pool rank must call it."""
-        state = self.full_state_dict()
-        if is_writer:
-            save_hf_folder(self.model, state, output_dir, tokenizer)
 
 
     def save_checkpoint(self, path: str) -> None:

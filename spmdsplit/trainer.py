@@ -108,8 +108,7 @@ class Trainer:
                                           cfg.reward.model.micro_batch_size_per_gpu, self.device, eos_ids)
             kl = cfg.algorithm.kl_ctrl
             self.kl_ctrl = algo.get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
-        # Sampling must differ between ranks (else every shard draws the same responses).
-        torch.manual_seed(seed * 1000 + 7 + self.rank)
+        self.seed_sampling()
         self.start_step = 1
         self.unlogged: dict[int, dict] = {}  # rank 0: step -> {"actor": ..., "critic": ...} until both are in
         self.critic_metrics_received = 0
@@ -119,6 +118,11 @@ class Trainer:
         self.logger = MetricsLogger(cfg.trainer.log_dir, cfg.trainer.total_steps, cfg.trainer.progress_bar,
                                     first_step=self.start_step) if self.rank == 0 else None
 
+    def seed_sampling(self, after_step: int = 0) -> None:
+        """Sampling must differ between ranks (else every shard draws the same responses); a
+        resume that cannot restore the RNG state (other pool sizes) seeds from the step too."""
+        torch.manual_seed(self.cfg.trainer.seed * 1000 + 7 + self.rank + 7919 * after_step)
+
     # ------------------------------------------------------------------ the loop
 
     def fit(self) -> bool:
@@ -127,7 +131,6 @@ class Trainer:
         last = trainer.total_steps
         if trainer.val_before_train and self.start_step == 1:
             self.validate(0)
-        step = self.start_step - 1
         for step in range(self.start_step, trainer.total_steps + 1):
             self.stop_vote.cast()
             self.train_step(step)
@@ -139,10 +142,11 @@ class Trainer:
             if stop and step < trainer.total_steps:
                 last = step
                 break
+        completed = last == trainer.total_steps
         if self.rank == 0:
             self.receive_critic_metrics(upto=last)
-        self.finish(completed=last == trainer.total_steps)
-        return last == trainer.total_steps
+        self.finish(completed)
+        return completed
 
     def train_step(self, step: int) -> None:
         cfg, P, phase = self.cfg, self.pools, self.timer.phase
@@ -434,7 +438,7 @@ class Trainer:
             if same_layout:
                 checkpoint.set_rng_state(state["rng"], self.device)
             else:
-                torch.manual_seed(self.cfg.trainer.seed * 1000 + 7 + self.rank + 7919 * step)
+                self.seed_sampling(after_step=step)
             if pool == "critic":
                 self.kl_ctrl.load_state_dict(state["kl_ctrl"])
             elif state["data"]["dataset_rows"] != len(self.dataset.rows) and self.rank == 0:

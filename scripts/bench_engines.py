@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 import time
 
-from spmdsplit.bench import SHORT_WORKLOAD, analyze, run_job
+from spmdsplit.bench import SHORT_WORKLOAD, analyze, run_job, write_report
 
 ENGINES = {
     "fsdp": [],
@@ -73,12 +72,7 @@ def main(argv=None) -> int:
             "torch": torch.__version__, "deepspeed": deepspeed.__version__, "workload": workload,
             "date": datetime.datetime.now().isoformat(timespec="seconds")}
     report = {"meta": meta, "engines": engines}
-    markdown = render(report)
-    with open(os.path.join(args.out, "bench_engines.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    with open(os.path.join(args.out, "bench_engines.md"), "w") as f:
-        f.write(markdown)
-    print(markdown)
+    write_report(args.out, "bench_engines", report, render(report))
     return 0
 
 

@@ -425,13 +425,17 @@ def main(argv=None) -> int:
     except BenchError as e:
         print(f"spmdsplit.bench: error: {e}", file=sys.stderr)
         return 1
-    markdown = render_markdown(report)
-    with open(os.path.join(args.out, "bench.json"), "w") as f:
+    write_report(args.out, "bench", report, render_markdown(report))
+    return 0
+
+
+def write_report(out: str, name: str, report: dict, markdown: str) -> None:
+    """`<out>/<name>.json` and `<out>/<name>.md`, and the Markdown on stdout."""
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
         json.dump(report, f, indent=1)
-    with open(os.path.join(args.out, "bench.md"), "w") as f:
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
         f.write(markdown)
     print(markdown)
-    return 0
 
 
 if __name__ == "__main__":

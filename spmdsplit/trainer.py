@@ -26,18 +26,12 @@ from spmdsplit import algo, checkpoint
 from spmdsplit.batch import Batch
 from spmdsplit.data.prompts import PromptDataset, collate_prompts
 from spmdsplit.distributed import pool_reduce_metrics, pool_sum
-from spmdsplit.engines import build_engine
 from spmdsplit.exchange import recv_object, recv_rows, row_ranges, send_object, send_rows
 from spmdsplit.metrics import MetricsLogger, PhaseTimer, compute_data_metrics, write_timeline
-from spmdsplit.models import eos_token_ids, load_causal_lm, load_tokenizer, load_value_model, resolve_dtype
+from spmdsplit.models import eos_token_ids, load_tokenizer
 from spmdsplit.placement import Pools
 from spmdsplit.preempt import StopVote
-from spmdsplit.roles.actor import Actor
-from spmdsplit.roles.critic import Critic
-from spmdsplit.rewards.custom import load_custom_reward_fn
-from spmdsplit.roles.reward import RuleReward
-from spmdsplit.roles.reward_model import RewardModel, load_reward_model
-from spmdsplit.rollout.hf import HFRollout
+from spmdsplit.roles.build import build_actor_pool, build_critic_pool
 
 # One tag per kind of message, so messages of different phases between the same two ranks never mix.
 TAG_ROLLOUT, TAG_LOG_PROBS, TAG_ADVANTAGES, TAG_CRITIC_METRICS, TAG_VAL_ROLLOUT, TAG_VAL_METRICS = 11, 12, 13, 14, 15, 16
@@ -73,41 +67,15 @@ class Trainer:
         self.model_path = cfg.model.path  # train.py has resolved "" to the embedded model
         self.tokenizer = load_tokenizer(self.model_path, cfg.model.trust_remote_code)
         eos_ids = eos_token_ids(self.model_path, self.tokenizer)
-        # Trained models keep fp32 master weights and compute in `dtype` (FSDP mixed precision);
-        # models that only infer (reference, rollout copy) are held in `dtype` outright.
-        dtype = resolve_dtype(cfg.model.dtype, self.device)
-        mixed = dtype if dtype != torch.float32 else None
-        seed, remote = cfg.trainer.seed, cfg.model.trust_remote_code
-
         if pools.is_actor:
-            temperature = cfg.rollout.temperature
-            policy = load_causal_lm(self.model_path, torch.float32, self.device, seed, remote)
-            if cfg.model.gradient_checkpointing:
-                policy.gradient_checkpointing_enable()
-            self.actor = Actor(build_engine(cfg, "actor", policy, pools.actor_mesh, mixed), cfg.actor, temperature,
-                               self.device, rollout_n=cfg.rollout.n)
-            reference = load_causal_lm(self.model_path, dtype, self.device, seed, remote)
-            self.ref = Actor(build_engine(cfg, "ref", reference, pools.actor_mesh), cfg.actor, temperature, self.device)
-            rollout_model = load_causal_lm(self.model_path, dtype, self.device, seed, remote)
-            self.rollout = HFRollout(rollout_model, self.tokenizer, cfg.rollout, cfg.data.max_response_length, eos_ids,
-                                     val_cfg=cfg.rollout.val_kwargs)
+            roles = build_actor_pool(cfg, pools, self.tokenizer, eos_ids)
+            self.actor, self.ref, self.rollout = roles.actor, roles.ref, roles.rollout
             self.dataset = PromptDataset(rows["train"], self.batch_size, cfg.data.shuffle, cfg.data.seed)
         if pools.is_critic:
-            if self.use_critic:
-                critic_path = cfg.critic.model_path or self.model_path
-                value_model = load_value_model(critic_path, torch.float32, self.device, seed, remote)
-                self.critic = Critic(build_engine(cfg, "critic", value_model, pools.critic_mesh, mixed), cfg.critic,
-                                     self.device, rollout_n=cfg.rollout.n)
-            custom = cfg.reward.custom_fn
-            custom_fn = load_custom_reward_fn(custom.path, custom.name) if custom.path else None
-            self.reward = RuleReward(self.tokenizer, eos_ids, custom_fn=custom_fn)
-            if cfg.reward.model.path:  # a reward model replaces the rule scores, as in verl
-                rm_path = cfg.reward.model.path
-                rm_engine = build_engine(cfg, "reward_model", load_reward_model(rm_path, dtype, self.device, seed, remote), pools.critic_mesh)
-                self.reward = RewardModel(rm_engine, load_tokenizer(rm_path, remote), self.tokenizer,
-                                          cfg.reward.model.micro_batch_size_per_gpu, self.device, eos_ids)
-            kl = cfg.algorithm.kl_ctrl
-            self.kl_ctrl = algo.get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
+            roles = build_critic_pool(cfg, pools, self.tokenizer, eos_ids)
+            self.reward, self.kl_ctrl = roles.reward, roles.kl_ctrl
+            if roles.critic is not None:
+                self.critic = roles.critic
         self.seed_sampling()
         self.start_step = 1
         self.unlogged: dict[int, dict] = {}  # rank 0: step -> {"actor": ..., "critic": ...} until both are in

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from spmdsplit import bench, plan
+from tools import bench, plan
 
 SHORT = ["data.train_batch_size=16", "actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=8",
          "actor.ppo_micro_batch_size_per_gpu=4", "critic.ppo_micro_batch_size_per_gpu=4"]
@@ -144,7 +144,7 @@ def run_module(*args, timeout=400):
 @pytest.fixture(scope="module")
 def short_bench(tmp_path_factory, embedded_cache):
     out = tmp_path_factory.mktemp("bench")
-    result = run_module("spmdsplit.bench", "--short", "--out", str(out))
+    result = run_module("tools.bench", "--short", "--out", str(out))
     with open(out / "bench.json") as f:
         return out, json.load(f), result.stdout
 
@@ -203,7 +203,7 @@ def test_plan_prints_an_override_line_the_job_accepts(tmp_path, embedded_cache):
     from spmdsplit.config import check_against_pools, load_config
     from spmdsplit.placement import plan_placement
 
-    result = run_module("spmdsplit.plan", "--world-size", "4", "--steps", "3", "--warmup", "1",
+    result = run_module("tools.plan", "--world-size", "4", "--steps", "3", "--warmup", "1",
                         "--out", str(tmp_path), "--", *SHORT)
     line = result.stdout.strip().splitlines()[-1]
     assert line.startswith("placement.mode=custom placement.pool_unit=ranks_per_node placement.pools=[")

@@ -1,7 +1,7 @@
-"""Real Slurm: a one-node cluster on localhost (launch/slurm_cluster.sh: munged, MariaDB, slurmdbd,
+"""Real Slurm: a one-node cluster on localhost (tools/slurm_cluster.sh: munged, MariaDB, slurmdbd,
 slurmctld, slurmd; installed from Debian's packages when missing, which needs root) runs real
 training jobs submitted the way users submit them: `python -m spmdsplit.launch.slurm` (submitit)
-and `sbatch launch/spmdsplit.sbatch`. Each job is 2 ranks (1+1) on the 4 CPUs the node declares.
+and `sbatch spmdsplit/launch/spmdsplit.sbatch`. Each job is 2 ranks (1+1) on the 4 CPUs the node declares.
 
 The preemption tests signal a running job as Slurm does and check from Slurm's accounting
 (sacct -D lists every run of a requeued job), the logs, the checkpoints and TensorBoard that it
@@ -27,7 +27,7 @@ from spmdsplit.launch import slurm as launcher
 from tests.runjob import scalars
 
 REPO = Path(__file__).resolve().parents[1]
-CLUSTER = REPO / "launch" / "slurm_cluster.sh"
+CLUSTER = REPO / "tools" / "slurm_cluster.sh"
 TINY = ["data.train_batch_size=16", "actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=8",
         "actor.ppo_micro_batch_size_per_gpu=4", "critic.ppo_micro_batch_size_per_gpu=4", "trainer.progress_bar=false"]
 # More than 10 minutes: submitit counts a signal in the last 10 minutes of a job's time limit as a
@@ -255,7 +255,7 @@ def test_sbatch_template_stops_checkpoints_and_requeues_itself(slurm_cluster, tm
     run.mkdir()
     submitted = subprocess.run(
         ["sbatch", "--parsable", f"--output={run}/%j.out", "--time=20", "--nodes=2", "--ntasks-per-node=1",
-         str(REPO / "launch" / "spmdsplit.sbatch"),
+         str(REPO / "spmdsplit" / "launch" / "spmdsplit.sbatch"),
          *TINY, f"trainer.total_steps={total}", *paths],
         capture_output=True, text=True, timeout=60, cwd=run, env={**job_env(), "PYTHON": sys.executable},
     )

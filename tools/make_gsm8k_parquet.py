@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Writes GSM8K-style parquet files in verl's schema from local data (nothing is downloaded).
 
-    python scripts/make_gsm8k_parquet.py --out data/gsm8k [--train-rows 256 --test-rows 64 --seed 0]
+    python tools/make_gsm8k_parquet.py --out data/gsm8k [--train-rows 256 --test-rows 64 --seed 0]
 
 writes DIR/train.parquet and DIR/test.parquet with the columns verl's GSM8K preprocessing writes:
 

@@ -1,4 +1,4 @@
-"""`python -m spmdsplit.plan --world-size W [--ranks-per-node L] [-- key=value ...]`
+"""`python -m tools.plan --world-size W [--ranks-per-node L] [-- key=value ...]`
 
 Picks the actor/critic split of a world for a workload: verl's "give the slower pool more
 ranks", made automatic. It profiles a short `split` run of the workload (2 ranks, 1+1, with
@@ -29,7 +29,7 @@ import json
 import os
 import sys
 
-from spmdsplit import bench
+from tools import bench
 
 ACTOR_PHASES = ("gen", "old_log_prob", "ref", "update_actor")
 CRITIC_PHASES = ("values", "reward", "adv", "update_critic")
@@ -122,7 +122,7 @@ def render(profile: dict, accepted: list[dict], rejected: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="spmdsplit.plan", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="tools.plan", description=__doc__.splitlines()[0])
     p.add_argument("--world-size", type=int, required=True, help="ranks of the job to plan (W)")
     p.add_argument("--ranks-per-node", type=int, help="ranks per node (L); default: one node of W")
     p.add_argument("--nproc", type=int, default=2, help="ranks of the profiling run (default 2: 1+1)")
@@ -138,12 +138,12 @@ def main(argv=None) -> int:
             with open(args.profile) as fh:
                 profile = json.load(fh)
             if profile.get("workload") != args.overrides:  # phase costs belong to one workload
-                print(f"spmdsplit.plan: warning: {args.profile} profiled {profile.get('workload')}", file=sys.stderr)
+                print(f"tools.plan: warning: {args.profile} profiled {profile.get('workload')}", file=sys.stderr)
         else:
-            print(f"spmdsplit.plan: profiling the workload on {args.nproc} ranks ...", file=sys.stderr, flush=True)
+            print(f"tools.plan: profiling the workload on {args.nproc} ranks ...", file=sys.stderr, flush=True)
             profile = profile_workload(args.overrides, args.nproc, args.steps, args.warmup, args.out)
     except (ValueError, bench.BenchError) as e:
-        print(f"spmdsplit.plan: error: {e}", file=sys.stderr)
+        print(f"tools.plan: error: {e}", file=sys.stderr)
         return 1
     accepted, rejected = rank_candidates(profile, args.world_size, args.ranks_per_node, args.overrides)
     os.makedirs(args.out, exist_ok=True)
@@ -153,7 +153,7 @@ def main(argv=None) -> int:
         json.dump({"profile": profile, "candidates": accepted, "rejected": rejected}, fh, indent=1)
     print(render(profile, accepted, rejected))
     if not accepted:
-        print("spmdsplit.plan: error: no split of this world fits the workload's batch sizes", file=sys.stderr)
+        print("tools.plan: error: no split of this world fits the workload's batch sizes", file=sys.stderr)
         return 1
     print(f"\nChosen, as overrides for `torchrun --nproc-per-node {args.ranks_per_node or args.world_size} "
           "-m spmdsplit.train`:")

@@ -1,4 +1,4 @@
-"""`python -m spmdsplit.bench [--nproc N] [--steps S] [--modes ...] [key=value ...]`
+"""`python -m tools.bench [--nproc N] [--steps S] [--modes ...] [key=value ...]`
 
 Runs the same workload on the same ranks as `colocate`, `split` with `placement.overlap=false`
 (`split-blocking`) and `split` with overlap (plus `split-stream` with `--stream-chunks N > 1`),
@@ -369,7 +369,7 @@ def mode_overrides(mode: str, workload: list[str], stream_chunks: int) -> list[s
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="spmdsplit.bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="tools.bench", description=__doc__.splitlines()[0])
     p.add_argument("--nproc", type=int, default=2, help="ranks per job (default 2: 1+1, one per core)")
     p.add_argument("--steps", type=int, help="training steps per job (default 20; 4 with --short)")
     p.add_argument("--warmup", type=int, help="first steps left out of the medians (default 2; 1 with --short)")
@@ -402,14 +402,14 @@ def run_bench(args) -> dict:
     modes = {}
     for i, mode in enumerate(args.modes, 1):
         extra = mode_overrides(mode, workload, args.stream_chunks)
-        print(f"spmdsplit.bench: [{i}/{len(args.modes)}] {mode}: {' '.join(extra)}", file=sys.stderr, flush=True)
+        print(f"tools.bench: [{i}/{len(args.modes)}] {mode}: {' '.join(extra)}", file=sys.stderr, flush=True)
         start = time.time()
         trace, scalars = run_job(args.nproc, workload + extra, os.path.join(args.out, mode))
         modes[mode] = {"overrides": extra, "wall_s": time.time() - start, **analyze(trace, scalars, args.warmup),
                        "timeline_png": f"timeline_{mode}.png"}
         title = f"{mode}: steps {window[0]}-{window[1]} ({device}, {args.nproc} ranks)"
         plot_timeline(trace, title, os.path.join(args.out, modes[mode]["timeline_png"]), window)
-    print("spmdsplit.bench: raw point-to-point bandwidth", file=sys.stderr, flush=True)
+    print("tools.bench: raw point-to-point bandwidth", file=sys.stderr, flush=True)
     meta = {"device": device, "nproc": args.nproc, "torch": torch.__version__,
             "date": datetime.datetime.now().isoformat(timespec="seconds"), "workload": workload,
             "steps": args.steps, "warmup": args.warmup, "critic_weight": args.critic_weight,
@@ -423,7 +423,7 @@ def main(argv=None) -> int:
     try:
         report = run_bench(args)
     except BenchError as e:
-        print(f"spmdsplit.bench: error: {e}", file=sys.stderr)
+        print(f"tools.bench: error: {e}", file=sys.stderr)
         return 1
     write_report(args.out, "bench", report, render_markdown(report))
     return 0

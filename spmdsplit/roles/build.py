@@ -1,0 +1,82 @@
+"""Builds each pool's roles from the config: the models, their engines over the pool's mesh, and
+the objects the step loop calls. Kept out of the trainer so that the loop reads as the algorithm.
+
+    actor pool : Actor (policy, trained) + reference (frozen Actor) + rollout engine
+    critic pool: Critic (value model, trained; GAE only) + reward (rule, custom fn, or reward model)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spmdsplit import algo
+from spmdsplit.engines import build_engine
+from spmdsplit.models import load_causal_lm, load_tokenizer, load_value_model, resolve_dtype
+from spmdsplit.placement import Pools
+from spmdsplit.rewards.custom import load_custom_reward_fn
+from spmdsplit.roles.actor import Actor
+from spmdsplit.roles.critic import Critic
+from spmdsplit.roles.reward import RuleReward
+from spmdsplit.roles.reward_model import RewardModel, load_reward_model
+from spmdsplit.rollout.hf import HFRollout
+
+
+@dataclass
+class ActorPoolRoles:
+    actor: Actor
+    ref: Actor
+    rollout: HFRollout
+
+
+@dataclass
+class CriticPoolRoles:
+    critic: Critic | None  # None for critic-free estimators (GRPO, RLOO, REINFORCE++)
+    reward: RuleReward | RewardModel
+    kl_ctrl: algo.FixedKLController
+
+
+def compute_dtypes(cfg, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
+    """(dtype, mixed): trained models keep fp32 master weights and compute in `dtype` (FSDP mixed
+    precision, `mixed` is None in plain fp32); models that only infer are held in `dtype` outright."""
+    dtype = resolve_dtype(cfg.model.dtype, device)
+    return dtype, (dtype if dtype != torch.float32 else None)
+
+
+def build_actor_pool(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> ActorPoolRoles:
+    device, seed, remote, path = pools.device, cfg.trainer.seed, cfg.model.trust_remote_code, cfg.model.path
+    dtype, mixed = compute_dtypes(cfg, device)
+    temperature = cfg.rollout.temperature
+    policy = load_causal_lm(path, torch.float32, device, seed, remote)
+    if cfg.model.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+    actor = Actor(build_engine(cfg, "actor", policy, pools.actor_mesh, mixed), cfg.actor, temperature, device,
+                  rollout_n=cfg.rollout.n)
+    reference = load_causal_lm(path, dtype, device, seed, remote)
+    ref = Actor(build_engine(cfg, "ref", reference, pools.actor_mesh), cfg.actor, temperature, device)
+    rollout_model = load_causal_lm(path, dtype, device, seed, remote)
+    rollout = HFRollout(rollout_model, tokenizer, cfg.rollout, cfg.data.max_response_length, eos_ids,
+                        val_cfg=cfg.rollout.val_kwargs)
+    return ActorPoolRoles(actor, ref, rollout)
+
+
+def build_critic_pool(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> CriticPoolRoles:
+    device, seed, remote = pools.device, cfg.trainer.seed, cfg.model.trust_remote_code
+    dtype, mixed = compute_dtypes(cfg, device)
+    critic = None
+    if cfg.algorithm.adv_estimator == "gae":
+        value_model = load_value_model(cfg.critic.model_path or cfg.model.path, torch.float32, device, seed, remote)
+        critic = Critic(build_engine(cfg, "critic", value_model, pools.critic_mesh, mixed), cfg.critic, device,
+                        rollout_n=cfg.rollout.n)
+    custom = cfg.reward.custom_fn
+    custom_fn = load_custom_reward_fn(custom.path, custom.name) if custom.path else None
+    reward = RuleReward(tokenizer, eos_ids, custom_fn=custom_fn)
+    if cfg.reward.model.path:  # a reward model replaces the rule scores, as in verl
+        rm_path = cfg.reward.model.path
+        rm_engine = build_engine(cfg, "reward_model", load_reward_model(rm_path, dtype, device, seed, remote),
+                                 pools.critic_mesh)
+        reward = RewardModel(rm_engine, load_tokenizer(rm_path, remote), tokenizer,
+                             cfg.reward.model.micro_batch_size_per_gpu, device, eos_ids)
+    kl = cfg.algorithm.kl_ctrl
+    return CriticPoolRoles(critic, reward, algo.get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon))

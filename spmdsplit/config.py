@@ -31,7 +31,11 @@ class TrainerConfig:
     output_dir: str = "outputs/actor_hf"  # the trained actor in Hugging Face format; "" = don't save
     device: str = "auto"  # auto (cuda when available) | cpu | cuda
     num_threads: int = 1  # torch threads per rank on CPU (1 avoids oversubscribing cores); 0 = torch's default
-    dist_timeout_s: int = 600  # a collective that waits longer than this fails instead of hanging
+    dist_timeout_s: int = 600  # a collective inside a pool that waits longer than this fails instead of hanging
+    # A wait for the other pool (its rollout, its advantages, a validation set it generates): a
+    # busy pool is not a dead one, so this is long. Dead ranks end the job at once anyway
+    # (spmdsplit/failure.py and the launcher), whatever this says.
+    pool_wait_timeout_s: int = 10800
     progress_bar: bool = True
     val_freq: int = -1  # validate every this many steps (and after the last); -1 = never
     val_before_train: bool = False
@@ -236,7 +240,7 @@ PATH_KEYS = ("trainer.log_dir", "trainer.timeline", "trainer.output_dir", "train
              "model.path", "model.embedded_dir", "critic.model_path")
 
 POSITIVE = (
-    "trainer.total_steps", "trainer.dist_timeout_s", "data.train_batch_size", "data.max_prompt_length",
+    "trainer.total_steps", "trainer.dist_timeout_s", "trainer.pool_wait_timeout_s", "data.train_batch_size", "data.max_prompt_length",
     "data.max_response_length", "data.num_train_samples", "actor.ppo_mini_batch_size",
     "actor.ppo_micro_batch_size_per_gpu", "actor.ppo_epochs", "actor.log_prob_micro_batch_size_per_gpu",
     "critic.ppo_mini_batch_size", "critic.ppo_micro_batch_size_per_gpu", "critic.ppo_epochs",

@@ -1,31 +1,38 @@
-"""Moves the rows of a global batch between two ordered lists of global ranks (pools) by P2P.
+"""Ordered point-to-point messages between ranks, and the rows of a global batch moved by them.
 
-The global batch of `num_rows` rows is split contiguously over each list with `row_ranges`:
-source i holds row_ranges(num_rows, len(src_ranks))[i], destination j ends with
-row_ranges(num_rows, len(dst_ranks))[j]. Each source sends each destination exactly the overlap
-of their ranges, so no rank ever holds rows it does not need and nothing is gathered on one rank.
+**Correct by order, never by tag.** NCCL ignores point-to-point tags: messages between two ranks
+match in the order they were posted. So nothing here passes a tag (gloo then follows the same
+rule, and every CPU test holds the code to it), and every message starts with a header the
+receiver checks against what it expects: kind, step, chunk and a per-pair sequence number. A
+message out of place fails at once with one line naming what was expected and what arrived,
+instead of being read as something else. The order itself is the caller's to keep; the
+conversation between the pools is written down in `spmdsplit/messages.py`.
 
-Wire format, per (source, destination) pair with a non-empty overlap, all with the same `tag`:
-  1. header: int64 tensor [meta_len, payload_len]
-  2. meta: pickled (tensor column specs, non-tensor columns) as a uint8 tensor
+Wire format, per message, on one `Link` (a process group):
+  1. header: int64 tensor [kind, step, chunk, seq, meta_len, payload_len]
+  2. meta: pickled (tensor column specs, non-tensor columns) or a pickled object, as uint8
   3. payload (only if payload_len > 0): every tensor column's bytes in one uint8 tensor
 Raw bytes instead of pickled tensors because pickling is ~20x slower here, and because a uint8
 view carries any dtype (bool, bfloat16) that gloo cannot send natively.
 
-Self-delivery: rows a rank sends to itself (it is in both lists, e.g. colocate placement) never
-go through torch.distributed. `send_rows` parks them in a module-level dict keyed by tag and
-`recv_rows` on the same rank takes them out, so on such a rank send_rows must run first (which
-`exchange_rows` does). They are views of the sender's tensors, not copies: colocate is a no-op.
+Rows: the global batch of `num_rows` rows is split contiguously over each rank list with
+`row_ranges`; each source sends each destination exactly the overlap of their ranges, so no rank
+ever holds rows it does not need and nothing is gathered on one rank.
 
-Only point-to-point ops on the default group with GLOBAL ranks: no collective may be used, since
-the two pools run different code and would never meet in one.
+Self-delivery: what a rank sends to itself (it is in both lists, e.g. colocate placement) never
+goes through torch.distributed: the link parks it under its (kind, step, chunk) and the receive on
+the same rank takes it out, so on such a rank the send must come first. Rows sent to self are
+views of the sender's tensors, not copies: colocate moves nothing.
+
+Only point-to-point ops: no collective, since the two pools run different code and would never
+meet in one.
 """
 
 from __future__ import annotations
 
 import pickle
 import time
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,7 +40,21 @@ import torch.distributed as dist
 from spmdsplit.batch import Batch
 
 _ALIGN = 16  # column offsets in the payload, so every column is a zero-copy, aligned dtype view
-_local: dict[tuple[str, int], Any] = {}  # self-delivery, keyed by (kind, tag)
+_HEADER = 6
+
+
+class ProtocolError(RuntimeError):
+    """A message arrived that is not the one the schedule says comes next."""
+
+
+class Message(NamedTuple):
+    kind: str
+    step: int
+    chunk: int = 0
+
+    def describe(self, seq: int | None = None) -> str:
+        text = f"{self.kind} of step {self.step}" + (f" chunk {self.chunk}" if self.chunk else "")
+        return text if seq is None else f"{text} (message #{seq})"
 
 
 def row_ranges(num_rows: int, num_parts: int) -> list[tuple[int, int]]:
@@ -56,6 +77,11 @@ class PendingSend:
     def __init__(self, works=(), buffers=()):
         self._works, self._buffers = list(works), list(buffers)
 
+    def add(self, other: "PendingSend") -> "PendingSend":
+        self._works += other._works
+        self._buffers += other._buffers
+        return self
+
     def wait(self) -> None:
         for w in self._works:
             w.wait()
@@ -65,6 +91,96 @@ class PendingSend:
 def _rank() -> int:
     # Lets a single process (colocate, one rank) exchange with itself without a process group.
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+class Link:
+    """Checked, ordered messages over one process group. `kinds` names every kind of message that
+    may travel on it (its index is the kind's code in the header). The group's timeout is what a
+    receive on this link may wait: between pools that is a long one (a busy pool is not dead)."""
+
+    def __init__(self, kinds: Sequence[str], group=None, device="cpu", name: str = "link"):
+        self.kinds = list(kinds)
+        self.group, self.device, self.name = group, torch.device(device), name
+        self._sent: dict[int, int] = {}  # peer -> messages sent to it
+        self._received: dict[int, int] = {}  # peer -> messages received from it
+        self._local: dict[tuple, Any] = {}  # self-delivery: (kind, step, chunk) -> rows or pickled object
+
+    # ---- one message
+
+    def isend(self, msg: Message, meta: bytes, payload: torch.Tensor | None, dst: int) -> PendingSend:
+        seq = self._sent.get(dst, 0)
+        self._sent[dst] = seq + 1
+        meta_t = torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(self.device)
+        n_payload = 0 if payload is None else payload.numel()
+        header = torch.tensor([self.kinds.index(msg.kind), msg.step, msg.chunk, seq, meta_t.numel(), n_payload],
+                              dtype=torch.int64, device=self.device)
+        bufs = [header, meta_t] + ([payload] if n_payload else [])
+        return PendingSend([dist.isend(b, dst, group=self.group) for b in bufs], bufs)
+
+    def recv_headers(self, expect: Message, peers: Sequence[int]) -> dict[int, tuple[int, int]]:
+        """Posts a header receive from every peer at once (so they stream in parallel), checks each;
+        returns peer -> (meta_len, payload_len)."""
+        headers = {s: torch.empty(_HEADER, dtype=torch.int64, device=self.device) for s in peers}
+        for w in [dist.irecv(h, s, group=self.group) for s, h in headers.items()]:
+            w.wait()
+        return {s: self._check(expect, s, h.tolist()) for s, h in headers.items()}
+
+    def _check(self, expect: Message, src: int, header: list[int]) -> tuple[int, int]:
+        kind, step, chunk, seq, meta_len, payload_len = header
+        want_seq = self._received.get(src, 0)
+        self._received[src] = want_seq + 1
+        name = self.kinds[kind] if 0 <= kind < len(self.kinds) else f"<unknown kind {kind}>"
+        got = Message(name, step, chunk)
+        if got != expect or seq != want_seq:
+            raise ProtocolError(
+                f"rank {_rank()} expected {expect.describe(want_seq)} from rank {src} on the {self.name} link, "
+                f"got {got.describe(seq)}"
+            )
+        return meta_len, payload_len
+
+    def recv_bodies(self, sizes: dict[int, tuple[int, int]]) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:
+        bodies, works = {}, []
+        for s, (meta_len, payload_len) in sizes.items():
+            meta = torch.empty(meta_len, dtype=torch.uint8, device=self.device)
+            payload = torch.empty(payload_len, dtype=torch.uint8, device=self.device) if payload_len else None
+            works += [dist.irecv(b, s, group=self.group) for b in (meta, payload) if b is not None]
+            bodies[s] = (meta, payload)
+        for w in works:
+            w.wait()
+        return bodies
+
+    # ---- self-delivery
+
+    def park(self, msg: Message, value: Any) -> None:
+        if tuple(msg) in self._local:
+            raise ProtocolError(f"rank {_rank()} sent itself {msg.describe()} twice without receiving it")
+        self._local[tuple(msg)] = value
+
+    def unpark(self, msg: Message) -> Any:
+        if tuple(msg) not in self._local:
+            raise ProtocolError(f"rank {_rank()} expected {msg.describe()} from itself, but it was never sent")
+        return self._local.pop(tuple(msg))
+
+    # ---- small objects (metrics, control)
+
+    def send_object(self, obj: Any, dst: int, msg: Message) -> PendingSend:
+        """Non-blocking send of a small picklable object to global rank `dst`."""
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        if dst == _rank():
+            self.park(msg, data)  # pickled, so the receiver gets a copy as it would remotely
+            return PendingSend()
+        return self.isend(msg, data, None, dst)
+
+    def recv_object(self, src: int, msg: Message) -> Any:
+        """Blocks until the object `msg` from global rank `src` arrived."""
+        if src == _rank():
+            return pickle.loads(self.unpark(msg))
+        sizes = self.recv_headers(msg, [src])
+        meta, _ = self.recv_bodies(sizes)[src]
+        return pickle.loads(meta.cpu().numpy().tobytes())
+
+
+# ------------------------------------------------------------------------------------ rows
 
 
 def _check_ranks(src_ranks, dst_ranks, num_rows) -> tuple[list[int], list[int]]:
@@ -88,20 +204,6 @@ def _overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
 
 def _nonempty(r: tuple[int, int]) -> bool:
     return r[0] < r[1]
-
-
-def _bytes_tensor(data: bytes, device) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-
-
-def _isend_message(meta: bytes, payload: torch.Tensor | None, dst: int, tag: int, device) -> PendingSend:
-    meta_t = _bytes_tensor(meta, device)
-    n_payload = 0 if payload is None else payload.numel()
-    header = torch.tensor([meta_t.numel(), n_payload], dtype=torch.int64, device=device)
-    bufs = [header, meta_t] + ([payload] if n_payload else [])
-    # Same peer and tag for all three, so they arrive in order; the tag keeps phases apart on gloo
-    # (NCCL ignores tags: there, phases stay apart only because every rank posts them in order).
-    return PendingSend([dist.isend(b, dst, tag=tag) for b in bufs], bufs)
 
 
 def _pack(batch: Batch, device) -> tuple[bytes, torch.Tensor | None]:
@@ -128,7 +230,7 @@ def _unpack(meta: torch.Tensor, payload: torch.Tensor | None) -> Batch:
     return Batch(tensors, non_tensors)
 
 
-def send_rows(batch: Batch, src_ranks, dst_ranks, num_rows: int, tag: int, device="cpu") -> PendingSend:
+def send_rows(link: Link, msg: Message, batch: Batch, src_ranks, dst_ranks, num_rows: int) -> PendingSend:
     """On a source rank: non-blocking send of its rows to every destination that needs some.
     Rows for other ranks are copied at call time, so `batch` may be changed right after; rows
     for itself are kept as views (see the module doc)."""
@@ -141,8 +243,6 @@ def send_rows(batch: Batch, src_ranks, dst_ranks, num_rows: int, tag: int, devic
         raise ValueError(
             f"rank {me} holds rows {mine} of {num_rows} ({mine[1] - mine[0]} rows) but got a batch of {len(batch)}"
         )
-    if me in dst and ("rows", tag) in _local:
-        raise RuntimeError(f"rows for tag {tag} sent to self were never received: reusing a tag?")
     pending = PendingSend()
     for d, theirs in zip(dst, row_ranges(num_rows, len(dst))):
         lo, hi = _overlap(mine, theirs)
@@ -150,15 +250,13 @@ def send_rows(batch: Batch, src_ranks, dst_ranks, num_rows: int, tag: int, devic
             continue
         piece = batch.slice(lo - mine[0], hi - mine[0])
         if d == me:
-            _local[("rows", tag)] = piece.to(device)
-            continue
-        p = _isend_message(*_pack(piece, device), d, tag, device)
-        pending._works += p._works
-        pending._buffers += p._buffers
+            link.park(msg, piece.to(link.device))
+        else:
+            pending.add(link.isend(msg, *_pack(piece, link.device), d))
     return pending
 
 
-def recv_rows(src_ranks, dst_ranks, num_rows: int, tag: int, device="cpu", stats: dict | None = None) -> Batch:
+def recv_rows(link: Link, msg: Message, src_ranks, dst_ranks, num_rows: int, stats: dict | None = None) -> Batch:
     """On a destination rank: blocks until its rows arrived; returns them in global row order.
     A destination with no rows gets an empty Batch (no columns: nobody sent it any).
 
@@ -170,38 +268,19 @@ def recv_rows(src_ranks, dst_ranks, num_rows: int, tag: int, device="cpu", stats
         raise ValueError(f"recv_rows called on rank {me}, which is not in dst_ranks {dst}")
     mine = row_ranges(num_rows, len(dst))[dst.index(me)]
     peers = [s for s, theirs in zip(src, row_ranges(num_rows, len(src))) if _nonempty(_overlap(mine, theirs))]
-    # Post every header receive first, then all bodies: the sources then stream in parallel.
-    headers = {s: torch.empty(2, dtype=torch.int64, device=device) for s in peers if s != me}
-    for w in [dist.irecv(h, s, tag=tag) for s, h in headers.items()]:
-        w.wait()
+    sizes = link.recv_headers(msg, [s for s in peers if s != me])
     headers_in = time.perf_counter_ns()
-    bodies, works = {}, []
-    for s, h in headers.items():
-        meta_len, payload_len = h.tolist()
-        meta = torch.empty(meta_len, dtype=torch.uint8, device=device)
-        payload = torch.empty(payload_len, dtype=torch.uint8, device=device) if payload_len else None
-        works += [dist.irecv(b, s, tag=tag) for b in (meta, payload) if b is not None]
-        bodies[s] = (meta, payload)
-    for w in works:
-        w.wait()
+    bodies = link.recv_bodies(sizes)
     if stats is not None:
         stats["bytes"] = sum(m.numel() + (p.numel() if p is not None else 0) for m, p in bodies.values())
         stats["transfer_us"] = (time.perf_counter_ns() - headers_in) // 1000
-    pieces = []
-    for s in peers:
-        if s == me:
-            if ("rows", tag) not in _local:
-                raise RuntimeError(f"rank {me} expects rows from itself for tag {tag}: call send_rows first")
-            pieces.append(_local.pop(("rows", tag)))
-        else:
-            pieces.append(_unpack(*bodies[s]))
+    pieces = [link.unpark(msg) if s == me else _unpack(*bodies[s]) for s in peers]
     # One piece: hand back its views as they are (torch.cat would copy every column once more).
     return pieces[0] if len(pieces) == 1 else Batch.concat(pieces)
 
 
-def exchange_rows(
-    batch: Batch | None, src_ranks: Sequence[int], dst_ranks: Sequence[int], num_rows: int, tag: int, device="cpu"
-) -> Batch | None:
+def exchange_rows(link: Link, msg: Message, batch: Batch | None, src_ranks: Sequence[int], dst_ranks: Sequence[int],
+                  num_rows: int) -> Batch | None:
     """For code run on every rank: sends (if a source), receives (if a destination), waits for
     its own sends. Sending first, non-blocking, is what keeps a rank in both lists from deadlocking."""
     me, src_ranks, dst_ranks = _rank(), list(src_ranks), list(dst_ranks)
@@ -209,31 +288,7 @@ def exchange_rows(
     if me in src_ranks:
         if batch is None:
             raise ValueError(f"rank {me} is a source but was given no batch")
-        pending = send_rows(batch, src_ranks, dst_ranks, num_rows, tag, device)
-    result = recv_rows(src_ranks, dst_ranks, num_rows, tag, device) if me in dst_ranks else None
+        pending = send_rows(link, msg, batch, src_ranks, dst_ranks, num_rows)
+    result = recv_rows(link, msg, src_ranks, dst_ranks, num_rows) if me in dst_ranks else None
     pending.wait()
     return result
-
-
-def send_object(obj: Any, dst: int, tag: int, device="cpu") -> PendingSend:
-    """Non-blocking send of a small picklable object (e.g. a metrics dict) to global rank `dst`."""
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    if dst == _rank():
-        if ("object", tag) in _local:
-            raise RuntimeError(f"object for tag {tag} sent to self was never received: reusing a tag?")
-        _local[("object", tag)] = data  # pickled, so the receiver gets a copy as it would remotely
-        return PendingSend()
-    return _isend_message(data, None, dst, tag, device)
-
-
-def recv_object(src: int, tag: int, device="cpu") -> Any:
-    """Blocks until the object `send_object` sent from global rank `src` with `tag` arrived."""
-    if src == _rank():
-        if ("object", tag) not in _local:
-            raise RuntimeError(f"no object sent to self for tag {tag}: call send_object first")
-        return pickle.loads(_local.pop(("object", tag)))
-    header = torch.empty(2, dtype=torch.int64, device=device)
-    dist.recv(header, src, tag=tag)
-    meta = torch.empty(int(header[0]), dtype=torch.uint8, device=device)
-    dist.recv(meta, src, tag=tag)
-    return pickle.loads(meta.cpu().numpy().tobytes())

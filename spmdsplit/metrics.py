@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import torch
 
-from spmdsplit import algo
+from spmdsplit import algo, failure
 from spmdsplit.batch import Batch
 from spmdsplit.distributed import pool_max_min, pool_reduce_metrics, pool_sum
 
@@ -33,9 +33,15 @@ class PhaseTimer:
         start = time.time_ns()
         try:
             yield args
+        except BaseException:
+            failure.note_phase(name, step)  # the error report says where it happened
+            raise
         finally:
             if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # time the kernels, not their launch
+                # Time the kernels, not their launch: the current stream only. A device-wide
+                # synchronize would also wait for NCCL's point-to-point streams, so every
+                # non-blocking send would block here until the other pool posts its receive.
+                torch.cuda.current_stream(self.device).synchronize()
             end = time.time_ns()
             self.durations[name] = self.durations.get(name, 0.0) + (end - start) / 1e9
             self.events.append(

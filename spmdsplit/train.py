@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from spmdsplit import preempt
+from spmdsplit import failure, preempt
 from spmdsplit.checkpoint import CheckpointError, find_resume_after_restart
 from spmdsplit.data.parquet import DataError
 from spmdsplit.data.sources import build_rows, format_report
@@ -148,6 +148,9 @@ def main(argv=None) -> int:
     dist.init_process_group(
         backend, rank=rank, world_size=placement.world_size, timeout=timedelta(seconds=cfg.trainer.dist_timeout_s)
     )
+    role = "+".join(sorted(placement.roles_of(rank))) + " pool"
+    # From here on an error ends the whole job at once: spmdsplit/failure.py.
+    failure.start_watch(rank, role)
     try:
         pools = build_pools(placement, device)
         if rank == 0:
@@ -160,8 +163,10 @@ def main(argv=None) -> int:
         completed = trainer.fit()
         if rank == 0 and trainer.logger.history and completed:
             report(trainer.logger.history, cfg)
-    finally:
-        dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001 - any error, a KeyboardInterrupt too, ends every rank now
+        failure.fail(e, rank, role)
+    failure.stop_watch()
+    dist.destroy_process_group()  # nothing is pending now: every rank passed the trainer's last barrier
     if not completed:
         if rank == 0:
             print(f"spmdsplit: stopped on request; run the same command again to resume "

@@ -1,11 +1,15 @@
 import pytest
 import torch
+import torch.distributed as dist
 
 from spmdsplit.batch import Batch
-from spmdsplit.exchange import exchange_rows, recv_object, recv_rows, row_ranges, send_object, send_rows
+from spmdsplit.exchange import Link, Message, ProtocolError, exchange_rows, recv_rows, row_ranges, send_rows
 from tests.multiproc import run_ranks
 
 SEQ = 6
+KINDS = ["ROWS", "BACK", "OBJECT", "OTHER"]
+# No test here passes a tag (nothing in the project does): every exchange below is correct by
+# posting order alone, NCCL's rule, though gloo would honour tags.
 
 
 def test_row_ranges_even():
@@ -66,10 +70,10 @@ def _assert_same(got: Batch, expected: Batch):
         assert got[k] == v, k
 
 
-def _round_trip(rank, src, dst, num_rows, tag):
+def _round_trip(link, rank, src, dst, num_rows, step):
     full = _global_batch(num_rows)
     mine = full.slice(*row_ranges(num_rows, len(src))[src.index(rank)]) if rank in src else None
-    got = exchange_rows(mine, src, dst, num_rows, tag=tag)
+    got = exchange_rows(link, Message("ROWS", step), mine, src, dst, num_rows)
     if rank in dst:
         rows = row_ranges(num_rows, len(dst))[dst.index(rank)]
         if rows[0] == rows[1]:
@@ -77,14 +81,14 @@ def _round_trip(rank, src, dst, num_rows, tag):
         else:
             _assert_same(got, full.slice(*rows))
             got = _add_values(got)
-    back = exchange_rows(got, dst, src, num_rows, tag=tag + 1)
+    back = exchange_rows(link, Message("BACK", step), got, dst, src, num_rows)
     if rank in src:
         rows = row_ranges(num_rows, len(src))[src.index(rank)]
         _assert_same(back, _add_values(full.slice(*rows)))
 
 
 # (name, src pool, dst pool, num_rows). All run in one 5-rank world, one after the other, with
-# their own tags (ranks outside a case skip it): spawning a world per case costs ~4 s of torch
+# their own step numbers (ranks outside a case skip it): spawning a world per case costs ~4 s of torch
 # imports per rank.
 CASES = [
     ("1+1", [0], [1], 5),
@@ -100,11 +104,11 @@ CASES = [
 
 
 def _all_round_trips(rank, world_size):
-    done = []
+    done, link = [], Link(KINDS)
     for i, (name, src, dst, num_rows) in enumerate(CASES):
         if rank in src or rank in dst:
             try:
-                _round_trip(rank, src, dst, num_rows, tag=100 + 2 * i)
+                _round_trip(link, rank, src, dst, num_rows, step=i)
             except Exception as e:
                 raise AssertionError(f"round trip case {name!r} failed on rank {rank}") from e
             done.append(name)
@@ -119,16 +123,17 @@ def test_round_trips_for_all_pool_splits():
 
 def test_colocate_single_process_needs_no_process_group():
     b = _global_batch(4)
-    got = exchange_rows(b, [0], [0], 4, tag=3)
+    got = exchange_rows(Link(KINDS), Message("ROWS", 1), b, [0], [0], 4)
     _assert_same(got, b)
 
 
 def _objects(rank, world_size):
+    link = Link(KINDS)
     if rank == 0:
-        send_object({"loss": 0.5, "steps": [1, 2], "name": "critic"}, dst=1, tag=5).wait()
-        return recv_object(1, tag=6)
-    obj = recv_object(0, tag=5)
-    send_object({**obj, "ack": True}, dst=0, tag=6).wait()
+        link.send_object({"loss": 0.5, "steps": [1, 2], "name": "critic"}, 1, Message("OBJECT", 1)).wait()
+        return link.recv_object(1, Message("OBJECT", 2))
+    obj = link.recv_object(0, Message("OBJECT", 1))
+    link.send_object({**obj, "ack": True}, 0, Message("OBJECT", 2)).wait()
     return obj
 
 
@@ -140,22 +145,22 @@ def test_send_recv_object():
 def _send_does_not_block(rank, world_size):
     full = _global_batch(64)
     big = Batch({"x": torch.randn(64, 16384, generator=torch.Generator().manual_seed(0))})  # 4 MB: no socket buffer swallows it eagerly
+    link, objects = Link(KINDS), Link(KINDS, dist.new_group(backend="gloo"))  # objects on a group of their own
     if rank == 0:
-        p1 = send_rows(full, [0], [1], 64, tag=10)
-        p2 = send_rows(big, [0], [1], 64, tag=11)
-        # Rank 1 posts its row receives only after this round trip: had send_rows blocked
-        # until they were posted, both ranks would hang here.
-        send_object("ping", dst=1, tag=12).wait()
-        assert recv_object(1, tag=13) == "pong"
+        p1 = send_rows(link, Message("ROWS", 1), full, [0], [1], 64)
+        p2 = send_rows(link, Message("ROWS", 2), big, [0], [1], 64)
+        # Rank 1 posts its row receives only after this round trip on the other group: had
+        # send_rows blocked until they were posted, both ranks would hang here.
+        objects.send_object("ping", 1, Message("OBJECT", 1)).wait()
+        assert objects.recv_object(1, Message("OBJECT", 2)) == "pong"
         p1.wait()
         p2.wait()
         p1.wait()  # idempotent
         return True
-    assert recv_object(0, tag=12) == "ping"
-    send_object("pong", dst=0, tag=13).wait()
-    # Received in the other order than sent: the tags keep the two messages apart.
-    assert torch.equal(recv_rows([0], [1], 64, tag=11)["x"], big["x"])
-    _assert_same(recv_rows([0], [1], 64, tag=10), full)
+    assert objects.recv_object(0, Message("OBJECT", 1)) == "ping"
+    objects.send_object("pong", 0, Message("OBJECT", 2)).wait()
+    _assert_same(recv_rows(link, Message("ROWS", 1), [0], [1], 64), full)  # in the order they were sent
+    assert torch.equal(recv_rows(link, Message("ROWS", 2), [0], [1], 64)["x"], big["x"])
     return True
 
 
@@ -165,21 +170,21 @@ def test_send_rows_is_non_blocking():
 
 def _bad_arguments(rank, world_size):
     full = _global_batch(6)
-    src, dst = [0], [1]
+    src, dst, link, msg = [0], [1], Link(KINDS), Message("ROWS", 20)
     if rank == 0:
         with pytest.raises(ValueError, match="holds rows"):
-            send_rows(full.slice(0, 5), src, dst, 6, tag=20)
+            send_rows(link, msg, full.slice(0, 5), src, dst, 6)
         with pytest.raises(ValueError, match="not in src_ranks"):
-            send_rows(full, [1], [0], 6, tag=20)
+            send_rows(link, msg, full, [1], [0], 6)
         with pytest.raises(ValueError, match="empty"):
-            send_rows(full, src, [], 6, tag=20)
+            send_rows(link, msg, full, src, [], 6)
         with pytest.raises(ValueError, match="outside the world"):
-            send_rows(full, src, [7], 6, tag=20)
+            send_rows(link, msg, full, src, [7], 6)
     else:
         with pytest.raises(ValueError, match="not in dst_ranks"):
-            recv_rows(src, [0], 6, tag=20)
-    # Nothing went out before the errors: the same tag still carries exactly one clean exchange.
-    got = exchange_rows(full if rank == 0 else None, src, dst, 6, tag=20)
+            recv_rows(link, msg, src, [0], 6)
+    # Nothing went out before the errors: the link still carries exactly one clean exchange.
+    got = exchange_rows(link, msg, full if rank == 0 else None, src, dst, 6)
     if rank == 1:
         _assert_same(got, full)
     return True
@@ -187,3 +192,41 @@ def _bad_arguments(rank, world_size):
 
 def test_bad_arguments_raise_before_any_communication():
     assert run_ranks(_bad_arguments, 2, timeout=120) == [True, True]
+
+
+def _out_of_order(rank, world_size, sent: Message, expected: Message):
+    link = Link(KINDS)
+    if rank == 0:
+        send_rows(link, sent, _global_batch(4), [0], [1], 4)  # its body is never taken: not waited for
+        dist.barrier(group=dist.new_group(backend="gloo"))
+        return None
+    with pytest.raises(ProtocolError) as error:
+        recv_rows(link, expected, [0], [1], 4)
+    dist.barrier(group=dist.new_group(backend="gloo"))
+    return str(error.value)
+
+
+@pytest.mark.parametrize("sent, expected, says", [
+    (Message("OTHER", 3), Message("ROWS", 3), "expected ROWS of step 3 (message #0) from rank 0 on the link link, got OTHER of step 3 (message #0)"),
+    (Message("ROWS", 2), Message("ROWS", 3), "expected ROWS of step 3 (message #0) from rank 0 on the link link, got ROWS of step 2 (message #0)"),
+    (Message("ROWS", 3, 1), Message("ROWS", 3, 0), "got ROWS of step 3 chunk 1"),
+])
+def test_a_message_out_of_place_is_a_one_line_error(sent, expected, says):
+    """What NCCL would do silently (hand the next message to whichever receive comes next) is
+    caught by the header, before any body is read."""
+    _, message = run_ranks(_out_of_order, 2, sent, expected, timeout=120)
+    assert says in message and "\n" not in message
+
+
+def _self_delivery_twice(rank, world_size):
+    link, msg = Link(KINDS), Message("ROWS", 1)
+    send_rows(link, msg, _global_batch(2), [0], [0], 2)
+    with pytest.raises(ProtocolError, match="sent itself ROWS of step 1 twice"):
+        send_rows(link, msg, _global_batch(2), [0], [0], 2)
+    with pytest.raises(ProtocolError, match="expected BACK of step 1 from itself"):
+        recv_rows(link, Message("BACK", 1), [0], [0], 2)
+    return True
+
+
+def test_self_delivery_checks_what_it_parks():
+    assert run_ranks(_self_delivery_twice, 1, timeout=60) == [True]

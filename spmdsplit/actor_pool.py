@@ -1,0 +1,121 @@
+"""The actor pool's program: roll out, score the rollout under the policy and the reference, and
+update the policy once the critic pool's advantages are in. Messages: spmdsplit/messages.py."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from spmdsplit.batch import Batch
+from spmdsplit.data.prompts import PromptDataset, collate_prompts
+from spmdsplit.exchange import PendingSend, row_ranges
+from spmdsplit.messages import PoolChannel, check_rows
+from spmdsplit.metrics import PhaseTimer
+from spmdsplit.placement import Pools
+from spmdsplit.roles.build import ActorPoolRoles
+
+
+class ActorPool:
+    def __init__(self, cfg, pools: Pools, roles: ActorPoolRoles, channel: PoolChannel, timer: PhaseTimer,
+                 dataset: PromptDataset, tokenizer, handoff):
+        self.cfg, self.pools, self.channel, self.timer = cfg, pools, channel, timer
+        self.actor, self.ref, self.rollout = roles.actor, roles.ref, roles.rollout
+        self.dataset, self.tokenizer, self.handoff = dataset, tokenizer, handoff
+        self.chunks = cfg.rollout.stream_chunks
+        self.sends = PendingSend()  # this step's sends to the critic pool, waited for at its end
+
+    def roll_out(self, step: int) -> Batch:
+        """gen (chunk by chunk, each sent on at once) -> old_log_prob -> ref [-> log-probs sent]."""
+        phase, channel = self.timer.phase, self.channel
+        prompts = self.prompts_for(step)
+        with phase("sync_weights", step):
+            self.sync_weights()
+        parts = []
+        for c, chunk_prompts in enumerate(prompts.split(len(prompts) // self.chunks)):
+            with phase("gen", step, chunk=c):
+                parts.append(self.generate(chunk_prompts))
+            self.sends.add(channel.send_rollout(step, c, parts[-1]))
+        rollout = Batch.concat(parts)
+        with phase("old_log_prob", step):
+            rollout["old_log_probs"] = self.actor.compute_log_prob(rollout)
+        with phase("ref", step):
+            rollout["ref_log_prob"] = self.ref.compute_log_prob(rollout)
+        self.handoff()  # blocking mode: the critic pool starts its values only now
+        if self.cfg.algorithm.use_kl_in_reward:  # the critic pool needs them for the KL penalty
+            for c, part in enumerate(rollout.split(len(parts[0]))):
+                self.sends.add(channel.send_log_probs(step, c, part))
+        return rollout
+
+    def update(self, step: int, rollout: Batch) -> dict[str, float]:
+        """Advantages in -> update_actor. Returns the actor's metrics."""
+        advantages = []
+        for c in range(self.chunks):
+            with self.timer.phase("exchange/advantages", step, chunk=c) as stats:
+                advantages.append(self.channel.recv_advantages(step, c, stats))
+        advantages = Batch.concat(advantages)
+        check_rows(advantages, rollout, "advantages")
+        rollout["advantages"] = advantages["advantages"]
+        self.handoff()  # blocking mode: the actor updates only after the critic did
+        metrics = {}
+        if step > self.cfg.trainer.critic_warmup:  # the first steps train only the critic
+            with self.timer.phase("update_actor", step):
+                metrics = self.actor.update_policy(rollout, seed=self.cfg.trainer.seed * 7919 + step)
+        self.sends.wait()
+        self.sends = PendingSend()
+        return metrics
+
+    # ------------------------------------------------------------------ pieces
+
+    def generate(self, prompts: Batch, validate: bool = False) -> Batch:
+        rollout = self.rollout.generate(prompts, validate=validate)
+        rollout["row_index"] = prompts["row_index"]  # where each row sits in the global batch
+        return rollout
+
+    def sync_weights(self) -> None:
+        """The rollout engine gets the policy's current weights."""
+        self.rollout.load_weights(self.actor.engine.full_state_dict())
+
+    def prompts_for(self, step: int) -> Batch:
+        """This rank's share of the step's prompts, each repeated rollout.n times in a row (one
+        group per prompt, sharing its uid); groups never straddle ranks since the batch divides.
+        `row_index` is each response's place in the step's global batch."""
+        n = self.cfg.rollout.n
+        part, parts = self.pools.rank_in("actor"), len(self.pools.placement.actor_ranks)
+        rows = self.dataset.shard(step, part, parts)
+        first_row = self.dataset.batch_size * (step - 1) + part * len(rows)
+        prompts = collate_prompts(rows, self.tokenizer, self.cfg.data.max_prompt_length, step, first_row,
+                                  truncation=self.cfg.data.truncation).repeat_interleave(n)
+        first_response = part * len(rows) * n
+        prompts["row_index"] = torch.arange(first_response, first_response + len(prompts), dtype=torch.int64)
+        return prompts.to(self.pools.device)
+
+    def generate_validation(self, step: int, val_rows: list[dict]) -> int:
+        """Responses to the validation set (rollout.val_kwargs, greedy by default), sent to the
+        critic pool to score. The set is cut to a multiple of both pool sizes so every rank holds
+        equal rows; returns the number of responses."""
+        cfg, placement = self.cfg, self.pools.placement
+        n = cfg.rollout.val_kwargs.n
+        rows = usable_val_rows(val_rows, placement)
+        with self.timer.phase("sync_weights", step):
+            self.sync_weights()
+        start, end = row_ranges(len(rows), len(placement.actor_ranks))[self.pools.rank_in("actor")]
+        per_batch = max(1, cfg.data.train_batch_size // len(placement.actor_ranks))  # training-sized batches
+        parts = []
+        with self.timer.phase("val_gen", step):
+            for first in range(start, end, per_batch):
+                prompts = collate_prompts(rows[first:min(end, first + per_batch)], self.tokenizer,
+                                          cfg.data.max_prompt_length, step, first, truncation=cfg.data.truncation)
+                prompts = prompts.repeat_interleave(n)
+                prompts["row_index"] = torch.arange(first * n, first * n + len(prompts), dtype=torch.int64)
+                parts.append(self.generate(prompts.to(self.pools.device), validate=True))
+        self.channel.send_val_rollout(step, Batch.concat(parts), len(rows) * n).wait()
+        return len(rows) * n
+
+
+def usable_val_rows(val_rows: list[dict], placement) -> list[dict]:
+    unit = math.lcm(len(placement.actor_ranks), len(placement.critic_ranks))
+    rows = val_rows[: len(val_rows) // unit * unit]
+    if not rows:
+        raise ValueError(f"validation needs at least {unit} rows (one per rank of each pool), got {len(val_rows)}")
+    return rows

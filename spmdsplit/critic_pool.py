@@ -1,0 +1,100 @@
+"""The critic pool's program: values and rewards of the rollout as it arrives, advantages sent
+back, then the critic's update (which may run on while the actor pool generates the next step).
+Messages: spmdsplit/messages.py."""
+
+from __future__ import annotations
+
+from spmdsplit import algo
+from spmdsplit.batch import Batch
+from spmdsplit.distributed import pool_reduce_metrics, pool_sum
+from spmdsplit.messages import PoolChannel, check_rows
+from spmdsplit.metrics import PhaseTimer, compute_data_metrics
+from spmdsplit.placement import Pools
+from spmdsplit.roles.build import CriticPoolRoles
+
+
+class CriticPool:
+    def __init__(self, cfg, pools: Pools, roles: CriticPoolRoles, channel: PoolChannel, timer: PhaseTimer, handoff):
+        self.cfg, self.pools, self.channel, self.timer, self.handoff = cfg, pools, channel, timer, handoff
+        self.critic, self.reward, self.kl_ctrl = roles.critic, roles.reward, roles.kl_ctrl
+        self.chunks = cfg.rollout.stream_chunks
+
+    def step(self, step: int) -> dict[str, float]:
+        """rollout in (values + reward per chunk) [-> log-probs in] -> adv -> advantages out ->
+        update_critic. Returns the pool's metrics of the step."""
+        phase, channel = self.timer.phase, self.channel
+        parts = []
+        for c in range(self.chunks):
+            with phase("exchange/rollout", step, chunk=c) as stats:
+                part = channel.recv_rollout(step, c, stats)
+            if c == 0:
+                self.handoff()  # blocking mode: values start once the actor pool's log-probs are done
+            if self.critic is not None:
+                with phase("values", step, chunk=c):
+                    part["values"] = self.critic.compute_values(part)
+            with phase("reward", step, chunk=c):
+                part["token_level_scores"], _ = self.reward.compute(part)
+            parts.append(part)
+        batch = Batch.concat(parts)
+        if self.cfg.algorithm.use_kl_in_reward:  # sent after every rollout chunk, so taken after them
+            log_probs = []
+            for c in range(self.chunks):
+                with phase("exchange/log_probs", step, chunk=c) as stats:
+                    log_probs.append(channel.recv_log_probs(step, c, stats))
+            log_probs = Batch.concat(log_probs)
+            check_rows(log_probs, batch, "log-probs")
+            batch.update(log_probs.select(["old_log_probs", "ref_log_prob"]))
+        with phase("adv", step):
+            metrics = self.compute_advantage(batch)
+        # Back in the chunks they came in, so each actor rank gets exactly its rows.
+        sends = [channel.send_advantages(step, c, part) for c, part in enumerate(batch.split(len(parts[0])))]
+        if self.critic is not None:
+            with phase("update_critic", step):
+                metrics.update(self.critic.update_critic(batch, seed=self.cfg.trainer.seed * 7919 + step))
+        metrics.update(compute_data_metrics(batch, self.pools.critic_group, self.pools.device))
+        self.handoff()  # blocking mode: the actor updates only after the critic did
+        for sent in sends:
+            sent.wait()
+        return metrics
+
+    def compute_advantage(self, batch: Batch) -> dict[str, float]:
+        alg = self.cfg.algorithm
+        reduce_sum = pool_sum(self.pools.critic_group)  # statistics of the whole global batch
+        metrics = {}
+        if alg.use_kl_in_reward:
+            batch["token_level_rewards"], metrics = algo.apply_kl_penalty(
+                batch["token_level_scores"], batch["old_log_probs"], batch["ref_log_prob"],
+                batch["response_mask"], self.kl_ctrl, alg.kl_penalty, reduce_sum=reduce_sum,
+            )
+        else:
+            batch["token_level_rewards"] = batch["token_level_scores"]
+        rewards, mask, groups = batch["token_level_rewards"], batch["response_mask"], batch["uid"]
+        est = alg.adv_estimator
+        if est == "gae":
+            adv, ret = algo.compute_gae_advantage_return(rewards, batch["values"], mask, alg.gamma, alg.lam, reduce_sum=reduce_sum)
+        elif est == "grpo":
+            adv, ret = algo.compute_grpo_outcome_advantage(rewards, mask, groups, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
+        elif est == "rloo":
+            adv, ret = algo.compute_rloo_outcome_advantage(rewards, mask, groups)
+        elif est == "reinforce_plus_plus":
+            adv, ret = algo.compute_reinforce_plus_plus_outcome_advantage(rewards, mask, alg.gamma, reduce_sum=reduce_sum)
+        elif est == "reinforce_plus_plus_baseline":
+            adv, ret = algo.compute_reinforce_plus_plus_baseline_outcome_advantage(rewards, mask, groups, reduce_sum=reduce_sum)
+        else:
+            raise ValueError(f"algorithm.adv_estimator={est!r} is not supported")
+        batch["advantages"], batch["returns"] = adv, ret
+        return metrics
+
+    def score_validation(self, step: int, num_rows: int, sources: list[str]) -> dict[str, float]:
+        """The validation responses in, scored by the reward: verl's val-core/<data_source>/reward/mean@n.
+        `sources`: every data_source of the set, so that every rank reduces the same keys."""
+        n = self.cfg.rollout.val_kwargs.n
+        batch = self.channel.recv_val_rollout(step, num_rows)
+        with self.timer.phase("val_reward", step):
+            _, scores = self.reward.compute(batch)
+        sums = {f"val-core/{ds}/reward/mean@{n}": 0.0 for ds in sources}
+        counts = dict.fromkeys(sums, 0.0)
+        for ds, score in zip(batch["data_source"], scores.tolist()):
+            sums[f"val-core/{ds}/reward/mean@{n}"] += score
+            counts[f"val-core/{ds}/reward/mean@{n}"] += 1
+        return pool_reduce_metrics(sums, counts, self.pools.critic_group, self.pools.device)

@@ -1,0 +1,135 @@
+"""The conversation between the actor pool (A) and the critic pool (C): every message, in order.
+
+Two links, each a process group over the whole world, created by every rank at start-up:
+
+  bulk    the backend's group (NCCL on GPUs, gloo on CPU): rows of the global batch, raw tensors
+  control a gloo group, beside NCCL on GPUs as on CPU: small pickled objects, critic pool's first
+          rank C[0] -> world rank 0 (which logs)
+
+Both wait `trainer.pool_wait_timeout_s`, not `trainer.dist_timeout_s`: a pool that is only busy
+(generating a large validation set, a long update) is not dead. A dead rank is found by the
+failure watch (spmdsplit/failure.py) and the launcher, not by this timeout.
+
+Per training step k, with N = rollout.stream_chunks:
+
+  link     from -> to   message                        when
+  bulk     A -> C       ROLLOUT k, chunk 0 .. N-1      each chunk as soon as it is generated
+  bulk     A -> C       LOG_PROBS k, chunk 0 .. N-1    after all ROLLOUT chunks; only with
+                                                       algorithm.use_kl_in_reward
+  bulk     C -> A       ADVANTAGES k, chunk 0 .. N-1   after GAE, before update_critic
+  control  C[0] -> 0    CRITIC_METRICS k               after update_critic; rank 0 takes it
+                                                       during step k+1, so it never waits for it
+Validation at step k (after the step, before any checkpoint):
+  bulk     A -> C       VAL_ROLLOUT k
+  control  C[0] -> 0    VAL_METRICS k                  rank 0 first takes CRITIC_METRICS <= k
+Checkpoint at step k:
+  control  C[0] -> 0    CHECKPOINT_WRITTEN k           rank 0 first takes CRITIC_METRICS <= k
+
+Between two ranks each link is one ordered stream: NCCL matches point-to-point messages in the
+order they were posted and ignores tags, so the receiver posts its receives in exactly the order
+above, and every header is checked (spmdsplit/exchange.py). Rows that come back (advantages,
+log-probs) carry `row_index`, each row's place in the step's global batch, and are checked
+against the rows held: a routing slip is an error, never training on the wrong rows. In
+colocate placement every message a rank sends goes to itself and never touches the wire.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from spmdsplit.batch import Batch
+from spmdsplit.exchange import Link, Message, PendingSend, ProtocolError, recv_rows, send_rows
+from spmdsplit.placement import Placement
+
+ROLLOUT, LOG_PROBS, ADVANTAGES, VAL_ROLLOUT = "ROLLOUT", "LOG_PROBS", "ADVANTAGES", "VAL_ROLLOUT"
+CRITIC_METRICS, VAL_METRICS, CHECKPOINT_WRITTEN = "CRITIC_METRICS", "VAL_METRICS", "CHECKPOINT_WRITTEN"
+
+# What the critic pool needs of a rollout (the rest stays with the actor pool).
+ROLLOUT_KEYS = ("responses", "response_mask", "input_ids", "attention_mask", "position_ids",
+                "data_source", "ground_truth", "uid", "row_index")
+LOG_PROB_KEYS = ("old_log_probs", "ref_log_prob", "row_index")
+ADVANTAGE_KEYS = ("advantages", "row_index")
+
+
+def check_rows(received: Batch, held: Batch, what: str) -> None:
+    """Rows that came back must be the rows this rank holds, in the same order."""
+    if not torch.equal(received["row_index"].cpu(), held["row_index"].cpu()):
+        raise ProtocolError(
+            f"rank {dist.get_rank() if dist.is_initialized() else 0}: {what} arrived for rows "
+            f"{received['row_index'].tolist()[:8]}..., but this rank holds rows {held['row_index'].tolist()[:8]}..."
+        )
+
+
+class PoolChannel:
+    """Every message between the pools goes through here, under the names of the table above.
+    Every rank builds it at the same point (it creates two groups over the world)."""
+
+    def __init__(self, placement: Placement, device: torch.device, rows_per_step: int, chunks: int,
+                 wait_timeout_s: float):
+        world = list(range(placement.world_size))
+        timeout = timedelta(seconds=wait_timeout_s)
+        self.bulk = Link([ROLLOUT, LOG_PROBS, ADVANTAGES, VAL_ROLLOUT],
+                         dist.new_group(world, timeout=timeout), device, "bulk")
+        self.control_group = dist.new_group(world, backend="gloo", timeout=timeout)
+        self.control = Link([CRITIC_METRICS, VAL_METRICS, CHECKPOINT_WRITTEN], self.control_group, "cpu", "control")
+        self.A, self.C = list(placement.actor_ranks), list(placement.critic_ranks)
+        self.chunk_rows = rows_per_step // chunks
+        self.metrics_in_flight = PendingSend()
+
+    # ---- a training step, rows chunk by chunk (chunk c of the global batch is chunk c of every
+    #      actor rank, laid end to end, so each chunk is an exchange of its own)
+
+    def send_rollout(self, step: int, chunk: int, part: Batch) -> PendingSend:
+        return send_rows(self.bulk, Message(ROLLOUT, step, chunk), part.select(ROLLOUT_KEYS), self.A, self.C, self.chunk_rows)
+
+    def recv_rollout(self, step: int, chunk: int, stats: dict | None = None) -> Batch:
+        return recv_rows(self.bulk, Message(ROLLOUT, step, chunk), self.A, self.C, self.chunk_rows, stats)
+
+    def send_log_probs(self, step: int, chunk: int, part: Batch) -> PendingSend:
+        return send_rows(self.bulk, Message(LOG_PROBS, step, chunk), part.select(LOG_PROB_KEYS), self.A, self.C, self.chunk_rows)
+
+    def recv_log_probs(self, step: int, chunk: int, stats: dict | None = None) -> Batch:
+        return recv_rows(self.bulk, Message(LOG_PROBS, step, chunk), self.A, self.C, self.chunk_rows, stats)
+
+    def send_advantages(self, step: int, chunk: int, part: Batch) -> PendingSend:
+        return send_rows(self.bulk, Message(ADVANTAGES, step, chunk), part.select(ADVANTAGE_KEYS), self.C, self.A, self.chunk_rows)
+
+    def recv_advantages(self, step: int, chunk: int, stats: dict | None = None) -> Batch:
+        return recv_rows(self.bulk, Message(ADVANTAGES, step, chunk), self.C, self.A, self.chunk_rows, stats)
+
+    # ---- validation
+
+    def send_val_rollout(self, step: int, batch: Batch, num_rows: int) -> PendingSend:
+        return send_rows(self.bulk, Message(VAL_ROLLOUT, step), batch.select(ROLLOUT_KEYS), self.A, self.C, num_rows)
+
+    def recv_val_rollout(self, step: int, num_rows: int) -> Batch:
+        return recv_rows(self.bulk, Message(VAL_ROLLOUT, step), self.A, self.C, num_rows)
+
+    # ---- control: the critic pool's first rank tells world rank 0
+
+    def send_critic_metrics(self, step: int, metrics: dict) -> None:
+        # Not waited for: rank 0 takes them during the next step, and waiting would stall this
+        # pool until then. The previous send is surely done once a whole step ran.
+        self.metrics_in_flight.wait()
+        self.metrics_in_flight = self.control.send_object(metrics, 0, Message(CRITIC_METRICS, step))
+
+    def recv_critic_metrics(self, step: int) -> dict:
+        return self.control.recv_object(self.C[0], Message(CRITIC_METRICS, step))
+
+    def send_val_metrics(self, step: int, metrics: dict) -> None:
+        self.control.send_object(metrics, 0, Message(VAL_METRICS, step)).wait()
+
+    def recv_val_metrics(self, step: int) -> dict:
+        return self.control.recv_object(self.C[0], Message(VAL_METRICS, step))
+
+    def send_checkpoint_written(self, step: int) -> None:
+        self.control.send_object(step, 0, Message(CHECKPOINT_WRITTEN, step)).wait()
+
+    def recv_checkpoint_written(self, step: int) -> None:
+        self.control.recv_object(self.C[0], Message(CHECKPOINT_WRITTEN, step))
+
+    def close(self) -> None:
+        self.metrics_in_flight.wait()

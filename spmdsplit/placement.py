@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -429,7 +430,7 @@ def _mesh_for(group: ProcessGroup | None, device: torch.device) -> DeviceMesh | 
     return DeviceMesh.from_group(group, device.type, mesh_dim_names=("fsdp",))
 
 
-def build_pools(placement: Placement, device: torch.device) -> Pools:
+def build_pools(placement: Placement, device: torch.device, timeout: timedelta | None = None) -> Pools:
     """Create the pool process groups and 1-D meshes on this rank.
 
     Must be called by every rank of the world, after init_process_group, with the same
@@ -438,7 +439,8 @@ def build_pools(placement: Placement, device: torch.device) -> Pools:
     in the store under that name, so all ranks must make the same calls in the same order or
     the names drift apart and the job hangs; with TORCH_DIST_INIT_BARRIER=1 each call also
     waits on the whole world. Order: actor pool, then critic pool; colocate makes one group
-    that both pools share.
+    that both pools share. `timeout`: how long a collective inside a pool may wait
+    (trainer.dist_timeout_s); None = torch's default for the backend.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("build_pools needs torch.distributed initialised (init_process_group) first")
@@ -456,14 +458,14 @@ def build_pools(placement: Placement, device: torch.device) -> Pools:
     # use_local_synchronization=False (the default): keep torch's whole-world rule, so
     # correctness never depends on which ranks happen to be members.
     if placement.colocated:
-        shared = _member_or_none(dist.new_group(ranks=list(placement.actor_ranks)))
+        shared = _member_or_none(dist.new_group(ranks=list(placement.actor_ranks), timeout=timeout))
         mesh = _mesh_for(shared, device)
         # One group and one mesh for both pools: the roles take turns on the same ranks,
         # so a second, identical group would only cost another communicator.
         return Pools(placement, rank, device, shared, shared, mesh, mesh)
 
-    actor = _member_or_none(dist.new_group(ranks=list(placement.actor_ranks)))
-    critic = _member_or_none(dist.new_group(ranks=list(placement.critic_ranks)))
+    actor = _member_or_none(dist.new_group(ranks=list(placement.actor_ranks), timeout=timeout))
+    critic = _member_or_none(dist.new_group(ranks=list(placement.critic_ranks), timeout=timeout))
     return Pools(
         placement, rank, device, actor, critic, _mesh_for(actor, device), _mesh_for(critic, device)
     )

@@ -53,8 +53,10 @@ def install_handlers() -> None:
 class StopVote:
     """Every rank must create it, in the same place in the sequence of group creations."""
 
-    def __init__(self):
-        self.group = dist.new_group(backend="gloo")  # CPU tensors, also beside an NCCL world
+    def __init__(self, timeout=None):
+        # CPU tensors, also beside an NCCL world; `timeout` as long as a wait for the other pool,
+        # since a rank reads the vote only once every rank has started the step.
+        self.group = dist.new_group(backend="gloo", timeout=timeout)
         self.pending = None
 
     def cast(self) -> None:

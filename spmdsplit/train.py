@@ -152,7 +152,7 @@ def main(argv=None) -> int:
     # From here on an error ends the whole job at once: spmdsplit/failure.py.
     failure.start_watch(rank, role)
     try:
-        pools = build_pools(placement, device)
+        pools = build_pools(placement, device, timedelta(seconds=cfg.trainer.dist_timeout_s))
         if rank == 0:
             print(f"spmdsplit: {placement.describe()}; device={device.type}, backend={backend}", flush=True)
             for _, data_report in data.values():

@@ -53,7 +53,7 @@ class Trainer:
         # and (blocking mode only) the hand-off barrier.
         self.channel = PoolChannel(self.placement, self.device, self.batch_size * cfg.rollout.n,
                                    cfg.rollout.stream_chunks, cfg.trainer.pool_wait_timeout_s)
-        self.stop_vote = StopVote()
+        self.stop_vote = StopVote(timedelta(seconds=cfg.trainer.pool_wait_timeout_s))
         # verl's blocking calls, for comparison; meaningless when the roles share ranks anyway.
         blocking = not cfg.placement.overlap and not self.placement.colocated
         handoff_group = dist.new_group(list(range(self.placement.world_size)),

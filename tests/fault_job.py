@@ -1,24 +1,37 @@
-"""The real job, with one rank made to fail in the middle of a step (for test_failure.py).
+"""The real job, with one rank made to fail (or stall) on entering a phase (for test_failure.py).
 
-Run as a torchrun script: `FAIL_RANK=3 FAIL_STEP=2 torchrun ... tests/fault_job.py key=value ...`.
+Run as a torchrun script: `FAULT=3:update_critic:2 torchrun ... tests/fault_job.py key=value ...`
+makes rank 3 raise on entering its `update_critic` phase of step 2; `FAULT=0,1:val_gen:2:sleep=8`
+makes ranks 0 and 1 sleep 8 s there instead. Phases are the timer's names (`timing_s/<phase>`),
+so every phase of every pool can be hit the same way. The moment of the raise is written to
+$FAULT_TIME_FILE, so a test can time the job's end from the error, not from the start.
 """
 
 import os
 import sys
+import time
+from contextlib import contextmanager
 
-from spmdsplit.roles.critic import Critic
+from spmdsplit.metrics import PhaseTimer
 from spmdsplit.train import main
 
-fail_rank, fail_step = int(os.environ["FAIL_RANK"]), int(os.environ["FAIL_STEP"])
-original_update = Critic.update_critic
+ranks, fault_phase, fault_step, *action = os.environ["FAULT"].split(":")
+ranks = {int(r) for r in ranks.split(",")}
+original_phase = PhaseTimer.phase
 
 
-def failing_update(self, batch, seed):
-    step = seed - 7919  # trainer passes seed = trainer.seed * 7919 + step, trainer.seed=1 here
-    if int(os.environ["RANK"]) == fail_rank and step == fail_step:
-        raise RuntimeError(f"injected failure on rank {fail_rank} at step {fail_step}")
-    return original_update(self, batch, seed)
+@contextmanager
+def phase(self, name, step, **args):
+    with original_phase(self, name, step, **args) as event_args:
+        if self.rank in ranks and name == fault_phase and step == int(fault_step) and not args.get("chunk"):
+            if action and action[0].startswith("sleep="):
+                time.sleep(float(action[0].removeprefix("sleep=")))
+            else:
+                with open(os.environ["FAULT_TIME_FILE"], "w") as f:
+                    f.write(str(time.time()))
+                raise RuntimeError(f"injected failure on rank {self.rank} in {name} at step {step}")
+        yield event_args
 
 
-Critic.update_critic = failing_update
+PhaseTimer.phase = phase
 sys.exit(main())

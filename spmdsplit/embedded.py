@@ -85,7 +85,7 @@ def ensure_embedded_model(cache_dir: str = "") -> str:
     try:
         tokenizer = build_tokenizer()
         model = build_model(tokenizer)
-        save_hf_folder(model, model.state_dict(), staging, tokenizer)
+        save_hf_folder(model, model.state_dict().items(), staging, tokenizer)
         try:
             os.rename(staging, target)  # atomic: readers see no folder or a whole one
         except OSError:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -111,10 +111,21 @@ def load_value_model(path: str, dtype: torch.dtype, device: torch.device, seed: 
     return ModelSource("value", path, dtype, seed, trust_remote_code).read(device)
 
 
+def hf_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors an HF checkpoint holds, by their HF names: every parameter once (a tied head
+    comes under its first name only; from_pretrained ties it back) and the persistent buffers."""
+    yield from model.named_parameters()
+    for module_name, module in model.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if name not in module._non_persistent_buffers_set:
+                yield (f"{module_name}.{name}" if module_name else name), buffer
+
+
 def save_hf_folder(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], output_dir: str, tokenizer,
                    dtype: torch.dtype | None = None, max_shard_bytes: int = 2 * 2**30) -> None:
     """Config + safetensors shards + tokenizer, written by whichever rank calls it. `weights` is a
-    stream of (HF name, full tensor), floating ones written in `dtype` (default: as given), shard by shard as it
+    stream of (HF name, full tensor) such as `hf_tensors(model)` or an engine's `iter_full_weights`
+    (a tied head given once), floating ones written in `dtype` (default: as given), shard by shard as it
     comes, so at most one shard is held here at a time.
 
     Not `model.save_pretrained`: transformers 5 writes there only on *global* rank 0 once
@@ -125,7 +136,7 @@ def save_hf_folder(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
     os.makedirs(output_dir, exist_ok=True)
     shard: dict[str, torch.Tensor] = {}
     shard_names: list[list[str]] = []
-    shard_bytes, seen = 0, set()
+    shard_bytes = 0
 
     def flush():
         save_file(shard, os.path.join(output_dir, f".part-{len(shard_names)}.safetensors"), metadata={"format": "pt"})
@@ -133,10 +144,6 @@ def save_hf_folder(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
         shard.clear()
 
     for name, tensor in weights:
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
-        if key in seen:
-            continue  # a tied weight (head = embeddings) given twice: stored once, from_pretrained ties it back
-        seen.add(key)
         # A copy of its own: gathered weights can be views into one large communication buffer,
         # which safetensors refuses to write.
         cast = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype

@@ -3,8 +3,6 @@ checkpointing, the HF names of a model's weights and the HF export."""
 
 from __future__ import annotations
 
-from typing import Iterator
-
 import torch
 from torch import nn
 
@@ -26,16 +24,6 @@ def apply_ac(model: nn.Module) -> None:
     """Activation checkpointing of every transformer block, non-reentrant (the variant that works
     under FSDP2 and ZeRO-3, and with inputs that need no grad), by HF's own switch: parameter names stay HF's."""
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-
-def hf_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors an HF checkpoint holds, by their HF names: every parameter once (a tied head
-    comes under its first name only; from_pretrained ties it back) and the persistent buffers."""
-    yield from model.named_parameters()
-    for module_name, module in model.named_modules():
-        for name, buffer in module.named_buffers(recurse=False):
-            if name not in module._non_persistent_buffers_set:
-                yield (f"{module_name}.{name}" if module_name else name), buffer
 
 
 class HFExport:

@@ -48,8 +48,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from spmdsplit.engines.common import HFExport, adamw_with_warmup, apply_ac, hf_tensors
-from spmdsplit.models import ModelSource
+from spmdsplit.engines.common import HFExport, adamw_with_warmup, apply_ac
+from spmdsplit.models import ModelSource, hf_tensors
 
 # DeepSpeed 0.19 calls torch's all_gather_into_tensor / reduce_scatter_tensor, which torch 2.13
 # deprecates with a FutureWarning on every call: theirs to change, and noise in every step's log.

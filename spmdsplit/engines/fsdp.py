@@ -20,8 +20,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from spmdsplit.engines.common import HFExport, adamw_with_warmup, apply_ac, hf_tensors
-from spmdsplit.models import ModelSource
+from spmdsplit.engines.common import HFExport, adamw_with_warmup, apply_ac
+from spmdsplit.models import ModelSource, hf_tensors
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | None = None) -> nn.Module:

@@ -74,7 +74,7 @@ class ActorPool:
 
     def sync_weights(self) -> None:
         """The rollout engine gets the policy's current weights."""
-        self.rollout.load_weights(self.actor.engine.full_state_dict())
+        self.rollout.load_weights(self.actor.engine.iter_full_weights(self.rollout.dtype))
 
     def prompts_for(self, step: int) -> Batch:
         """This rank's share of the step's prompts, each repeated rollout.n times in a row (one

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 from spmdsplit.batch import Batch
 from spmdsplit.data.prompts import PromptDataset, collate_prompts
@@ -14,28 +15,36 @@ from spmdsplit.messages import PoolChannel, check_rows
 from spmdsplit.metrics import PhaseTimer
 from spmdsplit.placement import Pools
 from spmdsplit.roles.build import ActorPoolRoles
+from spmdsplit.weight_sync import WeightBroadcast
 
 
 class ActorPool:
     def __init__(self, cfg, pools: Pools, roles: ActorPoolRoles, channel: PoolChannel, timer: PhaseTimer,
-                 dataset: PromptDataset, tokenizer, handoff):
+                 dataset: PromptDataset, tokenizer, handoff, weights: WeightBroadcast | None = None):
         self.cfg, self.pools, self.channel, self.timer = cfg, pools, channel, timer
         self.actor, self.ref, self.rollout = roles.actor, roles.ref, roles.rollout
         self.dataset, self.tokenizer, self.handoff = dataset, tokenizer, handoff
+        self.weights = weights  # rollout.ranks=all: the broadcast to the critic pool's engines
         self.chunks = cfg.rollout.stream_chunks
         self.sends = PendingSend()  # this step's sends to the critic pool, waited for at its end
 
     def roll_out(self, step: int) -> Batch:
         """gen (chunk by chunk, each sent on at once) -> old_log_prob -> ref [-> log-probs sent]."""
         phase, channel = self.timer.phase, self.channel
-        prompts = self.prompts_for(step)
+        prompts = step_prompts(self.cfg, self.dataset, self.tokenizer, step, generating_ranks(self.cfg, self.pools))
         with phase("sync_weights", step):
             self.sync_weights()
         parts = []
         for c, chunk_prompts in enumerate(prompts.split(len(prompts) // self.chunks)):
             with phase("gen", step, chunk=c):
                 parts.append(self.generate(chunk_prompts))
-            self.sends.add(channel.send_rollout(step, c, parts[-1]))
+            if not self.weights:
+                self.sends.add(channel.send_rollout(step, c, parts[-1]))
+        if self.weights:  # rollout.ranks=all: the critic pool generated the rest of the rows
+            self.sends.add(channel.send_generated(step, parts[0]))
+            with phase("exchange/generated", step) as stats:
+                parts = [channel.recv_generated(step, stats)]
+            self.sends.add(channel.send_rollout(step, 0, parts[0]))
         rollout = Batch.concat(parts)
         with phase("old_log_prob", step):
             rollout["old_log_probs"] = self.actor.compute_log_prob(rollout)
@@ -68,27 +77,15 @@ class ActorPool:
     # ------------------------------------------------------------------ pieces
 
     def generate(self, prompts: Batch, validate: bool = False) -> Batch:
-        rollout = self.rollout.generate(prompts, validate=validate)
-        rollout["row_index"] = prompts["row_index"]  # where each row sits in the global batch
-        return rollout
+        return generate_rows(self.rollout, prompts, self.pools.device, validate)
 
-    def sync_weights(self) -> None:
-        """The rollout engine gets the policy's current weights."""
-        self.rollout.load_weights(self.actor.engine.iter_full_weights(self.rollout.dtype))
-
-    def prompts_for(self, step: int) -> Batch:
-        """This rank's share of the step's prompts, each repeated rollout.n times in a row (one
-        group per prompt, sharing its uid); groups never straddle ranks since the batch divides.
-        `row_index` is each response's place in the step's global batch."""
-        n = self.cfg.rollout.n
-        part, parts = self.pools.rank_in("actor"), len(self.pools.placement.actor_ranks)
-        rows = self.dataset.shard(step, part, parts)
-        first_row = self.dataset.batch_size * (step - 1) + part * len(rows)
-        prompts = collate_prompts(rows, self.tokenizer, self.cfg.data.max_prompt_length, step, first_row,
-                                  truncation=self.cfg.data.truncation).repeat_interleave(n)
-        first_response = part * len(rows) * n
-        prompts["row_index"] = torch.arange(first_response, first_response + len(prompts), dtype=torch.int64)
-        return prompts.to(self.pools.device)
+    def sync_weights(self, broadcast: bool = True) -> None:
+        """The rollout engine gets the policy's current weights, streamed from the shards (and,
+        with rollout.ranks=all, broadcast on to the critic pool's engines by the first rank)."""
+        weights = self.actor.engine.iter_full_weights(self.rollout.dtype)
+        if broadcast and self.weights and self.pools.rank == self.weights.src:
+            weights = self.weights.send(weights)
+        self.rollout.load_weights(weights)
 
     def generate_validation(self, step: int, val_rows: list[dict]) -> int:
         """Responses to the validation set (rollout.val_kwargs, greedy by default), sent to the
@@ -98,7 +95,7 @@ class ActorPool:
         n = cfg.rollout.val_kwargs.n
         rows = usable_val_rows(val_rows, placement)
         with self.timer.phase("sync_weights", step):
-            self.sync_weights()
+            self.sync_weights(broadcast=False)  # only the actor pool generates validation responses
         start, end = row_ranges(len(rows), len(placement.actor_ranks))[self.pools.rank_in("actor")]
         per_batch = max(1, cfg.data.train_batch_size // len(placement.actor_ranks))  # training-sized batches
         parts = []
@@ -108,9 +105,38 @@ class ActorPool:
                                           cfg.data.max_prompt_length, step, first, truncation=cfg.data.truncation)
                 prompts = prompts.repeat_interleave(n)
                 prompts["row_index"] = torch.arange(first * n, first * n + len(prompts), dtype=torch.int64)
-                parts.append(self.generate(prompts.to(self.pools.device), validate=True))
+                parts.append(self.generate(prompts, validate=True))
         self.channel.send_val_rollout(step, Batch.concat(parts), len(rows) * n).wait()
         return len(rows) * n
+
+
+def generating_ranks(cfg, pools: Pools) -> list[int]:
+    """The ranks that generate a training step's rollout, in the order of its global batch."""
+    placement = pools.placement
+    if cfg.rollout.ranks == "all" and not placement.colocated:
+        return list(placement.actor_ranks) + list(placement.critic_ranks)
+    return list(placement.actor_ranks)
+
+
+def step_prompts(cfg, dataset: PromptDataset, tokenizer, step: int, generating: list[int]) -> Batch:
+    """This rank's share of the step's prompts, each repeated rollout.n times in a row (one group
+    per prompt, sharing its uid); groups never straddle ranks since the batch divides. `row_index`
+    is each response's place in the step's global batch."""
+    n, rank = cfg.rollout.n, dist.get_rank() if dist.is_initialized() else 0
+    part, parts = generating.index(rank), len(generating)
+    rows = dataset.shard(step, part, parts)
+    first_row = dataset.batch_size * (step - 1) + part * len(rows)
+    prompts = collate_prompts(rows, tokenizer, cfg.data.max_prompt_length, step, first_row,
+                              truncation=cfg.data.truncation).repeat_interleave(n)
+    first_response = part * len(rows) * n
+    prompts["row_index"] = torch.arange(first_response, first_response + len(prompts), dtype=torch.int64)
+    return prompts
+
+
+def generate_rows(rollout_engine, prompts: Batch, device, validate: bool = False) -> Batch:
+    rollout = rollout_engine.generate(prompts.to(device), validate=validate)
+    rollout["row_index"] = prompts["row_index"].to(device)  # where each row sits in the global batch
+    return rollout
 
 
 def usable_val_rows(val_rows: list[dict], placement) -> list[dict]:

@@ -156,6 +156,10 @@ class RolloutConfig:
     # >1: the actor pool sends its rollout in this many chunks, each as soon as it is generated,
     # so the critic pool computes values and rewards while generation goes on.
     stream_chunks: int = 1
+    # Which ranks generate: actor (the actor pool's) | all (the critic pool's too, with engines
+    # refreshed by a broadcast from the actor pool each step; spmdsplit/weight_sync.py).
+    ranks: str = "actor"
+    weight_bucket_mb: float = 256.0  # rollout.ranks=all: the broadcast's bucket size
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)  # sampling for validation
 
 
@@ -215,6 +219,7 @@ class Config:
 CHOICES = {
     "placement.mode": ("split", "colocate", "custom"),
     "placement.pool_unit": ("ranks_per_node", "nodes"),
+    "rollout.ranks": ("actor", "all"),
     "trainer.device": ("auto", "cpu", "cuda"),
     "model.dtype": ("auto", "float32", "bfloat16"),
     "algorithm.adv_estimator": ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
@@ -244,7 +249,7 @@ POSITIVE = (
     "data.max_response_length", "data.num_train_samples", "actor.ppo_mini_batch_size",
     "actor.ppo_micro_batch_size_per_gpu", "actor.ppo_epochs", "actor.log_prob_micro_batch_size_per_gpu",
     "critic.ppo_mini_batch_size", "critic.ppo_micro_batch_size_per_gpu", "critic.ppo_epochs",
-    "critic.forward_micro_batch_size_per_gpu", "rollout.temperature", "rollout.stream_chunks", "rollout.n",
+    "critic.forward_micro_batch_size_per_gpu", "rollout.temperature", "rollout.stream_chunks", "rollout.n", "rollout.weight_bucket_mb",
     "rollout.val_kwargs.n", "reward.model.micro_batch_size_per_gpu",
 )
 
@@ -354,6 +359,14 @@ def check_against_pools(cfg: DictConfig, actor_pool_size: int, critic_pool_size:
             f"rollout.stream_chunks={chunks}: data.train_batch_size={B} must split into {chunks} chunks that divide "
             f"evenly over the actor pool ({actor_pool_size} ranks) and the critic pool ({critic_pool_size} ranks)"
         )
+    if cfg.rollout.ranks == "all" and cfg.placement.mode != "colocate":
+        if chunks > 1:
+            raise ConfigError(f"rollout.ranks=all with rollout.stream_chunks={chunks}: every rank generates its share at "
+                              "once, so there is nothing to stream; use rollout.stream_chunks=1")
+        world = actor_pool_size + critic_pool_size
+        if B % world:
+            raise ConfigError(f"rollout.ranks=all: data.train_batch_size={B} must divide over all {world} ranks "
+                              f"(each generates whole prompt groups); use a multiple of {world}")
     for pool, size in (("actor", actor_pool_size), ("critic", critic_pool_size)):
         if B % size:
             raise ConfigError(

@@ -5,24 +5,32 @@ Messages: spmdsplit/messages.py."""
 from __future__ import annotations
 
 from spmdsplit import algo
+from spmdsplit.actor_pool import generate_rows, generating_ranks, step_prompts
 from spmdsplit.batch import Batch
+from spmdsplit.data.prompts import PromptDataset
 from spmdsplit.distributed import pool_reduce_metrics, pool_sum
+from spmdsplit.exchange import PendingSend
 from spmdsplit.messages import PoolChannel, check_rows
 from spmdsplit.metrics import PhaseTimer, compute_data_metrics
 from spmdsplit.placement import Pools
 from spmdsplit.roles.build import CriticPoolRoles
+from spmdsplit.weight_sync import WeightBroadcast
 
 
 class CriticPool:
-    def __init__(self, cfg, pools: Pools, roles: CriticPoolRoles, channel: PoolChannel, timer: PhaseTimer, handoff):
+    def __init__(self, cfg, pools: Pools, roles: CriticPoolRoles, channel: PoolChannel, timer: PhaseTimer, handoff,
+                 generator: "Generator | None" = None):
         self.cfg, self.pools, self.channel, self.timer, self.handoff = cfg, pools, channel, timer, handoff
         self.critic, self.reward, self.kl_ctrl = roles.critic, roles.reward, roles.kl_ctrl
+        self.generator = generator  # rollout.ranks=all: this rank generates its share too
         self.chunks = cfg.rollout.stream_chunks
 
     def step(self, step: int) -> dict[str, float]:
-        """rollout in (values + reward per chunk) [-> log-probs in] -> adv -> advantages out ->
-        update_critic. Returns the pool's metrics of the step."""
+        """[weights in -> gen -> rows out] -> rollout in (values + reward per chunk) [-> log-probs
+        in] -> adv -> advantages out -> update_critic. Returns the pool's metrics of the step."""
         phase, channel = self.timer.phase, self.channel
+        if self.generator:
+            generated = self.generator.generate(step)
         parts = []
         for c in range(self.chunks):
             with phase("exchange/rollout", step, chunk=c) as stats:
@@ -55,6 +63,8 @@ class CriticPool:
         self.handoff()  # blocking mode: the actor updates only after the critic did
         for sent in sends:
             sent.wait()
+        if self.generator:
+            generated.wait()
         return metrics
 
     def compute_advantage(self, batch: Batch) -> dict[str, float]:
@@ -98,3 +108,22 @@ class CriticPool:
             sums[f"val-core/{ds}/reward/mean@{n}"] += score
             counts[f"val-core/{ds}/reward/mean@{n}"] += 1
         return pool_reduce_metrics(sums, counts, self.pools.critic_group, self.pools.device)
+
+
+class Generator:
+    """rollout.ranks=all: a critic-pool rank's share of the generation. Its engine gets the
+    policy's weights from the actor pool's broadcast, generates this rank's prompts, and sends
+    the rows to the actor pool, which treats them as its own (spmdsplit/messages.py)."""
+
+    def __init__(self, cfg, pools: Pools, rollout, weights: WeightBroadcast, channel: PoolChannel, timer: PhaseTimer,
+                 dataset: PromptDataset, tokenizer):
+        self.cfg, self.pools, self.rollout, self.weights = cfg, pools, rollout, weights
+        self.channel, self.timer, self.dataset, self.tokenizer = channel, timer, dataset, tokenizer
+
+    def generate(self, step: int) -> PendingSend:
+        prompts = step_prompts(self.cfg, self.dataset, self.tokenizer, step, generating_ranks(self.cfg, self.pools))
+        with self.timer.phase("sync_weights", step):
+            self.rollout.load_weights(self.weights.receive())
+        with self.timer.phase("gen", step):
+            generated = generate_rows(self.rollout, prompts, self.pools.device)
+        return self.channel.send_generated(step, generated)

@@ -13,6 +13,11 @@ failure watch (spmdsplit/failure.py) and the launcher, not by this timeout.
 Per training step k, with N = rollout.stream_chunks:
 
   link     from -> to   message                        when
+  (group)  A[0] -> C    the policy's weights           only with rollout.ranks=all: a broadcast
+                                                       (spmdsplit/weight_sync.py), then every rank
+                                                       generates its share of the step's prompts
+  bulk     A, C -> A    GENERATED k                    only with rollout.ranks=all: the generated
+                                                       rows into the actor pool's partition
   bulk     A -> C       ROLLOUT k, chunk 0 .. N-1      each chunk as soon as it is generated
   bulk     A -> C       LOG_PROBS k, chunk 0 .. N-1    after all ROLLOUT chunks; only with
                                                        algorithm.use_kl_in_reward
@@ -44,7 +49,7 @@ from spmdsplit.batch import Batch
 from spmdsplit.exchange import Link, Message, PendingSend, ProtocolError, recv_rows, send_rows
 from spmdsplit.placement import Placement
 
-ROLLOUT, LOG_PROBS, ADVANTAGES, VAL_ROLLOUT = "ROLLOUT", "LOG_PROBS", "ADVANTAGES", "VAL_ROLLOUT"
+GENERATED, ROLLOUT, LOG_PROBS, ADVANTAGES, VAL_ROLLOUT = "GENERATED", "ROLLOUT", "LOG_PROBS", "ADVANTAGES", "VAL_ROLLOUT"
 CRITIC_METRICS, VAL_METRICS, CHECKPOINT_WRITTEN = "CRITIC_METRICS", "VAL_METRICS", "CHECKPOINT_WRITTEN"
 
 # What the critic pool needs of a rollout (the rest stays with the actor pool).
@@ -71,13 +76,22 @@ class PoolChannel:
                  wait_timeout_s: float):
         world = list(range(placement.world_size))
         timeout = timedelta(seconds=wait_timeout_s)
-        self.bulk = Link([ROLLOUT, LOG_PROBS, ADVANTAGES, VAL_ROLLOUT],
+        self.bulk = Link([GENERATED, ROLLOUT, LOG_PROBS, ADVANTAGES, VAL_ROLLOUT],
                          dist.new_group(world, timeout=timeout), device, "bulk")
         self.control_group = dist.new_group(world, backend="gloo", timeout=timeout)
         self.control = Link([CRITIC_METRICS, VAL_METRICS, CHECKPOINT_WRITTEN], self.control_group, "cpu", "control")
         self.A, self.C = list(placement.actor_ranks), list(placement.critic_ranks)
-        self.chunk_rows = rows_per_step // chunks
+        self.rows_per_step, self.chunk_rows = rows_per_step, rows_per_step // chunks
         self.metrics_in_flight = PendingSend()
+
+    # ---- rollout.ranks=all: rows generated on every rank (actor pool first, then critic pool)
+    #      move into the actor pool's partition of the same global order
+
+    def send_generated(self, step: int, generated: Batch) -> PendingSend:
+        return send_rows(self.bulk, Message(GENERATED, step), generated, self.A + self.C, self.A, self.rows_per_step)
+
+    def recv_generated(self, step: int, stats: dict | None = None) -> Batch:
+        return recv_rows(self.bulk, Message(GENERATED, step), self.A + self.C, self.A, self.rows_per_step, stats)
 
     # ---- a training step, rows chunk by chunk (chunk c of the global batch is chunk c of every
     #      actor rank, laid end to end, so each chunk is an exchange of its own)

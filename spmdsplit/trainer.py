@@ -27,14 +27,15 @@ from omegaconf import OmegaConf
 from spmdsplit import checkpoint
 from spmdsplit.actor_pool import ActorPool, usable_val_rows
 from spmdsplit.batch import Batch
-from spmdsplit.critic_pool import CriticPool
+from spmdsplit.critic_pool import CriticPool, Generator
 from spmdsplit.data.prompts import PromptDataset
 from spmdsplit.messages import PoolChannel
 from spmdsplit.metrics import MetricsLogger, PhaseTimer, write_timeline
 from spmdsplit.models import eos_token_ids, load_tokenizer
 from spmdsplit.placement import Pools
 from spmdsplit.preempt import StopVote
-from spmdsplit.roles.build import build_actor_pool, build_critic_pool
+from spmdsplit.roles.build import build_actor_pool, build_critic_pool, build_rollout
+from spmdsplit.weight_sync import WeightBroadcast
 
 
 class Trainer:
@@ -50,7 +51,7 @@ class Trainer:
         self.val_rows = rows.get("val", [])
         self.timer = PhaseTimer(self.rank, self.device)
         # Groups every rank creates, in this order: the links between the pools, the stop vote,
-        # and (blocking mode only) the hand-off barrier.
+        # (blocking mode only) the hand-off barrier, (rollout.ranks=all only) the weight broadcast.
         self.channel = PoolChannel(self.placement, self.device, self.batch_size * cfg.rollout.n,
                                    cfg.rollout.stream_chunks, cfg.trainer.pool_wait_timeout_s)
         self.stop_vote = StopVote(timedelta(seconds=cfg.trainer.pool_wait_timeout_s))
@@ -61,16 +62,26 @@ class Trainer:
         # The hand-off barrier is over the world on purpose: it is the thing being measured.
         handoff = (lambda: dist.barrier(group=handoff_group)) if blocking else (lambda: None)
 
+        # rollout.ranks=all: the critic pool generates too, its engines fed by a broadcast.
+        weights = None
+        if cfg.rollout.ranks == "all" and not self.placement.colocated:
+            weights = WeightBroadcast(self.actor_ranks, self.critic_ranks, self.device, cfg.rollout.weight_bucket_mb,
+                                      timedelta(seconds=cfg.trainer.pool_wait_timeout_s))
+
         self.tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)  # "" resolved by train.py
         eos_ids = eos_token_ids(cfg.model.path, self.tokenizer)
+        self.dataset = PromptDataset(rows["train"], self.batch_size, cfg.data.shuffle, cfg.data.seed)
         self.actor_pool = self.critic_pool = None
         if pools.is_actor:
-            self.dataset = PromptDataset(rows["train"], self.batch_size, cfg.data.shuffle, cfg.data.seed)
             self.actor_pool = ActorPool(cfg, pools, build_actor_pool(cfg, pools, self.tokenizer, eos_ids),
-                                        self.channel, self.timer, self.dataset, self.tokenizer, handoff)
+                                        self.channel, self.timer, self.dataset, self.tokenizer, handoff, weights)
         if pools.is_critic:
+            generator = None
+            if weights is not None:
+                generator = Generator(cfg, pools, build_rollout(cfg, pools, self.tokenizer, eos_ids), weights,
+                                      self.channel, self.timer, self.dataset, self.tokenizer)
             self.critic_pool = CriticPool(cfg, pools, build_critic_pool(cfg, pools, self.tokenizer, eos_ids),
-                                          self.channel, self.timer, handoff)
+                                          self.channel, self.timer, handoff, generator)
         self.seed_sampling()
         self.start_step = 1
         self.unlogged: dict[int, dict] = {}  # rank 0: step -> {"actor": ..., "critic": ...} until both are in

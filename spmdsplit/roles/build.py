@@ -55,11 +55,17 @@ def build_actor_pool(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> ActorP
                   rollout_n=cfg.rollout.n)
     reference = ModelSource("causal_lm", path, dtype, seed, remote)
     ref = Actor(build_engine(cfg, "ref", reference, mesh, device), cfg.actor, temperature, device)
-    # generate() needs the whole model on each rank; its weights come from the actor before each rollout.
-    rollout_model = load_causal_lm(path, dtype, device, seed, remote)
-    rollout = HFRollout(rollout_model, tokenizer, cfg.rollout, cfg.data.max_response_length, eos_ids,
-                        val_cfg=cfg.rollout.val_kwargs)
-    return ActorPoolRoles(actor, ref, rollout)
+    return ActorPoolRoles(actor, ref, build_rollout(cfg, pools, tokenizer, eos_ids))
+
+
+def build_rollout(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> HFRollout:
+    """A rollout engine on this rank. Its weights come from the actor before each rollout."""
+    device = pools.device
+    dtype, _ = compute_dtypes(cfg, device)
+    # generate() needs the whole model on each rank (see rollout/hf.py).
+    model = load_causal_lm(cfg.model.path, dtype, device, cfg.trainer.seed, cfg.model.trust_remote_code)
+    return HFRollout(model, tokenizer, cfg.rollout, cfg.data.max_response_length, eos_ids,
+                     val_cfg=cfg.rollout.val_kwargs)
 
 
 def build_critic_pool(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> CriticPoolRoles:

@@ -1,0 +1,34 @@
+"""rollout.ranks=all: the critic pool generates its share of every step too, its engines fed by a
+broadcast of the policy's weights from the actor pool (spmdsplit/weight_sync.py)."""
+
+import pytest
+
+from tests.runjob import scalars, timeline_events, torchrun
+
+COMMON = ["rollout.do_sample=false", "trainer.total_steps=3", "data.train_batch_size=16", "actor.ppo_mini_batch_size=16",
+          "critic.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size_per_gpu=4", "critic.ppo_micro_batch_size_per_gpu=4",
+          "trainer.output_dir=", "trainer.progress_bar=false", "rollout.weight_bucket_mb=0.05"]
+
+
+def test_every_rank_generates_and_the_steps_equal_actor_only_generation(tmp_path):
+    """Greedy decoding: whoever generates a row, it is the same row, so the steps must equal those
+    of actor-pool generation. From step 2 on the policy has moved, so a critic engine that missed
+    the broadcast (or got a bucket wrong; the tiny bucket size makes it several) would answer
+    differently."""
+    runs = {}
+    for ranks in ("actor", "all"):
+        out = tmp_path / ranks
+        result = torchrun(4, *COMMON, f"rollout.ranks={ranks}", f"trainer.log_dir={out}/tb",
+                          f"trainer.timeline={out}/timeline.json", timeout=400)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+        runs[ranks] = (scalars(str(out / "tb")), timeline_events(str(out / "timeline.json")))
+    (actor_only, _), (everyone, events) = runs["actor"], runs["all"]
+    assert [s for s, _ in everyone["critic/score/mean"]] == [1, 2, 3]
+    assert everyone["critic/score/mean"] == actor_only["critic/score/mean"]
+    for key in ("actor/pg_loss", "critic/vf_loss"):
+        for (_, x), (_, y) in zip(actor_only[key], everyone[key]):
+            assert y == pytest.approx(x, rel=1e-4, abs=1e-6), key
+    # Every rank generated in every step, and the critic ranks took the weights first.
+    for rank in range(4):
+        for name in ("gen", "sync_weights"):
+            assert sorted(e["args"]["step"] for e in events if e["name"] == name and e["pid"] == rank) == [1, 2, 3]

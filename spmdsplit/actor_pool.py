@@ -12,7 +12,7 @@ from spmdsplit.batch import Batch
 from spmdsplit.data.prompts import PromptDataset, collate_prompts
 from spmdsplit.exchange import PendingSend, row_ranges
 from spmdsplit.messages import PoolChannel, check_rows
-from spmdsplit.metrics import PhaseTimer
+from spmdsplit.metrics import PhaseTimer, rollout_probs_diff
 from spmdsplit.placement import Pools
 from spmdsplit.roles.build import ActorPoolRoles
 from spmdsplit.weight_sync import WeightBroadcast
@@ -27,6 +27,7 @@ class ActorPool:
         self.weights = weights  # rollout.ranks=all: the broadcast to the critic pool's engines
         self.chunks = cfg.rollout.stream_chunks
         self.sends = PendingSend()  # this step's sends to the critic pool, waited for at its end
+        self.rollout_metrics: dict[str, float] = {}
 
     def roll_out(self, step: int) -> Batch:
         """gen (chunk by chunk, each sent on at once) -> old_log_prob -> ref [-> log-probs sent]."""
@@ -48,6 +49,9 @@ class ActorPool:
         rollout = Batch.concat(parts)
         with phase("old_log_prob", step):
             rollout["old_log_probs"] = self.actor.compute_log_prob(rollout)
+        if "rollout_log_probs" in rollout:  # the engine's own log-probs: a check, as in verl
+            self.rollout_metrics = rollout_probs_diff(rollout["rollout_log_probs"], rollout["old_log_probs"],
+                                                      rollout["response_mask"], self.pools.actor_group, self.pools.device)
         with phase("ref", step):
             rollout["ref_log_prob"] = self.ref.compute_log_prob(rollout)
         self.handoff()  # blocking mode: the critic pool starts its values only now
@@ -72,6 +76,7 @@ class ActorPool:
                 metrics = self.actor.update_policy(rollout, seed=self.cfg.trainer.seed * 7919 + step)
         self.sends.wait()
         self.sends = PendingSend()
+        metrics.update(self.rollout_metrics)
         return metrics
 
     # ------------------------------------------------------------------ pieces

@@ -154,13 +154,14 @@ class Trainer:
                     with phase("values", step, chunk=c):
                         part["values"] = self.critic.compute_values(part)
                 with phase("reward", step, chunk=c):
-                    part["token_level_scores"], _ = self.reward.compute(part)
+                    part["token_level_scores"], _ = self.reward.compute(part, keep_extras=True)
                 if use_kl_in_reward:
                     part.update(self.recv_chunk(A, C, TAG_LOG_PROBS, c, "exchange/log_probs", step))
                 parts.append(part)
             batch = Batch.concat(parts)
             with phase("adv", step):
                 critic_metrics = self.compute_advantage(batch)
+            critic_metrics.update(self.reward.pop_extra_metrics(P.critic_group, self.device))  # e.g. "acc"
             advantages = batch.select(["advantages"]).split(len(parts[0]))  # back in the chunks they came in
             sent_advantages = [self.send_chunk(part, C, A, TAG_ADVANTAGES, c) for c, part in enumerate(advantages)]
             if self.use_critic:

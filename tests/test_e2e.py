@@ -224,8 +224,14 @@ def test_custom_reward_function_from_a_file(tmp_path):
     reward_file = tmp_path / "my_reward.py"
     reward_file.write_text(
         "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-        "    return {'score': 0.25 + 0.5 * (solution_str[:1] == ground_truth[:1]), 'acc': 1.0}\n"
+        "    right = solution_str[:1] == ground_truth[:1]\n"
+        "    return {'score': 0.25 + 0.5 * right, 'acc': float(right), 'pred': solution_str}\n"
     )
-    out, _ = run_short(tmp_path, 2, f"reward.custom_fn.path={reward_file}")
-    scores = [v for _, v in scalars(str(out / "tb"))["critic/score/mean"]]
+    out, _ = run_short(tmp_path, 4, f"reward.custom_fn.path={reward_file}")
+    logged = scalars(str(out / "tb"))
+    scores = [v for _, v in logged["critic/score/mean"]]
     assert all(0.25 <= v <= 0.75 for v in scores)
+    # The dict's numeric extras are logged as pool-wide means (verl logs them too); strings are not.
+    accs = [v for _, v in logged["critic/reward_extra/acc/mean"]]
+    assert accs == pytest.approx([(s - 0.25) / 0.5 for s in scores], abs=1e-5)
+    assert not [k for k in logged if "pred" in k]

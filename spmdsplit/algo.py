@@ -304,7 +304,7 @@ def apply_kl_penalty(token_level_scores: Tensor, old_log_probs: Tensor, ref_log_
 
 # ----------------------------------------------------------------------------- losses
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def _positive(x):
@@ -316,6 +316,7 @@ def agg_loss(loss_mat: Tensor, loss_mask: Tensor, loss_agg_mode: str, num_tokens
     """Reduce a [batch, len] loss to a scalar.
 
     token-mean:              sum(loss) / num_tokens
+    token-sum:               sum(loss)   (no normalisation: the loss grows with the batch's tokens)
     seq-mean-token-sum:      sum_seqs(token sum) / num_seqs
     seq-mean-token-mean:     sum_seqs(token mean) / num_seqs
     seq-mean-token-sum-norm: sum(loss) / (num_seqs * horizon)   (Dr. GRPO; horizon defaults to len)
@@ -333,6 +334,8 @@ def agg_loss(loss_mat: Tensor, loss_mask: Tensor, loss_agg_mode: str, num_tokens
     tokens_per_seq = loss_mask.bool().sum(dim=-1)
     if loss_agg_mode == "token-mean":
         return masked_sum(loss_mat, loss_mask) / _positive(tokens_per_seq.sum() if num_tokens is None else num_tokens)
+    if loss_agg_mode == "token-sum":  # a sum of local sums is the global sum: no counts needed
+        return masked_sum(loss_mat, loss_mask)
     num_seqs = _positive((tokens_per_seq > 0).sum() if num_seqs is None else num_seqs)
     if loss_agg_mode == "seq-mean-token-sum":
         return masked_sum(loss_mat, loss_mask) / num_seqs

@@ -74,7 +74,7 @@ class DataConfig:
     prompt_key: str = "prompt"
     train_batch_size: int = 128  # prompts per step, over the whole world
     max_prompt_length: int = 8
-    max_response_length: int = 5
+    max_response_length: int = 8  # the synthetic tasks' answers are 4 digits: room for the EOS and to overrun
     filter_overlong_prompts: bool = False  # drop (and count) prompts longer than max_prompt_length
     truncation: str = "error"  # a prompt still too long: error | left | right
     skip_malformed_rows: bool = False  # false: malformed rows stop the job, with their row numbers
@@ -87,13 +87,15 @@ class OptimConfig:
     lr: float = 1e-6
     weight_decay: float = 0.01
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    lr_warmup_steps: int = 0  # linear warmup over this many optimizer steps, then constant
+    lr_warmup_steps: int = 0  # linear warmup over this many trainer steps (as verl), then constant
     grad_clip: float = 1.0
 
 
 @dataclass
 class ActorConfig:
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-3, lr_warmup_steps=5))
+    # verl's learning rates: right for a pretrained model; the embedded toy's live in its preset
+    # (spmdsplit/embedded.py EMBEDDED_PRESET), applied when model.path is empty.
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
     ppo_mini_batch_size: int = 32  # prompts per optimizer step, over the whole pool
     ppo_micro_batch_size_per_gpu: int = 16  # rows per forward/backward on one rank
     ppo_epochs: int = 1
@@ -106,7 +108,7 @@ class ActorConfig:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: str = "token-mean"  # or token-sum, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm
     log_prob_micro_batch_size_per_gpu: int = 32
     engine: str = "fsdp"  # fsdp (FSDP2) | deepspeed (ZeRO, over the actor pool's group)
     zero_stage: int = 3  # deepspeed: 1 (optimizer state), 2 (+ gradients), 3 (+ weights) sharded over the pool
@@ -115,7 +117,7 @@ class ActorConfig:
 @dataclass
 class CriticConfig:
     model_path: str = ""  # "" = model.path (a value head on the policy's backbone, as verl does)
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-3, lr_warmup_steps=5))
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     ppo_mini_batch_size: int = 32
     ppo_micro_batch_size_per_gpu: int = 16
     ppo_epochs: int = 1
@@ -135,6 +137,7 @@ class RefConfig:
     # deepspeed: 3 (weights sharded over the pool) | 0 (whole on every rank); -1 = 3 if the
     # actor's stage is 3, else 0. Stages 1 and 2 shard optimizer state, which it has none of.
     zero_stage: int = -1
+    log_prob_micro_batch_size_per_gpu: int = 32  # rows per forward of the reference on one rank (verl's key)
 
 
 @dataclass
@@ -228,7 +231,8 @@ CHOICES = {
     "algorithm.kl_penalty": ("kl", "abs", "mse", "low_var_kl"),
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
     "actor.kl_loss_type": ("kl", "abs", "mse", "low_var_kl"),
-    "actor.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+    "actor.loss_agg_mode": ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                            "seq-mean-token-sum-norm"),
     "critic.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
     "actor.engine": ("fsdp", "deepspeed"),
     "critic.engine": ("fsdp", "deepspeed"),
@@ -248,27 +252,82 @@ POSITIVE = (
     "trainer.total_steps", "trainer.dist_timeout_s", "trainer.pool_wait_timeout_s", "data.train_batch_size", "data.max_prompt_length",
     "data.max_response_length", "data.num_train_samples", "actor.ppo_mini_batch_size",
     "actor.ppo_micro_batch_size_per_gpu", "actor.ppo_epochs", "actor.log_prob_micro_batch_size_per_gpu",
+    "ref.log_prob_micro_batch_size_per_gpu",
     "critic.ppo_mini_batch_size", "critic.ppo_micro_batch_size_per_gpu", "critic.ppo_epochs",
     "critic.forward_micro_batch_size_per_gpu", "rollout.temperature", "rollout.stream_chunks", "rollout.n", "rollout.weight_bucket_mb",
     "rollout.val_kwargs.n", "reward.model.micro_batch_size_per_gpu",
 )
 
 
-def load_config(config_file: str | None = None, overrides: list[str] | None = None) -> DictConfig:
-    """Schema <- YAML preset <- `key=value` overrides; unknown keys and wrong types raise ConfigError."""
-    cfg = OmegaConf.structured(Config)
+# What a value of a schema key must look like, by the type of its default (for parse errors).
+def _expected_form(schema: DictConfig, key: str) -> str:
     try:
-        if config_file:
-            if not os.path.isfile(config_file):
-                raise ConfigError(f"--config {config_file!r}: no such file")
-            cfg = OmegaConf.merge(cfg, OmegaConf.load(config_file))
+        value = OmegaConf.select(schema, key, throw_on_missing=False)
+    except OmegaConfBaseException:
+        value = None
+    if OmegaConf.is_list(value):
+        return f"a YAML list, e.g. {key}=[6,2]"
+    if OmegaConf.is_dict(value):
+        return f"a YAML mapping with a space after each colon, e.g. {key}=\"{{lr: 1e-6}}\" (or set {key}.<sub-key>=...)"
+    if isinstance(value, str):
+        return f"a string; quote it if it holds YAML characters, e.g. {key}=\"'...'\""
+    if value is not None:
+        return f"a {type(value).__name__}"
+    return "a YAML value"
+
+
+def _parse_overrides(schema: DictConfig, overrides: list[str]) -> DictConfig:
+    """`key=value` overrides as one DictConfig; a value YAML cannot parse names its key."""
+    import yaml
+
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"overrides must look like key=value, got {bad}")
+    parsed = []
+    for override in overrides:
+        key, value = override.split("=", 1)
+        # `key=` (what the shell leaves of `key=""`) means the empty string, not null.
+        try:
+            parsed.append(OmegaConf.from_dotlist([f"{key}={value if value else chr(39) * 2}"]))
+        except yaml.YAMLError as e:
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ConfigError(f"{key}={value!r}: cannot be parsed as YAML ({problem}); expected "
+                              f"{_expected_form(schema, key)}") from None
+    return OmegaConf.merge(*parsed) if parsed else OmegaConf.create()
+
+
+def _read_config_file(config_file: str) -> DictConfig:
+    import yaml
+
+    if not os.path.isfile(config_file):
+        raise ConfigError(f"--config {config_file!r}: no such file")
+    try:
+        loaded = OmegaConf.load(config_file)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"--config {config_file!r}: not valid YAML{where} ({problem}); expected a YAML "
+                          "mapping of the schema's sections, as in configs/default.yaml") from None
+    if not OmegaConf.is_dict(loaded):
+        raise ConfigError(f"--config {config_file!r}: expected a YAML mapping of the schema's sections "
+                          f"(trainer:, data:, ...), got a {type(loaded).__name__}")
+    return loaded
+
+
+def load_config(config_file: str | None = None, overrides: list[str] | None = None) -> DictConfig:
+    """Schema <- embedded preset (only when model.path is empty) <- YAML file <- `key=value`
+    overrides; unknown keys, wrong types and values YAML cannot parse raise ConfigError."""
+    from spmdsplit.embedded import EMBEDDED_PRESET
+
+    schema = OmegaConf.structured(Config)
+    try:
+        user = [_read_config_file(config_file)] if config_file else []
         if overrides:
-            bad = [o for o in overrides if "=" not in o]
-            if bad:
-                raise ConfigError(f"overrides must look like key=value, got {bad}")
-            # `key=` (what the shell leaves of `key=""`) means the empty string, not null.
-            overrides = [o + "''" if o.endswith("=") else o for o in overrides]
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
+            user.append(_parse_overrides(schema, overrides))
+        cfg = OmegaConf.merge(schema, *user)
+        if not cfg.model.path:  # the embedded toy: its learning rates, not those for a real model
+            cfg = OmegaConf.merge(schema, EMBEDDED_PRESET, *user)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "?"
         reason = str(e).splitlines()[0]
@@ -278,6 +337,26 @@ def load_config(config_file: str | None = None, overrides: list[str] | None = No
         OmegaConf.update(cfg, key, os.path.expanduser(OmegaConf.select(cfg, key)))
     check_values(cfg)
     return cfg
+
+
+HIGH_LR_FOR_A_REAL_MODEL = 1e-4
+
+
+def config_warnings(cfg: DictConfig) -> list[str]:
+    """Values that run but are likely wrong: one line each, for rank 0 to print before training."""
+    out = []
+    if cfg.model.path:
+        for role in ("actor", "critic"):
+            lr = cfg[role].optim.lr
+            if lr >= HIGH_LR_FOR_A_REAL_MODEL:
+                out.append(f"{role}.optim.lr={lr:g} with model.path={cfg.model.path!r}: a learning rate >= "
+                           f"{HIGH_LR_FOR_A_REAL_MODEL:g} destroys a pretrained model in a few steps "
+                           "(verl uses 1e-6 for the actor, 1e-5 for the critic)")
+    r = cfg.rollout
+    if r.do_sample and (r.top_p < 1 or r.top_k > 0):
+        out.append(f"rollout.top_p={r.top_p}, rollout.top_k={r.top_k}: the rollout samples from a truncated "
+                   "distribution, but the actor's log-probs are of the full one, so PPO's ratio is off-policy")
+    return out
 
 
 def check_values(cfg: DictConfig) -> None:

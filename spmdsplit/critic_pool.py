@@ -41,7 +41,7 @@ class CriticPool:
                 with phase("values", step, chunk=c):
                     part["values"] = self.critic.compute_values(part)
             with phase("reward", step, chunk=c):
-                part["token_level_scores"], _ = self.reward.compute(part)
+                part["token_level_scores"], _ = self.reward.compute(part, keep_extras=True)
             parts.append(part)
         batch = Batch.concat(parts)
         if self.cfg.algorithm.use_kl_in_reward:  # sent after every rollout chunk, so taken after them
@@ -54,6 +54,7 @@ class CriticPool:
             batch.update(log_probs.select(["old_log_probs", "ref_log_prob"]))
         with phase("adv", step):
             metrics = self.compute_advantage(batch)
+        metrics.update(self.reward.pop_extra_metrics(self.pools.critic_group, self.pools.device))  # e.g. "acc"
         # Back in the chunks they came in, so each actor rank gets exactly its rows.
         sends = [channel.send_advantages(step, c, part) for c, part in enumerate(batch.split(len(parts[0])))]
         if self.critic is not None:

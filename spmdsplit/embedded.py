@@ -28,12 +28,21 @@ MODEL_SHAPE = dict(
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
+    num_attention_heads=2,  # head size 32: vLLM's CPU attention kernel rejects 16
+    num_key_value_heads=1,
     max_position_embeddings=64,
     tie_word_embeddings=False,
 )
 BUILD_SEED = 1234
+
+# The embedded toy's hyper-parameters, layered over the schema when model.path is empty (see
+# config.load_config; a --config file and key=value overrides still win). The schema holds verl's
+# values for a pretrained model; a random 2-layer model needs learning rates ~1000x larger.
+# configs/default.yaml spells out the same values. Why these, in README "Why the default is what it is".
+EMBEDDED_PRESET = {
+    "actor": {"optim": {"lr": 2.0e-3, "lr_warmup_steps": 5}, "entropy_coeff": 0.01},
+    "critic": {"optim": {"lr": 2.0e-3, "lr_warmup_steps": 5}},
+}
 
 
 def build_tokenizer():

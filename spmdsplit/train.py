@@ -28,7 +28,7 @@ from spmdsplit.data.sources import build_rows, format_report
 from spmdsplit.embedded import ensure_embedded_model
 from spmdsplit.models import load_tokenizer
 from spmdsplit.rewards.custom import load_custom_reward_fn
-from spmdsplit.config import ConfigError, check_against_pools, load_config, to_yaml
+from spmdsplit.config import ConfigError, check_against_pools, config_warnings, load_config, to_yaml
 from spmdsplit.placement import PlacementError, build_pools, launch_shape_from_env, plan_placement
 
 
@@ -133,6 +133,9 @@ def main(argv=None) -> int:
             if rank == 0:
                 print(to_yaml(cfg), end="")
             return 0
+        if rank == 0:
+            for warning in config_warnings(cfg):
+                print(f"spmdsplit: warning: {warning}", file=sys.stderr, flush=True)
         placement, device, data, resume_from = prepare(cfg)
     except (ConfigError, PlacementError, DataError, CheckpointError) as e:
         print(f"spmdsplit [rank {rank}]: error: {e}", file=sys.stderr, flush=True)

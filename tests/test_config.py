@@ -127,8 +127,9 @@ def test_yaml_then_overrides_precedence(tmp_path):
     assert cfg.actor.optim.lr == 0.5
     assert cfg.trainer.seed == 5  # YAML beats the schema default
     assert cfg.data.train_batch_size == 64
-    assert cfg.data.max_response_length == 5  # untouched: schema default
-    assert cfg.actor.optim.lr_warmup_steps == 5  # the actor's own default survives a partial optim block
+    assert cfg.data.max_response_length == 8  # untouched: schema default
+    # The embedded preset's warmup (model.path is empty) survives a partial optim block.
+    assert cfg.actor.optim.lr_warmup_steps == load_config().actor.optim.lr_warmup_steps > 0
     cfg = load_config(str(path))
     assert cfg.trainer.total_steps == 11 and cfg.actor.optim.lr == 0.25
 
@@ -361,3 +362,68 @@ def test_stream_chunks_must_split_evenly_over_both_pools():
         check_against_pools(cfg, 2, 3)  # a chunk of 4 rows cannot be shared by 3 critic ranks
     with pytest.raises(ConfigError, match=r"rollout.stream_chunks=4"):
         check_against_pools(cfg, 8, 1)  # 16 rows / 8 actor ranks = 2 rows per rank: not 4 chunks
+
+
+# --------------------------------------------------------------------------- the embedded preset
+
+
+def test_embedded_preset_applies_only_without_a_model_path(tmp_path):
+    from spmdsplit.embedded import EMBEDDED_PRESET
+
+    toy = load_config()
+    assert toy.actor.optim.lr == EMBEDDED_PRESET["actor"]["optim"]["lr"]
+    assert toy.critic.optim.lr == EMBEDDED_PRESET["critic"]["optim"]["lr"]
+    real = load_config(None, [f"model.path={tmp_path}"])
+    assert (real.actor.optim.lr, real.critic.optim.lr) == (1e-6, 1e-5)  # verl's, from the schema
+    assert real.actor.entropy_coeff == 0.0
+    # Overrides and files beat the preset.
+    assert load_config(None, ["actor.optim.lr=0.01"]).actor.optim.lr == 0.01
+    path = tmp_path / "p.yaml"
+    path.write_text("critic:\n  optim:\n    lr: 0.03\n")
+    assert load_config(str(path)).critic.optim.lr == 0.03
+
+
+def test_default_yaml_spells_out_the_embedded_default():
+    """configs/default.yaml is the no-config job written out: loading it changes nothing."""
+    spelled = load_config(os.path.join(REPO, "configs", "default.yaml"))
+    assert to_yaml(spelled) == to_yaml(load_config())
+
+
+def test_high_lr_on_a_real_model_warns(tmp_path):
+    from spmdsplit.config import config_warnings
+
+    assert config_warnings(load_config()) == []  # the toy's 2e-3 is right for it
+    assert config_warnings(load_config(None, [f"model.path={tmp_path}"])) == []
+    warned = config_warnings(load_config(None, [f"model.path={tmp_path}", "actor.optim.lr=1e-4"]))
+    assert len(warned) == 1 and "actor.optim.lr" in warned[0]
+
+
+@pytest.mark.parametrize("override", ["rollout.top_p=0.9", "rollout.top_k=20"])
+def test_truncated_sampling_warns_that_ppo_is_off_policy(override):
+    from spmdsplit.config import config_warnings
+
+    assert any("off-policy" in w for w in config_warnings(load_config(None, [override])))
+
+
+@pytest.mark.parametrize(
+    "override, key, expected",
+    [
+        ("placement.pools={actor:[1],critic:[2]}", "placement.pools", "a YAML list"),
+        ("actor.optim={lr:[1}", "actor.optim", "a YAML mapping"),
+        ("trainer.total_steps=[1", "trainer.total_steps", "int"),
+        ("data.task=\"repeat", "data.task", "a string"),
+    ],
+)
+def test_override_that_yaml_cannot_parse_names_key_value_and_form(override, key, expected):
+    msg = error_of(override)
+    assert msg.startswith(f"{key}=") and override.split("=", 1)[1] in msg and expected in msg
+    assert "\n" not in msg
+
+
+def test_config_file_that_yaml_cannot_parse_names_the_file_and_line(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("trainer:\n  total_steps: 3\nplacement:\n  pools: {actor:[1],critic:[2]}\n")
+    msg = error_of(config_file=str(path))
+    assert str(path) in msg and "line 4" in msg and "\n" not in msg
+    path.write_text("- 1\n- 2\n")
+    assert "mapping" in error_of(config_file=str(path))

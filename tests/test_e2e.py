@@ -98,18 +98,23 @@ def test_kl_in_reward_with_adaptive_controller_and_kl_loss(tmp_path):
     assert "actor/kl_loss" in logged and "timing_s/exchange/log_probs" in logged
 
 
+def first_and_last_scores(log_dir: str, k: int = 5) -> tuple[float, float]:
+    scores = [v for _, v in scalars(log_dir)["critic/score/mean"]]
+    return sum(scores[:k]) / k, sum(scores[-k:]) / k
+
+
 @pytest.mark.slow
 def test_default_job_learns_the_embedded_task(tmp_path):
-    """The README's main command: 4 ranks, 2+2 split, the default config. The score of the
-    randomly initialised model must clearly rise."""
+    """The README's main command: 4 ranks, 2+2 split, the default config, from a random start.
+    It must solve the task (the best score is 1.0), not merely improve: the mean score of the
+    last 5 steps reaches 0.9. The quick check that learning happens at all is test_learning.py."""
     out = tmp_path / "run"
     result = torchrun(4, f"trainer.log_dir={out}/tb", f"trainer.timeline={out}/tl.json",
-                      f"trainer.output_dir={out}/hf", timeout=900)
+                      f"trainer.output_dir={out}/hf", timeout=1200)
     assert result.returncode == 0, result.stderr[-5000:]
-    scores = [v for _, v in scalars(str(out / "tb"))["critic/score/mean"]]
-    first, last = sum(scores[:10]) / 10, sum(scores[-10:]) / 10
+    first, last = first_and_last_scores(str(out / "tb"))
     assert first < 0.15, f"the random policy already scores {first:.3f}: the task is too easy to show learning"
-    assert last > first + 0.15 and last > 2 * first, f"score {first:.3f} -> {last:.3f}: did not learn"
+    assert last >= 0.9, f"score {first:.3f} -> {last:.3f}: the default did not solve its task"
 
 
 def test_streaming_rollout_chunks_give_the_same_step(tmp_path):
@@ -195,14 +200,14 @@ def test_gsm8k_parquet_files_train_through_the_chat_template(tmp_path):
 
 @pytest.mark.slow
 def test_grpo_learns_the_embedded_task(tmp_path):
+    """The README's GRPO recipe on the embedded task: it must solve it too (last 5 steps >= 0.9)."""
     out = tmp_path / "run"
     result = torchrun(2, "placement.mode=colocate", "algorithm.adv_estimator=grpo", "rollout.n=4",
                       "data.train_batch_size=32", "actor.ppo_mini_batch_size=16", f"trainer.log_dir={out}/tb",
-                      "trainer.timeline=", "trainer.output_dir=", timeout=900)
+                      "trainer.timeline=", "trainer.output_dir=", timeout=1200)
     assert result.returncode == 0, result.stderr[-5000:]
-    scores = [v for _, v in scalars(str(out / "tb"))["critic/score/mean"]]
-    first, last = sum(scores[:10]) / 10, sum(scores[-10:]) / 10
-    assert last > first + 0.15 and last > 2 * first, f"score {first:.3f} -> {last:.3f}: did not learn"
+    first, last = first_and_last_scores(str(out / "tb"))
+    assert last >= 0.9, f"score {first:.3f} -> {last:.3f}: GRPO did not solve the embedded task"
 
 
 def test_grpo_with_a_reward_model_on_the_critic_pool(tmp_path):
@@ -224,8 +229,14 @@ def test_custom_reward_function_from_a_file(tmp_path):
     reward_file = tmp_path / "my_reward.py"
     reward_file.write_text(
         "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-        "    return {'score': 0.25 + 0.5 * (solution_str[:1] == ground_truth[:1]), 'acc': 1.0}\n"
+        "    right = solution_str[:1] == ground_truth[:1]\n"
+        "    return {'score': 0.25 + 0.5 * right, 'acc': float(right), 'pred': solution_str}\n"
     )
-    out, _ = run_short(tmp_path, 2, f"reward.custom_fn.path={reward_file}")
-    scores = [v for _, v in scalars(str(out / "tb"))["critic/score/mean"]]
+    out, _ = run_short(tmp_path, 4, f"reward.custom_fn.path={reward_file}")
+    logged = scalars(str(out / "tb"))
+    scores = [v for _, v in logged["critic/score/mean"]]
     assert all(0.25 <= v <= 0.75 for v in scores)
+    # The dict's numeric extras are logged as pool-wide means (verl logs them too); strings are not.
+    accs = [v for _, v in logged["critic/reward_extra/acc/mean"]]
+    assert accs == pytest.approx([(s - 0.25) / 0.5 for s in scores], abs=1e-5)
+    assert not [k for k in logged if "pred" in k]

@@ -74,7 +74,7 @@ def model_dir():
 
 @pytest.mark.parametrize(
     "role, mode",
-    [("actor", "token-mean"), ("actor", "seq-mean-token-sum"), ("actor", "seq-mean-token-mean"),
+    [("actor", "token-mean"), ("actor", "token-sum"), ("actor", "seq-mean-token-sum"), ("actor", "seq-mean-token-mean"),
      ("actor", "seq-mean-token-sum-norm"), ("critic", "token-mean")],
 )
 def test_update_matches_across_ranks_and_micro_batches(model_dir, role, mode):

@@ -10,8 +10,8 @@ from spmdsplit.models import save_hf_folder
 
 
 def adamw_with_warmup(params, optim) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW, and a schedule that ramps the LR linearly over `optim.lr_warmup_steps` optimizer
-    steps, then holds it. A torch optimizer on purpose: DeepSpeed's config-named ones JIT-compile."""
+    """AdamW, and a schedule that ramps the LR linearly over `optim.lr_warmup_steps` trainer
+    steps (the role steps it once per update, after all its mini-batches, as verl), then holds it. A torch optimizer on purpose: DeepSpeed's config-named ones JIT-compile."""
     optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
     warmup = max(0, optim.lr_warmup_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(

@@ -294,14 +294,13 @@ class DeepSpeedEngine(HFExport):
         yield
 
     def step(self) -> dict[str, float]:
-        """Reduces, clips, steps (DeepSpeed skips a step whose grad norm is not finite), advances
-        the LR schedule; returns grad_norm (before clipping) and lr."""
+        """Reduces, clips, steps (DeepSpeed skips a step whose grad norm is not finite); returns
+        grad_norm (before clipping) and lr. The LR schedule advances once per trainer step, not here."""
         lr = self.scheduler.get_last_lr()[0]
         with self._pool_scope():
             self.ds.step()
         grad_norm = self.ds.get_global_grad_norm()
         grad_norm = float(grad_norm.item() if torch.is_tensor(grad_norm) else grad_norm)
-        self.scheduler.step()
         return {"grad_norm": grad_norm, "lr": lr}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -143,7 +143,8 @@ class FSDPEngine(HFExport):
             self.model.set_requires_gradient_sync(True)
 
     def step(self) -> dict[str, float]:
-        """Clips, steps, advances the LR schedule; returns grad_norm (before clipping) and lr."""
+        """Clips and steps; returns grad_norm (before clipping) and lr. The LR schedule advances once
+        per trainer step, not here (see roles/common.run_ppo_updates)."""
         lr = self.scheduler.get_last_lr()[0]
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip)
         if isinstance(grad_norm, DTensor):
@@ -152,7 +153,6 @@ class FSDPEngine(HFExport):
             self.optimizer.step()
         # A non-finite norm means a bad batch: skipping the step keeps the weights usable.
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
         return {"grad_norm": grad_norm.item(), "lr": lr}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

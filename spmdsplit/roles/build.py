@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from omegaconf import OmegaConf
 
 from spmdsplit import algo
 from spmdsplit.engines import build_engine
@@ -54,7 +55,9 @@ def build_actor_pool(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> ActorP
     actor = Actor(build_engine(cfg, "actor", policy, mesh, device, mixed), cfg.actor, temperature, device,
                   rollout_n=cfg.rollout.n)
     reference = ModelSource("causal_lm", path, dtype, seed, remote)
-    ref = Actor(build_engine(cfg, "ref", reference, mesh, device), cfg.actor, temperature, device)
+    # The reference reads the actor's settings but its own micro-batch (verl's ref.log_prob_micro_batch_size_per_gpu).
+    ref_cfg = OmegaConf.merge(cfg.actor, {"log_prob_micro_batch_size_per_gpu": cfg.ref.log_prob_micro_batch_size_per_gpu})
+    ref = Actor(build_engine(cfg, "ref", reference, mesh, device), ref_cfg, temperature, device)
     return ActorPoolRoles(actor, ref, build_rollout(cfg, pools, tokenizer, eos_ids))
 
 

@@ -70,6 +70,7 @@ def run_ppo_updates(engine, batch: Batch, cfg, rollout_n: int, seed: int, device
                 sums[name] = sums.get(name, 0.0) + float(value) * float(weight)
                 weights[name] = weights.get(name, 0.0) + float(weight)
         steps.append(engine.step())
+    engine.scheduler.step()  # once per trainer step, as verl: lr_warmup_steps counts trainer steps
     # Shares summed over the pool give each mini-batch's loss once: weighting each rank's sum by
     # steps / pool size makes the pool-wide mean the loss averaged over optimizer steps.
     sums.update(loss_sums)

@@ -78,13 +78,41 @@ class RuleReward:
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids or [tokenizer.eos_token_id])
         self.custom_fn = custom_fn
+        # The extra numbers of the scores computed since the last pop_extra_metrics: key -> [sum, count].
+        self.extra_sums: dict[str, list[float]] = {}
 
     @torch.no_grad()
-    def compute(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def compute(self, batch: Batch, keep_extras: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (token_level_scores [B, R] with the score on each response's last valid
-        token and 0 elsewhere, scores [B])."""
-        token_level_scores, scores, _ = self.compute_with_extras(batch)
+        token and 0 elsewhere, scores [B]); with keep_extras (training, not validation), keeps
+        the extra numbers for `pop_extra_metrics`."""
+        token_level_scores, scores, extras = self.compute_with_extras(batch)
+        for key, values in extras.items() if keep_extras else ():
+            acc = self.extra_sums.setdefault(key, [0.0, 0.0])
+            numbers = [v for v in values if not math.isnan(v)]
+            acc[0] += sum(numbers)
+            acc[1] += len(numbers)
         return token_level_scores, scores
+
+    def pop_extra_metrics(self, group, device) -> dict[str, float]:
+        """Pool-wide means of the extra numbers a reward function returned in its dict (e.g. "acc")
+        since the last call, as `critic/reward_extra/<key>/mean`. A collective over the pool's group
+        (every rank of the pool calls it); the ranks agree on the keys first, since a rank whose
+        samples gave no "acc" must still join that key's reduction."""
+        import torch.distributed as dist
+
+        from spmdsplit.distributed import pool_reduce_metrics
+
+        keys = set(self.extra_sums)
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            every = [None] * dist.get_world_size(group)
+            dist.all_gather_object(every, sorted(keys), group=group)
+            keys = set().union(*every)
+        sums = {k: self.extra_sums.get(k, [0.0, 0.0])[0] for k in keys}
+        counts = {k: self.extra_sums.get(k, [0.0, 0.0])[1] for k in keys}
+        self.extra_sums = {}
+        means = pool_reduce_metrics(sums, counts, group, device)
+        return {f"critic/reward_extra/{k}/mean": v for k, v in means.items()}
 
     @torch.no_grad()
     def compute_with_extras(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, list[float]]]:

@@ -146,7 +146,7 @@ class RewardModel:
         return int(count.item())
 
     @torch.no_grad()
-    def compute(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def compute(self, batch: Batch, keep_extras: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         responses, response_mask = batch["responses"], batch["response_mask"]
         B, R = responses.shape
         P = batch["input_ids"].shape[1] - R
@@ -179,3 +179,7 @@ class RewardModel:
                 )
             )
         return on_last_token(scores, response_mask), scores
+
+    def pop_extra_metrics(self, group, device) -> dict[str, float]:
+        """A reward model returns scores only: no extra numbers to log (RuleReward's interface)."""
+        return {}

@@ -18,7 +18,7 @@ import tempfile
 import torch
 
 from spmdsplit.data.synthetic import prompt_vocabulary
-from spmdsplit.models import save_hf_folder
+from spmdsplit.models import hf_tensors, save_hf_folder
 
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
 
@@ -85,7 +85,7 @@ def ensure_embedded_model(cache_dir: str = "") -> str:
     try:
         tokenizer = build_tokenizer()
         model = build_model(tokenizer)
-        save_hf_folder(model, model.state_dict(), staging, tokenizer)
+        save_hf_folder(model, hf_tensors(model), staging, tokenizer)
         try:
             os.rename(staging, target)  # atomic: readers see no folder or a whole one
         except OSError:

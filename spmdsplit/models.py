@@ -3,7 +3,10 @@ model and for a real checkpoint: `from_pretrained` on a folder or hub id."""
 
 from __future__ import annotations
 
+import json
 import os
+from dataclasses import dataclass
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -53,47 +56,121 @@ def eos_token_ids(path: str, tokenizer) -> list[int]:
     return ids
 
 
-def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device, seed: int, trust_remote_code=False):
-    from transformers import AutoModelForCausalLM
+# The Auto class of each kind of model a role holds. "value": the policy's backbone with a
+# one-output token-classification head (verl's critic); "reward": a one-output sequence classifier.
+AUTO_CLASSES = {"causal_lm": "AutoModelForCausalLM", "value": "AutoModelForTokenClassification",
+                "reward": "AutoModelForSequenceClassification"}
 
-    torch.manual_seed(seed)  # any freshly initialised weights must be equal on every rank of a pool
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
-    return _no_dropout(model).to(device)
+
+@dataclass(frozen=True)
+class ModelSource:
+    """One model a role holds: which checkpoint, as what kind of model, in which dtype. `read()`
+    loads it whole on the CPU (the pool's reader does this once); `skeleton()` builds the same
+    module tree on the meta device, with no storage, for the ranks that only receive shards.
+
+    `seed` makes any freshly initialised weights (a value head, a reward model's missing score
+    head) the same wherever `read()` runs; shards are filled from the one reader, so they are
+    equal on every rank by construction."""
+
+    kind: str  # a key of AUTO_CLASSES
+    path: str
+    dtype: torch.dtype
+    seed: int = 0
+    trust_remote_code: bool = False
+
+    def _auto(self):
+        import transformers
+
+        return getattr(transformers, AUTO_CLASSES[self.kind])
+
+    def _head_kwargs(self) -> dict:
+        return {} if self.kind == "causal_lm" else {"num_labels": 1}
+
+    def read(self, device: torch.device | str = "cpu") -> nn.Module:
+        torch.manual_seed(self.seed)
+        model = self._auto().from_pretrained(self.path, dtype=self.dtype, trust_remote_code=self.trust_remote_code,
+                                             **self._head_kwargs())
+        return _no_dropout(model).to(device)
+
+    def skeleton(self) -> nn.Module:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(self.path, trust_remote_code=self.trust_remote_code, **self._head_kwargs())
+        with torch.device("meta"):
+            model = self._auto().from_config(config, dtype=self.dtype, trust_remote_code=self.trust_remote_code)
+        return _no_dropout(model)
+
+
+def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device, seed: int, trust_remote_code=False):
+    """A whole causal LM on `device` (tests, the rollout copy)."""
+    return ModelSource("causal_lm", path, dtype, seed, trust_remote_code).read(device)
 
 
 def load_value_model(path: str, dtype: torch.dtype, device: torch.device, seed: int, trust_remote_code=False):
-    """A critic: the policy's backbone with a one-output token-classification head (verl's choice)."""
-    from transformers import AutoModelForTokenClassification
-
-    torch.manual_seed(seed)  # the new value head must start equal on every rank of the pool
-    model = AutoModelForTokenClassification.from_pretrained(
-        path, num_labels=1, dtype=dtype, trust_remote_code=trust_remote_code
-    )
-    return _no_dropout(model).to(device)
+    """A whole critic on `device`: the policy's backbone with a one-output token-classification head."""
+    return ModelSource("value", path, dtype, seed, trust_remote_code).read(device)
 
 
-def save_hf_folder(model: nn.Module, state: dict[str, torch.Tensor], output_dir: str, tokenizer) -> None:
-    """Config + safetensors shards + tokenizer, written by whichever rank calls it.
+def hf_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors an HF checkpoint holds, by their HF names: every parameter once (a tied head
+    comes under its first name only; from_pretrained ties it back) and the persistent buffers."""
+    yield from model.named_parameters()
+    for module_name, module in model.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if name not in module._non_persistent_buffers_set:
+                yield (f"{module_name}.{name}" if module_name else name), buffer
+
+
+def save_hf_folder(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], output_dir: str, tokenizer,
+                   dtype: torch.dtype | None = None, max_shard_bytes: int = 2 * 2**30) -> None:
+    """Config + safetensors shards + tokenizer, written by whichever rank calls it. `weights` is a
+    stream of (HF name, full tensor) such as `hf_tensors(model)` or an engine's `iter_full_weights`
+    (a tied head given once), floating ones written in `dtype` (default: as given), shard by shard as it
+    comes, so at most one shard is held here at a time.
 
     Not `model.save_pretrained`: transformers 5 writes there only on *global* rank 0 once
     torch.distributed is up, so a pool whose first rank is not rank 0 would silently save nothing.
     """
-    from huggingface_hub import save_torch_state_dict
+    from safetensors.torch import save_file
 
     os.makedirs(output_dir, exist_ok=True)
+    shard: dict[str, torch.Tensor] = {}
+    shard_names: list[list[str]] = []
+    shard_bytes = 0
+
+    def flush():
+        save_file(shard, os.path.join(output_dir, f".part-{len(shard_names)}.safetensors"), metadata={"format": "pt"})
+        shard_names.append(list(shard))
+        shard.clear()
+
+    for name, tensor in weights:
+        # A copy of its own: gathered weights can be views into one large communication buffer,
+        # which safetensors refuses to write.
+        cast = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+        tensor = tensor.detach().to("cpu", dtype=cast, copy=True).contiguous()
+        if shard and shard_bytes + tensor.nbytes > max_shard_bytes:
+            flush()
+            shard_bytes = 0
+        shard[name] = tensor
+        shard_bytes += tensor.nbytes
+    if shard or not shard_names:
+        flush()
+    # HF's names: one file "model.safetensors", or numbered parts and an index of where each weight is.
+    if len(shard_names) == 1:
+        os.replace(os.path.join(output_dir, ".part-0.safetensors"), os.path.join(output_dir, "model.safetensors"))
+    else:
+        weight_map = {}
+        for i, names in enumerate(shard_names):
+            file = f"model-{i + 1:05d}-of-{len(shard_names):05d}.safetensors"
+            os.replace(os.path.join(output_dir, f".part-{i}.safetensors"), os.path.join(output_dir, file))
+            weight_map.update(dict.fromkeys(names, file))
+        with open(os.path.join(output_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
     config = model.config
     config.architectures = [type(model).__name__.removeprefix("FSDP")]  # fully_shard renames the class
+    if dtype is not None:
+        config.dtype = dtype  # what from_pretrained(dtype="auto") loads it as
     config.save_pretrained(output_dir)
     if getattr(model, "generation_config", None) is not None and model.can_generate():
         model.generation_config.save_pretrained(output_dir)
-    tensors, seen = {}, set()
-    for name, tensor in state.items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
-        if key in seen:
-            continue  # a tied weight (head = embeddings): stored once, from_pretrained ties it back
-        seen.add(key)
-        # A copy of its own: gathered weights can be views into one large communication buffer,
-        # which safetensors refuses to write.
-        tensors[name] = tensor.detach().to("cpu", copy=True).contiguous()
-    save_torch_state_dict(tensors, output_dir)
     tokenizer.save_pretrained(output_dir)

@@ -127,7 +127,7 @@ class Trainer:
         if P.is_actor:
             prompts = self.prompts_for(step)
             with phase("sync_weights", step):
-                self.rollout.load_weights(self.actor.engine.full_state_dict())
+                self.rollout.load_weights(self.actor.engine.iter_full_weights(self.rollout.dtype))
             parts, sends = [], []
             for c, chunk_prompts in enumerate(prompts.split(len(prompts) // chunks)):
                 with phase("gen", step, chunk=c):
@@ -209,7 +209,7 @@ class Trainer:
         num_rows = len(rows) * n
         if P.is_actor:
             with self.timer.phase("sync_weights", step):
-                self.rollout.load_weights(self.actor.engine.full_state_dict())
+                self.rollout.load_weights(self.actor.engine.iter_full_weights(self.rollout.dtype))
             start, end = row_ranges(len(rows), len(A))[P.rank_in("actor")]
             per_batch = max(1, self.batch_size // len(A))  # generate in training-sized batches
             parts = []

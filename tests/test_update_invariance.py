@@ -35,7 +35,7 @@ def make_batch(vocab: int):
     })
 
 
-def _update(rank, world_size, model_dir, role, micro, loss_agg_mode="token-mean"):
+def _update(rank, world_size, model_dir, role, micro, loss_agg_mode="token-mean", checkpointing=False):
     from spmdsplit.config import ActorConfig, CriticConfig, OptimConfig
     from spmdsplit.engines.fsdp import FSDPEngine
     from spmdsplit.exchange import row_ranges
@@ -55,7 +55,8 @@ def _update(rank, world_size, model_dir, role, micro, loss_agg_mode="token-mean"
         cfg = CriticConfig(optim=optim, ppo_mini_batch_size=ROWS, ppo_micro_batch_size_per_gpu=micro,
                            cliprange_value=0.05, shuffle=False, loss_agg_mode=loss_agg_mode)
         model = load_value_model(model_dir, torch.float32, device, seed=3)
-        worker = Critic(FSDPEngine(model, mesh, cfg.optim), cfg, device)
+        worker = Critic(FSDPEngine(model, mesh, cfg.optim, activation_checkpointing=checkpointing), cfg, device)
+        assert model.is_gradient_checkpointing == checkpointing
     batch = make_batch(model.config.vocab_size)
     start, end = row_ranges(ROWS, world_size)[rank]
     mine = batch.slice(start, end)
@@ -101,3 +102,34 @@ def _initial_state(model_dir, role):
 
     load = load_causal_lm if role == "actor" else load_value_model
     return {k: v.clone() for k, v in load(model_dir, torch.float32, torch.device("cpu"), seed=3).state_dict().items()}
+
+
+def _critic_update_counting_blocks(rank, world_size, model_dir, checkpointing):
+    """A critic update on the pool, and how often its transformer blocks ran forward meanwhile
+    (checkpointing runs each again in the backward)."""
+    import transformers
+
+    calls = []
+    layer = transformers.models.qwen2.modeling_qwen2.Qwen2DecoderLayer
+    original = layer.forward
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    layer.forward = counted
+    state, metrics = _update(rank, world_size, model_dir, "critic", 2, checkpointing=checkpointing)
+    return state, metrics, len(calls)
+
+
+def test_activation_checkpointing_leaves_the_critic_update_unchanged(model_dir):
+    """On a pool of two: the same weights and metrics with and without checkpointing, which did
+    run (blocks ran forward more often)."""
+    plain = run_ranks(_critic_update_counting_blocks, 2, model_dir, False)
+    checkpointed = run_ranks(_critic_update_counting_blocks, 2, model_dir, True)
+    for (expected, m_plain, calls_plain), (got, m_ckpt, calls_ckpt) in zip(plain, checkpointed):
+        assert calls_ckpt > calls_plain, "checkpointing did not recompute any block"
+        for name in expected:
+            torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-6, msg=name)
+        assert m_ckpt["critic/vf_loss"] == pytest.approx(m_plain["critic/vf_loss"], rel=1e-6)
+        assert m_ckpt["critic/grad_norm"] == pytest.approx(m_plain["critic/grad_norm"], rel=1e-5)

@@ -1,13 +1,16 @@
 """Training engines over one pool's group: FSDP2 (`fsdp.py`) and DeepSpeed ZeRO (`deepspeed.py`).
 
-Both offer the same small interface the roles use (`model`, `group`, `dp_size`, `__call__`,
-`backward`, `step`, `full_state_dict`, `save_hf`, `save_checkpoint`, `load_checkpoint`);
-`build_engine` picks one per role from the config. DeepSpeed is imported only when chosen.
+Both offer the same small interface the roles use (`model`, `group`, `dp_size`, `compute_dtype`,
+`__call__`, `backward`, `grad_sync`, `step`, `iter_full_weights`, `full_state_dict`, `save_hf`,
+`save_checkpoint`, `load_checkpoint`) and build themselves from a `ModelSource`
+(`from_source`); `build_engine` picks one per role from the config. DeepSpeed is imported only
+when chosen.
 """
 
 from __future__ import annotations
 
 from spmdsplit.engines.fsdp import FSDPEngine
+from spmdsplit.models import ModelSource
 
 # role -> (its config section, the trained role it follows when its own keys are unset, trains?)
 ROLES = {
@@ -34,14 +37,17 @@ def engine_choice(cfg, role: str) -> tuple[str, int]:
     return engine, stage
 
 
-def build_engine(cfg, role: str, model, mesh, param_dtype=None):
-    """The engine of `role` ("actor", "ref", "critic", "reward_model") over the pool `mesh`: trained
-    roles get their optimizer config, inference-only ones none."""
+def build_engine(cfg, role: str, source: ModelSource, mesh, device, param_dtype=None):
+    """The engine of `role` ("actor", "ref", "critic", "reward_model") over the pool `mesh`, its model
+    loaded from `source` straight into the engine's layout: trained roles get their optimizer
+    config and activation checkpointing when `model.gradient_checkpointing` is set, inference-only
+    ones neither."""
     engine, stage = engine_choice(cfg, role)
     section, _, trains = ROLES[role]
     optim = cfg[section].optim if trains else None
+    checkpointing = trains and cfg.model.gradient_checkpointing
     if engine == "fsdp":
-        return FSDPEngine(model, mesh, optim, param_dtype)
+        return FSDPEngine.from_source(source, mesh, device, optim, param_dtype, checkpointing)
     from spmdsplit.engines.deepspeed import DeepSpeedEngine
 
-    return DeepSpeedEngine(model, mesh.get_group(), stage, optim, param_dtype)
+    return DeepSpeedEngine.from_source(source, mesh.get_group(), stage, device, optim, param_dtype, checkpointing)

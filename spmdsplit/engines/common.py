@@ -1,8 +1,10 @@
-"""What both engines share: the optimizer and LR schedule of a trained role, and the HF export."""
+"""What both engines share: the optimizer and LR schedule of a trained role, activation
+checkpointing, the HF names of a model's weights and the HF export."""
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from spmdsplit.models import save_hf_folder
 
@@ -18,12 +20,23 @@ def adamw_with_warmup(params, optim) -> tuple[torch.optim.Optimizer, torch.optim
     return optimizer, scheduler
 
 
+def apply_ac(model: nn.Module) -> None:
+    """Activation checkpointing of every transformer block, non-reentrant (the variant that works
+    under FSDP2 and ZeRO-3, and with inputs that need no grad), by HF's own switch: parameter names stay HF's."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 class HFExport:
-    """`save_hf` for an engine that has `model` and a pool-scoped `full_state_dict()`."""
+    """`save_hf` for an engine that has `model`, `compute_dtype` and a pool-collective
+    `iter_full_weights(dtype)`."""
 
     def save_hf(self, output_dir: str, tokenizer, is_writer: bool) -> None:
-        """Writes a folder `AutoModel*.from_pretrained` loads; every pool rank must call it (the
-        gather is a pool collective), and `is_writer` (the pool's first rank) writes."""
-        state = self.full_state_dict()
+        """Writes a folder `AutoModel*.from_pretrained` loads, in the model's compute dtype (bf16
+        when it computes in bf16, not its fp32 masters), one weight gathered at a time. Every pool
+        rank must call it (the gathers are pool collectives); `is_writer` (the pool's first rank) writes."""
+        weights = self.iter_full_weights(self.compute_dtype)
         if is_writer:
-            save_hf_folder(self.model, state, output_dir, tokenizer)
+            save_hf_folder(self.model, weights, output_dir, tokenizer, dtype=self.compute_dtype)
+        else:
+            for _ in weights:  # take part in each gather, keep nothing
+                pass

@@ -42,13 +42,14 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from spmdsplit.engines.common import HFExport, adamw_with_warmup
+from spmdsplit.engines.common import HFExport, adamw_with_warmup, apply_ac
+from spmdsplit.models import ModelSource, hf_tensors
 
 # DeepSpeed 0.19 calls torch's all_gather_into_tensor / reduce_scatter_tensor, which torch 2.13
 # deprecates with a FutureWarning on every call: theirs to change, and noise in every step's log.
@@ -227,7 +228,8 @@ class DeepSpeedEngine(HFExport):
     """A model under DeepSpeed ZeRO over a pool, with AdamW, linear warmup and grad clipping when it
     trains; `zero_stage` 0 (no sharding) or 3 for a frozen model (reference, reward model)."""
 
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup, zero_stage: int, optim=None, param_dtype=None):
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup, zero_stage: int, optim=None, param_dtype=None,
+                 activation_checkpointing: bool = False):
         import deepspeed
 
         if optim is None and zero_stage not in (0, 3):
@@ -242,8 +244,11 @@ class DeepSpeedEngine(HFExport):
         self.device = next(model.parameters()).device
         if optim is None and param_dtype is None and next(model.parameters()).dtype == torch.bfloat16:
             param_dtype = torch.bfloat16  # a frozen model held in bf16 (GPU): DeepSpeed must keep it so
+        self.compute_dtype = param_dtype or next(model.parameters()).dtype
         init_deepspeed_comm()
         _install_pool_scoping()
+        if activation_checkpointing:
+            apply_ac(model)
         optimizer = scheduler = None
         if optim is None:
             model.requires_grad_(False)
@@ -261,6 +266,11 @@ class DeepSpeedEngine(HFExport):
         if optim is None:
             self.model.eval()
 
+    @classmethod
+    def from_source(cls, source: ModelSource, group: dist.ProcessGroup, zero_stage: int, device: torch.device,
+                    optim=None, param_dtype=None, activation_checkpointing: bool = False) -> "DeepSpeedEngine":
+        return cls(source.read(device), group, zero_stage, optim, param_dtype, activation_checkpointing)
+
     @contextlib.contextmanager
     def _pool_scope(self):
         _ACTIVE_GROUPS.append(self.group)
@@ -276,6 +286,12 @@ class DeepSpeedEngine(HFExport):
     def backward(self, loss: torch.Tensor) -> None:
         with self._pool_scope():
             self.ds.backward(loss * self.dp_size)
+
+    @contextlib.contextmanager
+    def grad_sync(self, enabled: bool):
+        """Nothing to switch: with managed_gradient_accumulation=false, `backward` only accumulates
+        and `step` reduces, once per mini-batch (the module docstring)."""
+        yield
 
     def step(self) -> dict[str, float]:
         """Reduces, clips, steps (DeepSpeed skips a step whose grad norm is not finite), advances
@@ -307,6 +323,30 @@ class DeepSpeedEngine(HFExport):
                         clones[key] = tensor.detach().clone()
                     state[name] = clones[key]
             return state
+
+    @torch.no_grad()
+    def iter_full_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, whole tensor in `dtype`) for each weight. ZeRO-3 gathers one module's own
+        parameters at a time over the pool and hands out cast copies after releasing them; ZeRO
+        0/1/2 hold them whole already. A pool collective under ZeRO-3: every rank of the pool must
+        consume the whole stream, in order."""
+        cast = (lambda t: t.detach().to(dtype, copy=True)) if dtype is not None else (lambda t: t.detach().clone())
+        if self.zero_stage != 3:
+            for name, tensor in hf_tensors(self.model):
+                yield name, cast(tensor)
+            return
+        import deepspeed
+
+        names = {id(t): n for n, t in hf_tensors(self.model)}
+        for module in self.model.modules():
+            own = [p for p in module.parameters(recurse=False) if id(p) in names]
+            buffers = [b for b in module.buffers(recurse=False) if id(b) in names]
+            if not own and not buffers:
+                continue
+            with self._pool_scope(), deepspeed.zero.GatheredParameters(own, modifier_rank=None):
+                gathered = [(names.pop(id(t)), cast(t)) for t in own + buffers]
+            yield from gathered
+            del gathered
 
     def save_checkpoint(self, path: str) -> None:
         """Weights, optimizer and LR schedule under `path` (which the caller publishes); every rank

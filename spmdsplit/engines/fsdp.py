@@ -7,15 +7,21 @@ the pool's own group, never the world. So the other pool can be doing anything m
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+from typing import Iterator
+
 import torch
-from torch import nn
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 
-from spmdsplit.engines.common import HFExport, adamw_with_warmup
+from spmdsplit.engines.common import HFExport, adamw_with_warmup, apply_ac
+from spmdsplit.models import ModelSource, hf_tensors
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | None = None) -> nn.Module:
@@ -31,6 +37,58 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | No
     return model
 
 
+def parallelize(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | None = None,
+                activation_checkpointing: bool = False) -> nn.Module:
+    """The one way every role's model is prepared for its pool (torchtitan's parallelize_*):
+    activation checkpointing if asked (trained roles), then FSDP2."""
+    if activation_checkpointing:
+        apply_ac(model)
+    return apply_fsdp(model, mesh, param_dtype)
+
+
+@torch.no_grad()
+def fill_from_reader(model: nn.Module, reader: nn.Module | None, group: dist.ProcessGroup) -> None:
+    """Gives each parameter and buffer of the sharded `model` (fresh from `to_empty`) the value it
+    has in `reader`, the whole model that the pool's first rank loaded (None on the other ranks).
+    One tensor at a time: the first rank broadcasts it whole over the pool, each rank keeps its
+    own shard, and the whole tensor is freed before the next. Written by hand, not with
+    `set_model_state_dict(broadcast_from_rank0=True)`: torch 2.13 broadcasts that from *global*
+    rank 0, which is not in the critic pool. Buffers are included: the rotary tables are not in
+    the checkpoint, and `to_empty` leaves them uninitialised."""
+    src = dist.get_global_rank(group, 0)
+    if reader is not None:
+        given = dict(reader.named_parameters(remove_duplicate=False))
+        given.update(reader.named_buffers(remove_duplicate=False))
+    for name, target in itertools.chain(model.named_parameters(), model.named_buffers()):
+        local = target.to_local() if isinstance(target, DTensor) else target
+        if reader is not None:
+            full = given[name].detach().to(device=local.device, dtype=local.dtype, copy=True)
+        else:
+            full = torch.empty(target.shape, dtype=local.dtype, device=local.device)
+        dist.broadcast(full, src=src, group=group)
+        if isinstance(target, DTensor):  # this rank's slice, cut the way FSDP cut it, no communication
+            full = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
+        local.copy_(full)
+        del full
+
+
+def load_into_shards(source: ModelSource, mesh: DeviceMesh, device: torch.device, param_dtype=None,
+                     activation_checkpointing: bool = False) -> nn.Module:
+    """`source` sharded over the pool `mesh`, without any rank but the pool's first ever holding
+    it whole: every rank builds the model on the meta device and shards it, the shards get their
+    storage, and the first rank reads the checkpoint (on the CPU) and hands it out tensor by
+    tensor (`fill_from_reader`). A pool of one rank just reads it."""
+    if mesh.size() == 1:
+        return parallelize(source.read(device), mesh, param_dtype, activation_checkpointing)
+    group = mesh.get_group()
+    model = parallelize(source.skeleton(), mesh, param_dtype, activation_checkpointing)
+    model.to_empty(device=device)
+    reader = source.read("cpu") if dist.get_rank(group) == 0 else None
+    fill_from_reader(model, reader, group)
+    del reader
+    return model
+
+
 class FSDPEngine(HFExport):
     """A model sharded over a pool, with AdamW, linear warmup and grad clipping when it trains.
 
@@ -39,11 +97,17 @@ class FSDPEngine(HFExport):
     `backward` multiplies by the pool size to turn that average back into the sum of shares.
     """
 
-    def __init__(self, model: nn.Module, mesh: DeviceMesh, optim=None, param_dtype=None):
+    def __init__(self, model: nn.Module, mesh: DeviceMesh, optim=None, param_dtype=None,
+                 activation_checkpointing: bool = False):
+        """`model`: whole on this rank (it is parallelized here), or already sharded (`load_into_shards`)."""
         self.mesh = mesh
         self.group = mesh.get_group()
         self.dp_size = mesh.size()
-        self.model = apply_fsdp(model, mesh, param_dtype)
+        if not isinstance(model, FSDPModule):
+            model = parallelize(model, mesh, param_dtype, activation_checkpointing)
+        self.model = model
+        # What the model computes in: the mixed-precision dtype, else its parameters' own.
+        self.compute_dtype = param_dtype or next(model.parameters()).dtype
         self.optim_cfg = optim
         self.optimizer = None
         self.scheduler = None
@@ -53,11 +117,30 @@ class FSDPEngine(HFExport):
             return
         self.optimizer, self.scheduler = adamw_with_warmup(self.model.parameters(), optim)
 
+    @classmethod
+    def from_source(cls, source: ModelSource, mesh: DeviceMesh, device: torch.device, optim=None,
+                    param_dtype=None, activation_checkpointing: bool = False) -> "FSDPEngine":
+        """The engine of a model loaded straight into its shards (`load_into_shards`)."""
+        model = load_into_shards(source, mesh, device, param_dtype, activation_checkpointing)
+        return cls(model, mesh, optim, param_dtype)
+
     def __call__(self, *args, **kwargs):
         return self.model(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
         (loss * self.dp_size).backward()
+
+    @contextlib.contextmanager
+    def grad_sync(self, enabled: bool):
+        """Backwards inside with `enabled=False` keep their gradients unsharded on this rank and
+        add the next ones to them, instead of reduce-scattering each: for all micro-batches of a
+        mini-batch but the last, whose backward then reduces the sum once. Costs a whole
+        unsharded gradient per rank meanwhile; saves a reduce-scatter per micro-batch."""
+        self.model.set_requires_gradient_sync(enabled)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
 
     def step(self) -> dict[str, float]:
         """Clips, steps, advances the LR schedule; returns grad_norm (before clipping) and lr."""
@@ -73,9 +156,19 @@ class FSDPEngine(HFExport):
         return {"grad_norm": grad_norm.item(), "lr": lr}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded weights on every rank of the pool (a pool-scoped all-gather)."""
+        """Unsharded weights on every rank of the pool (a pool-scoped all-gather). For tests and
+        small models only: the weight sync and the HF export use `iter_full_weights`."""
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
 
+    @torch.no_grad()
+    def iter_full_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, whole tensor in `dtype`) for each weight, one at a time: all-gathered over the
+        pool, cast, handed over, and freed when the consumer asks for the next. A pool collective:
+        every rank of the pool must consume the whole stream, in order."""
+        for name, tensor in hf_tensors(self.model):
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+            yield name, full.to(dtype) if dtype is not None else full
+            del full
 
     def save_checkpoint(self, path: str) -> None:
         """Weights, optimizer and LR schedule under `path`, each rank writing its own shards

@@ -13,13 +13,13 @@ import torch
 
 from spmdsplit import algo
 from spmdsplit.engines import build_engine
-from spmdsplit.models import load_causal_lm, load_tokenizer, load_value_model, resolve_dtype
+from spmdsplit.models import ModelSource, load_causal_lm, load_tokenizer, resolve_dtype
 from spmdsplit.placement import Pools
 from spmdsplit.rewards.custom import load_custom_reward_fn
 from spmdsplit.roles.actor import Actor
 from spmdsplit.roles.critic import Critic
 from spmdsplit.roles.reward import RuleReward
-from spmdsplit.roles.reward_model import RewardModel, load_reward_model
+from spmdsplit.roles.reward_model import RewardModel
 from spmdsplit.rollout.hf import HFRollout
 
 
@@ -48,13 +48,14 @@ def build_actor_pool(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> ActorP
     device, seed, remote, path = pools.device, cfg.trainer.seed, cfg.model.trust_remote_code, cfg.model.path
     dtype, mixed = compute_dtypes(cfg, device)
     temperature = cfg.rollout.temperature
-    policy = load_causal_lm(path, torch.float32, device, seed, remote)
-    if cfg.model.gradient_checkpointing:
-        policy.gradient_checkpointing_enable()
-    actor = Actor(build_engine(cfg, "actor", policy, pools.actor_mesh, mixed), cfg.actor, temperature, device,
+    mesh = pools.actor_mesh
+    # Trained: fp32 masters, computing in `mixed`. Frozen: held in the compute dtype outright.
+    policy = ModelSource("causal_lm", path, torch.float32, seed, remote)
+    actor = Actor(build_engine(cfg, "actor", policy, mesh, device, mixed), cfg.actor, temperature, device,
                   rollout_n=cfg.rollout.n)
-    reference = load_causal_lm(path, dtype, device, seed, remote)
-    ref = Actor(build_engine(cfg, "ref", reference, pools.actor_mesh), cfg.actor, temperature, device)
+    reference = ModelSource("causal_lm", path, dtype, seed, remote)
+    ref = Actor(build_engine(cfg, "ref", reference, mesh, device), cfg.actor, temperature, device)
+    # generate() needs the whole model on each rank; its weights come from the actor before each rollout.
     rollout_model = load_causal_lm(path, dtype, device, seed, remote)
     rollout = HFRollout(rollout_model, tokenizer, cfg.rollout, cfg.data.max_response_length, eos_ids,
                         val_cfg=cfg.rollout.val_kwargs)
@@ -66,16 +67,16 @@ def build_critic_pool(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> Criti
     dtype, mixed = compute_dtypes(cfg, device)
     critic = None
     if cfg.algorithm.adv_estimator == "gae":
-        value_model = load_value_model(cfg.critic.model_path or cfg.model.path, torch.float32, device, seed, remote)
-        critic = Critic(build_engine(cfg, "critic", value_model, pools.critic_mesh, mixed), cfg.critic, device,
-                        rollout_n=cfg.rollout.n)
+        value_model = ModelSource("value", cfg.critic.model_path or cfg.model.path, torch.float32, seed, remote)
+        critic = Critic(build_engine(cfg, "critic", value_model, pools.critic_mesh, device, mixed), cfg.critic,
+                        device, rollout_n=cfg.rollout.n)
     custom = cfg.reward.custom_fn
     custom_fn = load_custom_reward_fn(custom.path, custom.name) if custom.path else None
     reward = RuleReward(tokenizer, eos_ids, custom_fn=custom_fn)
     if cfg.reward.model.path:  # a reward model replaces the rule scores, as in verl
         rm_path = cfg.reward.model.path
-        rm_engine = build_engine(cfg, "reward_model", load_reward_model(rm_path, dtype, device, seed, remote),
-                                 pools.critic_mesh)
+        rm_engine = build_engine(cfg, "reward_model", ModelSource("reward", rm_path, dtype, seed, remote),
+                                 pools.critic_mesh, device)
         reward = RewardModel(rm_engine, load_tokenizer(rm_path, remote), tokenizer,
                              cfg.reward.model.micro_batch_size_per_gpu, device, eos_ids)
     kl = cfg.algorithm.kl_ctrl

@@ -68,8 +68,10 @@ def run_ppo_updates(engine, batch: Batch, cfg, rollout_n: int, seed: int, device
     steps = []
     for mini in minibatches(batch, mini_rows, cfg.ppo_epochs, cfg.shuffle, seed):
         num_tokens, num_seqs = global_counts(mini, engine.group, device)
-        for micro in mini.split(cfg.ppo_micro_batch_size_per_gpu):
-            loss_shares, pieces = micro_loss(micro, num_tokens, num_seqs)
+        micros = mini.split(cfg.ppo_micro_batch_size_per_gpu)
+        for k, micro in enumerate(micros):
+            with engine.grad_sync(k == len(micros) - 1):  # reduce gradients once, on the last micro-batch
+                loss_shares, pieces = micro_loss(micro, num_tokens, num_seqs)
             for name, share in loss_shares.items():
                 loss_sums[name] = loss_sums.get(name, 0.0) + float(share)
             for name, (value, weight) in pieces.items():

@@ -26,21 +26,15 @@ import torch.distributed as dist
 from torch import nn
 
 from spmdsplit.batch import Batch
-from spmdsplit.models import _no_dropout
+from spmdsplit.models import ModelSource
 from spmdsplit.roles.reward import RewardError, describe_sample, on_last_token, response_texts
 
 
 def load_reward_model(path: str, dtype: torch.dtype, device: torch.device, seed: int, trust_remote_code: bool = False):
     """The reward model, one output (`num_labels=1`). A checkpoint that has no such head (a plain
-    causal LM) gets a fresh one, equal on every rank thanks to the seed; that is only useful in
+    causal LM) gets a fresh one, equal wherever it is read thanks to the seed; that is only useful in
     tests, a real reward model is a trained sequence classifier."""
-    from transformers import AutoModelForSequenceClassification
-
-    torch.manual_seed(seed)
-    model = AutoModelForSequenceClassification.from_pretrained(
-        path, num_labels=1, dtype=dtype, trust_remote_code=trust_remote_code
-    )
-    return _no_dropout(model).to(device)
+    return ModelSource("reward", path, dtype, seed, trust_remote_code).read(device)
 
 
 def default_max_length(prompt_len: int, response_len: int) -> int:

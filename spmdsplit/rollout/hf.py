@@ -3,11 +3,13 @@
 Why a copy and not the FSDP actor itself: `generate` on an FSDP-managed model turns
 `synced_gpus` on and all-reduces over the *world* every token (it would hang the other pool),
 and each rank's prompts stop at different lengths, so per-token FSDP all-gathers inside the pool
-would not line up either. The copy is refreshed from the actor's full weights before each
-rollout (`load_weights`), which is the same contract a vLLM engine will have.
+would not line up either. The copy is refreshed from the actor before each rollout by `load_weights`,
+which takes the weights as a stream of (name, tensor), as a vLLM engine's will.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
 
 import torch
 from transformers import GenerationConfig
@@ -55,9 +57,34 @@ class HFRollout:
             pad_token_id=self.pad_token_id,
         )
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype weights are best streamed in (`load_weights` casts anything else)."""
+        return self.model.dtype
+
     @torch.no_grad()
-    def load_weights(self, named_tensors: dict[str, torch.Tensor]) -> None:
-        self.model.load_state_dict(named_tensors, strict=True)
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> None:
+        """Copies each (HF name, whole tensor) of the stream into the copy as it arrives, keeping
+        none of them: the stream may be a pool collective (`engine.iter_full_weights`) that gathers
+        one tensor per item. Strict: an unknown name, a wrong shape, or a parameter the stream
+        never gave raises (a tied head needs only its first name)."""
+        if isinstance(weights, Mapping):
+            weights = weights.items()
+        first_name = {id(p): n for n, p in self.model.named_parameters()}  # a tied head -> its first name
+        targets = {n: (p, first_name[id(p)]) for n, p in self.model.named_parameters(remove_duplicate=False)}
+        targets.update((n, (b, n)) for n, b in self.model.named_buffers())
+        missing = set(first_name.values())
+        for name, tensor in weights:
+            if name not in targets:
+                raise RuntimeError(f"load_weights: the rollout model has no weight named {name!r}")
+            target, first = targets[name]
+            if target.shape != tensor.shape:
+                raise RuntimeError(f"load_weights: {name} has shape {tuple(tensor.shape)}, "
+                                   f"the rollout model's {tuple(target.shape)}")
+            target.copy_(tensor)
+            missing.discard(first)
+        if missing:
+            raise RuntimeError(f"load_weights: no weights given for {sorted(missing)}")
 
     @torch.no_grad()
     def generate(self, prompts: Batch, validate: bool = False) -> Batch:

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Callable, Hashable, Sequence
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor
 
 ReduceSum = Callable[[Tensor], Tensor]
@@ -31,7 +32,7 @@ __all__ = [
     "compute_reinforce_plus_plus_baseline_outcome_advantage", "compute_remax_outcome_advantage",
     "kl_penalty", "FixedKLController", "AdaptiveKLController", "get_kl_controller", "apply_kl_penalty",
     "LOSS_AGG_MODES", "agg_loss", "compute_policy_loss", "compute_value_loss",
-    "logprobs_from_logits", "entropy_from_logits", "compute_explained_variance",
+    "logprobs_from_logits", "logprobs_and_entropy", "entropy_from_logits", "compute_explained_variance",
 ]
 
 
@@ -391,19 +392,58 @@ def compute_value_loss(vpreds: Tensor, returns: Tensor, values: Tensor, response
 
 # ----------------------------------------------------------------------------- logits helpers
 
-def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
-    """log softmax(logits)[label] for logits [..., vocab] and labels [...].
+def logprobs_from_logits(logits: Tensor, labels: Tensor, temperature: float = 1.0) -> Tensor:
+    """log softmax(logits / temperature)[label] for logits [..., vocab] and labels [...], in fp32."""
+    return logprobs_and_entropy(logits, labels, temperature)[0]
 
-    fp32/fp64: label logit - logsumexp, never materialising a second vocab-sized tensor. Half
-    precision: upcast one leading-dim slice at a time (log-probs in fp32, since PPO ratios need the
-    precision) so the forward never holds a full fp32 copy of the logits.
+
+# Positions per chunk of the log-softmax: at most this many logits (256 MB in fp32) exist in fp32 at once.
+CHUNK_ELEMENTS = 1 << 26
+
+
+def logprobs_and_entropy(logits: Tensor, labels: Tensor, temperature: float = 1.0, entropy: str = "none",
+                         chunk_elements: int = CHUNK_ELEMENTS) -> tuple[Tensor, Tensor | None]:
+    """Log-probs of `labels` (and, if asked, the entropy) under softmax(logits / temperature), in fp32.
+
+    entropy: "none" | "grad" (part of the graph, for an entropy bonus) | "detached" (for logging
+    only: verl builds no entropy graph when its coefficient is 0).
+
+    Over a vocabulary of 152k, the fp32 copy of a micro-batch's logits (and the softmax the entropy
+    needs) would dwarf the model's activations. So the positions go through in chunks of at most
+    `chunk_elements` logits, each upcast and temperature-divided on its own; with grad, each chunk
+    is checkpointed, so backward keeps only the logits in their own dtype and recomputes one fp32
+    chunk at a time.
     """
-    if logits.dtype in (torch.float32, torch.float64):
-        picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-        return picked - torch.logsumexp(logits, dim=-1)
-    rows = [torch.log_softmax(row.float(), dim=-1).gather(-1, lab.unsqueeze(-1)).squeeze(-1)
-            for row, lab in zip(logits, labels)]
-    return torch.stack(rows)
+    if entropy not in ("none", "grad", "detached"):
+        raise ValueError(f"entropy={entropy!r}: expected none | grad | detached")
+    lead, vocab = labels.shape, logits.shape[-1]
+    flat_logits, flat_labels = logits.reshape(-1, vocab), labels.reshape(-1)
+    rows = max(1, chunk_elements // vocab)
+    log_probs, entropies = [], []
+    for start in range(0, flat_labels.numel(), rows):
+        chunk, chunk_labels = flat_logits[start:start + rows], flat_labels[start:start + rows]
+        if torch.is_grad_enabled() and chunk.requires_grad:
+            out = torch.utils.checkpoint.checkpoint(_chunk_logprob_entropy, chunk, chunk_labels, temperature,
+                                                    entropy, use_reentrant=False)
+        else:
+            out = _chunk_logprob_entropy(chunk, chunk_labels, temperature, entropy)
+        log_probs.append(out[0])
+        entropies.append(out[1])
+    log_prob = torch.cat(log_probs).reshape(lead)
+    return log_prob, None if entropy == "none" else torch.cat(entropies).reshape(lead)
+
+
+def _chunk_logprob_entropy(logits: Tensor, labels: Tensor, temperature: float, entropy: str):
+    z = logits.float()  # a no-op on fp32 logits; on half precision, only this chunk is upcast
+    if temperature != 1.0:
+        z = z / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    log_prob = z.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
+    if entropy == "none":
+        return log_prob, None
+    with torch.set_grad_enabled(entropy == "grad" and torch.is_grad_enabled()):
+        ent = lse - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
+    return log_prob, ent
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:

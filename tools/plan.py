@@ -1,5 +1,7 @@
 """`python -m tools.plan --world-size W [--ranks-per-node L] [-- key=value ...]`
 
+(`python -m tools.plan --memory ...` predicts per-rank memory instead: see tools/memory.py.)
+
 Picks the actor/critic split of a world for a workload: verl's "give the slower pool more
 ranks", made automatic. It profiles a short `split` run of the workload (2 ranks, 1+1, with
 `placement.overlap=false` so each phase is timed with the other pool idle), then predicts the
@@ -122,6 +124,11 @@ def render(profile: dict, accepted: list[dict], rejected: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--memory" in argv:
+        from tools import memory
+
+        return memory.main([a for a in argv if a != "--memory"])
     p = argparse.ArgumentParser(prog="tools.plan", description=__doc__.splitlines()[0])
     p.add_argument("--world-size", type=int, required=True, help="ranks of the job to plan (W)")
     p.add_argument("--ranks-per-node", type=int, help="ranks per node (L); default: one node of W")
@@ -131,7 +138,7 @@ def main(argv=None) -> int:
     p.add_argument("--profile", help="reuse a profile.json from an earlier plan instead of profiling")
     p.add_argument("--out", default="outputs/plan", help="where the profiling job and plan.json go")
     p.add_argument("overrides", nargs="*", help="key=value train overrides: the workload")
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    args = p.parse_args(argv)
     try:
         candidates(args.world_size, args.ranks_per_node)
         if args.profile:

@@ -14,17 +14,16 @@ class Actor:
         self.engine, self.cfg, self.temperature, self.device = engine, cfg, temperature, device
         self.rollout_n = rollout_n
 
-    def _log_probs(self, micro: Batch, with_entropy: bool):
-        # Logits divided by the sampling temperature: the log-probs must be those of the
-        # distribution the rollout actually sampled from.
-        logits = forward_response(self.engine, micro).float() / self.temperature
-        log_probs = algo.logprobs_from_logits(logits, micro["responses"])
-        entropy = algo.entropy_from_logits(logits) if with_entropy else None
-        return log_probs, entropy
+    def _log_probs(self, micro: Batch, entropy: str):
+        """(log-probs, entropy or None) of the response tokens; entropy: none | grad | detached
+        (see algo.logprobs_and_entropy). Divided by the sampling temperature: the log-probs must
+        be those of the distribution the rollout actually sampled from."""
+        logits = forward_response(self.engine, micro, response_only=True)
+        return algo.logprobs_and_entropy(logits, micro["responses"], self.temperature, entropy)
 
     @torch.no_grad()
     def compute_log_prob(self, batch: Batch) -> torch.Tensor:
-        parts = [self._log_probs(m, False)[0] for m in batch.split(self.cfg.log_prob_micro_batch_size_per_gpu)]
+        parts = [self._log_probs(m, "none")[0] for m in batch.split(self.cfg.log_prob_micro_batch_size_per_gpu)]
         return torch.cat(parts)
 
     def update_policy(self, batch: Batch, seed: int) -> dict[str, float]:
@@ -33,7 +32,8 @@ class Actor:
 
         def micro_loss(micro: Batch, num_tokens, num_seqs):
             mask = micro["response_mask"]
-            log_prob, entropy = self._log_probs(micro, with_entropy=True)
+            # verl's rule: no entropy graph when its coefficient is 0 (it is still logged).
+            log_prob, entropy = self._log_probs(micro, "grad" if cfg.entropy_coeff else "detached")
             pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = algo.compute_policy_loss(
                 micro["old_log_probs"], log_prob, micro["advantages"], mask,
                 cliprange=cfg.clip_ratio, cliprange_low=cfg.clip_ratio_low, cliprange_high=cfg.clip_ratio_high,

@@ -10,16 +10,24 @@ from spmdsplit.batch import Batch
 from spmdsplit.distributed import pool_reduce_metrics, pool_sum
 
 
-def forward_response(model, batch: Batch):
+def forward_response(model, batch: Batch, response_only: bool = False):
     """Model output at the positions that *predict* each response token (one to the left), so
     column t of the result scores response token t: log-prob of it, or the value of the state
-    before it."""
+    before it.
+
+    response_only: compute the head only on the last R + 1 positions (transformers'
+    `logits_to_keep`), not on the prompt's: at a 152k vocabulary the LM head's output is the
+    largest tensor of the forward. Causal LMs take it; the critic's token-classification head
+    does not (and its one-wide output is small), so it leaves it off.
+    """
     R = batch["responses"].shape[1]
+    extra = {"logits_to_keep": R + 1} if response_only else {}
     out = model(
         input_ids=batch["input_ids"],
         attention_mask=batch["attention_mask"],
         position_ids=batch["position_ids"],
         use_cache=False,
+        **extra,
     )
     return out.logits[:, -R - 1 : -1]
 

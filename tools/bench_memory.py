@@ -1,0 +1,158 @@
+"""`python -m tools.bench_memory [--hidden 768 --layers 12 ...] [--layouts 1+1 2+2] [key=value ...]`
+
+Peak memory per rank, per layout: does a pool's ranks' peak fall as the pool grows? Builds a
+random Qwen2 of the given shape locally (the embedded tokenizer's vocabulary; default: the 76.0M
+shape of issue 11), saves it with `save_pretrained` into a temporary folder, and runs a short
+`placement.mode=split` job per layout (1+1 on 2 ranks, 2+2 on 4), one after the other (the
+machine's memory is shared). Reads each rank's `peak_memory` counter from the job's timeline
+(RSS on CPU, `torch.cuda.max_memory_allocated` on GPU) and prints MB and bytes per parameter of
+one model side by side, with an actor rank's peak at the larger layout over the smaller one, and
+the issue's targets next to them. Writes `bench_memory.json` / `.md` into `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import tempfile
+import time
+
+from tools.bench import BenchError, _f, run_job, write_report
+
+# Issue 11's workload: 2 steps, 8 prompts, short prompts and responses, mini-batch 8, micro-batch 4.
+WORKLOAD = ["data.train_batch_size=8", "data.max_prompt_length=16", "data.max_response_length=16",
+            "actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=8",
+            "actor.ppo_micro_batch_size_per_gpu=4", "critic.ppo_micro_batch_size_per_gpu=4",
+            "actor.log_prob_micro_batch_size_per_gpu=4", "critic.forward_micro_batch_size_per_gpu=4"]
+# Issue 11's targets at the larger layout, in bytes per parameter of one model.
+TARGETS = {"actor_bpp": 22.0, "critic_bpp": 16.0, "actor_ratio": 0.75}
+
+
+def build_random_qwen2(folder: str, hidden: int, layers: int, heads: int, kv_heads: int, mlp: int) -> int:
+    """A randomly initialised Qwen2ForCausalLM with the embedded tokenizer, saved into `folder`;
+    returns its parameter count."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from spmdsplit.embedded import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=mlp,
+                         max_position_embeddings=256, tie_word_embeddings=False,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return sum(p.numel() for p in model.parameters())
+
+
+def layout_overrides(layout: str) -> tuple[int, list[str]]:
+    """"a+c" -> (world size, overrides): split halves when a == c, else a custom split."""
+    a, c = (int(x) for x in layout.split("+"))
+    if a == c:
+        return a + c, ["placement.mode=split", "placement.pools=[]"]
+    return a + c, ["placement.mode=custom", "placement.pool_unit=ranks_per_node", f"placement.pools=[{a},{c}]"]
+
+
+def peaks(trace: dict) -> list[dict]:
+    """rank, pool and peak MB (CUDA max allocated where there is one, else RSS), from the last
+    `peak_memory` counter of each rank (peaks only grow)."""
+    from tools.bench import peak_memory, pools_by_rank
+
+    last = {}
+    for row in peak_memory(trace, pools_by_rank(trace)):
+        last[row["rank"]] = row
+    return [{"rank": r["rank"], "pool": r["pool"], "mb": r["cuda_max_allocated_mb"] or r["rss_mb"],
+             "kind": "cuda" if r["cuda_max_allocated_mb"] else "rss"} for r in last.values()]
+
+
+def summarize(layouts: dict[str, list[dict]], params: int) -> dict:
+    """Per layout and pool: the largest rank's peak (MB, bytes/param); the actor ratio of the
+    last layout over the first; targets checked at the last layout."""
+    out = {}
+    for name, rows in layouts.items():
+        out[name] = {pool: max(r["mb"] for r in rows if r["pool"] == pool)
+                     for pool in sorted({r["pool"] for r in rows})}
+    names = list(layouts)
+    first, last = out[names[0]], out[names[-1]]
+    bpp = {pool: mb * 2**20 / params for pool, mb in last.items()}
+    ratio = last.get("actor", 0) / first["actor"] if first.get("actor") else None
+    return {"max_mb": out, "ratio_actor": ratio,
+            "targets": {"actor_bpp": bpp.get("actor"), "critic_bpp": bpp.get("critic"), "actor_ratio": ratio}}
+
+
+def render(report: dict) -> str:
+    meta, layouts, summary = report["meta"], report["layouts"], report["summary"]
+    params = meta["params"]
+    names = list(layouts)
+    lines = [f"Peak memory per rank: random Qwen2 {params / 1e6:.1f}M params (hidden {meta['hidden']}, "
+             f"{meta['layers']} layers, {meta['heads']}/{meta['kv_heads']} heads, MLP {meta['mlp']}, vocab "
+             f"{meta['vocab']}), {meta['steps']} steps on {meta['device']}, torch {meta['torch']}, {meta['date']}",
+             f"Workload: `{' '.join(meta['workload'])}`", "",
+             "| layout | " + " | ".join(f"rank {i}" for i in range(max(len(v) for v in layouts.values()))) + " |",
+             "|---" * (1 + max(len(v) for v in layouts.values())) + "|"]
+    for name in names:
+        cells = [f"{r['pool']} {r['mb']:.0f} MB = {r['mb'] * 2**20 / params:.1f} B/param" for r in layouts[name]]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    t = summary["targets"]
+    lines += ["", f"At {names[-1]}: actor ranks {_f(t['actor_bpp'], '{:.1f}')} B/param (target <= "
+              f"{TARGETS['actor_bpp']:.0f}), critic ranks {_f(t['critic_bpp'], '{:.1f}')} B/param (target <= "
+              f"{TARGETS['critic_bpp']:.0f}); an actor rank's peak {names[-1]} / {names[0]} = "
+              f"{_f(t['actor_ratio'], '{:.2f}')} (target <= {TARGETS['actor_ratio']}).",
+              "Peak = RSS (ru_maxrss) on CPU, which includes the Python interpreter, torch and transformers "
+              "(~0.4-0.5 GB per process), or torch.cuda.max_memory_allocated on GPU.", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="tools.bench_memory", description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--mlp", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--layouts", nargs="+", default=["1+1", "2+2"], help="actor+critic ranks, e.g. 1+1 2+2")
+    p.add_argument("--device", default="cpu", help="trainer.device of every job (cpu | cuda)")
+    p.add_argument("--out", default="outputs/bench_memory")
+    p.add_argument("overrides", nargs="*", help="key=value train overrides for every layout")
+    args = p.parse_args(argv)
+
+    import torch
+
+    from spmdsplit.embedded import build_tokenizer
+
+    os.makedirs(args.out, exist_ok=True)
+    layouts = {}
+    with tempfile.TemporaryDirectory(prefix="bench-memory-") as folder:
+        params = build_random_qwen2(folder, args.hidden, args.layers, args.heads, args.kv_heads, args.mlp)
+        workload = [f"model.path={folder}", f"trainer.total_steps={args.steps}", f"trainer.device={args.device}",
+                    *WORKLOAD, *args.overrides]
+        for layout in args.layouts:
+            nproc, extra = layout_overrides(layout)
+            print(f"bench_memory: {layout} on {nproc} ranks", file=sys.stderr, flush=True)
+            start = time.time()
+            try:
+                trace, _ = run_job(nproc, workload + extra, os.path.join(args.out, layout))
+            except BenchError as e:
+                print(f"bench_memory: error: {e}", file=sys.stderr)
+                return 1
+            layouts[layout] = peaks(trace)
+            print(f"bench_memory: {layout} done in {time.time() - start:.0f} s", file=sys.stderr, flush=True)
+    meta = {"params": params, "hidden": args.hidden, "layers": args.layers, "heads": args.heads,
+            "kv_heads": args.kv_heads, "mlp": args.mlp, "vocab": len(build_tokenizer()), "steps": args.steps,
+            "device": args.device, "torch": torch.__version__, "workload": workload[1:],
+            "date": datetime.datetime.now().isoformat(timespec="seconds")}
+    report = {"schema": "spmdsplit.bench_memory/1", "meta": meta, "layouts": layouts,
+              "summary": summarize(layouts, params)}
+    write_report(args.out, "bench_memory", report, render(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

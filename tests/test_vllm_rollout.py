@@ -19,6 +19,7 @@ import torch
 from spmdsplit.config import ConfigError, load_config
 from spmdsplit.placement import Placement
 from spmdsplit.rollout import row_seeds
+from spmdsplit.rollout.base import rollout_probs_diff
 from tests.multiproc import run_ranks
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
@@ -194,6 +195,20 @@ def test_rollout_log_probs_match_the_actors(checks, temperature):
     engine_lp, actor_lp, mask = checks["log_probs"][temperature]
     assert mask.sum() > 32
     assert (engine_lp - actor_lp).abs().max() < 1e-5
+    total, count, largest = rollout_probs_diff(engine_lp, actor_lp, mask)
+    assert count == mask.sum() and largest < 1e-5 and total / count < 1e-5
+
+
+def test_rollout_probs_diff_sees_one_wrong_token_and_ignores_padding():
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    actor = torch.log(torch.tensor([[0.5, 0.25, 0.9], [0.125, 0.3, 0.3]]))
+    engine = actor.clone()
+    engine[0, 2] = 0.0  # past the response: ignored
+    total, count, largest = rollout_probs_diff(engine, actor, mask)
+    assert count == 3 and total == 0 and largest == 0
+    engine[1, 0] = torch.log(torch.tensor(0.375))
+    total, count, largest = rollout_probs_diff(engine, actor, mask)
+    assert largest == pytest.approx(0.25) and total / count == pytest.approx(0.25 / 3)
 
 
 @needs_vllm
@@ -226,45 +241,46 @@ def test_row_seeds_are_a_pure_function_of_seed_step_and_row():
 # --------------------------------------------------------------------------- engines beside other work
 
 
-def engines_beside_a_busy_pool(rank, world_size, model_dir, engine_ranks):
-    """Rank 0 is the actor pool, rank 1 the critic pool. The engine ranks generate and reload
-    weights while the others run collectives on their own group; then the pools trade a rollout."""
+def engines_beside_a_busy_pool(rank, world_size, model_dir):
+    """Ranks 0-1 are the actor pool, each with its own engine (TP=1); rank 2 is the critic pool,
+    with none, running collectives on its own group meanwhile. Each engine reloads weights and
+    generates its share of overlapping rows; then the pools trade the rollouts."""
     import torch.distributed as dist
 
     from spmdsplit.rollout.vllm_engine import shutdown_vllm_distributed
 
-    pools = [dist.new_group([0]), dist.new_group([1])]  # every rank creates every group, in order
+    actor, critic = dist.new_group([0, 1]), dist.new_group([2])  # every rank creates every group, in order
     _, tokenizer, make_engine = start_engine(model_dir)
-    prompts = task_prompts(tokenizer, 12, seed=8)
-    prompts["sample_seed"] = row_seeds(1, 1, torch.arange(12))
-    rows = [list(range(0, 8)), list(range(4, 12))][rank]  # overlapping shares, different batches
     out = {}
-    if rank in engine_ranks:
+    if rank < 2:
         engine = make_engine()
         engine.load_weights(build_model(seed=2)[0].state_dict().items())
+        prompts = task_prompts(tokenizer, 12, seed=8)
+        prompts["sample_seed"] = row_seeds(1, 1, torch.arange(12))
+        rows = [list(range(0, 8)), list(range(4, 12))][rank]  # overlapping shares, different batches
         out["rollout"] = engine.generate(prompts.index(rows))["responses"]
-        out["rows"] = rows
+        t = torch.ones(1)
+        dist.all_reduce(t, group=actor)  # the actor pool's own collective after generating
+        dist.send(out["rollout"], dst=2)
     else:
-        for _ in range(20):  # the critic pool's own collectives while rank 0 starts its engine
-            t = torch.ones(4)
-            dist.all_reduce(t, group=pools[rank])
-    responses = torch.zeros(8, R, dtype=torch.long)
-    if rank == 0:
-        dist.send(out["rollout"], dst=1)
-    else:
-        dist.recv(responses, src=0)
-        out["received"] = responses
+        for _ in range(20):  # the critic pool's own collectives while the actor pool starts its engines
+            dist.all_reduce(torch.ones(4), group=critic)
+        out["received"] = []
+        for src in (0, 1):
+            responses = torch.zeros(8, R, dtype=torch.long)
+            dist.recv(responses, src=src)
+            out["received"].append(responses)
     shutdown_vllm_distributed()
     return out
 
 
 @needs_vllm
-@pytest.mark.parametrize("engine_ranks", [[0], [0, 1]], ids=["actor-pool-only", "every-rank"])
-def test_engines_on_some_ranks_do_not_hang_the_others(model_dir, engine_ranks):
-    results = run_ranks(engines_beside_a_busy_pool, 2, model_dir, engine_ranks, timeout=400)
-    assert torch.equal(results[1]["received"], results[0]["rollout"])
-    if engine_ranks == [0, 1]:  # rows 4-7 were generated on both ranks, among different rows
-        assert torch.equal(results[0]["rollout"][4:8], results[1]["rollout"][0:4])
+def test_engines_on_the_actor_pool_do_not_hang_the_critic_pool(model_dir):
+    results = run_ranks(engines_beside_a_busy_pool, 3, model_dir, timeout=500)
+    assert torch.equal(results[2]["received"][0], results[0]["rollout"])
+    assert torch.equal(results[2]["received"][1], results[1]["rollout"])
+    # Rows 4-7 were generated by both engines, among different rows: per-row seeds make them equal.
+    assert torch.equal(results[0]["rollout"][4:8], results[1]["rollout"][0:4])
 
 
 # --------------------------------------------------------------------------- config rejections

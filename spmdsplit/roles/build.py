@@ -20,14 +20,14 @@ from spmdsplit.roles.actor import Actor
 from spmdsplit.roles.critic import Critic
 from spmdsplit.roles.reward import RuleReward
 from spmdsplit.roles.reward_model import RewardModel, load_reward_model
-from spmdsplit.rollout.hf import HFRollout
+from spmdsplit.rollout import Rollout, build_rollout
 
 
 @dataclass
 class ActorPoolRoles:
     actor: Actor
     ref: Actor
-    rollout: HFRollout
+    rollout: Rollout
 
 
 @dataclass
@@ -55,9 +55,8 @@ def build_actor_pool(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> ActorP
                   rollout_n=cfg.rollout.n)
     reference = load_causal_lm(path, dtype, device, seed, remote)
     ref = Actor(build_engine(cfg, "ref", reference, pools.actor_mesh), cfg.actor, temperature, device)
-    rollout_model = load_causal_lm(path, dtype, device, seed, remote)
-    rollout = HFRollout(rollout_model, tokenizer, cfg.rollout, cfg.data.max_response_length, eos_ids,
-                        val_cfg=cfg.rollout.val_kwargs)
+    # vLLM: every rank must have run rollout.vllm_engine.init_vllm_distributed before this.
+    rollout = build_rollout(cfg, path, tokenizer, eos_ids, device, dtype, seed)
     return ActorPoolRoles(actor, ref, rollout)
 
 

@@ -76,3 +76,15 @@ def row_seeds(trainer_seed: int, step: int, global_row_index: torch.Tensor) -> t
     base = _splitmix64(_splitmix64(trainer_seed & _MASK64) ^ (step & _MASK64))
     seeds = [_splitmix64(base ^ i) >> 1 for i in global_row_index.tolist()]
     return torch.tensor(seeds, dtype=torch.int64)
+
+
+def rollout_probs_diff(rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor,
+                       response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """verl's check of the engine against the actor: |p_rollout - p_actor| of every response token.
+    Returns (sum, count, max) over this rank's tokens, to reduce over the pool; mean = sum / count
+    gives training/rollout_probs_diff_mean, max training/rollout_probs_diff_max. A stale engine, a
+    missed prefix-cache reset, a wrong temperature or wrong positions all show here."""
+    mask = response_mask.bool()
+    diff = (rollout_log_probs.float().exp() - old_log_probs.float().exp()).abs()[mask]
+    zero = diff.new_zeros(())
+    return diff.sum(), diff.new_tensor(float(diff.numel())), diff.max() if diff.numel() else zero

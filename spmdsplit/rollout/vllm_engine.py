@@ -20,7 +20,6 @@ project's VLLM_NOTES):
 from __future__ import annotations
 
 import gc
-import json
 import os
 from typing import Iterable
 
@@ -42,7 +41,7 @@ def check_vllm(cfg, placement, model_path: str, device_type: str) -> None:
         return
     check_rollout_placement(cfg, placement.actor_ranks, placement.critic_ranks, placement.world_size)
     if device_type == "cpu":
-        head = head_size(model_path)
+        head = head_size(model_path, cfg.model.trust_remote_code)
         if head not in CPU_HEAD_SIZES:
             raise ConfigError(
                 f"rollout.name=vllm: model.path={model_path!r} has attention heads of size {head}, which vLLM's CPU "
@@ -50,11 +49,12 @@ def check_vllm(cfg, placement, model_path: str, device_type: str) -> None:
             )
 
 
-def head_size(model_path: str) -> int:
-    with open(os.path.join(model_path, "config.json")) as f:
-        config = json.load(f)
-    config = config.get("text_config", config)  # multimodal checkpoints nest the language model's
-    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+def head_size(model_path: str, trust_remote_code: bool = False) -> int:
+    from transformers import AutoConfig
+
+    # A multimodal checkpoint nests its language model's config.
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code).get_text_config()
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def engine_kwargs(cfg, model_path: str, device: torch.device, dtype: torch.dtype) -> dict:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import gc
 import os
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import torch
 
@@ -172,7 +172,9 @@ class VLLMRollout:
             self.asleep = True
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> None:
+        if isinstance(weights, Mapping):  # a whole state dict also works
+            weights = weights.items()
         self._wake()
         if self.on_cpu:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})

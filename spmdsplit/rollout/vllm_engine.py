@@ -136,8 +136,10 @@ class VLLMRollout:
         self.eos_token_ids = list(eos_token_ids)
         self.on_cpu = device.type == "cpu"
         self.sleeps = cfg.rollout.free_cache_engine and not self.on_cpu
-        # torch.set_num_threads is a no-op for this process once a CPU engine exists: the trainer
-        # must set its thread count before (train.py does, before the world forms).
+        # A CPU engine changes its whole process: torch.set_num_threads becomes a no-op (the
+        # trainer sets its thread count before; train.py does, before the world forms), and all
+        # later allocations are bound to the NUMA node of the rank's first CPU (MEMBIND): pin each
+        # rank to one node's cores (numactl / srun --cpu-bind) on multi-socket hosts.
         self.llm = LLM(**engine_kwargs(cfg, model_path, device, dtype))
         # The engine freezes every object alive now (gc.freeze) so GC never scans them: the
         # trainer's too, whose cyclic garbage would then never be freed.

@@ -12,9 +12,10 @@ from spmdsplit.batch import Batch
 from spmdsplit.data.prompts import PromptDataset, collate_prompts
 from spmdsplit.exchange import PendingSend, row_ranges
 from spmdsplit.messages import PoolChannel, check_rows
-from spmdsplit.metrics import PhaseTimer, rollout_probs_diff
+from spmdsplit.metrics import PhaseTimer, rollout_probs_diff_metrics
 from spmdsplit.placement import Pools
 from spmdsplit.roles.build import ActorPoolRoles
+from spmdsplit.rollout import row_seeds
 from spmdsplit.weight_sync import WeightBroadcast
 
 
@@ -50,7 +51,7 @@ class ActorPool:
         with phase("old_log_prob", step):
             rollout["old_log_probs"] = self.actor.compute_log_prob(rollout)
         if "rollout_log_probs" in rollout:  # the engine's own log-probs: a check, as in verl
-            self.rollout_metrics = rollout_probs_diff(rollout["rollout_log_probs"], rollout["old_log_probs"],
+            self.rollout_metrics = rollout_probs_diff_metrics(rollout["rollout_log_probs"], rollout["old_log_probs"],
                                                       rollout["response_mask"], self.pools.actor_group, self.pools.device)
         with phase("ref", step):
             rollout["ref_log_prob"] = self.ref.compute_log_prob(rollout)
@@ -135,6 +136,9 @@ def step_prompts(cfg, dataset: PromptDataset, tokenizer, step: int, generating: 
                               truncation=cfg.data.truncation).repeat_interleave(n)
     first_response = part * len(rows) * n
     prompts["row_index"] = torch.arange(first_response, first_response + len(prompts), dtype=torch.int64)
+    # Engines that can seed each row (vLLM) sample it the same whichever rank generates it, next
+    # to whichever rows, on any pool size.
+    prompts["sample_seed"] = row_seeds(cfg.trainer.seed, step, prompts["row_index"])
     return prompts
 
 

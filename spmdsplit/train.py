@@ -30,6 +30,7 @@ from spmdsplit.models import load_tokenizer
 from spmdsplit.rewards.custom import load_custom_reward_fn
 from spmdsplit.config import ConfigError, check_against_pools, config_warnings, load_config, to_yaml
 from spmdsplit.placement import PlacementError, build_pools, launch_shape_from_env, plan_placement
+from spmdsplit.rollout.vllm_engine import check_vllm
 
 
 EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped on request, checkpoint written; run again to go on
@@ -103,6 +104,7 @@ def prepare(cfg):
     if not cfg.model.path:
         # Built before the world forms: a file race between ranks, settled by an atomic rename.
         cfg.model.path = ensure_embedded_model(cfg.model.embedded_dir)
+    check_vllm(cfg, placement, cfg.model.path, device.type)  # no-op unless rollout.name=vllm
     tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
     data = {"train": build_rows(cfg.data, tokenizer, "train")}
     if cfg.trainer.val_freq > 0 or cfg.trainer.val_before_train:
@@ -166,6 +168,10 @@ def main(argv=None) -> int:
         completed = trainer.fit()
         if rank == 0 and trainer.logger.history and completed:
             report(trainer.logger.history, cfg)
+        if cfg.rollout.name == "vllm":  # before the trainer's world goes: vLLM's clean-up would take it along
+            from spmdsplit.rollout.vllm_engine import shutdown_vllm_distributed
+
+            shutdown_vllm_distributed()
     except BaseException as e:  # noqa: BLE001 - any error, a KeyboardInterrupt too, ends every rank now
         failure.fail(e, rank, role)
     failure.stop_watch()

@@ -34,7 +34,7 @@ from spmdsplit.metrics import MetricsLogger, PhaseTimer, write_timeline
 from spmdsplit.models import eos_token_ids, load_tokenizer
 from spmdsplit.placement import Pools
 from spmdsplit.preempt import StopVote
-from spmdsplit.roles.build import build_actor_pool, build_critic_pool, build_rollout
+from spmdsplit.roles.build import build_actor_pool, build_critic_pool, build_rollout_engine, compute_dtypes
 from spmdsplit.weight_sync import WeightBroadcast
 
 
@@ -51,7 +51,8 @@ class Trainer:
         self.val_rows = rows.get("val", [])
         self.timer = PhaseTimer(self.rank, self.device)
         # Groups every rank creates, in this order: the links between the pools, the stop vote,
-        # (blocking mode only) the hand-off barrier, (rollout.ranks=all only) the weight broadcast.
+        # (blocking mode only) the hand-off barrier, (rollout.ranks=all only) the weight broadcast,
+        # (rollout.name=vllm only) vLLM's.
         self.channel = PoolChannel(self.placement, self.device, self.batch_size * cfg.rollout.n,
                                    cfg.rollout.stream_chunks, cfg.trainer.pool_wait_timeout_s)
         self.stop_vote = StopVote(timedelta(seconds=cfg.trainer.pool_wait_timeout_s))
@@ -68,6 +69,11 @@ class Trainer:
             weights = WeightBroadcast(self.actor_ranks, self.critic_ranks, self.device, cfg.rollout.weight_bucket_mb,
                                       timedelta(seconds=cfg.trainer.pool_wait_timeout_s))
 
+        if cfg.rollout.name == "vllm":  # vLLM's own groups, over the world: every rank, engine or not
+            from spmdsplit.rollout.vllm_engine import init_vllm_distributed
+
+            init_vllm_distributed(cfg, cfg.model.path, self.device, compute_dtypes(cfg, self.device)[0])
+
         self.tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)  # "" resolved by train.py
         eos_ids = eos_token_ids(cfg.model.path, self.tokenizer)
         self.dataset = PromptDataset(rows["train"], self.batch_size, cfg.data.shuffle, cfg.data.seed)
@@ -78,7 +84,7 @@ class Trainer:
         if pools.is_critic:
             generator = None
             if weights is not None:
-                generator = Generator(cfg, pools, build_rollout(cfg, pools, self.tokenizer, eos_ids), weights,
+                generator = Generator(cfg, pools, build_rollout_engine(cfg, pools, self.tokenizer, eos_ids), weights,
                                       self.channel, self.timer, self.dataset, self.tokenizer)
             self.critic_pool = CriticPool(cfg, pools, build_critic_pool(cfg, pools, self.tokenizer, eos_ids),
                                           self.channel, self.timer, handoff, generator)

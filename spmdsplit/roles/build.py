@@ -21,14 +21,14 @@ from spmdsplit.roles.actor import Actor
 from spmdsplit.roles.critic import Critic
 from spmdsplit.roles.reward import RuleReward
 from spmdsplit.roles.reward_model import RewardModel
-from spmdsplit.rollout.hf import HFRollout
+from spmdsplit.rollout import Rollout, build_rollout
 
 
 @dataclass
 class ActorPoolRoles:
     actor: Actor
     ref: Actor
-    rollout: HFRollout
+    rollout: Rollout
 
 
 @dataclass
@@ -58,17 +58,14 @@ def build_actor_pool(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> ActorP
     # The reference reads the actor's settings but its own micro-batch (verl's ref.log_prob_micro_batch_size_per_gpu).
     ref_cfg = OmegaConf.merge(cfg.actor, {"log_prob_micro_batch_size_per_gpu": cfg.ref.log_prob_micro_batch_size_per_gpu})
     ref = Actor(build_engine(cfg, "ref", reference, mesh, device), ref_cfg, temperature, device)
-    return ActorPoolRoles(actor, ref, build_rollout(cfg, pools, tokenizer, eos_ids))
+    return ActorPoolRoles(actor, ref, build_rollout_engine(cfg, pools, tokenizer, eos_ids))
 
 
-def build_rollout(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> HFRollout:
-    """A rollout engine on this rank. Its weights come from the actor before each rollout."""
-    device = pools.device
-    dtype, _ = compute_dtypes(cfg, device)
-    # generate() needs the whole model on each rank (see rollout/hf.py).
-    model = load_causal_lm(cfg.model.path, dtype, device, cfg.trainer.seed, cfg.model.trust_remote_code)
-    return HFRollout(model, tokenizer, cfg.rollout, cfg.data.max_response_length, eos_ids,
-                     val_cfg=cfg.rollout.val_kwargs)
+def build_rollout_engine(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> Rollout:
+    """This rank's rollout engine (rollout.name). Its weights come from the actor before each
+    rollout. vLLM: every rank must have run rollout.vllm_engine.init_vllm_distributed before."""
+    dtype, _ = compute_dtypes(cfg, pools.device)
+    return build_rollout(cfg, cfg.model.path, tokenizer, eos_ids, pools.device, dtype, cfg.trainer.seed)
 
 
 def build_critic_pool(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> CriticPoolRoles:

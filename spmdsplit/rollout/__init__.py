@@ -1,0 +1,25 @@
+"""Rollout engines behind one contract (base.Rollout): `rollout.name=hf` (transformers `generate`,
+hf.py) or `rollout.name=vllm` (vllm_engine.py; vLLM is imported only then)."""
+
+from __future__ import annotations
+
+import torch
+
+from spmdsplit.rollout.base import Rollout, row_seeds  # noqa: F401 - the package's public names
+
+
+def build_rollout(cfg, model_path: str, tokenizer, eos_ids: list[int], device: torch.device, dtype: torch.dtype,
+                  seed: int) -> Rollout:
+    """The engine `cfg.rollout.name` names, holding the checkpoint at `model_path` (its weights are
+    replaced by `load_weights` before each rollout). vLLM: call only on ranks that generate, after
+    every rank ran `vllm_engine.init_vllm_distributed`."""
+    if cfg.rollout.name == "vllm":
+        from spmdsplit.rollout.vllm_engine import VLLMRollout
+
+        return VLLMRollout(cfg, model_path, tokenizer, eos_ids, device, dtype)
+    from spmdsplit.models import load_causal_lm
+    from spmdsplit.rollout.hf import HFRollout
+
+    model = load_causal_lm(model_path, dtype, device, seed, cfg.model.trust_remote_code)
+    return HFRollout(model, tokenizer, cfg.rollout, cfg.data.max_response_length, eos_ids,
+                     val_cfg=cfg.rollout.val_kwargs)

@@ -15,19 +15,7 @@ import torch
 from transformers import GenerationConfig
 
 from spmdsplit.batch import Batch
-
-
-def response_mask_until_eos(responses: torch.Tensor, eos_token_id: int | list[int]) -> torch.Tensor:
-    """1 up to and including the first EOS of each row, 0 after it (all 1 if no EOS)."""
-    eos_ids = torch.as_tensor(eos_token_id if isinstance(eos_token_id, list) else [eos_token_id], device=responses.device)
-    is_eos = torch.isin(responses, eos_ids).int()
-    eos_seen_before = torch.cumsum(is_eos, dim=1) - is_eos  # EOS tokens strictly before each position
-    return (eos_seen_before == 0).long()
-
-
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    # Left padding shifts where real tokens start; positions must count real tokens only.
-    return (torch.cumsum(attention_mask, dim=1) - 1).clamp(min=0)
+from spmdsplit.rollout.base import position_ids_from_mask, response_mask_until_eos, rollout_batch  # noqa: F401
 
 
 class HFRollout:
@@ -102,18 +90,4 @@ class HFRollout:
         pad = self.max_response_length - responses.shape[1]
         if pad > 0:  # every row stopped early: pad to the fixed width the exchange expects
             responses = torch.nn.functional.pad(responses, (0, pad), value=self.pad_token_id)
-        response_mask = response_mask_until_eos(responses, self.eos_token_id)
-        responses = responses.masked_fill(response_mask == 0, self.pad_token_id)
-        attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
-        rollout = Batch(
-            {
-                "prompts": prompt_ids,
-                "responses": responses,
-                "response_mask": response_mask,
-                "input_ids": torch.cat([prompt_ids, responses], dim=1),
-                "attention_mask": attention_mask,
-                "position_ids": position_ids_from_mask(attention_mask),
-            },
-            dict(prompts.non_tensors),
-        )
-        return rollout
+        return rollout_batch(prompts, responses, self.pad_token_id, self.eos_token_id)

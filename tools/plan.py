@@ -12,7 +12,11 @@ The model is linear scaling:
     reward, adv, update_critic on the critic pool) takes  T_measured * profiled_size / pool_size;
     sync_weights (a full copy of the weights) does not shrink with the pool;
   * a pool's busy time is the sum of its phases, and with overlap the step is
-    max(actor busy, critic busy) + the measured exchange transfer time.
+    max(actor busy, critic busy) + the measured exchange transfer time;
+  * with rollout.ranks=all (the last column) gen is spread over every rank, but the critic pool
+    then generates instead of running its update on into the next rollout, and the weights cross
+    once more: 2 x sync + gen x actor/(actor+critic) + max(rest of the actor pool, critic busy) +
+    exchange. Where that is below the predicted step, `rollout.ranks=all` pays off.
 It ignores: how FSDP's all-gathers/reduce-scatters grow with the pool size; the dependencies
 inside a step (the critic cannot start values before gen ends, so max() is a steady-state
 bound); fixed per-micro-batch costs and what too few rows per rank do to them; memory limits;
@@ -47,7 +51,20 @@ def predict(profile: dict, actor_size: int, critic_size: int) -> dict[str, float
     actor = pool_busy(profile["actor"], ACTOR_PHASES, ACTOR_FIXED, profile["actor_size"], actor_size)
     critic = pool_busy(profile["critic"], CRITIC_PHASES, (), profile["critic_size"], critic_size)
     exchange = profile.get("exchange_s") or 0.0
-    return {"actor_s": actor, "critic_s": critic, "exchange_s": exchange, "step_s": max(actor, critic) + exchange}
+    return {"actor_s": actor, "critic_s": critic, "exchange_s": exchange, "step_s": max(actor, critic) + exchange,
+            "all_step_s": predict_ranks_all(profile, actor_size, critic_size)}
+
+
+def predict_ranks_all(profile: dict, actor_size: int, critic_size: int) -> float:
+    """The step with rollout.ranks=all: generation spread over every rank, but nothing else of the
+    step overlaps it any more (the critic ranks generate instead of finishing their update into the
+    next rollout), and the weights cross once more (a broadcast costed like the actor's own sync)."""
+    actor, critic, size = profile["actor"], profile["critic"], profile["actor_size"]
+    sync = actor.get("sync_weights", 0.0)
+    gen = actor.get("gen", 0.0) * size / (actor_size + critic_size)
+    actor_rest = sum(actor.get(p, 0.0) for p in ACTOR_PHASES if p != "gen") * size / actor_size
+    critic_busy = pool_busy(critic, CRITIC_PHASES, (), profile["critic_size"], critic_size)
+    return 2 * sync + gen + max(actor_rest, critic_busy) + (profile.get("exchange_s") or 0.0)
 
 
 def candidates(world: int, ranks_per_node: int | None = None) -> list[tuple[str, int, int, int, int]]:
@@ -114,11 +131,13 @@ def render(profile: dict, accepted: list[dict], rejected: list[dict]) -> str:
     lines = [f"Profile: split {profile['actor_size']}+{profile['critic_size']} on {profile['device']}, "
              f"step {f(profile.get('step_time_s'))} s; exchange transfer {f(profile.get('exchange_s'))} s/step", "",
              "| placement.pools | pool_unit | actor ranks | critic ranks | actor busy (s) | critic busy (s) | "
-             "predicted step (s) |", "|---|---|---|---|---|---|---|"]
+             "predicted step (s) | with rollout.ranks=all (s) |", "|---|---|---|---|---|---|---|---|"]
     for i, r in enumerate(accepted):
         mark = " (chosen)" if i == 0 else ""
+        pays = " (pays off)" if r["all_step_s"] < r["step_s"] else ""
         lines.append(f"| [{r['pools'][0]},{r['pools'][1]}]{mark} | {r['pool_unit']} | {r['actor_ranks']} | "
-                     f"{r['critic_ranks']} | {f(r['actor_s'])} | {f(r['critic_s'])} | {f(r['step_s'])} |")
+                     f"{r['critic_ranks']} | {f(r['actor_s'])} | {f(r['critic_s'])} | {f(r['step_s'])} | "
+                     f"{f(r['all_step_s'])}{pays} |")
     lines += [f"- not possible: [{r['pools'][0]},{r['pools'][1]}] {r['pool_unit']}: {r['reason']}" for r in rejected]
     return "\n".join(lines)
 

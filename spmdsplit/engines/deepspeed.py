@@ -269,6 +269,9 @@ class DeepSpeedEngine(HFExport):
     @classmethod
     def from_source(cls, source: ModelSource, group: dist.ProcessGroup, zero_stage: int, device: torch.device,
                     optim=None, param_dtype=None, activation_checkpointing: bool = False) -> "DeepSpeedEngine":
+        """The engine of `source`, read whole on each rank and then partitioned by DeepSpeed.
+        Not yet loaded into shards as FSDPEngine.from_source does (ZeRO-3 would build the model
+        under `deepspeed.zero.Init` and fill it per module from the pool's first rank)."""
         return cls(source.read(device), group, zero_stage, optim, param_dtype, activation_checkpointing)
 
     @contextlib.contextmanager

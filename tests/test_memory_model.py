@@ -43,3 +43,19 @@ def test_checkpointing_keeps_one_block_plus_block_inputs():
     full = memory.activations(s, 4, off, training=True)
     assert memory.activations(s, 4, on, training=True) < full / 5
     assert memory.activations(s, 4, off, training=False) == pytest.approx(full / s.layers)
+
+
+def test_model_matches_the_checked_in_cpu_benchmark():
+    """tests/data/bench_memory_76m.json: `python -m tools.bench_memory` on the 76M model (CPU,
+    fp32, 1+1 and 2+2, freed memory returned to the system). The model predicts each pool's
+    largest rank within 20%: it leaves out allocator slack and transient copies inside torch ops.
+    Re-measure and replace the file when a change moves memory on purpose."""
+    import json
+    import os
+
+    with open(os.path.join(os.path.dirname(__file__), "data", "bench_memory_76m.json")) as f:
+        report = json.load(f)
+    rows = memory.check_against_bench(report)
+    assert len(rows) == 4
+    for row in rows:
+        assert abs(row["error"]) <= 0.20, row

@@ -146,12 +146,12 @@ def kv_cache(s: Shape, rows: int, w: Workload) -> float:
 def actor_rank(s: Shape, pool: int, w: Workload) -> dict[str, float]:
     """Bytes on one actor-pool rank: what it keeps, and the largest transient of any phase."""
     rows = w.prompts_per_step // pool
-    reader = s.params * w.dtype_bytes if w.cpu and pool > 1 else 0.0  # the pool's first rank reads it whole
     keep = {"policy (weights+grads+AdamW)": trained_state(s.params, pool, w),
             "reference": w.dtype_bytes * s.params / pool,
             "rollout weights": w.dtype_bytes * s.params,
             "process": w.base_mb * MB if w.cpu else 0.0}
-    phases = {"load": reader + 4 * s.params if w.cpu else 0.0,
+    # On CPU the pool's first rank reads each model whole (fp32 here) to hand out its shards.
+    phases = {"load": 4 * s.params if w.cpu and pool > 1 else 0.0,
               "generate (KV cache)": kv_cache(s, rows, w),
               "log-probs": gathered_units(s, s.params, pool, w) + activations(s, w.log_prob_micro, w, False)
               + logits(s, w.log_prob_micro, w, False),
@@ -164,7 +164,7 @@ def critic_rank(s: Shape, pool: int, w: Workload) -> dict[str, float]:
     p = s.critic_params
     keep = {"critic (weights+grads+AdamW)": trained_state(p, pool, w),
             "process": w.base_mb * MB if w.cpu else 0.0}
-    phases = {"load": (p * w.dtype_bytes + 4 * p) if w.cpu and pool > 1 else 0.0,
+    phases = {"load": 4 * p if w.cpu and pool > 1 else 0.0,
               "values": gathered_units(s, p, pool, w) + activations(s, w.log_prob_micro, w, False),
               "update": gathered_units(s, p, pool, w) + activations(s, w.micro, w, True)}
     return _total(keep, phases)

@@ -97,7 +97,9 @@ def _train_save_load(rank, world_size, model_dir, ckpt):
     def train_step(engine):
         loss = engine(input_ids=inputs, labels=inputs).loss / 2
         engine.backward(loss)
-        return engine.step()
+        metrics = engine.step()
+        engine.scheduler.step()  # one optimizer step per trainer step here: the schedule advances as the roles do
+        return metrics
 
     engine = fresh_engine()
     for _ in range(2):

@@ -239,4 +239,4 @@ def test_custom_reward_function_from_a_file(tmp_path):
     # The dict's numeric extras are logged as pool-wide means (verl logs them too); strings are not.
     accs = [v for _, v in logged["critic/reward_extra/acc/mean"]]
     assert accs == pytest.approx([(s - 0.25) / 0.5 for s in scores], abs=1e-5)
-    assert not [k for k in logged if "pred" in k]
+    assert {k for k in logged if k.startswith("critic/reward_extra/")} == {"critic/reward_extra/acc/mean"}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
@@ -133,6 +134,8 @@ def save_hf_folder(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
     """
     from safetensors.torch import save_file
 
+    if isinstance(weights, Mapping):  # a whole state dict works too
+        weights = weights.items()
     os.makedirs(output_dir, exist_ok=True)
     shard: dict[str, torch.Tensor] = {}
     shard_names: list[list[str]] = []

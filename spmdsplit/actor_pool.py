@@ -33,13 +33,13 @@ class ActorPool:
     def roll_out(self, step: int) -> Batch:
         """gen (chunk by chunk, each sent on at once) -> old_log_prob -> ref [-> log-probs sent]."""
         phase, channel = self.timer.phase, self.channel
-        prompts = step_prompts(self.cfg, self.dataset, self.tokenizer, step, generating_ranks(self.cfg, self.pools))
+        shares = engine_shares(self.cfg, self.dataset, self.tokenizer, step, generating_ranks(self.cfg, self.pools))
         with phase("sync_weights", step):
             self.sync_weights()
         parts = []
-        for c, chunk_prompts in enumerate(prompts.split(len(prompts) // self.chunks)):
+        for c in range(self.chunks):
             with phase("gen", step, chunk=c):
-                parts.append(self.generate(chunk_prompts))
+                parts.append(self.generate(shares.chunk(c, self.chunks)))
             if not self.weights:
                 self.sends.add(channel.send_rollout(step, c, parts[-1]))
         if self.weights:  # rollout.ranks=all: the critic pool generated the rest of the rows
@@ -82,8 +82,8 @@ class ActorPool:
 
     # ------------------------------------------------------------------ pieces
 
-    def generate(self, prompts: Batch, validate: bool = False) -> Batch:
-        return generate_rows(self.rollout, prompts, self.pools.device, validate)
+    def generate(self, shares: "EngineShares", validate: bool = False) -> Batch:
+        return shares.generate(self.rollout, self.pools.device, validate)
 
     def sync_weights(self, broadcast: bool = True) -> None:
         """The rollout engine gets the policy's current weights, streamed from the shards (and,
@@ -102,16 +102,24 @@ class ActorPool:
         rows = usable_val_rows(val_rows, placement)
         with self.timer.phase("sync_weights", step):
             self.sync_weights(broadcast=False)  # only the actor pool generates validation responses
-        start, end = row_ranges(len(rows), len(placement.actor_ranks))[self.pools.rank_in("actor")]
+        ranges = row_ranges(len(rows), len(placement.actor_ranks))  # equal: usable_val_rows cut them so
+        peers = engine_peers(cfg, self.pools.rank)
         per_batch = max(1, cfg.data.train_batch_size // len(placement.actor_ranks))  # training-sized batches
+
+        def val_prompts(rank: int, offset: int) -> Batch:
+            start, end = ranges[placement.actor_ranks.index(rank)]
+            first = start + offset
+            prompts = collate_prompts(rows[first:min(end, first + per_batch)], self.tokenizer,
+                                      cfg.data.max_prompt_length, step, first, truncation=cfg.data.truncation)
+            prompts = prompts.repeat_interleave(n)
+            prompts["row_index"] = torch.arange(first * n, first * n + len(prompts), dtype=torch.int64)
+            return prompts
+
         parts = []
         with self.timer.phase("val_gen", step):
-            for first in range(start, end, per_batch):
-                prompts = collate_prompts(rows[first:min(end, first + per_batch)], self.tokenizer,
-                                          cfg.data.max_prompt_length, step, first, truncation=cfg.data.truncation)
-                prompts = prompts.repeat_interleave(n)
-                prompts["row_index"] = torch.arange(first * n, first * n + len(prompts), dtype=torch.int64)
-                parts.append(self.generate(prompts, validate=True))
+            for offset in range(0, len(rows) // len(placement.actor_ranks), per_batch):
+                shares = EngineShares([val_prompts(rank, offset) for rank in peers], peers.index(self.pools.rank))
+                parts.append(self.generate(shares, validate=True))
         self.channel.send_val_rollout(step, Batch.concat(parts), len(rows) * n).wait()
         return len(rows) * n
 
@@ -124,11 +132,46 @@ def generating_ranks(cfg, pools: Pools) -> list[int]:
     return list(placement.actor_ranks)
 
 
-def step_prompts(cfg, dataset: PromptDataset, tokenizer, step: int, generating: list[int]) -> Batch:
-    """This rank's share of the step's prompts, each repeated rollout.n times in a row (one group
+def engine_peers(cfg, rank: int) -> list[int]:
+    """The ranks that run one rollout engine together, `rank` among them: a vLLM tensor-parallel
+    group (consecutive ranks inside one pool, checked by config.check_rollout_placement), else
+    `rank` alone."""
+    tp = cfg.rollout.tensor_model_parallel_size if cfg.rollout.name == "vllm" else 1
+    first = rank // tp * tp
+    return list(range(first, first + tp))
+
+
+class EngineShares:
+    """The prompts of every rank of one engine, and which share is this rank's. A tensor-parallel
+    engine's ranks must all be given the same prompts and seeds (vLLM's collectives run in
+    lockstep), so each generates all its peers' shares together and keeps its own rows: every
+    rank still holds its own share of the batch, as the actor's data parallelism expects."""
+
+    def __init__(self, shares: list[Batch], mine: int):
+        self.shares, self.mine = shares, mine
+
+    def chunk(self, c: int, chunks: int) -> "EngineShares":
+        return EngineShares([share.split(len(share) // chunks)[c] for share in self.shares], self.mine)
+
+    def generate(self, rollout_engine, device, validate: bool = False) -> Batch:
+        rollout = generate_rows(rollout_engine, Batch.concat(self.shares), device, validate)
+        first = sum(len(share) for share in self.shares[: self.mine])
+        return rollout.slice(first, first + len(self.shares[self.mine]))
+
+
+def engine_shares(cfg, dataset: PromptDataset, tokenizer, step: int, generating: list[int]) -> EngineShares:
+    """The step's prompts of this rank's engine (`step_prompts` of each of its peers)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    peers = engine_peers(cfg, rank)
+    return EngineShares([step_prompts(cfg, dataset, tokenizer, step, generating, peer) for peer in peers],
+                        peers.index(rank))
+
+
+def step_prompts(cfg, dataset: PromptDataset, tokenizer, step: int, generating: list[int], rank: int) -> Batch:
+    """Rank `rank`'s share of the step's prompts, each repeated rollout.n times in a row (one group
     per prompt, sharing its uid); groups never straddle ranks since the batch divides. `row_index`
     is each response's place in the step's global batch."""
-    n, rank = cfg.rollout.n, dist.get_rank() if dist.is_initialized() else 0
+    n = cfg.rollout.n
     part, parts = generating.index(rank), len(generating)
     rows = dataset.shard(step, part, parts)
     first_row = dataset.batch_size * (step - 1) + part * len(rows)

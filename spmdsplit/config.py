@@ -445,6 +445,9 @@ def check_rollout(cfg: DictConfig) -> None:
     """vLLM's knobs, and vLLM installed where it is chosen (it is imported only then)."""
     r = cfg.rollout
     if r.name != "vllm":
+        if r.tensor_model_parallel_size != 1:
+            raise ConfigError(f"rollout.tensor_model_parallel_size={r.tensor_model_parallel_size}: only rollout.name=vllm "
+                              f"runs tensor parallel (rollout.name={r.name} keeps a whole copy per rank); use 1")
         return
     if r.data_parallel_size != 1:
         raise ConfigError(
@@ -492,12 +495,6 @@ def check_against_pools(cfg: DictConfig, actor_pool_size: int, critic_pool_size:
     number of forward/backward passes (FSDP's collectives would hang otherwise)."""
     B = cfg.data.train_batch_size
     chunks = cfg.rollout.stream_chunks
-    tp = cfg.rollout.tensor_model_parallel_size
-    if cfg.rollout.name == "vllm" and tp > 1:
-        # The engine runs with TP (tests/test_vllm_rollout.py), but the ranks of a TP group must be
-        # given the same prompts and seeds, and the trainer still gives every rank its own share.
-        raise ConfigError(f"rollout.tensor_model_parallel_size={tp}: the trainer does not yet hand a tensor-parallel "
-                          "group's ranks the same prompts; use 1 (one engine per generating rank)")
     # Every rank of a pool must hold equal rows of every chunk (FSDP runs in lockstep).
     if chunks > 1 and (B % (actor_pool_size * chunks) or (B // chunks) % critic_pool_size):
         raise ConfigError(

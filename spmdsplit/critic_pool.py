@@ -5,7 +5,7 @@ Messages: spmdsplit/messages.py."""
 from __future__ import annotations
 
 from spmdsplit import algo
-from spmdsplit.actor_pool import generate_rows, generating_ranks, step_prompts
+from spmdsplit.actor_pool import engine_shares, generating_ranks
 from spmdsplit.batch import Batch
 from spmdsplit.data.prompts import PromptDataset
 from spmdsplit.distributed import pool_reduce_metrics, pool_sum
@@ -122,9 +122,9 @@ class Generator:
         self.channel, self.timer, self.dataset, self.tokenizer = channel, timer, dataset, tokenizer
 
     def generate(self, step: int) -> PendingSend:
-        prompts = step_prompts(self.cfg, self.dataset, self.tokenizer, step, generating_ranks(self.cfg, self.pools))
+        shares = engine_shares(self.cfg, self.dataset, self.tokenizer, step, generating_ranks(self.cfg, self.pools))
         with self.timer.phase("sync_weights", step):
             self.rollout.load_weights(self.weights.receive())
         with self.timer.phase("gen", step):
-            generated = generate_rows(self.rollout, prompts, self.pools.device)
+            generated = shares.generate(self.rollout, self.pools.device)
         return self.channel.send_generated(step, generated)

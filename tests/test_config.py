@@ -103,6 +103,7 @@ def test_other_range_checks():
     assert "critic.ppo_mini_batch_size" in error_of("critic.ppo_mini_batch_size=100")
     assert "placement.pools" in error_of("placement.mode=custom")  # custom needs two sizes
     load_config(None, ["placement.mode=custom", "placement.pools=[3,1]"])
+    assert "only rollout.name=vllm" in error_of("rollout.tensor_model_parallel_size=2")  # HF generate has no TP
 
 
 def test_override_without_equals_is_an_error():

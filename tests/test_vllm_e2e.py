@@ -44,12 +44,24 @@ def test_vllm_rollout_trains_and_matches_the_actor_every_step(tmp_path, nproc, l
 def test_every_rank_generates_with_vllm_and_gets_the_same_weights(tmp_path):
     """rollout.ranks=all on 2+2: the critic ranks' engines are fed by the broadcast. Greedy, so the
     rollout must equal actor-only generation, and every row's log-probs (the critic ranks' rows
-    included) must match the actor's."""
-    greedy = ["rollout.do_sample=false", "actor.ppo_mini_batch_size=16", "critic.ppo_mini_batch_size=16"]
+    included) must match the actor's. Then the same with tensor-parallel engines (2 ranks each,
+    one per pool): each engine generates both its ranks' prompts, each rank keeps its own rows,
+    training and validation responses alike, and the job must not notice the difference."""
+    greedy = ["rollout.do_sample=false", "actor.ppo_mini_batch_size=16", "critic.ppo_mini_batch_size=16",
+              "trainer.val_freq=3"]
     everyone, events = run(tmp_path / "all", 4, "rollout.ranks=all", *greedy)
     actor_only, _ = run(tmp_path / "actor", 4, *greedy)
     assert everyone["critic/score/mean"] == actor_only["critic/score/mean"]
     assert_engine_agrees_with_the_actor(everyone, 3)
+    assert {e["pid"] for e in events if e["name"] == "gen"} == {0, 1, 2, 3}
+
+    tensor_parallel, events = run(tmp_path / "tp", 4, "rollout.ranks=all", "rollout.tensor_model_parallel_size=2",
+                                  *greedy)
+    assert_engine_agrees_with_the_actor(tensor_parallel, 3)
+    for key in ("critic/score/mean", "response_length/mean", "actor/pg_loss", "critic/vf_loss"):
+        assert tensor_parallel[key] == actor_only[key], key
+    validation = [k for k in actor_only if k.startswith("val-core/")]
+    assert validation and all(tensor_parallel[k] == actor_only[k] for k in validation), validation
     assert {e["pid"] for e in events if e["name"] == "gen"} == {0, 1, 2, 3}
 
 

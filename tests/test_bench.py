@@ -225,3 +225,14 @@ def test_plan_prints_an_override_line_the_job_accepts(tmp_path, embedded_cache):
     placement = plan_placement(cfg.placement.mode, list(cfg.placement.pools), cfg.placement.pool_unit, 4, 4, 1)
     check_against_pools(cfg, len(placement.actor_ranks), len(placement.critic_ranks))
     assert json.loads((tmp_path / "plan.json").read_text())["candidates"][0]["override"] == line
+
+
+def test_gpu_check_runs_and_reports_against_the_memory_model(tmp_path):
+    """tools.gpu_check is what a session with a GPU runs first (issue 11's one-GPU check); its
+    --small CPU form keeps it from rotting where there is none."""
+    result = run_module("tools.gpu_check", "--device", "cpu", "--small", "--steps", "2", "--rollouts", "hf",
+                        "--out", str(tmp_path))
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    row = report["rollouts"]["hf"]
+    assert row["step_s"] > 0 and row["peak_kind"] == "RSS" and row["peak_mb"] > 0 and row["predicted_mb"] > 0
+    assert "| hf | " in result.stdout

@@ -34,8 +34,9 @@ MODE_OVERRIDES = {
     "split-vllm-all": ["placement.overlap=true", "rollout.name=vllm", "rollout.ranks=all"],
 }
 ROLLOUT_MODES = ("split", "split-all", "split-vllm", "split-vllm-all")
-# --gen-heavy: long responses from a random Qwen2 of ~3.6M parameters (heads of 32 for vLLM-CPU),
-# so that generation is most of the step, as it is for real LLMs.
+# --gen-heavy: long responses from a random Qwen2 of ~3.6M parameters (heads of 32 for vLLM-CPU)
+# that all but never samples its EOS (build_random_qwen2's long_answers), so every response runs
+# to max_response_length and generation is most of the step, as it is for real LLMs.
 GEN_HEAVY_MODEL = dict(hidden=256, layers=4, heads=8, kv_heads=2, mlp=768)
 GEN_HEAVY_WORKLOAD = ["data.train_batch_size=32", "data.max_response_length=96", "actor.ppo_mini_batch_size=32",
                       "critic.ppo_mini_batch_size=32", "actor.ppo_micro_batch_size_per_gpu=8",
@@ -445,7 +446,7 @@ def run_bench(args) -> dict:
 
         model = os.path.join(args.out, "gen_heavy_model")
         if not os.path.isfile(os.path.join(model, "config.json")):
-            build_random_qwen2(model, **GEN_HEAVY_MODEL)
+            build_random_qwen2(model, **GEN_HEAVY_MODEL, long_answers=True)
         workload = GEN_HEAVY_WORKLOAD + [f"model.path={os.path.abspath(model)}"] + workload
     workload += [f"critic.ppo_epochs={args.critic_weight}"] if args.critic_weight else []
     workload += [f"trainer.total_steps={args.steps}", f"trainer.device={device}"]

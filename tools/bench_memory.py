@@ -38,9 +38,13 @@ TARGETS = {"actor_bpp": 22.0, "critic_bpp": 16.0, "actor_ratio": 0.75}
 RETURN_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 
 
-def build_random_qwen2(folder: str, hidden: int, layers: int, heads: int, kv_heads: int, mlp: int) -> int:
+def build_random_qwen2(folder: str, hidden: int, layers: int, heads: int, kv_heads: int, mlp: int,
+                       long_answers: bool = False) -> int:
     """A randomly initialised Qwen2ForCausalLM with the embedded tokenizer, saved into `folder`;
-    returns its parameter count."""
+    returns its parameter count. `long_answers`: a random head samples EOS as often as any other
+    of the 15 tokens, ending most responses within a few tokens; with its EOS row zeroed (logit 0)
+    and the other rows scaled up (logits of a few units, one dominant), EOS is all but never drawn
+    and every response runs to data.max_response_length, as a trained model's long answers do."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -54,6 +58,10 @@ def build_random_qwen2(folder: str, hidden: int, layers: int, heads: int, kv_hea
                          eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)
+    if long_answers:
+        with torch.no_grad():
+            model.lm_head.weight.mul_(20.0)
+            model.lm_head.weight[tokenizer.eos_token_id] = 0.0
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return sum(p.numel() for p in model.parameters())

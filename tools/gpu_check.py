@@ -1,0 +1,119 @@
+"""`python -m tools.gpu_check [--rollouts hf vllm] [--steps 5] [key=value ...]`
+
+The one-GPU check of issue 11 (item 8), ready for a session that has a GPU: a colocate job on
+one rank with NCCL, bf16 and gradient checkpointing, on a random Qwen2 of Qwen2.5-0.5B's shape
+(hidden 896, 24 layers, 14/2 heads, MLP 4864; the embedded tokenizer's 15-token vocabulary, so
+no download and a head of 13k parameters instead of 136M), for `--steps` steps per rollout
+engine (vLLM's `rollout.gpu_memory_utilization` share is its own: not modelled). Prints, side by side: the median step time after the first step, the rank's
+`torch.cuda.max_memory_allocated` (the timeline's `peak_memory` counter) and what the memory
+model (tools/memory.py) predicts for that shape and workload. Writes `gpu_check.json` / `.md`
+into `--out`. `--device cpu` runs the same jobs on CPU (RSS instead, fp32; to try the script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import tempfile
+
+from tools.bench import BenchError, pools_by_rank, peak_memory, run_job, write_report
+from tools.bench_memory import build_random_qwen2
+from tools.memory import MB, Shape, Workload, colocated_rank
+
+QWEN25_05B = dict(hidden=896, layers=24, heads=14, kv_heads=2, mlp=4864)
+WORKLOAD = dict(batch=64, prompt_len=64, response_len=128, micro=8, log_prob_micro=16)
+# --small: to try the script on CPU in a minute (heads of 32, as vLLM-CPU needs).
+SMALL_SHAPE = dict(hidden=64, layers=2, heads=2, kv_heads=1, mlp=128)
+SMALL_WORKLOAD = dict(batch=8, prompt_len=16, response_len=8, micro=4, log_prob_micro=4)
+
+
+def job_overrides(device: str, w: dict) -> list[str]:
+    return ["placement.mode=colocate", "placement.pools=[]", f"trainer.device={device}",
+            f"model.dtype={'bfloat16' if device == 'cuda' else 'float32'}", "model.gradient_checkpointing=true",
+            f"data.train_batch_size={w['batch']}", f"data.max_prompt_length={w['prompt_len']}",
+            f"data.max_response_length={w['response_len']}", f"actor.ppo_mini_batch_size={w['batch']}",
+            f"critic.ppo_mini_batch_size={w['batch']}", f"actor.ppo_micro_batch_size_per_gpu={w['micro']}",
+            f"critic.ppo_micro_batch_size_per_gpu={w['micro']}",
+            f"actor.log_prob_micro_batch_size_per_gpu={w['log_prob_micro']}",
+            f"critic.forward_micro_batch_size_per_gpu={w['log_prob_micro']}"]
+
+
+def predicted_mb(shape: dict, vocab: int, device: str, w: dict) -> float:
+    """The memory model's peak for the rank (HF rollout: it does not model vLLM's pre-allocation)."""
+    s = Shape("check", shape["hidden"], shape["layers"], shape["heads"], shape["kv_heads"], shape["mlp"], vocab)
+    model = Workload(dtype_bytes=2 if device == "cuda" else 4, gradient_checkpointing=True, cpu=device == "cpu",
+                     prompts_per_step=w["batch"], prompt_len=w["prompt_len"], response_len=w["response_len"],
+                     micro=w["micro"], log_prob_micro=w["log_prob_micro"])
+    return colocated_rank(s, 1, model)["total"] / MB
+
+
+def measure(trace: dict, scalars: dict) -> dict:
+    steps = scalars.get("timing_s/step", {})
+    after_first = [t for step, t in sorted(steps.items()) if step > 1]
+    peak = peak_memory(trace, pools_by_rank(trace))[-1]
+    return {"step_s": statistics.median(after_first) if after_first else None,
+            "peak_mb": peak["cuda_max_allocated_mb"] or peak["rss_mb"],
+            "peak_kind": "cuda max allocated" if peak["cuda_max_allocated_mb"] else "RSS",
+            "score_last": (scalars.get("critic/score/mean") or {}).get(max(steps) if steps else 0)}
+
+
+def render(report: dict) -> str:
+    meta = report["meta"]
+    shape = meta["shape"]
+    lines = [f"One-rank colocate job, random Qwen2 (hidden {shape['hidden']}, {shape['layers']} layers, "
+             f"{shape['heads']}/{shape['kv_heads']} heads, MLP {shape['mlp']}, vocab {meta['vocab']}: "
+             f"{meta['params'] / 1e6:.1f}M params), {meta['gpu'] or meta['device']}, torch {meta['torch']}, "
+             f"{meta['steps']} steps, {meta['date']}", "", f"Workload: `{' '.join(meta['workload'])}`",
+             "", "| rollout | median step (s) | peak (MB) | predicted (MB) | predicted / measured - 1 |",
+             "|---|---|---|---|---|"]
+    for name, row in report["rollouts"].items():
+        step = "n/a" if row["step_s"] is None else f"{row['step_s']:.2f}"
+        predicted = row["predicted_mb"]
+        lines.append(f"| {name} | {step} | {row['peak_mb']:.0f} ({row['peak_kind']}) | "
+                     + ("not modelled | |" if predicted is None else f"{predicted:.0f} | {predicted / row['peak_mb'] - 1:+.0%} |"))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="tools.gpu_check", description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--rollouts", nargs="+", default=["hf", "vllm"], choices=("hf", "vllm"))
+    p.add_argument("--small", action="store_true", help="a tiny model and workload, to try the script")
+    p.add_argument("--out", default="outputs/gpu_check")
+    p.add_argument("overrides", nargs="*", help="key=value train overrides for every job")
+    args = p.parse_args(argv)
+
+    import torch
+
+    from spmdsplit.embedded import build_tokenizer
+
+    vocab = len(build_tokenizer())
+    shape, w = (SMALL_SHAPE, SMALL_WORKLOAD) if args.small else (QWEN25_05B, WORKLOAD)
+    rollouts = {}
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as folder:
+        params = build_random_qwen2(folder, **shape)
+        workload = [f"model.path={folder}", f"trainer.total_steps={args.steps}", *job_overrides(args.device, w),
+                    *args.overrides]
+        for name in args.rollouts:
+            print(f"gpu_check: rollout.name={name}", file=sys.stderr, flush=True)
+            try:
+                trace, scalars = run_job(1, workload + [f"rollout.name={name}"], os.path.join(args.out, name))
+            except BenchError as e:
+                print(f"gpu_check: error: {e}", file=sys.stderr)
+                return 1
+            predicted = predicted_mb(shape, vocab, args.device, w) if name == "hf" else None
+            rollouts[name] = {**measure(trace, scalars), "predicted_mb": predicted}
+    meta = {"device": args.device, "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+            "torch": torch.__version__, "shape": shape, "params": params, "vocab": vocab, "steps": args.steps,
+            "workload": workload[1:], "date": datetime.datetime.now().isoformat(timespec="seconds")}
+    report = {"schema": "spmdsplit.gpu_check/1", "meta": meta, "rollouts": rollouts}
+    write_report(args.out, "gpu_check", report, render(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -9,7 +9,8 @@ hold the rank forever. Its groups are aborted first (best effort, bounded).
 Every rank runs a small watch thread that polls the store for a notice; a rank that sees one
 prints whose failure it stops for and leaves the same way, whatever it was waiting on. So a pool
 blocked in a receive from the failed rank, or in a collective with it, finds out within a
-second or two instead of at a timeout. Launchers do the same for ranks that die without raising
+second or two instead of at a timeout. The failing rank waits (at most 2.5 s) until the others
+have shown the notice, because the launcher kills them the moment it exits. Launchers do the same for ranks that die without raising
 (a kill, an OOM): torchrun tears the job down, `srun --kill-on-bad-exit=1` too.
 
 A rank that cannot reach the store while the job runs (the store's host, rank 0 or the torchrun
@@ -28,6 +29,7 @@ import traceback
 import torch.distributed as dist
 
 NOTICE = "spmdsplit/failed"
+SEEN = "spmdsplit/failure_seen"  # how many other ranks have shown the notice
 POLL_S = 1.0
 
 _where: dict = {}  # the innermost phase an exception left: {"phase": ..., "step": ...}
@@ -65,7 +67,7 @@ class FailureWatch:
                     return
                 notice = f"the job's store cannot be reached ({type(e).__name__}); its host (rank 0 or the launcher) is gone"
             if notice and not self.stopped.is_set():
-                _leave(f"spmdsplit [rank {self.rank}]: stopping: {notice}", code=1)
+                _leave(f"spmdsplit [rank {self.rank}]: stopping: {notice}", code=1, seen=self.store)
 
     def stop(self) -> None:
         self.stopped.set()
@@ -95,15 +97,36 @@ def fail(exc: BaseException, rank: int, role: str) -> None:
         notice = None
     if notice and not notice.startswith(where + " "):
         # Another rank failed first; this error is most likely the echo of it (a closed connection).
-        _leave(f"spmdsplit [rank {rank}]: stopping: {notice} (here: {summary})", code=1)
+        _leave(f"spmdsplit [rank {rank}]: stopping: {notice} (here: {summary})", code=1, seen=store)
     print(f"spmdsplit [{where}]: error: {summary}", file=sys.stderr, flush=True)
     traceback.print_exception(exc, file=sys.stderr)
+    if notice is not None:
+        _wait_until_seen(store, dist.get_world_size() - 1, timeout_s=2.5 * POLL_S)
     _leave(None, code=1)
 
 
-def _leave(message: str | None, code: int) -> None:
+def _wait_until_seen(store, others: int, timeout_s: float) -> None:
+    """The launcher kills the other ranks as soon as this one exits (torchrun polls every 0.1 s),
+    before their watch (every POLL_S) has shown why they stop; so the failing rank stays a moment,
+    bounded, until they have."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if store.add(SEEN, 0) >= others:
+                return
+        except Exception:  # noqa: BLE001 - the store is gone: nobody is left to wait for
+            return
+        time.sleep(0.05)
+
+
+def _leave(message: str | None, code: int, seen=None) -> None:
     if message:
         print(message, file=sys.stderr, flush=True)
+    if seen is not None:
+        try:
+            seen.add(SEEN, 1)
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            pass
     _abort_groups()
     sys.stderr.flush()
     sys.stdout.flush()

@@ -93,13 +93,26 @@ class ModelSource:
                                              **self._head_kwargs())
         return _no_dropout(model).to(device)
 
-    def skeleton(self) -> nn.Module:
+    def skeleton(self, device: torch.device | str = "meta") -> nn.Module:
+        """On "meta" (the default): no storage. Elsewhere: freshly initialised weights, for a
+        builder that partitions them as they are made (DeepSpeed's `zero.Init`)."""
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(self.path, trust_remote_code=self.trust_remote_code, **self._head_kwargs())
-        with torch.device("meta"):
+        with torch.device(device), _no_init_weights():
             model = self._auto().from_config(config, dtype=self.dtype, trust_remote_code=self.trust_remote_code)
+            model.tie_weights()  # skipped with the initialisation; a tied head must stay one tensor
         return _no_dropout(model)
+
+
+def _no_init_weights():
+    """transformers' switch that skips weight initialisation: the weights are loaded over it, and
+    initialisers fail on tensors that zero.Init has already partitioned to nothing."""
+    try:
+        from transformers.initialization import no_init_weights  # transformers 5
+    except ImportError:
+        from transformers.modeling_utils import no_init_weights  # transformers 4
+    return no_init_weights()
 
 
 def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device, seed: int, trust_remote_code=False):

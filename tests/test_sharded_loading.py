@@ -144,9 +144,9 @@ def test_sharded_load_and_streamed_sync_on_pools_of_one_and_two(tied_model_dir, 
     _check(results, tied_model_dir, engine)
 
 
-def _reader_memory(rank, world_size, model_dir):
-    """Which ranks of a two-rank pool ever read the checkpoint whole."""
-    from spmdsplit.engines.fsdp import FSDPEngine
+def _reads_and_partitions(rank, world_size, model_dir, engine):
+    """Which ranks of a two-rank pool ever read the checkpoint whole, and (ZeRO-3) whether each
+    rank holds only its partition of every parameter afterwards."""
     from spmdsplit.models import ModelSource
 
     reads = []
@@ -157,10 +157,24 @@ def _reader_memory(rank, world_size, model_dir):
         return original(self, device)
 
     ModelSource.read = counting_read
-    FSDPEngine.from_source(ModelSource("causal_lm", model_dir, torch.float32), DeviceMesh.from_group(dist.group.WORLD, "cpu"),
-                           torch.device("cpu"))
-    return reads
+    source = ModelSource("causal_lm", model_dir, torch.float32)
+    if engine == "fsdp":
+        from spmdsplit.engines.fsdp import FSDPEngine
+
+        FSDPEngine.from_source(source, DeviceMesh.from_group(dist.group.WORLD, "cpu"), torch.device("cpu"))
+        return reads, None
+    from spmdsplit.engines.deepspeed import DeepSpeedEngine
+
+    model = DeepSpeedEngine.from_source(source, dist.group.WORLD, 3, torch.device("cpu")).model
+    held = {name: (p.ds_tensor.numel(), p.ds_numel) for name, p in model.named_parameters()}
+    return reads, held
 
 
-def test_only_the_pools_first_rank_reads_the_checkpoint(tied_model_dir):
-    assert run_ranks(_reader_memory, 2, tied_model_dir) == [["causal_lm"], []]
+@pytest.mark.parametrize("engine", ["fsdp", pytest.param("deepspeed", marks=needs_deepspeed)])
+def test_only_the_pools_first_rank_reads_the_checkpoint(tied_model_dir, engine):
+    results = run_ranks(_reads_and_partitions, 2, tied_model_dir, engine)
+    assert [reads for reads, _ in results] == [["causal_lm"], []]
+    if engine == "deepspeed":
+        for rank, (_, held) in enumerate(results):
+            for name, (mine, whole) in held.items():
+                assert mine == (whole + 1) // 2, f"rank {rank} holds {mine} of {name}'s {whole} elements"

@@ -63,6 +63,16 @@ _ACTIVE_GROUPS: list[dist.ProcessGroup] = []
 _PATCHED = False
 
 
+@contextlib.contextmanager
+def _active_group(group: dist.ProcessGroup):
+    """DeepSpeed's world-wide calls (2, 3 above) go to `group` while inside."""
+    _ACTIVE_GROUPS.append(group)
+    try:
+        yield
+    finally:
+        _ACTIVE_GROUPS.pop()
+
+
 class _PoolMPU:
     """The `mpu` DeepSpeed asks for its groups: data parallel = the pool, nothing else."""
 
@@ -269,18 +279,19 @@ class DeepSpeedEngine(HFExport):
     @classmethod
     def from_source(cls, source: ModelSource, group: dist.ProcessGroup, zero_stage: int, device: torch.device,
                     optim=None, param_dtype=None, activation_checkpointing: bool = False) -> "DeepSpeedEngine":
-        """The engine of `source`, read whole on each rank and then partitioned by DeepSpeed.
-        Not yet loaded into shards as FSDPEngine.from_source does (ZeRO-3 would build the model
-        under `deepspeed.zero.Init` and fill it per module from the pool's first rank)."""
-        return cls(source.read(device), group, zero_stage, optim, param_dtype, activation_checkpointing)
+        """The engine of `source`. ZeRO-3 on a pool of more than one rank loads it straight into its
+        partitions (`load_into_partitions`); otherwise every rank holds it whole anyway and reads it."""
+        if zero_stage == 3 and dist.get_world_size(group) > 1:
+            if optim is None and param_dtype is None and source.dtype == torch.bfloat16:
+                param_dtype = torch.bfloat16  # a frozen bf16 model stays bf16, as in __init__
+            config = ds_config(zero_stage, optim, param_dtype, dist.get_world_size(group))
+            model = load_into_partitions(source, group, device, config)
+        else:
+            model = source.read(device)
+        return cls(model, group, zero_stage, optim, param_dtype, activation_checkpointing)
 
-    @contextlib.contextmanager
     def _pool_scope(self):
-        _ACTIVE_GROUPS.append(self.group)
-        try:
-            yield
-        finally:
-            _ACTIVE_GROUPS.pop()
+        return _active_group(self.group)
 
     def __call__(self, *args, **kwargs):
         with self._pool_scope():
@@ -386,3 +397,55 @@ class DeepSpeedEngine(HFExport):
             raise FileNotFoundError(f"no DeepSpeed checkpoint under {folder}")
         state = torch.load(os.path.join(folder, names[0]), map_location="cpu", weights_only=False)
         return state.get("spmdsplit_pool_size"), state.get("spmdsplit_zero_stage")
+
+
+@torch.no_grad()
+def load_into_partitions(source: ModelSource, group: dist.ProcessGroup, device: torch.device,
+                         config: dict[str, Any]) -> nn.Module:
+    """`source` partitioned over the pool `group` by ZeRO-3, without any rank but the pool's first
+    ever holding it whole. Every rank builds the model under `deepspeed.zero.Init` (each module is
+    partitioned as soon as it is made, so a rank holds one whole module at most, and only while it
+    is built); the pool's first rank reads the checkpoint on the CPU; then module by module the
+    pool gathers the module's parameters, the first rank copies the checkpoint's values in, and
+    `GatheredParameters` broadcasts them and partitions again on the way out. Buffers (rotary
+    tables) are not partitioned: they are broadcast whole."""
+    import deepspeed
+
+    init_deepspeed_comm()
+    _install_pool_scoping()
+    first = dist.get_global_rank(group, 0)
+    is_reader = dist.get_rank() == first
+    mpu = _PoolMPU(group, _single_rank_group())
+    # A first build on the meta device (no storage) imports everything the model's construction
+    # imports: under zero.Init, which patches tensor construction, a first import of torch._dynamo
+    # (transformers imports it lazily) fails.
+    source.skeleton("meta")
+    with _active_group(group):
+        # No `dtype=`: the config's bf16 switch decides, as deepspeed.initialize would. (DeepSpeed
+        # 0.19.8's _set_dtype, given a dtype, parses `dtype or fp16 if fp16_ok else bf16 ...` so
+        # that on a CPU it yields bf16 whatever dtype was asked for.)
+        with deepspeed.zero.Init(data_parallel_group=group, mpu=mpu, config_dict_or_path=config):
+            model = source.skeleton(device)
+        reader = source.read("cpu") if is_reader else None
+        # remove_duplicate=False: a head tied to the embeddings is found under its own name too.
+        values = dict(reader.named_parameters(remove_duplicate=False)) if is_reader else {}
+        done: set[int] = set()
+        for module_name, module in model.named_modules():
+            own = [(f"{module_name}.{n}" if module_name else n, p) for n, p in module.named_parameters(recurse=False)
+                   if id(p) not in done]
+            if not own:
+                continue
+            with deepspeed.zero.GatheredParameters([p for _, p in own], modifier_rank=0):
+                if is_reader:
+                    for name, param in own:
+                        param.data.copy_(values[name])
+            done.update(id(p) for _, p in own)
+        buffer_values = dict(reader.named_buffers()) if is_reader else {}
+        for name, buffer in model.named_buffers():
+            if is_reader:
+                buffer.copy_(buffer_values[name])
+            on_wire = buffer.to(_comm_device(group))
+            dist.broadcast(on_wire, src=first, group=group)
+            buffer.copy_(on_wire)
+    del reader, values, buffer_values
+    return model

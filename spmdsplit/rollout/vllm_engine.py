@@ -112,6 +112,12 @@ def init_vllm_distributed(cfg, model_path: str, device: torch.device, dtype: tor
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: the engine runs in this rank
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines x every rank bury the step lines
+    # On a CPU whose vLLM build has the shared-memory all-reduce (x86 with AVX-512, ...), a
+    # tensor-parallel group names its /dev/shm segment after VLLM_DIST_IDENT, which only vLLM's CPU
+    # worker sets, after these groups exist here: without it `new_group` for TP fails with
+    # KeyError. vLLM takes the port of its init method; ours is torchrun's rendezvous port, the same
+    # on every rank of a job and different between jobs on one host.
+    os.environ["VLLM_DIST_IDENT"] = f"spmdsplit-{os.environ.get('MASTER_PORT', '0')}"
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform

@@ -87,7 +87,10 @@ class OptimConfig:
     lr: float = 1e-6
     weight_decay: float = 0.01
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    lr_warmup_steps: int = 0  # linear warmup over this many trainer steps (as verl), then constant
+    lr_warmup_steps: int = 0  # linear warmup over this many trainer steps (as verl), then the schedule
+    lr_scheduler_type: str = "constant"  # constant | cosine: down to min_lr_ratio * lr at the last trainer step
+    min_lr_ratio: float = 0.0  # cosine only
+    total_training_steps: int = -1  # where the cosine ends; -1: trainer.total_steps (filled by load_config, as verl's trainer does)
     grad_clip: float = 1.0
 
 
@@ -252,6 +255,8 @@ CHOICES = {
     "actor.zero_stage": (1, 2, 3),
     "rollout.name": ("hf", "vllm"),
     "critic.zero_stage": (1, 2, 3),
+    "actor.optim.lr_scheduler_type": ("constant", "cosine"),
+    "critic.optim.lr_scheduler_type": ("constant", "cosine"),
 }
 
 # Models that only infer: DeepSpeed can shard their weights (3) or hold them whole (0); -1 = follow.
@@ -345,6 +350,9 @@ def load_config(config_file: str | None = None, overrides: list[str] | None = No
         key = getattr(e, "full_key", None) or "?"
         reason = str(e).splitlines()[0]
         raise ConfigError(f"config key {key!r}: {reason}") from None
+    for role in ("actor", "critic"):  # the cosine schedule ends with the job unless told otherwise
+        if cfg[role].optim.total_training_steps <= 0:
+            cfg[role].optim.total_training_steps = cfg.trainer.total_steps
     for key in PATH_KEYS:
         # The shell expands ~ only at the start of a word, never in `key=~/x`: do it here.
         OmegaConf.update(cfg, key, os.path.expanduser(OmegaConf.select(cfg, key)))
@@ -388,6 +396,9 @@ def check_values(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.max_ckpt_to_keep={cfg.trainer.max_ckpt_to_keep}: expected >= 0 (0 = keep all)")
     if (cfg.trainer.save_freq > 0 or cfg.trainer.resume == "auto") and not cfg.trainer.default_local_dir:
         raise ConfigError("trainer.default_local_dir is empty: checkpoints need a folder")
+    for role in ("actor", "critic"):
+        if not 0 <= cfg[role].optim.min_lr_ratio <= 1:
+            raise ConfigError(f"{role}.optim.min_lr_ratio={cfg[role].optim.min_lr_ratio}: expected 0 <= ratio <= 1")
     if not 0 < cfg.rollout.top_p <= 1:
         raise ConfigError(f"rollout.top_p={cfg.rollout.top_p}: expected 0 < top_p <= 1")
     if cfg.actor.clip_ratio_c <= 1:

@@ -3,6 +3,9 @@ checkpointing, the HF names of a model's weights and the HF export."""
 
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
 from torch import nn
 
@@ -11,13 +14,24 @@ from spmdsplit.models import save_hf_folder
 
 def adamw_with_warmup(params, optim) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW, and a schedule that ramps the LR linearly over `optim.lr_warmup_steps` trainer
-    steps (the role steps it once per update, after all its mini-batches, as verl), then holds it. A torch optimizer on purpose: DeepSpeed's config-named ones JIT-compile."""
+    steps (the role steps it once per update, after all its mini-batches, as verl), then holds it
+    (`lr_scheduler_type=constant`) or follows a half cosine down to `min_lr_ratio` of it at
+    `total_training_steps` (`cosine`). A torch optimizer on purpose: DeepSpeed's config-named ones JIT-compile."""
     optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
-    warmup = max(0, optim.lr_warmup_steps)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
-    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
+        lr_factor, warmup=max(0, optim.lr_warmup_steps), kind=optim.lr_scheduler_type,
+        total=optim.total_training_steps, min_ratio=optim.min_lr_ratio))
     return optimizer, scheduler
+
+
+def lr_factor(step: int, warmup: int, kind: str = "constant", total: int = -1, min_ratio: float = 0.0) -> float:
+    """The LR multiplier of update `step` (0-based, one per trainer step)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if kind == "constant" or total <= warmup:
+        return 1.0
+    progress = min(1.0, (step - warmup) / (total - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def apply_ac(model: nn.Module) -> None:

@@ -28,6 +28,8 @@ def test_ppo_learns_an_easy_reward_within_a_dozen_steps(tmp_path):
     result = torchrun(
         2, "placement.mode=split", f"trainer.total_steps={STEPS}", "data.train_batch_size=32",
         "actor.ppo_mini_batch_size=16", "critic.ppo_mini_batch_size=16", "data.max_response_length=6",
+        # The rates held (the default decays them over its 200 steps, too slow a start for 12).
+        "actor.optim.lr_scheduler_type=constant", "critic.optim.lr_scheduler_type=constant", "actor.entropy_coeff=0.01",
         f"reward.custom_fn.path={reward}", f"trainer.log_dir={out}/tb", "trainer.timeline=", "trainer.output_dir=",
         timeout=300,
     )

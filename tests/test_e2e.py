@@ -203,7 +203,8 @@ def test_grpo_learns_the_embedded_task(tmp_path):
     """The README's GRPO recipe on the embedded task: it must solve it too (last 5 steps >= 0.9)."""
     out = tmp_path / "run"
     result = torchrun(2, "placement.mode=colocate", "algorithm.adv_estimator=grpo", "rollout.n=4",
-                      "data.train_batch_size=32", "actor.ppo_mini_batch_size=16", f"trainer.log_dir={out}/tb",
+                      "data.train_batch_size=32", "actor.ppo_mini_batch_size=16",
+                      "actor.optim.lr_scheduler_type=constant", "actor.entropy_coeff=0.01", f"trainer.log_dir={out}/tb",
                       "trainer.timeline=", "trainer.output_dir=", timeout=1200)
     assert result.returncode == 0, result.stderr[-5000:]
     first, last = first_and_last_scores(str(out / "tb"))

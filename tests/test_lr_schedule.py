@@ -27,10 +27,13 @@ def test_the_optimizer_follows_the_schedule_once_per_trainer_step():
     cfg = load_config(None, ["trainer.total_steps=10", "actor.optim.lr=0.5", "actor.optim.lr_warmup_steps=0",
                              "actor.optim.lr_scheduler_type=cosine", "actor.optim.min_lr_ratio=0"])
     assert cfg.actor.optim.total_training_steps == 10  # filled from trainer.total_steps
-    optimizer, scheduler = adamw_with_warmup([torch.nn.Parameter(torch.zeros(2))], cfg.actor.optim)
+    weight = torch.nn.Parameter(torch.zeros(2))
+    optimizer, scheduler = adamw_with_warmup([weight], cfg.actor.optim)
     lrs = []
-    for _ in range(10):
+    for _ in range(10):  # one trainer step: the role's optimizer steps, then the schedule once
         lrs.append(optimizer.param_groups[0]["lr"])
+        weight.sum().backward()
+        optimizer.step()
         scheduler.step()
     assert lrs[0] == 0.5 and lrs[-1] == pytest.approx(0.5 * 0.5 * (1 + math.cos(math.pi * 0.9)))
     # A horizon the user sets stays.

@@ -396,14 +396,13 @@ def check_values(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.max_ckpt_to_keep={cfg.trainer.max_ckpt_to_keep}: expected >= 0 (0 = keep all)")
     if (cfg.trainer.save_freq > 0 or cfg.trainer.resume == "auto") and not cfg.trainer.default_local_dir:
         raise ConfigError("trainer.default_local_dir is empty: checkpoints need a folder")
-    for role in ("actor", "critic"):
-        if not 0 <= cfg[role].optim.min_lr_ratio <= 1:
-            raise ConfigError(f"{role}.optim.min_lr_ratio={cfg[role].optim.min_lr_ratio}: expected 0 <= ratio <= 1")
     if not 0 < cfg.rollout.top_p <= 1:
         raise ConfigError(f"rollout.top_p={cfg.rollout.top_p}: expected 0 < top_p <= 1")
     if cfg.actor.clip_ratio_c <= 1:
         raise ConfigError(f"actor.clip_ratio_c={cfg.actor.clip_ratio_c}: the dual-clip bound must be > 1")
     for role in ("actor", "critic"):
+        if not 0 <= cfg[role].optim.min_lr_ratio <= 1:
+            raise ConfigError(f"{role}.optim.min_lr_ratio={cfg[role].optim.min_lr_ratio}: expected 0 <= ratio <= 1")
         mini = cfg[role].ppo_mini_batch_size
         if cfg.data.train_batch_size % mini:
             raise ConfigError(

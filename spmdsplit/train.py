@@ -17,7 +17,15 @@ import sys
 import warnings
 from datetime import timedelta
 
-import torch
+from spmdsplit import versions
+
+if __name__ == "__main__" and versions.version_problems():  # before the imports below: an older
+    # transformers may not even import; the job's own choices (vLLM, DeepSpeed) are checked in prepare()
+    print(f"spmdsplit [rank {os.environ.get('RANK', os.environ.get('SLURM_PROCID', 0))}]: error: "
+          f"{versions.version_problems()[0]}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+import torch  # noqa: E402 - after the version check
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -91,6 +99,9 @@ def pick_device(setting: str, local_rank: int) -> torch.device:
 def prepare(cfg):
     """Everything that can fail without talking to other ranks, the data included, so that bad
     rows stop every rank alike; returns (placement, device, data, checkpoint to resume or None)."""
+    problems = versions.version_problems(cfg)  # vLLM and DeepSpeed, when chosen (and the rest, under Slurm)
+    if problems:
+        raise ConfigError(problems[0])
     world, local, nnodes = launch_shape_from_env()
     p = cfg.placement
     placement = plan_placement(p.mode, list(p.pools) or None, p.pool_unit, world, local, nnodes)

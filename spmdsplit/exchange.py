@@ -104,10 +104,36 @@ class Link:
         self._sent: dict[int, int] = {}  # peer -> messages sent to it
         self._received: dict[int, int] = {}  # peer -> messages received from it
         self._local: dict[tuple, Any] = {}  # self-delivery: (kind, step, chunk) -> rows or pickled object
+        self.connected: set[tuple[int, int]] | None = None  # after `connect`: the pairs that may talk
+
+    def connect(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Every pair of ranks that will exchange messages on this link does so once, now, while
+        every rank is at the same point of start-up. NCCL creates the communicator of two ranks at
+        their first point-to-point message, and the first of them to get there blocks until the
+        other arrives: left to the first step, that wait would eat the overlap of the pools.
+        `pairs` (any direction) are taken in one order on every rank, each pair once, which cannot
+        deadlock: the earliest pair not yet done always has both its ranks waiting at it. From
+        here on a message to a pair not connected is an error (the schedule missed it)."""
+        me = _rank()
+        token = torch.zeros(1, device=self.device)
+        ordered = list(dict.fromkeys((min(a, b), max(a, b)) for a, b in pairs if a != b))
+        for low, high in ordered:
+            if me == low:
+                dist.send(token, high, group=self.group)
+            elif me == high:
+                dist.recv(token, low, group=self.group)
+        self.connected = set(ordered)
+
+    def _check_connected(self, peer: int) -> None:
+        me = _rank()
+        if self.connected is not None and (min(me, peer), max(me, peer)) not in self.connected:
+            raise ProtocolError(f"rank {me} talks to rank {peer} on the {self.name} link, a pair that was not "
+                                "connected at start-up (Link.connect)")
 
     # ---- one message
 
     def isend(self, msg: Message, meta: bytes, payload: torch.Tensor | None, dst: int) -> PendingSend:
+        self._check_connected(dst)
         seq = self._sent.get(dst, 0)
         self._sent[dst] = seq + 1
         meta_t = torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(self.device)
@@ -120,6 +146,8 @@ class Link:
     def recv_headers(self, expect: Message, peers: Sequence[int]) -> dict[int, tuple[int, int]]:
         """Posts a header receive from every peer at once (so they stream in parallel), checks each;
         returns peer -> (meta_len, payload_len)."""
+        for s in peers:
+            self._check_connected(s)
         headers = {s: torch.empty(_HEADER, dtype=torch.int64, device=self.device) for s in peers}
         for w in [dist.irecv(h, s, group=self.group) for s, h in headers.items()]:
             w.wait()
@@ -228,6 +256,14 @@ def _unpack(meta: torch.Tensor, payload: torch.Tensor | None) -> Batch:
         else:
             tensors[name] = torch.empty(shape, dtype=dtype, device=meta.device)
     return Batch(tensors, non_tensors)
+
+
+def row_pairs(src_ranks: Sequence[int], dst_ranks: Sequence[int], num_rows: int) -> list[tuple[int, int]]:
+    """(source, destination) of every message `send_rows` sends for one exchange, in the order it
+    sends them; what a rank keeps for itself is left out."""
+    src, dst = list(src_ranks), list(dst_ranks)
+    return [(s, d) for s, mine in zip(src, row_ranges(num_rows, len(src)))
+            for d, theirs in zip(dst, row_ranges(num_rows, len(dst))) if s != d and _nonempty(_overlap(mine, theirs))]
 
 
 def send_rows(link: Link, msg: Message, batch: Batch, src_ranks, dst_ranks, num_rows: int) -> PendingSend:

@@ -10,6 +10,10 @@ Both wait `trainer.pool_wait_timeout_s`, not `trainer.dist_timeout_s`: a pool th
 (generating a large validation set, a long update) is not dead. A dead rank is found by the
 failure watch (spmdsplit/failure.py) and the launcher, not by this timeout.
 
+At start-up every pair of ranks that a bulk message below joins exchanges one small message, in
+this order (`PoolChannel.connect`): NCCL connects a pair at its first message and blocks until
+both are there, which must not happen inside the first step.
+
 Per training step k, with N = rollout.stream_chunks:
 
   link     from -> to   message                        when
@@ -46,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from spmdsplit.batch import Batch
-from spmdsplit.exchange import Link, Message, PendingSend, ProtocolError, recv_rows, send_rows
+from spmdsplit.exchange import Link, Message, PendingSend, ProtocolError, recv_rows, row_pairs, send_rows
 from spmdsplit.placement import Placement
 
 GENERATED, ROLLOUT, LOG_PROBS, ADVANTAGES, VAL_ROLLOUT = "GENERATED", "ROLLOUT", "LOG_PROBS", "ADVANTAGES", "VAL_ROLLOUT"
@@ -83,6 +87,17 @@ class PoolChannel:
         self.A, self.C = list(placement.actor_ranks), list(placement.critic_ranks)
         self.rows_per_step, self.chunk_rows = rows_per_step, rows_per_step // chunks
         self.metrics_in_flight = PendingSend()
+
+    def connect(self, generated: bool, num_val_rows: int) -> None:
+        """Every rank, once, at start-up: each pair of ranks that the bulk messages below will
+        join exchanges a first message now, in the order of the schedule (Link.connect says why).
+        `generated`: rollout.ranks=all; `num_val_rows`: validation responses per run (0: none)."""
+        pairs = row_pairs(self.A + self.C, self.A, self.rows_per_step) if generated else []
+        pairs += row_pairs(self.A, self.C, self.chunk_rows)  # ROLLOUT, LOG_PROBS
+        pairs += row_pairs(self.C, self.A, self.chunk_rows)  # ADVANTAGES
+        if num_val_rows:
+            pairs += row_pairs(self.A, self.C, num_val_rows)  # VAL_ROLLOUT
+        self.bulk.connect(pairs)
 
     # ---- rollout.ranks=all: rows generated on every rank (actor pool first, then critic pool)
     #      move into the actor pool's partition of the same global order

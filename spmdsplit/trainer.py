@@ -55,6 +55,10 @@ class Trainer:
         # (rollout.name=vllm only) vLLM's.
         self.channel = PoolChannel(self.placement, self.device, self.batch_size * cfg.rollout.n,
                                    cfg.rollout.stream_chunks, cfg.trainer.pool_wait_timeout_s)
+        val_responses = (len(usable_val_rows(self.val_rows, self.placement)) * cfg.rollout.val_kwargs.n
+                         if self.val_rows else 0)
+        self.channel.connect(generated=cfg.rollout.ranks == "all" and not self.placement.colocated,
+                             num_val_rows=val_responses)
         self.stop_vote = StopVote(timedelta(seconds=cfg.trainer.pool_wait_timeout_s))
         # verl's blocking calls, for comparison; meaningless when the roles share ranks anyway.
         blocking = not cfg.placement.overlap and not self.placement.colocated

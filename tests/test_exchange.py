@@ -3,7 +3,7 @@ import torch
 import torch.distributed as dist
 
 from spmdsplit.batch import Batch
-from spmdsplit.exchange import Link, Message, ProtocolError, exchange_rows, recv_rows, row_ranges, send_rows
+from spmdsplit.exchange import Link, Message, ProtocolError, exchange_rows, recv_rows, row_pairs, row_ranges, send_rows
 from tests.multiproc import run_ranks
 
 SEQ = 6
@@ -104,7 +104,10 @@ CASES = [
 
 
 def _all_round_trips(rank, world_size):
+    """Connects every pair the cases will use first (as the trainer does at start-up: any pair a
+    case uses but row_pairs missed then fails its send or receive), then runs the cases."""
     done, link = [], Link(KINDS)
+    link.connect([pair for _, src, dst, rows in CASES for pair in row_pairs(src, dst, rows) + row_pairs(dst, src, rows)])
     for i, (name, src, dst, num_rows) in enumerate(CASES):
         if rank in src or rank in dst:
             try:
@@ -112,6 +115,11 @@ def _all_round_trips(rank, world_size):
             except Exception as e:
                 raise AssertionError(f"round trip case {name!r} failed on rank {rank}") from e
             done.append(name)
+    assert link.connected == {(a, b) for a in range(world_size) for b in range(a + 1, world_size)}  # all used
+    unconnected = Link(KINDS)
+    unconnected.connect([])
+    with pytest.raises(ProtocolError, match="not connected at start-up"):
+        unconnected.isend(Message("ROWS", 99), b"", None, (rank + 1) % world_size)
     return done
 
 

@@ -7,12 +7,15 @@ critic pool, made at start-up by every rank; the critic ranks unpack each bucket
 engine as it arrives. So no rank ever holds more than one bucket beyond its engine, and the
 broadcast runs while the actor pool's own engines load.
 
-Each bucket is two broadcasts: a small pickled list of (name, dtype, shape, offset, nbytes), then
-the bytes. An empty list ends the stream.
+The bucket layout (which tensors, their dtype, shape and offset) is the same every step, so it
+travels once: at the first sync each bucket is preceded by a small pickled list of (name, dtype,
+shape, offset, nbytes), an empty list ends the stream, and both sides keep the layout. Every later
+sync is the buckets' bytes alone; the sender checks that its stream still fits the layout.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Iterable, Iterator
 
 import torch
@@ -28,45 +31,68 @@ class WeightBroadcast:
         self.group = dist.new_group(self.ranks, timeout=timeout)  # every rank of the world calls this
         self.device = device
         self.bucket_bytes = max(1, int(bucket_mb * 2**20))
+        self.layout: list[list[tuple]] | None = None  # each bucket's specs, known to both sides after the first sync
 
     def send(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """On the actor pool's first rank: passes `weights` through (to its own engine) and
         broadcasts them, bucket by bucket, on the way."""
+        first = self.layout is None
+        layout = [] if first else self.layout
         bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
+        size = index = 0
         for name, tensor in weights:
             yield name, tensor
             bucket.append((name, tensor))
             size += _padded(tensor)
-            if size >= self.bucket_bytes:
-                self._broadcast(bucket)
-                bucket, size = [], 0
-        if bucket:
-            self._broadcast(bucket)
-        self._broadcast_specs([])  # the end
+            if (size >= self.bucket_bytes) if first else (index < len(layout) and len(bucket) == len(layout[index])):
+                self._send_bucket(bucket, layout, None if first else index)
+                bucket, size, index = [], 0, index + 1
+        if first:
+            if bucket:
+                self._send_bucket(bucket, layout, None)
+            self._broadcast_specs([])  # the end of the first stream
+            self.layout = layout
+        elif bucket or index != len(layout):
+            raise RuntimeError(f"weight broadcast: the policy streamed {index} whole buckets and {len(bucket)} more "
+                               f"tensors, where the layout of the first sync has {len(layout)} buckets")
 
     def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
         """On a critic rank: the weights, as they arrive (views into the current bucket)."""
-        while True:
-            specs = self._broadcast_specs(None)
-            if not specs:
-                return
+        first = self.layout is None
+        layout = [] if first else self.layout
+        for index in itertools.count():
+            if first:
+                specs = self._broadcast_specs(None)
+                if not specs:
+                    break
+                layout.append(specs)
+            elif index == len(layout):
+                break
+            specs = layout[index]
             buffer = torch.empty(sum(nbytes_padded for *_, nbytes_padded in specs), dtype=torch.uint8,
                                  device=self.device)
             dist.broadcast(buffer, src=self.src, group=self.group)
             for name, dtype, shape, offset, nbytes, _ in specs:
                 yield name, buffer[offset: offset + nbytes].view(dtype).view(shape)
+        self.layout = layout
 
-    def _broadcast(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+    def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], layout: list, index: int | None) -> None:
+        """Broadcasts one bucket's bytes; at the first sync (`index` None) its specs go first and
+        join `layout`, later they must equal `layout[index]`."""
         specs, offset = [], 0
         for name, tensor in bucket:
             nbytes = tensor.numel() * tensor.element_size()
             specs.append((name, tensor.dtype, tuple(tensor.shape), offset, nbytes, _padded(tensor)))
             offset += _padded(tensor)
+        if index is None:
+            self._broadcast_specs(specs)
+            layout.append(specs)
+        elif specs != layout[index]:
+            raise RuntimeError(f"weight broadcast: bucket {index} holds {[s[:3] for s in specs][:3]}..., the layout "
+                               f"of the first sync {[s[:3] for s in layout[index]][:3]}...")
         buffer = torch.empty(offset, dtype=torch.uint8, device=self.device)
         for (_, _, _, off, nbytes, _), (_, tensor) in zip(specs, bucket):
             buffer[off: off + nbytes].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
-        self._broadcast_specs(specs)
         dist.broadcast(buffer, src=self.src, group=self.group)
 
     def _broadcast_specs(self, specs):

@@ -30,5 +30,57 @@ def test_every_rank_generates_and_the_steps_equal_actor_only_generation(tmp_path
             assert y == pytest.approx(x, rel=1e-4, abs=1e-6), key
     # Every rank generated in every step, and the critic ranks took the weights first.
     for rank in range(4):
-        for name in ("gen", "sync_weights"):
+        for name in ("gen", "sync_weights", "rollout_sleep"):  # one wake and one sleep a step
             assert sorted(e["args"]["step"] for e in events if e["name"] == name and e["pid"] == rank) == [1, 2, 3]
+
+
+def broadcast_three_syncs(rank, world_size):
+    """Rank 0 streams three versions of the same weights through a WeightBroadcast to rank 1,
+    counting the pickled-object broadcasts (the layout) on the way; then a stream of another shape."""
+    import torch
+    import torch.distributed as dist
+
+    from spmdsplit.weight_sync import WeightBroadcast
+
+    objects = []
+    plain = dist.broadcast_object_list
+
+    def counted(*args, **kwargs):
+        objects.append(1)
+        return plain(*args, **kwargs)
+
+    dist.broadcast_object_list = counted
+    sync = WeightBroadcast([0], [1], torch.device("cpu"), bucket_mb=0.00004)  # 41 B: buckets of 1, 3 and 1 tensors
+    shapes = [(3, 4), (5,), (2, 2), (7,), (1, 3)]
+    got = []
+    for version in range(3):
+        weights = [(f"w{i}", torch.full(shape, float(version * 10 + i), dtype=torch.bfloat16 if i % 2 else torch.float32))
+                   for i, shape in enumerate(shapes)]
+        if rank == 0:
+            got.append([(n, t.clone()) for n, t in sync.send(iter(weights))])
+        else:
+            got.append([(n, t.clone()) for n, t in sync.receive()])
+        objects.append("sync")
+    error = None
+    if rank == 0:  # a stream that no longer fits the layout fails on the sender, naming the bucket
+        try:
+            list(sync.send(iter([("w0", torch.zeros(3, 5))])))
+        except RuntimeError as e:
+            error = str(e)
+    dist.broadcast_object_list = plain
+    return {"got": got, "objects": objects, "buckets": len(sync.layout), "error": error}
+
+
+def test_the_weight_broadcast_sends_its_layout_once():
+    from tests.multiproc import run_ranks
+
+    results = run_ranks(broadcast_three_syncs, 2, timeout=120)
+    sender = results[0]
+    for version in range(3):
+        received, sent = results[1]["got"][version], sender["got"][version]
+        assert [(n, t.dtype, t.tolist()) for n, t in received] == [(n, t.dtype, t.tolist()) for n, t in sent]
+    assert sender["buckets"] >= 2
+    # Layout messages: one per bucket and the end marker, in the first sync only.
+    first, second, third = "".join("o" if x == 1 else "|" for x in sender["objects"]).split("|")[:3]
+    assert (len(first), len(second), len(third)) == (sender["buckets"] + 1, 0, 0)
+    assert "layout of the first sync" in sender["error"]

@@ -34,12 +34,18 @@ class ActorPool:
         """gen (chunk by chunk, each sent on at once) -> old_log_prob -> ref [-> log-probs sent]."""
         phase, channel = self.timer.phase, self.channel
         shares = engine_shares(self.cfg, self.dataset, self.tokenizer, step, generating_ranks(self.cfg, self.pools))
-        with phase("sync_weights", step):
-            self.sync_weights()
+        with phase("sync_weights", step) as event:
+            self.wake_rollout()
+            event.update(self.timer.device_in_use())  # the engine's share included (tools/gpu_check.py)
         parts = []
         for c in range(self.chunks):
             with phase("gen", step, chunk=c):
                 parts.append(self.generate(shares.chunk(c, self.chunks)))
+            if c == self.chunks - 1:
+                # Before the last rows go out: vLLM's sleep synchronises the device, which on
+                # NCCL would wait for the critic pool to take a pending send.
+                with phase("rollout_sleep", step):
+                    self.rollout.sleep()
             if not self.weights:
                 self.sends.add(channel.send_rollout(step, c, parts[-1]))
         if self.weights:  # rollout.ranks=all: the critic pool generated the rest of the rows
@@ -85,13 +91,13 @@ class ActorPool:
     def generate(self, shares: "EngineShares", validate: bool = False) -> Batch:
         return shares.generate(self.rollout, self.pools.device, validate)
 
-    def sync_weights(self, broadcast: bool = True) -> None:
-        """The rollout engine gets the policy's current weights, streamed from the shards (and,
-        with rollout.ranks=all, broadcast on to the critic pool's engines by the first rank)."""
+    def wake_rollout(self, broadcast: bool = True) -> None:
+        """The rollout engine wakes with the policy's current weights, streamed from the shards
+        (and, with rollout.ranks=all, broadcast on to the critic pool's engines by the first rank)."""
         weights = self.actor.engine.iter_full_weights(self.rollout.dtype)
         if broadcast and self.weights and self.pools.rank == self.weights.src:
             weights = self.weights.send(weights)
-        self.rollout.load_weights(weights)
+        self.rollout.wake_up(weights)
 
     def generate_validation(self, step: int, val_rows: list[dict]) -> int:
         """Responses to the validation set (rollout.val_kwargs, greedy by default), sent to the
@@ -101,7 +107,7 @@ class ActorPool:
         n = cfg.rollout.val_kwargs.n
         rows = usable_val_rows(val_rows, placement)
         with self.timer.phase("sync_weights", step):
-            self.sync_weights(broadcast=False)  # only the actor pool generates validation responses
+            self.wake_rollout(broadcast=False)  # only the actor pool generates validation responses
         ranges = row_ranges(len(rows), len(placement.actor_ranks))  # equal: usable_val_rows cut them so
         peers = engine_peers(cfg, self.pools.rank)
         per_batch = max(1, cfg.data.train_batch_size // len(placement.actor_ranks))  # training-sized batches
@@ -120,6 +126,8 @@ class ActorPool:
             for offset in range(0, len(rows) // len(placement.actor_ranks), per_batch):
                 shares = EngineShares([val_prompts(rank, offset) for rank in peers], peers.index(self.pools.rank))
                 parts.append(self.generate(shares, validate=True))
+        with self.timer.phase("rollout_sleep", step):
+            self.rollout.sleep()  # one wake for every batch of the set
         self.channel.send_val_rollout(step, Batch.concat(parts), len(rows) * n).wait()
         return len(rows) * n
 
@@ -180,8 +188,9 @@ def step_prompts(cfg, dataset: PromptDataset, tokenizer, step: int, generating: 
     first_response = part * len(rows) * n
     prompts["row_index"] = torch.arange(first_response, first_response + len(prompts), dtype=torch.int64)
     # Engines that can seed each row (vLLM) sample it the same whichever rank generates it, next
-    # to whichever rows, on any pool size.
-    prompts["sample_seed"] = row_seeds(cfg.trainer.seed, step, prompts["row_index"])
+    # to whichever rows, on any pool size (rollout.per_row_seed says what that costs on GPU).
+    if cfg.rollout.per_row_seed:
+        prompts["sample_seed"] = row_seeds(cfg.trainer.seed, step, prompts["row_index"])
     return prompts
 
 

@@ -177,7 +177,14 @@ class RolloutConfig:
     max_num_batched_tokens: int = 8192
     enforce_eager: bool = True  # no CUDA graphs / no torch.compile: quicker start, slower decode
     enable_prefix_caching: bool = True
-    free_cache_engine: bool = True  # GPU: sleep (free KV cache, offload weights) between rollouts; no-op on CPU
+    # GPU: the engine sleeps between a step's rollouts (vLLM sleep level 2: weights and KV cache
+    # freed, nothing copied to host, as the weights are reloaded at each wake); no-op on CPU.
+    free_cache_engine: bool = True
+    # vLLM: each row sampled with its own seed (trainer seed, step, row), so its tokens do not
+    # depend on its batch, rank or pool size: runs repeat across layouts. The cost, on GPU: vLLM
+    # leaves its FlashInfer sampler and draws each seeded row's noise one row at a time
+    # (v1/sample/ops/topk_topp_sampler.py), a small kernel per row per token. false: one seed per engine.
+    per_row_seed: bool = True
 
 
 @dataclass

@@ -124,7 +124,9 @@ class Generator:
     def generate(self, step: int) -> PendingSend:
         shares = engine_shares(self.cfg, self.dataset, self.tokenizer, step, generating_ranks(self.cfg, self.pools))
         with self.timer.phase("sync_weights", step):
-            self.rollout.load_weights(self.weights.receive())
+            self.rollout.wake_up(self.weights.receive())
         with self.timer.phase("gen", step):
             generated = shares.generate(self.rollout, self.pools.device)
+        with self.timer.phase("rollout_sleep", step):
+            self.rollout.sleep()  # before the rows go out (see ActorPool.roll_out)
         return self.channel.send_generated(step, generated)

@@ -59,6 +59,15 @@ class PhaseTimer:
         self.events.append({"name": "peak_memory", "ph": "C", "pid": self.rank, "tid": 0, "ts": time.time_ns() // 1000,
                             "args": {"rss_mb": rss, "cuda_max_allocated_mb": cuda}})
 
+    def device_in_use(self) -> dict[str, float]:
+        """On a GPU, what the whole device holds now (total - free, as the driver counts it): the
+        trainer's tensors, what its allocator caches, and memory mapped by others in the process,
+        such as a woken vLLM engine, which torch's allocator statistics do not see. For an event's args."""
+        if self.device.type != "cuda":
+            return {}
+        free, total = torch.cuda.mem_get_info(self.device)
+        return {"device_used_mb": (total - free) / 2**20}
+
     def pop_timings(self) -> dict[str, float]:
         timings = {f"timing_s/{k}": v for k, v in self.durations.items()}
         self.durations = {}

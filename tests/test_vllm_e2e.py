@@ -36,9 +36,23 @@ def assert_engine_agrees_with_the_actor(logged, steps):
 def test_vllm_rollout_trains_and_matches_the_actor_every_step(tmp_path, nproc, layout):
     """Sampling at temperature 0.7: the processed log-probs the engine returns must be the actor's
     log_softmax(logits / T) of the same tokens, after every weight update."""
-    logged, events = run(tmp_path, nproc, layout, "rollout.temperature=0.7")
+    logged, events = run(tmp_path, nproc, layout, "rollout.temperature=0.7", "rollout.stream_chunks=2",
+                         "trainer.val_freq=2")
     assert_engine_agrees_with_the_actor(logged, 3)
     assert "critic/score/mean" in logged and "actor/pg_loss" in logged
+    assert_one_wake_per_generation(events, rank=0, steps=3, val_steps={2, 3})
+
+
+def assert_one_wake_per_generation(events, rank, steps, val_steps):
+    """The engine wakes (with new weights) and sleeps once per step's rollout, all its chunks
+    inside, and once per validation, all its batches inside; never once per generate call."""
+    def count(name, step):
+        return sum(1 for e in events if e["name"] == name and e["pid"] == rank and e["args"]["step"] == step)
+
+    for step in range(1, steps + 1):
+        wakes = 1 + (step in val_steps)
+        assert (count("sync_weights", step), count("rollout_sleep", step)) == (wakes, wakes), step
+        assert count("gen", step) == 2  # two chunks, one wake
 
 
 def test_every_rank_generates_with_vllm_and_gets_the_same_weights(tmp_path):

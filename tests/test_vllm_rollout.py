@@ -109,6 +109,11 @@ def engine_checks(engine, tokenizer):
     from spmdsplit.rollout.hf import HFRollout
 
     model, _ = build_model(seed=0)
+    with pytest.raises(RuntimeError, match="asleep"):  # the weights read from model_path are never used
+        engine.generate(task_prompts(tokenizer, 2, seed=3))
+    engine.wake_up(model.state_dict().items())
+    with pytest.raises(RuntimeError, match="already awake"):
+        engine.wake_up(model.state_dict().items())
     hf = lambda m: HFRollout(m, tokenizer, RolloutConfig(do_sample=False), R, [tokenizer.eos_token_id])  # noqa: E731
     res = {"threads": torch.get_num_threads()}
 
@@ -121,16 +126,19 @@ def engine_checks(engine, tokenizer):
     long = task_prompts(tokenizer, 8, seed=4, max_prompt_length=P_LONG, digits=(36, 44))
     before = engine.generate(long, validate=True)
     new_model, _ = build_model(seed=1)
-    engine.load_weights(new_model.state_dict().items())
+    engine.sleep()
+    engine.wake_up(new_model.state_dict().items())
     after = engine.generate(long, validate=True)
     res["update"] = (before.tensors, after.tensors, hf(new_model).generate(long).tensors)
 
     # Weights whose every next token is EOS (the LM head too: the silently stale case on CPU).
     from tests.test_rollout import forcing_state_dict
 
-    engine.load_weights(forcing_state_dict(new_model, tokenizer.eos_token_id).items())
+    engine.sleep()
+    engine.wake_up(forcing_state_dict(new_model, tokenizer.eos_token_id).items())
     res["eos"] = engine.generate(task, validate=True).tensors
-    engine.load_weights(new_model.state_dict().items())
+    engine.sleep()
+    engine.wake_up(new_model.state_dict().items())
 
     # Sampled log-probs vs the actor's, at two temperatures (top-k/top-p off).
     res["log_probs"] = {}
@@ -150,6 +158,8 @@ def engine_checks(engine, tokenizer):
                     mixed_out["responses"][5:], mixed_out["rollout_log_probs"][5:])
     unseeded = prompts.select(["input_ids", "attention_mask"])
     res["unseeded"] = (engine.generate(unseeded)["responses"], engine.generate(unseeded)["responses"])
+    engine.sleep()
+    res["cycles"] = (engine.wake_ups, engine.sleeps)
     return res
 
 
@@ -223,6 +233,13 @@ def test_row_seeds_give_the_same_rows_whatever_the_batch(checks):
 
 
 @needs_vllm
+@needs_vllm
+def test_the_engine_wakes_with_weights_and_generates_only_awake(checks):
+    """engine_checks raised on a generate before the first wake_up and on a second wake_up; it
+    woke four times, each with new weights, and slept after each."""
+    assert checks["cycles"] == (4, 4)
+
+
 def test_threads_set_before_the_engine_stay(checks):
     assert checks["threads"] == 1  # tests/multiproc.py sets 1 before the engine exists
 
@@ -254,7 +271,7 @@ def engines_beside_a_busy_pool(rank, world_size, model_dir):
     out = {}
     if rank < 2:
         engine = make_engine()
-        engine.load_weights(build_model(seed=2)[0].state_dict().items())
+        engine.wake_up(build_model(seed=2)[0].state_dict().items())
         prompts = task_prompts(tokenizer, 12, seed=8)
         prompts["sample_seed"] = row_seeds(1, 1, torch.arange(12))
         rows = [list(range(0, 8)), list(range(4, 12))][rank]  # overlapping shares, different batches

@@ -11,7 +11,7 @@ from spmdsplit.rollout.base import Rollout, row_seeds  # noqa: F401 - the packag
 def build_rollout(cfg, model_path: str, tokenizer, eos_ids: list[int], device: torch.device, dtype: torch.dtype,
                   seed: int) -> Rollout:
     """The engine `cfg.rollout.name` names, holding the checkpoint at `model_path` (its weights are
-    replaced by `load_weights` before each rollout). vLLM: call only on ranks that generate, after
+    replaced by `wake_up(weights)` before each step's generation). vLLM: call only on ranks that generate, after
     every rank ran `vllm_engine.init_vllm_distributed`."""
     if cfg.rollout.name == "vllm":
         from spmdsplit.rollout.vllm_engine import VLLMRollout

@@ -23,8 +23,13 @@ class Rollout(Protocol):
         data.max_response_length), `response_mask`, `input_ids`, `attention_mask`, `position_ids`
         [B, P+R], the prompt batch's non-tensor columns, and engine extras (vLLM: `rollout_log_probs`)."""
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """The policy's new weights, as a stream of (Hugging Face name, full tensor)."""
+    def wake_up(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """The start of a step's generation: the policy's new weights, as a stream of (Hugging Face
+        name, full tensor), and whatever the engine needs on the device to generate."""
+
+    def sleep(self) -> None:
+        """The end of a step's generation (every chunk, every validation batch): the engine gives
+        the device memory it can back to the trainer."""
 
 
 def response_mask_until_eos(responses: torch.Tensor, eos_token_id: int | list[int]) -> torch.Tensor:

@@ -50,6 +50,12 @@ class HFRollout:
         """The dtype weights are best streamed in (`load_weights` casts anything else)."""
         return self.model.dtype
 
+    def wake_up(self, weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> None:
+        self.load_weights(weights)  # the copy stays on the device: nothing else to do
+
+    def sleep(self) -> None:
+        pass
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> None:
         """Copies each (HF name, whole tensor) of the stream into the copy as it arrives, keeping

@@ -24,6 +24,7 @@ import os
 from typing import Iterable, Mapping
 
 import torch
+import torch.distributed as dist
 
 from spmdsplit.batch import Batch
 from spmdsplit.config import ConfigError, check_rollout_placement
@@ -90,7 +91,6 @@ def engine_kwargs(cfg, model_path: str, device: torch.device, dtype: torch.dtype
 def PoolExecutor():
     """vLLM's torchrun executor with its start-up KV-size all-reduce confined to the engine's
     tensor-parallel group instead of the world (a function, so vLLM is imported only when called)."""
-    import torch.distributed as dist
     from vllm.distributed.parallel_state import get_tp_group
     from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher
 
@@ -108,8 +108,6 @@ def init_vllm_distributed(cfg, model_path: str, device: torch.device, dtype: tor
     """vLLM's process groups, created by every rank at the same point (right after the pools are
     built), engine or not; torch.distributed must be initialised. Also fixes what vLLM reads from
     the environment once: in-process engines (no engine-core subprocess)."""
-    import torch.distributed as dist
-
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: the engine runs in this rank
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines x every rank bury the step lines
     # On a CPU whose vLLM build has the shared-memory all-reduce (x86 with AVX-512, ...), a
@@ -143,19 +141,27 @@ class VLLMRollout:
         self.pad_token_id = tokenizer.pad_token_id
         self.eos_token_ids = list(eos_token_ids)
         self.on_cpu = device.type == "cpu"
-        self.sleeps = cfg.rollout.free_cache_engine and not self.on_cpu
         # A CPU engine changes its whole process: torch.set_num_threads becomes a no-op (the
         # trainer sets its thread count before; train.py does, before the world forms), and all
         # later allocations are bound to the NUMA node of the rank's first CPU (MEMBIND): pin each
         # rank to one node's cores (numactl / srun --cpu-bind) on multi-socket hosts.
-        self.llm = LLM(**engine_kwargs(cfg, model_path, device, dtype))
+        # Rows without a seed of their own (rollout.per_row_seed=false) draw from the engine's
+        # generator: one seed per engine, shared by its tensor-parallel peers, so that two engines
+        # never draw the same random numbers.
+        engine_index = dist.get_rank() // cfg.rollout.tensor_model_parallel_size if dist.is_initialized() else 0
+        self.llm = LLM(**{**engine_kwargs(cfg, model_path, device, dtype), "seed": cfg.trainer.seed * 1009 + engine_index})
         # The engine freezes every object alive now (gc.freeze) so GC never scans them: the
         # trainer's too, whose cyclic garbage would then never be freed.
         gc.unfreeze()
         self.sampling = self._sampling_params(cfg.rollout)
         self.val_sampling = self._sampling_params(cfg.rollout.val_kwargs)
-        self.asleep = False
-        self._sleep()
+        # Asleep until the trainer's first wake_up, which brings the policy's weights: the ones
+        # read from model_path are never used for a rollout.
+        self.sleep_mode = cfg.rollout.free_cache_engine and not self.on_cpu
+        if self.sleep_mode:
+            self.llm.sleep(level=2)
+        self.awake = False
+        self.wake_ups = self.sleeps = 0  # counted on CPU too, where vLLM has no sleep: tests check the cycle
 
     def _sampling_params(self, cfg):
         from vllm import SamplingParams
@@ -169,31 +175,57 @@ class VLLMRollout:
             detokenize=False,
         )
 
-    def _wake(self) -> None:
-        if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
+    # ---- the engine's life in a step (GPU; on CPU vLLM has no sleep mode and only the state is kept)
+    #
+    # vLLM 0.32 (v1/worker/gpu_worker.py, device_allocator/): with enable_sleep_mode its weights and
+    # KV cache live in memory mapped by its own allocator. `sleep(level=2)` unmaps both and keeps
+    # nothing but the model's buffers (rotary tables, copied to host and back on wake); level 1
+    # would also copy every weight to host memory and back, which is wasted here: the weights
+    # are replaced at every wake. `wake_up(tags)` maps memory again, so it needs *free* device
+    # memory: blocks cached by torch's allocator for the trainer (the update's peak) are not free
+    # until `torch.cuda.empty_cache()` returns them. `sleep` also synchronises the whole device,
+    # which on NCCL waits for pending point-to-point sends: the callers sleep the engine before the
+    # step's last rows go out (spmdsplit/actor_pool.py).
 
-    def _sleep(self) -> None:
-        # GPU: level 1 offloads the weights to host memory and drops the KV cache, so the trainer
-        # has the memory back between rollouts (verl's free_cache_engine).
-        if self.sleeps and not self.asleep:
-            self.llm.sleep(level=1)
-            self.asleep = True
+    def wake_up(self, weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> None:
+        """The start of a step's generation, with the policy's new weights: free the trainer's
+        cached blocks, map the weights, load them, free the load's temporaries, map the KV cache.
+        Every `generate` of the step (all chunks, all validation batches) runs before `sleep`."""
+        if self.awake:
+            raise RuntimeError("VLLMRollout.wake_up: the engine is already awake (one wake_up per sleep)")
+        self.wake_ups += 1
+        if self.sleep_mode:
+            torch.cuda.empty_cache()
+            self.llm.wake_up(tags=["weights"])
+        self.load_weights(weights)
+        if self.sleep_mode:
+            torch.cuda.empty_cache()
+            self.llm.wake_up(tags=["kv_cache"])  # fully awake: vLLM resumes its scheduler
+        # Cached KV of earlier prompts was computed with the old weights (after a level-2 sleep
+        # vLLM has dropped it already; on CPU, without sleep, this is what drops it).
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM did not reset its prefix cache after a weight update (requests still running?)")
+        self.awake = True
+
+    def sleep(self) -> None:
+        """The end of a step's generation: give the device back to the trainer (GPU), keeping nothing."""
+        if not self.awake:
+            raise RuntimeError("VLLMRollout.sleep: the engine is not awake")
+        self.sleeps += 1
+        if self.sleep_mode:
+            self.llm.sleep(level=2)
+        self.awake = False
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> None:
+        """Writes the stream of (HF name, whole tensor) into the engine's model; the trainer calls
+        it only through `wake_up`, which makes room for it first."""
         if isinstance(weights, Mapping):  # a whole state dict also works
             weights = weights.items()
-        self._wake()
         if self.on_cpu:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         else:  # in place, each tensor straight into the engine's (possibly sharded) parameters
             self.llm.apply_model(lambda model: model.load_weights(weights))
-        # Cached KV of earlier prompts was computed with the old weights.
-        if not self.llm.reset_prefix_cache():
-            raise RuntimeError("vLLM did not reset its prefix cache after a weight update (requests still running?)")
-        self._sleep()
 
     @torch.no_grad()
     def generate(self, prompts: Batch, validate: bool = False) -> Batch:
@@ -207,9 +239,9 @@ class VLLMRollout:
             params = [params.clone() for _ in requests]
             for p, seed in zip(params, prompts["sample_seed"].tolist()):
                 p.seed = seed
-        self._wake()
+        if not self.awake:
+            raise RuntimeError("VLLMRollout.generate: the engine is asleep; wake_up(weights) first")
         outputs = self.llm.generate(requests, params, use_tqdm=False)
-        self._sleep()
         B, R = len(requests), self.max_response_length
         responses = torch.full((B, R), self.pad_token_id, dtype=torch.long)
         log_probs = torch.zeros((B, R), dtype=torch.float32)

@@ -226,6 +226,29 @@ def test_custom_fn_returning_a_float_gets_extra_info(tmp_path, tokenizer):
     assert torch.allclose(token_scores, torch.tensor([[0, 0, 1.05, 0, 0], [0, 0, 0.07, 0, 0]]))
 
 
+@pytest.mark.parametrize("extra_info, complaint", [
+    ([{"index": 7, "split": "train"}, {"index": 7, "split": "train"}], "is not the row of ground truth '0080'"),
+    ([{"index": 7, "split": "train"}, {"index": 8, "split": "test"}], "is not the row of ground truth '0080'"),
+    ([{"index": 7, "split": "train"}, {}], "extra_info {} is not the row"),
+    ([{"index": 7, "split": "train"}, None], "extra_info is None, not the row's dict"),
+])
+def test_the_e2e_extra_info_check_stops_on_another_rows_extra_info(tmp_path, tokenizer, monkeypatch, extra_info,
+                                                                   complaint):
+    """The check the real jobs run (tests/extra_info_check.py): a row given another row's
+    extra_info, or none, stops the job with a RewardError that shows the sample."""
+    from tests.extra_info_check import calls, write_job_files
+
+    overrides, log = write_job_files(tmp_path)
+    path = next(o for o in overrides if o.startswith("reward.custom_fn.path=")).split("=", 1)[1]
+    fn = load_custom_reward_fn(path, "compute_score")
+    monkeypatch.setenv("RANK", "3")
+    rows = [("0070", True, "synthetic/copy", "0070"), ("0080", True, "synthetic/copy", "0080")]
+    with pytest.raises(RewardError, match=r"(?s)custom reward function.*sample 1.*'0080'") as e:
+        RuleReward(tokenizer, custom_fn=fn).compute(rule_batch(tokenizer, rows, extra_info=extra_info))
+    assert complaint in str(e.value)
+    assert calls(log) == [(3, "train", 7)]  # the right row went through
+
+
 def test_custom_fn_returning_a_dict_collects_extras(tmp_path, tokenizer):
     fn = load_custom_reward_fn(write(tmp_path, "my_reward.py", CUSTOM), "with_acc")
     batch = rule_batch(tokenizer, [("12", True, "a", "12"), ("9", False, "a", "12"), ("12", True, "plain", "12")])

@@ -56,9 +56,11 @@ from spmdsplit.placement import Placement
 GENERATED, ROLLOUT, LOG_PROBS, ADVANTAGES, VAL_ROLLOUT = "GENERATED", "ROLLOUT", "LOG_PROBS", "ADVANTAGES", "VAL_ROLLOUT"
 CRITIC_METRICS, VAL_METRICS, CHECKPOINT_WRITTEN = "CRITIC_METRICS", "VAL_METRICS", "CHECKPOINT_WRITTEN"
 
-# What the critic pool needs of a rollout (the rest stays with the actor pool).
+# What the critic pool needs of a rollout (the rest stays with the actor pool). Everything a
+# reward function is called with travels: `extra_info` too (verl's scorers for code and tool
+# answers read it), for training and validation rows alike, in every placement.
 ROLLOUT_KEYS = ("responses", "response_mask", "input_ids", "attention_mask", "position_ids",
-                "data_source", "ground_truth", "uid", "row_index")
+                "data_source", "ground_truth", "extra_info", "uid", "row_index")
 LOG_PROB_KEYS = ("old_log_probs", "ref_log_prob", "row_index")
 ADVANTAGE_KEYS = ("advantages", "row_index")
 

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from tests.extra_info_check import assert_every_split_scored, write_job_files
 from tests.runjob import overlapping_steps, scalars, timeline_events, torchrun
 
 VERL_METRICS = [
@@ -41,7 +42,10 @@ def run_short(tmp_path, nproc, *overrides):
     ids=["split-1+1", "split-2+2", "custom-3+1", "colocate-2", "colocate-4"],
 )
 def test_job_writes_verl_metrics_timeline_and_hf_model(tmp_path, nproc, overrides, actor_ranks, critic_ranks):
-    out, result = run_short(tmp_path, nproc, *overrides)
+    # Scored by a custom function that checks each row gets its own extra_info, with validation on.
+    checked, calls_log = write_job_files(tmp_path / "data")
+    out, result = run_short(tmp_path, nproc, *overrides, *checked)
+    assert_every_split_scored(calls_log, actor_ranks, critic_ranks)
 
     logged = scalars(str(out / "tb"))
     missing = [k for k in VERL_METRICS if k not in logged]

@@ -187,3 +187,45 @@ def test_unknown_data_source_in_a_batch_fails_loudly(tokenizer):
     batch = make_batch(tokenizer, [(ids(tokenizer, "5"), 1, "nope/task", "5")])
     with pytest.raises(KeyError, match="nope/task"):
         RuleReward(tokenizer).compute(batch)
+
+
+def test_other_scorers_and_custom_functions_read_the_text_as_verl_decodes_it(tokenizer, monkeypatch):
+    """verl's reward managers decode with skip_special_tokens=True: every scorer but the embedded
+    tasks' own (rule.SEES_SPECIAL_TOKENS) reads the response that way, custom functions too."""
+    seen = []
+    monkeypatch.setitem(rule.SCORERS, "test/seen", lambda text, gt: seen.append(text) or 0.5)
+    pad, bos, eos = tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id
+    five = ids(tokenizer, "5")
+    padded = five + [pad] + five + [bos] + five  # "5<pad>5<s>5", cut at max length
+    rows = [(padded, 5, "test/seen", "555"), (padded + [eos], 5, "synthetic/repeat", "5555")]
+    batch = make_batch(tokenizer, [(r[:5], n, ds, gt) for r, n, ds, gt in rows])
+    _, scores = RuleReward(tokenizer).compute(batch)
+    assert seen == ["555"]
+    assert scores[1].item() < 0.5  # the embedded task's scorer saw "5<pad>5<s>5"
+
+    def custom(data_source, solution_str, ground_truth, extra_info=None):
+        seen.append(solution_str)
+        return 0.0
+
+    seen.clear()
+    RuleReward(tokenizer, custom_fn=custom).compute(batch)
+    assert seen == ["555", "555"]  # a custom function decides for itself, on verl's text
+
+
+def test_each_call_gets_its_rows_extra_info_as_its_own_copy(tokenizer):
+    """A custom function that changes the extra_info it gets (verl's reward managers add keys)
+    changes neither the batch nor the next row of its group, which shares the same dict."""
+    seen = []
+
+    def custom(data_source, solution_str, ground_truth, extra_info=None):
+        seen.append(dict(extra_info))
+        extra_info["num_turns"] = 1
+        return 0.0
+
+    five = ids(tokenizer, "5")
+    batch = make_batch(tokenizer, [(five, 1, "x", "5")] * 3)
+    group = {"index": 7, "split": "train"}
+    batch["extra_info"] = [group, group, {"index": 8}]  # rollout.n=2 repeats a row's dict
+    RuleReward(tokenizer, custom_fn=custom).compute(batch)
+    assert seen == [{"index": 7, "split": "train"}] * 2 + [{"index": 8}]
+    assert batch["extra_info"] == [{"index": 7, "split": "train"}] * 2 + [{"index": 8}]

@@ -123,6 +123,66 @@ def test_last_boxed_content_keeps_nested_braces():
     assert math_exact.last_boxed_content("no box") is None
 
 
+# --------------------------------------------------------------------------- where verl scores differently
+
+# Every known difference from verl's built-in scorers (verl/utils/reward_score/gsm8k.py and
+# math_reward.py, as dispatched by default_compute_score), one row each, as the README lists them:
+# (data_source, response, ground truth, our score, verl's score). verl's scores were read off its
+# code, not run (verl is not a dependency); everything not listed here scores as verl does.
+VERL_DIFFERENCES = {
+    # GSM8K: a "." or "," right after the number is punctuation (verl reads "72." and scores it wrong)
+    "gsm8k-strict-full-stop": ("openai/gsm8k", "#### 72.", "72", 1.0, 0.0),
+    "gsm8k-flexible-full-stop": ("flexible", "so the answer is 72.", "72", 1.0, 0.0),
+    "gsm8k-flexible-ellipsis": ("flexible", "it is 7...", "7", 1.0, 0.0),
+    # GSM8K flexible: commas leave the number (verl drops them only in strict mode)
+    "gsm8k-flexible-thousands": ("flexible", "the total is 1,200", "1200", 1.0, 0.0),
+    # GSM8K flexible: a match without a digit ("," or "-." alone) is no number (verl skips only ".")
+    "gsm8k-flexible-lone-comma": ("flexible", "it is 7 , right", "7", 1.0, 0.0),
+    "gsm8k-flexible-no-digit": ("flexible", "it is 7 -.", "7", 1.0, 0.0),
+    # GSM8K: the ground truth is read as text, trimmed, without commas (verl compares it as given)
+    "gsm8k-truth-commas": ("openai/gsm8k", "#### 1200", "1,200", 1.0, 0.0),
+    "gsm8k-truth-int": ("openai/gsm8k", "#### 7", 7, 1.0, 0.0),
+    "gsm8k-truth-whitespace": ("openai/gsm8k", "#### 7", " 7\n", 1.0, 0.0),
+    # MATH: \fbox counts as a box (verl finds it, then fails to unwrap it: 0)
+    "math-fbox": ("lighteval/MATH", r"\fbox{7}", "7", 1.0, 0.0),
+    # MATH: the last box wins whatever its form (verl prefers any brace-less "\boxed ")
+    "math-last-box": ("lighteval/MATH", r"\boxed 3$ no: \boxed{4}", "4", 1.0, 0.0),
+    # MATH: a ground truth that is a whole solution is reduced to its box
+    "math-truth-solution": ("lighteval/MATH", r"\boxed{4}", r"so we get $\boxed{4}$", 1.0, 0.0),
+    # MATH normalisation, more lenient than verl's
+    "math-thin-space": ("lighteval/MATH", r"\boxed{1\,000}", "1000", 1.0, 0.0),
+    "math-dollar": ("lighteval/MATH", r"\boxed{$5$}", "5", 1.0, 0.0),
+    "math-full-stop": ("lighteval/MATH", r"\boxed{5.}", "5", 1.0, 0.0),
+    "math-unit-no-space": ("lighteval/MATH", r"\boxed{10\text{cm}}", "10", 1.0, 0.0),
+    "math-mbox-unit": ("lighteval/MATH", r"\boxed{10 \mbox{ inches}}", "10", 1.0, 0.0),
+    "math-text-answer": ("lighteval/MATH", r"\boxed{\text{(A)}}", "(A)", 1.0, 0.0),
+    "math-leading-zero": ("lighteval/MATH", r"\boxed{-.5}", "-0.5", 1.0, 0.0),
+    "math-lhs-before-space": ("lighteval/MATH", r"\boxed{ab = 3}", "3", 1.0, 0.0),
+    # MATH normalisation, stricter than verl's
+    "math-half": ("lighteval/MATH", r"\boxed{0.5}", r"\frac{1}{2}", 0.0, 1.0),
+    "math-double-backslash": ("lighteval/MATH", r"\boxed{\\frac{1}{2}}", r"\frac{1}{2}", 0.0, 1.0),
+    "math-unit-then-more": ("lighteval/MATH", r"\boxed{10\text{ cm}^2}", "10", 0.0, 1.0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(VERL_DIFFERENCES))
+def test_differences_from_verls_scorers(case):
+    source, response, truth, ours, verls = VERL_DIFFERENCES[case]
+    if source == "flexible":  # verl's and our GSM8K scorer take method="flexible" alike
+        score = gsm8k.compute_score(response, truth, method="flexible")
+    else:
+        score = compute_score(source, response, truth)
+    assert score == ours and ours != verls
+
+
+@pytest.mark.parametrize("source", ["math_dapo", "aime2024", "numina_olympiads", "codecontests", "hiyouga/geometry3k",
+                                    "searchR1_nq"])
+def test_data_sources_verl_scores_and_this_project_does_not(source):
+    """verl's default_compute_score knows these; here they stop the job (use reward.custom_fn)."""
+    with pytest.raises(KeyError, match="no reward function"):
+        compute_score(source, r"\boxed{4}", "4")
+
+
 # --------------------------------------------------------------------------- dispatch
 
 
@@ -224,6 +284,29 @@ def test_custom_fn_returning_a_float_gets_extra_info(tmp_path, tokenizer):
     assert scores.tolist() == pytest.approx([1.05, 0.07])
     assert extras == {}
     assert torch.allclose(token_scores, torch.tensor([[0, 0, 1.05, 0, 0], [0, 0, 0.07, 0, 0]]))
+
+
+@pytest.mark.parametrize("extra_info, complaint", [
+    ([{"index": 7, "split": "train"}, {"index": 7, "split": "train"}], "is not the row of ground truth '0080'"),
+    ([{"index": 7, "split": "train"}, {"index": 8, "split": "test"}], "is not the row of ground truth '0080'"),
+    ([{"index": 7, "split": "train"}, {}], "extra_info {} is not the row"),
+    ([{"index": 7, "split": "train"}, None], "extra_info is None, not the row's dict"),
+])
+def test_the_e2e_extra_info_check_stops_on_another_rows_extra_info(tmp_path, tokenizer, monkeypatch, extra_info,
+                                                                   complaint):
+    """The check the real jobs run (tests/extra_info_check.py): a row given another row's
+    extra_info, or none, stops the job with a RewardError that shows the sample."""
+    from tests.extra_info_check import calls, write_job_files
+
+    overrides, log = write_job_files(tmp_path)
+    path = next(o for o in overrides if o.startswith("reward.custom_fn.path=")).split("=", 1)[1]
+    fn = load_custom_reward_fn(path, "compute_score")
+    monkeypatch.setenv("RANK", "3")
+    rows = [("0070", True, "synthetic/copy", "0070"), ("0080", True, "synthetic/copy", "0080")]
+    with pytest.raises(RewardError, match=r"(?s)custom reward function.*sample 1.*'0080'") as e:
+        RuleReward(tokenizer, custom_fn=fn).compute(rule_batch(tokenizer, rows, extra_info=extra_info))
+    assert complaint in str(e.value)
+    assert calls(log) == [(3, "train", 7)]  # the right row went through
 
 
 def test_custom_fn_returning_a_dict_collects_extras(tmp_path, tokenizer):

@@ -3,6 +3,7 @@ broadcast of the policy's weights from the actor pool (spmdsplit/weight_sync.py)
 
 import pytest
 
+from tests.extra_info_check import assert_every_split_scored, write_job_files
 from tests.runjob import scalars, timeline_events, torchrun
 
 COMMON = ["rollout.do_sample=false", "trainer.total_steps=3", "data.train_batch_size=16", "actor.ppo_mini_batch_size=16",
@@ -18,9 +19,13 @@ def test_every_rank_generates_and_the_steps_equal_actor_only_generation(tmp_path
     runs = {}
     for ranks in ("actor", "all"):
         out = tmp_path / ranks
-        result = torchrun(4, *COMMON, f"rollout.ranks={ranks}", f"trainer.log_dir={out}/tb",
+        # Scored by a custom function that checks each row gets its own extra_info (with
+        # rollout.ranks=all the critic ranks' rows travel to the actor pool and back), validation on.
+        checked, calls_log = write_job_files(out / "data")
+        result = torchrun(4, *COMMON, *checked, f"rollout.ranks={ranks}", f"trainer.log_dir={out}/tb",
                           f"trainer.timeline={out}/timeline.json", timeout=400)
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+        assert_every_split_scored(calls_log, [0, 1], [2, 3])
         runs[ranks] = (scalars(str(out / "tb")), timeline_events(str(out / "timeline.json")))
     (actor_only, _), (everyone, events) = runs["actor"], runs["all"]
     assert [s for s, _ in everyone["critic/score/mean"]] == [1, 2, 3]
@@ -28,10 +33,13 @@ def test_every_rank_generates_and_the_steps_equal_actor_only_generation(tmp_path
     for key in ("actor/pg_loss", "critic/vf_loss"):
         for (_, x), (_, y) in zip(actor_only[key], everyone[key]):
             assert y == pytest.approx(x, rel=1e-4, abs=1e-6), key
-    # Every rank generated in every step, and the critic ranks took the weights first.
+    # Every rank generated in every step, and the critic ranks took the weights first; the actor
+    # ranks also take them before each validation (steps 2 and 3), which only they generate.
     for rank in range(4):
-        for name in ("gen", "sync_weights", "rollout_sleep"):  # one wake and one sleep a step
-            assert sorted(e["args"]["step"] for e in events if e["name"] == name and e["pid"] == rank) == [1, 2, 3]
+        for name in ("gen", "sync_weights", "rollout_sleep"):  # one wake and one sleep a step (and a validation)
+            validations = [2, 3] if name != "gen" and rank in (0, 1) else []
+            steps = sorted(e["args"]["step"] for e in events if e["name"] == name and e["pid"] == rank)
+            assert steps == sorted([1, 2, 3] + validations), (name, rank)
 
 
 def broadcast_three_syncs(rank, world_size):

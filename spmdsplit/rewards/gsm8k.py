@@ -10,9 +10,11 @@ to do the same. Two ways to read the model's final answer:
 
 Either way commas and `$` are dropped from the number (`#### 1,200` reads as `1200`), the sign is
 kept, and the result is compared as a *string* with the ground truth (commas removed there too):
-`72.0` is not `72`, as in verl. One deliberate difference from verl: a `.` or `,` trailing the
+`72.0` is not `72`, as in verl. Deliberately more lenient than verl: a `.` or `,` trailing the
 number is sentence punctuation, not part of it (`... is 72.` reads `72`; verl reads `72.` and
-scores it wrong).
+scores it wrong); the flexible mode drops commas too and skips matches without a digit; the
+ground truth is read as trimmed text. Each difference is a row of VERL_DIFFERENCES in
+tests/test_rewards_verl.py (and a line of the README).
 
 Scores: `score` (1.0) when the answer equals the ground truth, `format_score` (0.0) when an answer
 was found but is wrong, 0.0 when none was found.

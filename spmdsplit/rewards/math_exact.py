@@ -5,7 +5,9 @@ truth, both lightly normalised; 1.0 on a match, else 0.0.
 This follows verl's `math` scorer (the Hendrycks MATH string match: last `\boxed`, then
 `is_equiv` on normalised strings), not a symbolic checker: `0.5` and `\frac{1}{2}` differ, so do
 `x+1` and `1+x`. A ground truth given as a full solution (with its own `\boxed{}`) is reduced to
-its boxed answer first.
+its boxed answer first. Where its answers differ from verl's (`\fbox`, the normalisation below
+is more lenient in places and stricter in three): VERL_DIFFERENCES in tests/test_rewards_verl.py,
+listed in the README.
 
 The normalisation, in order (`normalize_answer`), and only this:
 

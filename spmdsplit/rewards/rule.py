@@ -28,6 +28,11 @@ def positional_match_score(solution_str: str, ground_truth: str) -> float:
 
 
 SCORERS: dict[str, Callable[[str, Any], Any]] = {data_source(task): positional_match_score for task in TASKS}
+# The scorers that read the response with its special tokens kept (roles/reward.py decodes every
+# other one as verl does, without them): the embedded tasks' answers are short digit strings, and
+# with the special tokens dropped a policy learned to pad its answer with them, tokens the scorer
+# never saw (a reward hack seen there). Kept, they count against the match.
+SEES_SPECIAL_TOKENS = frozenset(data_source(task) for task in TASKS)
 SCORERS["openai/gsm8k"] = gsm8k.compute_score  # strict extraction, 1.0 / 0.0, as verl
 for _name in math_exact.DATA_SOURCES:
     SCORERS[_name] = math_exact.compute_score

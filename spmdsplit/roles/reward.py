@@ -1,5 +1,10 @@
 """The rule reward: decodes each response and scores it with the scorer of its data_source (or
-with the custom reward function, which then replaces them all).
+with the custom reward function, which then replaces them all), called with the row's
+data_source, ground truth and extra_info.
+
+Responses are decoded as verl's reward managers decode them (`skip_special_tokens=True`), for
+verl's scorers and custom functions alike; only the embedded tasks' own scorers read the special
+tokens too (rewards/rule.py, SEES_SPECIAL_TOKENS).
 
 A scorer that raises, or gives NaN/inf, stops the job: `RewardError` carries the sample (its
 data_source, response text and ground truth) and the original error. The roles let it propagate;
@@ -9,12 +14,12 @@ the rank exits with it and torchrun ends the job, so a broken reward never train
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
 from spmdsplit.batch import Batch
-from spmdsplit.rewards.rule import SCORERS, score_sample
+from spmdsplit.rewards.rule import SCORERS, SEES_SPECIAL_TOKENS, score_sample
 
 SHOW_CHARS = 500  # how much of a response an error shows
 
@@ -50,16 +55,21 @@ def describe_sample(index: int, response: str, data_source=None, ground_truth=No
     return "\n".join(lines)
 
 
-def response_texts(tokenizer, responses: torch.Tensor, lengths: torch.Tensor, eos_token_ids: set[int]) -> list[str]:
-    """Each response's valid tokens, decoded, without the EOS that ends it."""
+def response_texts(tokenizer, responses: torch.Tensor, lengths: torch.Tensor, eos_token_ids: set[int],
+                   skip_special_tokens: bool | Sequence[bool] = False) -> list[str]:
+    """Each response's valid tokens, decoded, without the EOS that ends it. `skip_special_tokens`
+    (one flag for all rows, or one per row) drops the other special tokens too, as verl's reward
+    managers decode; kept, they show in the text (the reward model reads them)."""
+    if isinstance(skip_special_tokens, bool):
+        skip_special_tokens = [skip_special_tokens] * responses.shape[0]
     texts = []
-    for i in range(responses.shape[0]):
+    for i, skip in enumerate(skip_special_tokens):
         ids = responses[i, : int(lengths[i])].tolist()
+        # Dropped even when the tokenizer does not count it as special: it ends the response,
+        # it is not part of the answer.
         if ids and ids[-1] in eos_token_ids:
             ids = ids[:-1]
-        # Other special tokens stay in the text: stripping them would let a policy pad its
-        # answer with tokens the scorer never sees (a reward hack seen on the embedded task).
-        texts.append(tokenizer.decode(ids, skip_special_tokens=False))
+        texts.append(tokenizer.decode(ids, skip_special_tokens=skip))
     return texts
 
 
@@ -71,6 +81,13 @@ def on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Te
     last = (lengths - 1).clamp(min=0)
     out[torch.arange(response_mask.shape[0], device=response_mask.device), last] = scores.to(out.device, torch.float32)
     return out * (lengths > 0).unsqueeze(-1)
+
+
+def own_copy(extra_info):
+    """A row's extra_info as a scorer gets it: its own shallow copy, so that a scorer which adds
+    keys (verl's reward managers do) changes neither the batch nor the other rows of its group
+    (rollout.n repeats one dict), whichever placement delivered it."""
+    return dict(extra_info) if isinstance(extra_info, dict) else extra_info
 
 
 class RuleReward:
@@ -114,18 +131,26 @@ class RuleReward:
         means = pool_reduce_metrics(sums, counts, group, device)
         return {f"critic/reward_extra/{k}/mean": v for k, v in means.items()}
 
+    def skips_special_tokens(self, sources: list[str]) -> list[bool]:
+        """Per row, whether its text is decoded as verl decodes it (special tokens dropped): every
+        row, except those whose built-in scorer must see them (rule.SEES_SPECIAL_TOKENS)."""
+        if self.custom_fn is not None:
+            return [True] * len(sources)
+        return [source not in SEES_SPECIAL_TOKENS for source in sources]
+
     @torch.no_grad()
     def compute_with_extras(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, list[float]]]:
         """As `compute`, plus the other numbers scorers returned in a dict (e.g. "acc"), one list
         of B floats per key; a sample whose scorer did not give that key has NaN there."""
         responses, mask = batch["responses"], batch["response_mask"]
-        texts = response_texts(self.tokenizer, responses, mask.sum(-1), self.eos_token_ids)
         sources, truths = batch["data_source"], batch["ground_truth"]
-        extra_info = batch["extra_info"] if "extra_info" in batch else [None] * len(batch)
+        texts = response_texts(self.tokenizer, responses, mask.sum(-1), self.eos_token_ids, self.skips_special_tokens(sources))
+        # A batch without the column (made by hand) gives {}, as verl's reward managers do.
+        extra_info = batch["extra_info"] if "extra_info" in batch else [{}] * len(batch)
         scores, per_sample = [], []
         for i, text in enumerate(texts):
             try:
-                score, extras = score_sample(sources[i], text, truths[i], extra_info[i], fn=self.custom_fn)
+                score, extras = score_sample(sources[i], text, truths[i], own_copy(extra_info[i]), fn=self.custom_fn)
             except Exception as e:
                 which = "the custom reward function" if self.custom_fn is not None else "the rule reward"
                 unknown = self.custom_fn is None and sources[i] not in SCORERS

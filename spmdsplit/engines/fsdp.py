@@ -132,10 +132,11 @@ class FSDPEngine(HFExport):
 
     @contextlib.contextmanager
     def grad_sync(self, enabled: bool):
-        """Backwards inside with `enabled=False` keep their gradients unsharded on this rank and
-        add the next ones to them, instead of reduce-scattering each: for all micro-batches of a
-        mini-batch but the last, whose backward then reduces the sum once. Costs a whole
-        unsharded gradient per rank meanwhile; saves a reduce-scatter per micro-batch."""
+        """Backwards inside with `enabled=False` do not reduce-scatter: FSDP2 keeps each parameter's
+        gradient *unsharded*, in the reduce dtype (fp32), and adds the next ones to it, until a
+        backward with `enabled=True` reduces the sum once. A whole fp32 gradient per rank meanwhile
+        (4 B/param, whatever the pool size) for one reduce-scatter saved per micro-batch: only
+        `no_sync_accumulation` asks for it (roles/common.run_ppo_updates)."""
         self.model.set_requires_gradient_sync(enabled)
         try:
             yield

@@ -163,12 +163,16 @@ class FSDPEngine(HFExport):
 
     @torch.no_grad()
     def iter_full_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, whole tensor in `dtype`) for each weight, one at a time: all-gathered over the
-        pool, cast, handed over, and freed when the consumer asks for the next. A pool collective:
-        every rank of the pool must consume the whole stream, in order."""
+        """(HF name, whole tensor in `dtype`) for each weight, one at a time: cast, all-gathered over
+        the pool, handed over, and freed when the consumer asks for the next. The shard is cast
+        before the gather (a DTensor's `.to` is local), so a bf16 rollout's gather moves half the
+        bytes of the fp32 masters, with the same values: the cast rounds each element alone. A pool
+        collective: every rank of the pool must consume the whole stream, in order."""
         for name, tensor in hf_tensors(self.model):
-            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
-            yield name, full.to(dtype) if dtype is not None else full
+            cast = tensor.detach().to(dtype) if dtype is not None else tensor.detach()
+            full = cast.full_tensor() if isinstance(cast, DTensor) else cast
+            del cast
+            yield name, full
             del full
 
     def save_checkpoint(self, path: str) -> None:

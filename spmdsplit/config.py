@@ -115,6 +115,11 @@ class ActorConfig:
     log_prob_micro_batch_size_per_gpu: int = 32
     engine: str = "fsdp"  # fsdp (FSDP2) | deepspeed (ZeRO, over the actor pool's group)
     zero_stage: int = 3  # deepspeed: 1 (optimizer state), 2 (+ gradients), 3 (+ weights) sharded over the pool
+    # FSDP2: reduce-scatter gradients once per mini-batch instead of after every micro-batch. Saves
+    # one reduce-scatter per micro-batch; costs one whole *unsharded* fp32 gradient (4 B/param, the
+    # reduce dtype) on every rank while a mini-batch accumulates, whatever the pool size (7B: ~30 GB).
+    # Only with engine=fsdp: ZeRO-2/3 partition gradients in every backward, ZeRO-1 holds them whole anyway.
+    no_sync_accumulation: bool = False
 
 
 @dataclass
@@ -130,6 +135,7 @@ class CriticConfig:
     forward_micro_batch_size_per_gpu: int = 32
     engine: str = "fsdp"  # fsdp | deepspeed, over the critic pool's group
     zero_stage: int = 3  # deepspeed: 1 | 2 | 3
+    no_sync_accumulation: bool = False  # as actor.no_sync_accumulation (critic of 7B: ~28 GB per rank)
 
 
 @dataclass
@@ -171,7 +177,9 @@ class RolloutConfig:
     # vLLM only (rollout.name=vllm), under verl's names.
     tensor_model_parallel_size: int = 1  # ranks per engine, consecutive, inside one pool
     data_parallel_size: int = 1  # vLLM's own data parallel steps its engines in lockstep: only 1
-    gpu_memory_utilization: float = 0.5  # fraction of the GPU's memory vLLM may hold (trainer models count)
+    # The share of the WHOLE device vLLM reserves for itself (weights + KV cache + activations), on
+    # top of what the trainer already holds there: resident state + this x device memory must fit.
+    gpu_memory_utilization: float = 0.5
     kv_cache_memory_gb: float = 0.0  # explicit KV-cache size per engine; 0 = from gpu_memory_utilization on GPU, 1 GiB on CPU
     max_num_seqs: int = 1024
     max_num_batched_tokens: int = 8192
@@ -448,6 +456,12 @@ def check_engines(cfg: DictConfig) -> None:
             )
         if stage not in (-1, 0, 3):
             raise ConfigError(f"{key}={stage!r}: expected one of [-1, 0, 3]")
+    for role in ("actor", "critic"):
+        if cfg[role].no_sync_accumulation and cfg[role].engine == "deepspeed":
+            raise ConfigError(
+                f"{role}.no_sync_accumulation=true is an FSDP2 option: DeepSpeed ZeRO-2/3 partition gradients in "
+                "every backward (its no_sync refuses them) and ZeRO-1 keeps a whole gradient per rank anyway, "
+                "all-reduced once at the step; leave it false with engine=deepspeed")
     chosen = [key for key in ("actor.engine", "critic.engine", "ref.engine", "reward.model.engine")
               if OmegaConf.select(cfg, key) == "deepspeed"]
     if chosen:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from tests.multiproc import run_ranks
-from tests.test_update_invariance import ROWS, make_batch
+from tests.test_update_invariance import ROWS, after_each_backward, make_batch
 
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")
 
@@ -47,6 +47,10 @@ def _role(role, model_dir, engine_for, micro):
     return Critic(engine_for(model, optim), cfg, device), model.config.vocab_size
 
 
+def _whole_gradients(model) -> int:
+    return sum(p.grad is not None for p in model.parameters())
+
+
 def _update_beside_unsharded(rank, world_size, model_dir, role, stage):
     """Ranks 0-1: a DeepSpeed ZeRO-`stage` pool, each rank with half the rows, 2 micro-batches of one
     row per mini-batch. Rank 2: its own pool, FSDP2 on one rank = the unsharded update of all rows,
@@ -65,18 +69,23 @@ def _update_beside_unsharded(rank, world_size, model_dir, role, stage):
         mesh = DeviceMesh.from_group(single_pool, "cpu")
         worker, vocab = _role(role, model_dir, lambda m, o: FSDPEngine(m, mesh, o), micro=ROWS // 2)
         mine = make_batch(vocab).index(torch.tensor([0, 1, 4, 5, 2, 3, 6, 7]))
+    # ZeRO-2/3 move each whole `.grad` into this rank's partition within the backward.
+    whole_after_micro = after_each_backward(worker.engine, _whole_gradients) if rank < 2 else []
     update = worker.update_policy if role == "actor" else worker.update_critic
     metrics = update(mine, seed=1)
     metrics2 = update(mine, seed=2)  # a second update: Adam's state and the LR warmup carry over
     state = {k: v.clone() for k, v in worker.engine.full_state_dict().items()}
-    return state, metrics, metrics2
+    return state, metrics, metrics2, whole_after_micro
 
 
 @needs_deepspeed
 @pytest.mark.parametrize("role, stage", [("actor", 1), ("actor", 2), ("actor", 3), ("critic", 3)])
 def test_zero_update_matches_unsharded_update(model_dir, role, stage):
     ds0, ds1, plain = run_ranks(_update_beside_unsharded, 3, model_dir, role, stage, timeout=240)
-    (state, m1, m2), (expected, e1, e2) = ds0, plain
+    (state, m1, m2, whole_after_micro), (expected, e1, e2, _) = ds0, plain
+    # 2 updates x 2 mini-batches x 2 micro-batches; ZeRO-1 keeps whole gradients by design.
+    assert len(whole_after_micro) == 8
+    assert all(whole_after_micro) if stage == 1 else not any(whole_after_micro), whole_after_micro
     from spmdsplit.models import load_causal_lm, load_value_model
 
     load = load_causal_lm if role == "actor" else load_value_model
@@ -276,6 +285,11 @@ def test_engine_choice_and_inference_stage_errors():
     for bad in ("actor.engine=megatron", "critic.zero_stage=4", "ref.engine=ds"):
         with pytest.raises(ConfigError, match=bad.split("=")[0]):
             load_config(overrides=[bad])
+    # FSDP2's no-sync accumulation has no DeepSpeed counterpart to switch (its no_sync refuses ZeRO-2/3).
+    for role in ("actor", "critic"):
+        with pytest.raises(ConfigError, match=f"{role}.no_sync_accumulation=true is an FSDP2 option"):
+            load_config(overrides=[f"{role}.engine=deepspeed", f"{role}.no_sync_accumulation=true"])
+        load_config(overrides=[f"{role}.no_sync_accumulation=true"])
 
 
 MIXES = {

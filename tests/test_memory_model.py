@@ -26,11 +26,13 @@ def test_qwen25_shapes_give_the_published_sizes():
 def test_sharding_divides_by_the_pool():
     p = 10**9
     fsdp = Workload(engine="fsdp")
-    assert memory.trained_state(p, 1, fsdp) == 16 * p
-    assert memory.trained_state(p, 4, fsdp) == pytest.approx(16 * p / 4)
+    assert memory.trained_state(p, 1, fsdp) == 12 * p  # gradients only while updating: zero_grad frees them
+    assert memory.trained_state(p, 4, fsdp) == pytest.approx(12 * p / 4)
+    assert memory.update_gradients(p, 4, fsdp) == pytest.approx(4 * p / 4)
     zero1 = Workload(engine="deepspeed", zero_stage=1, dtype_bytes=2)
     # ZeRO-1 shards only the optimizer state (and the fp32 masters): weights and gradients stay whole.
-    assert memory.trained_state(p, 4, zero1) == pytest.approx(2 * p + 4 * p / 4 + 4 * p + 8 * p / 4)
+    assert memory.trained_state(p, 4, zero1) == pytest.approx(2 * p + 4 * p / 4 + 8 * p / 4)
+    assert memory.update_gradients(p, 4, zero1) == 4 * p
     s = QWEN25["Qwen2.5-7B"]
     one, four = memory.actor_rank(s, 1, fsdp)["keep"], memory.actor_rank(s, 4, fsdp)["keep"]
     assert four["reference"] == pytest.approx(one["reference"] / 4)
@@ -46,16 +48,59 @@ def test_checkpointing_keeps_one_block_plus_block_inputs():
 
 
 def test_model_matches_the_checked_in_cpu_benchmark():
-    """tests/data/bench_memory_76m.json: `python -m tools.bench_memory` on the 76M model (CPU,
-    fp32, 1+1 and 2+2, freed memory returned to the system). The model predicts each pool's
-    largest rank within 20%: it leaves out allocator slack and transient copies inside torch ops.
-    Re-measure and replace the file when a change moves memory on purpose."""
+    """tests/data/bench_memory_76m.json: `python -m tools.bench_memory --layouts 1+1 2+2 2+2/4
+    2+2/4-nosync` on the 76M model (CPU, fp32, freed memory returned to the system). The model
+    predicts each pool's largest rank within 20%, whatever the micro-batching: it leaves out
+    allocator slack and transient copies inside torch ops. Re-measure and replace the file when
+    a change moves memory on purpose."""
     import json
     import os
 
     with open(os.path.join(os.path.dirname(__file__), "data", "bench_memory_76m.json")) as f:
         report = json.load(f)
     rows = memory.check_against_bench(report)
-    assert len(rows) == 4
+    assert {row["layout"] for row in rows} == {"1+1", "2+2", "2+2/4", "2+2/4-nosync"}
+    assert len(rows) == 8
     for row in rows:
         assert abs(row["error"]) <= 0.20, row
+
+
+def test_no_sync_accumulation_costs_a_whole_fp32_gradient_when_a_mini_batch_has_several_micro_batches():
+    s, p = QWEN25["Qwen2.5-7B"], QWEN25["Qwen2.5-7B"].params
+    reduce_each = Workload(mini=64, micro=8)  # 16 rows per rank of a pool of 4: 2 micro-batches
+    no_sync = Workload(mini=64, micro=8, no_sync_accumulation=True)
+    assert memory.micro_batches(4, reduce_each) == 2
+    assert memory.update_gradients(p, 4, no_sync) == 4 * p  # whatever the pool size
+    grown = memory.actor_rank(s, 4, no_sync)["phases"]["update"] - memory.actor_rank(s, 4, reduce_each)["phases"]["update"]
+    assert grown == pytest.approx(4 * p - 4 * p / 4)
+    one_micro = Workload(mini=32, micro=8, no_sync_accumulation=True)  # 8 rows per rank: nothing to accumulate
+    assert memory.update_gradients(p, 4, one_micro) == pytest.approx(4 * p / 4)
+
+
+def test_vllm_adds_its_share_of_the_device_to_the_resident_state_only():
+    """vLLM asleep (level 2) holds nothing; awake it holds utilization x device on top of what the
+    trainer keeps, and the actor rank's peak is the larger of that and the training peak."""
+    s = QWEN25["Qwen2.5-7B"]
+    hf, vllm = Workload(), Workload(rollout="vllm", gpu_memory_utilization=0.5, device_gb=80)
+    rank = memory.actor_rank(s, 4, vllm)
+    assert rank["keep"]["rollout weights"] == 0.0
+    assert rank["phases"]["vLLM awake"] == pytest.approx(40 * memory.GB)
+    resident = sum(rank["keep"].values())
+    assert resident == pytest.approx((12 / 4 + 2 / 4) * s.params)  # fp32 shards + Adam, bf16 reference shards
+    training = {k: v for k, v in rank["phases"].items() if k != "vLLM awake"}
+    assert rank["total"] == pytest.approx(resident + max(40 * memory.GB, *training.values()))
+    hf_keep = memory.actor_rank(s, 4, hf)["keep"]
+    assert hf_keep["rollout weights"] == 2 * s.params  # the HF copy: whole, in the rollout dtype
+
+
+def test_bench_layouts_cut_each_ranks_mini_batch_into_micro_batches():
+    """tools.bench_memory's a+c/k layouts: k micro-batches per mini-batch on every rank of both pools."""
+    from tools.bench_memory import WORKLOAD, layout_overrides
+
+    world, extra = layout_overrides("2+2/4-nosync", WORKLOAD)  # 8 rows per mini-batch, 4 per rank
+    assert world == 4
+    assert {"actor.ppo_micro_batch_size_per_gpu=1", "critic.ppo_micro_batch_size_per_gpu=1",
+            "actor.no_sync_accumulation=true", "critic.no_sync_accumulation=true"} <= set(extra)
+    assert layout_overrides("2+2", WORKLOAD) == (4, ["placement.mode=split", "placement.pools=[]"])
+    with pytest.raises(ValueError):
+        layout_overrides("2+2/3", WORKLOAD)

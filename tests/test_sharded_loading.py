@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.multiproc import run_ranks
 from tests.test_update_invariance import ROWS, make_batch
@@ -95,16 +96,32 @@ def _load_update_sync(rank, world_size, model_dir, engine_name, out_dir):
     actor.update_policy(make_batch(len(load_tokenizer(model_dir))).slice(*row_ranges(ROWS, pool_size)[pool_rank]),
                         seed=1)
     actor_weights = {k: v.clone() for k, v in engine.iter_full_weights()}
-    rollout = {}
+    rollout, gathered_dtypes = {}, {}
     for dtype in (torch.float32, torch.bfloat16):
         copy = HFRollout(load_causal_lm(model_dir, dtype, torch.device("cpu"), seed=0), load_tokenizer(model_dir),
                          RolloutConfig(), 4)
-        copy.load_weights(engine.iter_full_weights(copy.dtype))
+        with _AllGatherDtypes() as seen:
+            copy.load_weights(engine.iter_full_weights(copy.dtype))
+        gathered_dtypes[dtype] = seen.dtypes
         assert copy.model.lm_head.weight is copy.model.model.embed_tokens.weight  # still tied
         rollout[dtype] = {k: v.clone() for k, v in copy.model.state_dict().items()}
     hf_dir = os.path.join(out_dir, f"hf-pool{pool_size}")
     engine.save_hf(hf_dir, load_tokenizer(model_dir), is_writer=pool_rank == 0)
-    return {**result, "actor": actor_weights, "rollout": rollout, "hf_dir": hf_dir, "compute_dtype": engine.compute_dtype}
+    return {**result, "actor": actor_weights, "rollout": rollout, "hf_dir": hf_dir, "compute_dtype": engine.compute_dtype,
+            "gathered_dtypes": gathered_dtypes, "pool_size": pool_size}
+
+
+class _AllGatherDtypes(TorchDispatchMode):
+    """Records the dtype of every tensor all-gathered (DTensor's full_tensor) while inside."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "all_gather" in func.__name__:
+            self.dtypes.append(args[0].dtype)
+        return func(*args, **(kwargs or {}))
 
 
 def _check(results, model_dir, engine):
@@ -126,9 +143,13 @@ def _check(results, model_dir, engine):
                                        msg=f"rank {rank} {kind} forward")
         moved = (got["actor"]["model.embed_tokens.weight"] - plain["causal_lm"].model.embed_tokens.weight).abs().max()
         assert moved > 1e-3, "the update did not move the actor: the sync would be checked against the checkpoint"
+        # Streamed into a bf16 copy: bitwise the fp32 weights gathered, then cast.
         for dtype, state in got["rollout"].items():
             for name, tensor in got["actor"].items():
                 torch.testing.assert_close(state[name], tensor.to(dtype), rtol=0, atol=0, msg=f"rank {rank} {dtype} {name}")
+        if engine == "fsdp" and got["pool_size"] > 1:  # cast before the gather: the pool moves the rollout's dtype
+            for dtype, gathered in got["gathered_dtypes"].items():
+                assert gathered and set(gathered) == {dtype}, (rank, dtype, gathered)
         files = [f for f in os.listdir(got["hf_dir"]) if f.endswith(".safetensors")]
         with safe_open(os.path.join(got["hf_dir"], files[0]), "pt") as f:
             assert {f.get_tensor(k).dtype for k in f.keys()} == {got["compute_dtype"]}

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from tests.multiproc import run_ranks
 
@@ -134,3 +135,76 @@ def test_activation_checkpointing_leaves_the_critic_update_unchanged(model_dir):
             torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-6, msg=name)
         assert m_ckpt["critic/vf_loss"] == pytest.approx(m_plain["critic/vf_loss"], rel=1e-6)
         assert m_ckpt["critic/grad_norm"] == pytest.approx(m_plain["critic/grad_norm"], rel=1e-5)
+
+
+def _whole_gradients(model) -> list[str]:
+    """Names of the sharded parameters of which this rank holds a whole-size gradient: as `.grad`,
+    or where FSDP2 keeps it unsharded between backwards without a reduce-scatter (torch 2.13,
+    _fsdp_param.py: `_unsharded_param.grad` in the gradient's own dtype, `unsharded_accumulated_grad`
+    once upcast to the reduce dtype)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    whole = [name for name, p in model.named_parameters()
+             if p.grad is not None and (not isinstance(p.grad, DTensor) or p.grad.to_local().numel() >= p.numel())]
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            for fsdp_param in group.fsdp_params:
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if fsdp_param.unsharded_accumulated_grad is not None or (unsharded is not None and unsharded.grad is not None):
+                    whole.append(fsdp_param._param_fqn)
+    return whole
+
+
+def after_each_backward(engine, look) -> list:
+    """A list that gets `look(engine.model)` after each `engine.backward` from now on."""
+    seen = []
+    backward = engine.backward
+
+    def watched_backward(loss):
+        backward(loss)
+        seen.append(look(engine.model))
+
+    engine.backward = watched_backward
+    return seen
+
+
+def _update_watching_gradients(rank, world_size, model_dir, no_sync_accumulation):
+    """An actor update on a pool of two, 4 micro-batches of one row per rank in its one mini-batch,
+    with the names of whole gradients this rank holds after each micro-batch's backward."""
+    from spmdsplit.config import ActorConfig, OptimConfig
+    from spmdsplit.engines.fsdp import FSDPEngine
+    from spmdsplit.exchange import row_ranges
+    from spmdsplit.models import load_causal_lm
+    from spmdsplit.roles.actor import Actor
+
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    device = torch.device("cpu")
+    cfg = ActorConfig(optim=OptimConfig(lr=1e-2, lr_warmup_steps=0, grad_clip=1e9), ppo_mini_batch_size=ROWS,
+                      ppo_micro_batch_size_per_gpu=1, shuffle=False, no_sync_accumulation=no_sync_accumulation)
+    model = load_causal_lm(model_dir, torch.float32, device, seed=3)
+    engine = FSDPEngine(model, mesh, cfg.optim)
+    assert all(isinstance(p, DTensor) and p.to_local().numel() < p.numel() for p in engine.model.parameters())
+    whole_after_micro = after_each_backward(engine, _whole_gradients)
+    start, end = row_ranges(ROWS, world_size)[rank]
+    metrics = Actor(engine, cfg, temperature=1.0, device=device).update_policy(make_batch(model.config.vocab_size).slice(start, end), seed=1)
+    state = {k: v.clone() for k, v in engine.full_state_dict().items()}
+    return whole_after_micro, metrics, state
+
+
+def test_micro_batches_reduce_into_shards_unless_no_sync_accumulation(model_dir):
+    """FSDP2 on 2 ranks, a mini-batch of 4 micro-batches per rank: by default no rank ever holds a
+    whole gradient of a sharded parameter; with no_sync_accumulation every micro-batch but the
+    last leaves one per parameter (the cost that option names), and the update is the same."""
+    default = run_ranks(_update_watching_gradients, 2, model_dir, False)
+    no_sync = run_ranks(_update_watching_gradients, 2, model_dir, True)
+    for (whole_after_micro, _, _), (whole_no_sync, _, _) in zip(default, no_sync):
+        assert len(whole_after_micro) == ROWS // 2
+        assert whole_after_micro == [[]] * (ROWS // 2), whole_after_micro
+        assert all(whole_no_sync[:-1]) and whole_no_sync[-1] == [], [len(w) for w in whole_no_sync]
+    (_, metrics, state), (_, metrics_no_sync, state_no_sync) = default[0], no_sync[0]
+    for name, expected in state_no_sync.items():
+        torch.testing.assert_close(state[name], expected, rtol=0, atol=5e-5, msg=name)
+    assert metrics["actor/grad_norm"] == pytest.approx(metrics_no_sync["actor/grad_norm"], rel=1e-5)

@@ -1,9 +1,11 @@
-"""`python -m tools.bench_memory [--hidden 768 --layers 12 ...] [--layouts 1+1 2+2] [key=value ...]`
+"""`python -m tools.bench_memory [--hidden 768 --layers 12 ...] [--layouts 1+1 2+2 2+2/4] [key=value ...]`
 
-Peak memory per rank, per layout: does a pool's ranks' peak fall as the pool grows? Builds a
-random Qwen2 of the given shape locally (the embedded tokenizer's vocabulary; default: the 76.0M
-shape of issue 11), saves it with `save_pretrained` into a temporary folder, and runs a short
-`placement.mode=split` job per layout (1+1 on 2 ranks, 2+2 on 4), one after the other (the
+Peak memory per rank, per layout: does a pool's ranks' peak fall as the pool grows, and does it
+stay put when a rank's mini-batch is cut into more micro-batches? Builds a random Qwen2 of the
+given shape locally (the embedded tokenizer's vocabulary; default: the 76.0M shape of issue 11),
+saves it with `save_pretrained` into a temporary folder, and runs a short `placement.mode=split`
+job per layout (1+1 on 2 ranks, 2+2 on 4; `2+2/4`: 2+2 with 4 micro-batches per mini-batch on
+each rank, `2+2/4-nosync`: the same with `no_sync_accumulation`), one after the other (the
 machine's memory is shared). Reads each rank's `peak_memory` counter from the job's timeline
 (RSS on CPU, `torch.cuda.max_memory_allocated` on GPU) and prints MB and bytes per parameter of
 one model side by side, with an actor rank's peak at the larger layout over the smaller one, and
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import re
 import sys
 import tempfile
 import time
@@ -35,6 +38,8 @@ WORKLOAD = ["data.train_batch_size=8", "data.max_prompt_length=16", "data.max_re
             "actor.log_prob_micro_batch_size_per_gpu=4", "critic.forward_micro_batch_size_per_gpu=4"]
 # Issue 11's targets at the larger layout, in bytes per parameter of one model.
 TARGETS = {"actor_bpp": 22.0, "critic_bpp": 16.0, "actor_ratio": 0.75}
+# Issue 18's: an actor rank's peak with k micro-batches per mini-batch within this of the same layout's with its own.
+MICRO_TARGET_BPP = 1.0
 RETURN_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 
 
@@ -67,12 +72,42 @@ def build_random_qwen2(folder: str, hidden: int, layers: int, heads: int, kv_hea
     return sum(p.numel() for p in model.parameters())
 
 
-def layout_overrides(layout: str) -> tuple[int, list[str]]:
-    """"a+c" -> (world size, overrides): split halves when a == c, else a custom split."""
-    a, c = (int(x) for x in layout.split("+"))
+LAYOUT = re.compile(r"(\d+)\+(\d+)(?:/(\d+))?(-nosync)?")
+
+
+def parse_layout(layout: str) -> tuple[int, int, int | None, bool]:
+    """"a+c[/k][-nosync]" -> (actor ranks, critic ranks, micro-batches per mini-batch per rank or
+    None for the workload's own, no_sync_accumulation)."""
+    match = LAYOUT.fullmatch(layout)
+    if not match:
+        raise ValueError(f"layout {layout!r}: expected actor+critic ranks, e.g. 2+2, 2+2/4 or 2+2/4-nosync")
+    a, c, k, nosync = match.groups()
+    return int(a), int(c), int(k) if k else None, bool(nosync)
+
+
+def micro_overrides(a: int, c: int, k: int | None, nosync: bool, workload: list[str]) -> list[str]:
+    """Each pool's micro-batch cut so that a rank's mini-batch is `k` micro-batches (rollout.n = 1)."""
+    if k is None:
+        return [f"{role}.no_sync_accumulation=true" for role in ("actor", "critic")] if nosync else []
+    opts = dict(o.split("=", 1) for o in workload if "=" in o)
+    out = []
+    for role, ranks in (("actor", a), ("critic", c)):
+        rows = int(opts[f"{role}.ppo_mini_batch_size"]) // ranks
+        if rows % k:
+            raise ValueError(f"{role}: {rows} rows of a mini-batch per rank do not cut into {k} micro-batches")
+        out.append(f"{role}.ppo_micro_batch_size_per_gpu={rows // k}")
+        if nosync:
+            out.append(f"{role}.no_sync_accumulation=true")
+    return out
+
+
+def layout_overrides(layout: str, workload: list[str] = ()) -> tuple[int, list[str]]:
+    """"a+c[/k][-nosync]" -> (world size, overrides): split halves when a == c, else a custom split."""
+    a, c, k, nosync = parse_layout(layout)
+    extra = micro_overrides(a, c, k, nosync, list(workload))
     if a == c:
-        return a + c, ["placement.mode=split", "placement.pools=[]"]
-    return a + c, ["placement.mode=custom", "placement.pool_unit=ranks_per_node", f"placement.pools=[{a},{c}]"]
+        return a + c, ["placement.mode=split", "placement.pools=[]", *extra]
+    return a + c, ["placement.mode=custom", "placement.pool_unit=ranks_per_node", f"placement.pools=[{a},{c}]", *extra]
 
 
 def peaks(trace: dict) -> list[dict]:
@@ -89,16 +124,25 @@ def peaks(trace: dict) -> list[dict]:
 
 def summarize(layouts: dict[str, list[dict]], params: int) -> dict:
     """Per layout and pool: the largest rank's peak (MB, bytes/param); the actor ratio of the
-    last layout over the first; targets checked at the last layout."""
+    last plain layout (a+c) over the first; issue 11's targets checked at the last plain layout;
+    per layout with its own micro-batching (a+c/k...), an actor rank's peak minus a+c's."""
     out = {}
     for name, rows in layouts.items():
         out[name] = {pool: max(r["mb"] for r in rows if r["pool"] == pool)
                      for pool in sorted({r["pool"] for r in rows})}
-    names = list(layouts)
-    first, last = out[names[0]], out[names[-1]]
+    plain = [name for name in layouts if LAYOUT.fullmatch(name) and parse_layout(name)[2:] == (None, False)]
+    first, last = out[plain[0]], out[plain[-1]]
     bpp = {pool: mb * 2**20 / params for pool, mb in last.items()}
     ratio = last.get("actor", 0) / first["actor"] if first.get("actor") else None
-    return {"max_mb": out, "ratio_actor": ratio,
+    micro = {}
+    for name in layouts:
+        a, c, _, _ = parse_layout(name)
+        base = f"{a}+{c}"
+        if name != base and base in out and "actor" in out[name]:
+            micro[name] = {"base": base, "actor_bpp": out[name]["actor"] * 2**20 / params,
+                           "base_actor_bpp": out[base]["actor"] * 2**20 / params}
+            micro[name]["diff_bpp"] = micro[name]["actor_bpp"] - micro[name]["base_actor_bpp"]
+    return {"max_mb": out, "ratio_actor": ratio, "targets_at": plain[-1], "micro_batching": micro,
             "targets": {"actor_bpp": bpp.get("actor"), "critic_bpp": bpp.get("critic"), "actor_ratio": ratio}}
 
 
@@ -117,10 +161,14 @@ def render(report: dict) -> str:
         cells = [f"{r['pool']} {r['mb']:.0f} MB = {r['mb'] * 2**20 / params:.1f} B/param" for r in layouts[name]]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     t = summary["targets"]
-    lines += ["", f"At {names[-1]}: actor ranks {_f(t['actor_bpp'], '{:.1f}')} B/param (target <= "
+    at = summary.get("targets_at", names[-1])
+    lines += ["", f"At {at}: actor ranks {_f(t['actor_bpp'], '{:.1f}')} B/param (target <= "
               f"{TARGETS['actor_bpp']:.0f}), critic ranks {_f(t['critic_bpp'], '{:.1f}')} B/param (target <= "
-              f"{TARGETS['critic_bpp']:.0f}); an actor rank's peak {names[-1]} / {names[0]} = "
+              f"{TARGETS['critic_bpp']:.0f}); an actor rank's peak {at} / {names[0]} = "
               f"{_f(t['actor_ratio'], '{:.2f}')} (target <= {TARGETS['actor_ratio']}).",
+              *[f"{name}: an actor rank's peak {m['actor_bpp']:.1f} B/param, {m['diff_bpp']:+.1f} B/param from "
+                f"{m['base']}'s {m['base_actor_bpp']:.1f} (target within {MICRO_TARGET_BPP:.0f})."
+                for name, m in summary.get("micro_batching", {}).items()],
               "Peak = RSS (ru_maxrss) on CPU, which includes the Python interpreter, torch and transformers "
               "(~0.4-0.5 GB per process), or torch.cuda.max_memory_allocated on GPU.", ""]
     return "\n".join(lines)
@@ -134,7 +182,9 @@ def main(argv=None) -> int:
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--mlp", type=int, default=2048)
     p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--layouts", nargs="+", default=["1+1", "2+2"], help="actor+critic ranks, e.g. 1+1 2+2")
+    p.add_argument("--layouts", nargs="+", default=["1+1", "2+2", "2+2/4"],
+                   help="actor+critic ranks, e.g. 1+1 2+2; /k: k micro-batches per mini-batch on each rank; "
+                        "-nosync: with no_sync_accumulation (e.g. 2+2/4-nosync)")
     p.add_argument("--device", default="cpu", help="trainer.device of every job (cpu | cuda)")
     p.add_argument("--glibc-default-malloc", action="store_true",
                    help="leave glibc's malloc as it is (RSS then keeps freed large blocks)")
@@ -149,13 +199,13 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     malloc = {} if args.glibc_default_malloc else RETURN_FREED_MEMORY
     os.environ.update(malloc)  # run_job hands the environment to torchrun
-    layouts = {}
+    layouts, overrides_by_layout = {}, {}
     with tempfile.TemporaryDirectory(prefix="bench-memory-") as folder:
         params = build_random_qwen2(folder, args.hidden, args.layers, args.heads, args.kv_heads, args.mlp)
         workload = [f"model.path={folder}", f"trainer.total_steps={args.steps}", f"trainer.device={args.device}",
                     *WORKLOAD, *args.overrides]
         for layout in args.layouts:
-            nproc, extra = layout_overrides(layout)
+            nproc, extra = layout_overrides(layout, workload)
             print(f"bench_memory: {layout} on {nproc} ranks", file=sys.stderr, flush=True)
             start = time.time()
             try:
@@ -164,10 +214,12 @@ def main(argv=None) -> int:
                 print(f"bench_memory: error: {e}", file=sys.stderr)
                 return 1
             layouts[layout] = peaks(trace)
+            overrides_by_layout[layout] = extra
             print(f"bench_memory: {layout} done in {time.time() - start:.0f} s", file=sys.stderr, flush=True)
     meta = {"params": params, "hidden": args.hidden, "layers": args.layers, "heads": args.heads,
             "kv_heads": args.kv_heads, "mlp": args.mlp, "vocab": len(build_tokenizer()), "steps": args.steps,
             "device": args.device, "torch": torch.__version__, "malloc_env": malloc, "workload": workload[1:],
+            "layout_overrides": overrides_by_layout,
             "date": datetime.datetime.now().isoformat(timespec="seconds")}
     report = {"schema": "spmdsplit.bench_memory/1", "meta": meta, "layouts": layouts,
               "summary": summarize(layouts, params)}

@@ -1,28 +1,35 @@
-"""`python -m tools.plan --memory [--gpu-gb 80 --world-size 8] [--check outputs/bench_memory/bench_memory.json]`
+"""`python -m tools.plan --memory [--gpu-gb 80 --world-size 8] [--rollout hf|vllm] [--no-sync-accumulation]
+[--check outputs/bench_memory/bench_memory.json]`
 
 A memory model: predicted peak device memory of one rank of each pool, from the model's shape,
 the compute dtype, the engine (FSDP2 = ZeRO-3, or DeepSpeed stage 1/2/3), the pool sizes,
 gradient checkpointing, micro-batch and sequence lengths. What a rank holds all the time:
 
-  * a trained model (actor, critic): fp32 masters, fp32 gradients and AdamW's two fp32 moments,
-    16 B/param, divided by the pool size where the engine shards them (FSDP2: all of it;
-    ZeRO-1: optimizer state; ZeRO-2: + gradients; ZeRO-3: + weights, which DeepSpeed keeps in
-    the compute dtype next to fp32 master shards);
+  * a trained model (actor, critic): fp32 masters and AdamW's two fp32 moments, 12 B/param,
+    divided by the pool size where the engine shards them (FSDP2: all of it; ZeRO-1/2: optimizer
+    state; ZeRO-3: + weights, which DeepSpeed keeps in the compute dtype next to fp32 master
+    shards); ZeRO-3 also keeps its flat fp32 gradient partition (4 B/param / pool) all the time;
   * the reference: frozen, compute dtype, sharded over the actor pool;
-  * the rollout: a whole copy of the policy in the compute dtype (HF rollout, or vLLM's weights
-    at tensor parallel 1) plus the KV cache of the rows it generates at once;
+  * the HF rollout: a whole copy of the policy in the compute dtype (`rollout.name=hf`). vLLM
+    sleeps at level 2 between rollouts (weights and KV cache discarded) and so keeps nothing;
 
-and, on top, the largest of what one phase adds for a while: gathered FSDP units (the root, i.e.
-embeddings + head, and two blocks: the one running and the one prefetched), activations
-(per token and block: all the block's saved tensors, or with checkpointing only its input plus
-one block's recomputed tensors), and the logits of the response positions (compute dtype, their
-gradient, and one fp32 chunk of the log-softmax, see algo.logprobs_and_entropy). On CPU the
-RSS also counts the process itself (interpreter, torch, transformers: `--base-mb`) and, on a
-pool's first rank, the whole model it reads to hand out shards.
+and, on top, the largest of what one phase adds for a while:
+  * generate: HF, the KV cache of the rank's rows; vLLM, `gpu_memory_utilization` x the whole
+    device, which vLLM reserves on top of what is resident (weights, KV cache, activations);
+  * update: the gradients (fp32: FSDP2 and ZeRO-2 4 B/param / pool, ZeRO-1 4 B/param whole; freed
+    by zero_grad(set_to_none=True) after each step), or with `no_sync_accumulation` and several
+    micro-batches per mini-batch a whole unsharded fp32 gradient (4 B/param, any pool size);
+  * every forward: gathered FSDP units (the root, i.e. embeddings + head, and two blocks: the one
+    running and the one prefetched), activations (per token and block: all the block's saved
+    tensors, or with checkpointing only its input plus one block's recomputed tensors), and the
+    logits of the response positions (compute dtype, their gradient, and one fp32 chunk of the
+    log-softmax, see algo.logprobs_and_entropy).
+On CPU the RSS also counts the process itself (interpreter, torch, transformers: `--base-mb`)
+and, on a pool's first rank, the whole model it reads to hand out shards.
 
 Not modelled: allocator fragmentation and caching, NCCL buffers, the CUDA context (reserved as
 `--reserve-gb` when checking what fits), attention score matrices (sdpa/flash keep none), a
-reward model, vLLM's `gpu_memory_utilization` pre-allocation.
+reward model, vLLM's own share beyond `gpu_memory_utilization` (it keeps within it).
 """
 
 from __future__ import annotations
@@ -92,20 +99,43 @@ class Workload:
     prompts_per_step: int = 256  # data.train_batch_size * rollout.n (rows)
     prompt_len: int = 512
     response_len: int = 512
-    micro: int = 4  # ppo_micro_batch_size_per_gpu (actor and critic)
-    log_prob_micro: int = 8  # log_prob / forward micro-batch
+    mini: int = 64  # rows per optimizer step over the pool: ppo_mini_batch_size * rollout.n
+    micro: int = 8  # ppo_micro_batch_size_per_gpu (actor and critic)
+    log_prob_micro: int = 32  # log_prob / forward micro-batch
+    no_sync_accumulation: bool = False  # FSDP2: reduce gradients once per mini-batch (actor and critic)
+    rollout: str = "hf"  # hf (a whole copy, always held) | vllm (sleeps at level 2 between rollouts)
+    gpu_memory_utilization: float = 0.5  # vllm: its share of the whole device, on top of what is resident
+    device_gb: float = 80.0  # the device vLLM's share is a fraction of
     cpu: bool = False  # RSS: adds the process and the reader's whole copy at load time
     base_mb: float = 350.0  # RSS of a process that imported torch, transformers and spmdsplit (measured)
 
 
 def trained_state(params: int, pool: int, w: Workload) -> float:
-    """Bytes a trained model's weights, gradients and AdamW state keep on one rank."""
+    """Bytes a trained model's weights and AdamW state (and ZeRO-3's gradient partition) keep on
+    one rank between updates."""
     if w.engine == "fsdp":
-        return 16 * params / pool  # fp32 shards of weights, gradients, two moments
+        return 12 * params / pool  # fp32 shards of weights and two moments
     weights = (w.dtype_bytes * params) * (1 / pool if w.zero_stage == 3 else 1)
     masters = 4 * params / pool if w.dtype_bytes != 4 else 0.0  # fp32 masters next to compute-dtype weights
-    grads = 4 * params * (1 / pool if w.zero_stage >= 2 else 1)
-    return weights + masters + grads + 8 * params / pool
+    flat_grads = 4 * params / pool if w.zero_stage == 3 else 0.0  # DeepSpeed allocates it once, at init
+    return weights + masters + flat_grads + 8 * params / pool
+
+
+def micro_batches(pool: int, w: Workload) -> int:
+    """Micro-batches per mini-batch on one rank."""
+    return max(1, -(-(w.mini // pool) // w.micro))
+
+
+def update_gradients(params: int, pool: int, w: Workload) -> float:
+    """The fp32 gradients one rank holds while a mini-batch accumulates (none before its first
+    backward: zero_grad sets them to None). Whole where nothing reduces them before the step:
+    ZeRO-1 always, FSDP2 with no_sync_accumulation over several micro-batches (its unsharded
+    gradient, in the reduce dtype, fp32)."""
+    if w.engine == "deepspeed":
+        return {1: 4 * params, 2: 4 * params / pool, 3: 0.0}[w.zero_stage]  # ZeRO-3's is resident
+    if w.no_sync_accumulation and micro_batches(pool, w) > 1:
+        return 4 * params
+    return 4 * params / pool
 
 
 def gathered_units(s: Shape, params: int, pool: int, w: Workload) -> float:
@@ -143,30 +173,39 @@ def kv_cache(s: Shape, rows: int, w: Workload) -> float:
     return 2 * s.layers * s.kv_dim * w.dtype_bytes * rows * (w.prompt_len + w.response_len)
 
 
+def generate(s: Shape, rows: int, w: Workload) -> tuple[str, float]:
+    """(name, bytes) of the rollout phase on top of the resident state: the HF copy's KV cache,
+    or all vLLM reserves when it wakes (its weights, KV cache and activations)."""
+    if w.rollout == "vllm":
+        return "vLLM awake", w.gpu_memory_utilization * w.device_gb * GB
+    return "generate (KV cache)", kv_cache(s, rows, w)
+
+
 def actor_rank(s: Shape, pool: int, w: Workload) -> dict[str, float]:
     """Bytes on one actor-pool rank: what it keeps, and the largest transient of any phase."""
     rows = w.prompts_per_step // pool
-    keep = {"policy (weights+grads+AdamW)": trained_state(s.params, pool, w),
+    keep = {"policy (weights+AdamW)": trained_state(s.params, pool, w),
             "reference": w.dtype_bytes * s.params / pool,
-            "rollout weights": w.dtype_bytes * s.params,
+            "rollout weights": w.dtype_bytes * s.params if w.rollout == "hf" else 0.0,
             "process": w.base_mb * MB if w.cpu else 0.0}
+    generate_name, generate_bytes = generate(s, rows, w)
     # On CPU the pool's first rank reads each model whole (fp32 here) to hand out its shards.
     phases = {"load": 4 * s.params if w.cpu and pool > 1 else 0.0,
-              "generate (KV cache)": kv_cache(s, rows, w),
+              generate_name: generate_bytes,
               "log-probs": gathered_units(s, s.params, pool, w) + activations(s, w.log_prob_micro, w, False)
               + logits(s, w.log_prob_micro, w, False),
-              "update": gathered_units(s, s.params, pool, w) + activations(s, w.micro, w, True)
-              + logits(s, w.micro, w, True)}
+              "update": update_gradients(s.params, pool, w) + gathered_units(s, s.params, pool, w)
+              + activations(s, w.micro, w, True) + logits(s, w.micro, w, True)}
     return _total(keep, phases)
 
 
 def critic_rank(s: Shape, pool: int, w: Workload) -> dict[str, float]:
     p = s.critic_params
-    keep = {"critic (weights+grads+AdamW)": trained_state(p, pool, w),
+    keep = {"critic (weights+AdamW)": trained_state(p, pool, w),
             "process": w.base_mb * MB if w.cpu else 0.0}
     phases = {"load": 4 * p if w.cpu and pool > 1 else 0.0,
               "values": gathered_units(s, p, pool, w) + activations(s, w.log_prob_micro, w, False),
-              "update": gathered_units(s, p, pool, w) + activations(s, w.micro, w, True)}
+              "update": update_gradients(p, pool, w) + gathered_units(s, p, pool, w) + activations(s, w.micro, w, True)}
     return _total(keep, phases)
 
 
@@ -189,19 +228,36 @@ def layouts(world: int) -> dict[str, tuple[int, int] | None]:
     return {f"{half}+{half}": (half, half), f"{world - 2}+2": (world - 2, 2), "colocate": None}
 
 
+def layout_ranks(s: Shape, world: int, pools: tuple[int, int] | None, w: Workload) -> dict[str, dict]:
+    """Each kind of rank of a layout (None = colocate) and its prediction."""
+    if pools is None:
+        return {"all": colocated_rank(s, world, w)}
+    return {"actor": actor_rank(s, pools[0], w), "critic": critic_rank(s, pools[1], w)}
+
+
 def fit_table(shapes, world: int, gpu_gb: float, reserve_gb: float, w: Workload) -> list[dict]:
+    """Per model and layout: each rank's peak (GB) and its phase, whether the worst fits, and the
+    worst rank's peak with no_sync_accumulation (what that option costs)."""
     rows = []
+    budget = (gpu_gb - reserve_gb) * GB
     for s in shapes:
         for name, pools in layouts(world).items():
-            if pools is None:
-                ranks = {"all": colocated_rank(s, world, w)["total"]}
-            else:
-                ranks = {"actor": actor_rank(s, pools[0], w)["total"], "critic": critic_rank(s, pools[1], w)["total"]}
-            worst = max(ranks.values())
+            ranks = layout_ranks(s, world, pools, w)
+            no_sync = layout_ranks(s, world, pools, replace(w, no_sync_accumulation=True))
+            worst, worst_no_sync = (max(r["total"] for r in rs.values()) for rs in (ranks, no_sync))
             rows.append({"model": s.name, "params": s.params, "layout": name,
-                         **{f"{k}_gb": v / GB for k, v in ranks.items()},
-                         "fits": worst <= (gpu_gb - reserve_gb) * GB})
+                         **{f"{k}_gb": r["total"] / GB for k, r in ranks.items()},
+                         **{f"{k}_phase": r["peak_phase"] for k, r in ranks.items()},
+                         "fits": worst <= budget, "no_sync_gb": worst_no_sync / GB, "no_sync_fits": worst_no_sync <= budget})
     return rows
+
+
+def describe_rollout(w: Workload) -> str:
+    if w.rollout == "vllm":
+        return (f"vLLM rollout at gpu_memory_utilization {w.gpu_memory_utilization} (asleep at level 2 while the "
+                f"trainer trains; awake it holds {w.gpu_memory_utilization * w.device_gb:.0f} GB on top of the "
+                "trainer's resident state)")
+    return "HF rollout (a whole bf16 copy + KV cache of the rank's rows)"
 
 
 def render_fit(rows: list[dict], world: int, gpu_gb: float, reserve_gb: float, w: Workload) -> str:
@@ -209,35 +265,42 @@ def render_fit(rows: list[dict], world: int, gpu_gb: float, reserve_gb: float, w
              f"{reserve_gb:.0f} GB left for the CUDA context, NCCL and fragmentation). Workload: bf16 compute, "
              f"{w.engine}{'' if w.engine == 'fsdp' else f' ZeRO-{w.zero_stage}'}, gradient checkpointing "
              f"{'on' if w.gradient_checkpointing else 'off'}, {w.prompts_per_step} rollouts per step, prompt "
-             f"{w.prompt_len} + response {w.response_len} tokens, micro-batch {w.micro} (log-prob {w.log_prob_micro}), "
-             "HF rollout (a whole bf16 copy + KV cache of the rank's rows).", "",
-             "| model | params | layout | actor rank (GB) | critic rank (GB) | colocated rank (GB) | fits |",
-             "|---|---|---|---|---|---|---|"]
+             f"{w.prompt_len} + response {w.response_len} tokens, mini-batch {w.mini} rows, micro-batch {w.micro} "
+             f"(log-prob {w.log_prob_micro}), gradients reduced every micro-batch, {describe_rollout(w)}. Last "
+             "columns: the worst rank with no_sync_accumulation (a whole fp32 gradient per rank while a mini-batch "
+             "of several micro-batches accumulates).", "",
+             "| model | params | layout | actor rank (GB) | critic rank (GB) | colocated rank (GB) | fits "
+             "| no_sync_accumulation: worst rank (GB) | fits |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        cells = [f"{r[k]:.1f}" if k in r else "" for k in ("actor_gb", "critic_gb", "all_gb")]
+        cells = [f"{r[f'{k}_gb']:.1f} ({r[f'{k}_phase']})" if f"{k}_gb" in r else "" for k in ("actor", "critic", "all")]
         lines.append(f"| {r['model']} | {r['params'] / 1e9:.2f}B | {r['layout']} | " + " | ".join(cells)
-                     + f" | {'yes' if r['fits'] else 'no'} |")
+                     + f" | {'yes' if r['fits'] else 'no'} | {r['no_sync_gb']:.1f} | {'yes' if r['no_sync_fits'] else 'no'} |")
     return "\n".join(lines)
 
 
-def bench_workload(meta: dict) -> Workload:
-    """tools.bench_memory's CPU jobs as a Workload (fp32, no checkpointing, FSDP)."""
-    opts = dict(o.split("=", 1) for o in meta["workload"] if "=" in o)
+def bench_workload(meta: dict, layout: str = "") -> Workload:
+    """tools.bench_memory's CPU jobs as a Workload (fp32, no checkpointing, FSDP), with the
+    overrides the report recorded for `layout` (its micro-batching). The bench's actor and critic
+    take the same mini- and micro-batch sizes."""
+    overrides = meta.get("layout_overrides", {}).get(layout, [])
+    opts = dict(o.split("=", 1) for o in [*meta["workload"], *overrides] if "=" in o)
     return Workload(dtype_bytes=4, engine="fsdp", gradient_checkpointing=False, cpu=True,
                     prompts_per_step=int(opts["data.train_batch_size"]),
                     prompt_len=int(opts["data.max_prompt_length"]), response_len=int(opts["data.max_response_length"]),
-                    micro=int(opts["actor.ppo_micro_batch_size_per_gpu"]),
-                    log_prob_micro=int(opts["actor.log_prob_micro_batch_size_per_gpu"]))
+                    mini=int(opts["actor.ppo_mini_batch_size"]), micro=int(opts["actor.ppo_micro_batch_size_per_gpu"]),
+                    log_prob_micro=int(opts["actor.log_prob_micro_batch_size_per_gpu"]),
+                    no_sync_accumulation=opts.get("actor.no_sync_accumulation") == "true")
 
 
 def check_against_bench(report: dict) -> list[dict]:
     """Predicted vs measured peak RSS of each pool's largest rank, per layout of a bench_memory report."""
     meta = report["meta"]
     s = Shape("bench", meta["hidden"], meta["layers"], meta["heads"], meta["kv_heads"], meta["mlp"], meta["vocab"])
-    w = bench_workload(meta)
     rows = []
     for layout, measured in report["summary"]["max_mb"].items():
-        a, c = (int(x) for x in layout.split("+"))
+        w = bench_workload(meta, layout)
+        a, c = (int(x) for x in layout.split("/")[0].split("+"))
         predicted = {"actor": actor_rank(s, a, w)["total"] / MB, "critic": critic_rank(s, c, w)["total"] / MB}
         for pool, mb in measured.items():
             rows.append({"layout": layout, "pool": pool, "measured_mb": mb, "predicted_mb": predicted[pool],
@@ -263,13 +326,20 @@ def main(argv=None) -> int:
     p.add_argument("--rollouts", type=int, default=256, help="rollouts per step (train_batch_size * rollout.n)")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--response-len", type=int, default=512)
-    p.add_argument("--micro", type=int, default=4)
-    p.add_argument("--log-prob-micro", type=int, default=8)
+    p.add_argument("--mini", type=int, default=64, help="rows per optimizer step over a pool (ppo_mini_batch_size * n)")
+    p.add_argument("--micro", type=int, default=8)
+    p.add_argument("--log-prob-micro", type=int, default=32)
+    p.add_argument("--no-sync-accumulation", action="store_true",
+                   help="actor and critic reduce gradients once per mini-batch (a whole fp32 gradient per rank)")
+    p.add_argument("--rollout", choices=("hf", "vllm"), default="hf")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="vllm: its share of the whole GPU")
     p.add_argument("--check", help="a bench_memory.json to compare the model with (CPU RSS)")
     args = p.parse_args(argv)
     w = Workload(engine=args.engine, zero_stage=args.zero_stage, gradient_checkpointing=not args.no_gradient_checkpointing,
                  prompts_per_step=args.rollouts, prompt_len=args.prompt_len, response_len=args.response_len,
-                 micro=args.micro, log_prob_micro=args.log_prob_micro)
+                 mini=args.mini, micro=args.micro, log_prob_micro=args.log_prob_micro,
+                 no_sync_accumulation=args.no_sync_accumulation, rollout=args.rollout,
+                 gpu_memory_utilization=args.gpu_memory_utilization, device_gb=args.gpu_gb)
     rows = fit_table(QWEN25.values(), args.world_size, args.gpu_gb, args.reserve_gb, w)
     print(render_fit(rows, args.world_size, args.gpu_gb, args.reserve_gb, w))
     if args.check:

@@ -30,8 +30,13 @@ that without each scoping the same job hangs:
 The scope (2, 3) is active only inside this engine's methods (`_pool_scope`), so DeepSpeed calls
 made by anyone else are untouched.
 
-Gradient scale. `managed_gradient_accumulation=false` (DeepSpeed 0.19) makes `backward` only
-accumulate and `step` the boundary that reduces and updates, which is this interface exactly.
+Gradient scale. `managed_gradient_accumulation=false` (DeepSpeed 0.19) makes `step` the boundary
+that finalizes and updates, which is this interface exactly. What `backward` does with the
+gradient then depends on the stage (DeepSpeed 0.19.8, runtime/engine.py `step`, runtime/zero/
+stage_1_and_2.py `reduce_ready_partitions_and_remove_grads`): ZeRO-2 and ZeRO-3 reduce-scatter
+every backward's gradients into this rank's partition and drop the whole ones, as FSDPEngine
+does by default, so several micro-batches never hold more than a partition; ZeRO-1 keeps whole
+gradients (its design: only optimizer state is partitioned) and all-reduces them once, in `step`.
 DeepSpeed averages gradients over its data-parallel group (the pool), as FSDP does, so
 `backward` multiplies this rank's loss share by the pool size, as FSDPEngine does;
 `gradient_accumulation_steps` is 1, so DeepSpeed divides by nothing else.
@@ -303,8 +308,9 @@ class DeepSpeedEngine(HFExport):
 
     @contextlib.contextmanager
     def grad_sync(self, enabled: bool):
-        """Nothing to switch: with managed_gradient_accumulation=false, `backward` only accumulates
-        and `step` reduces, once per mini-batch (the module docstring)."""
+        """Nothing to switch: ZeRO-2/3 partition gradients in every backward, ZeRO-1 all-reduces its
+        whole gradients once, in `step` (the module docstring); DeepSpeed's `no_sync` refuses
+        ZeRO-2/3, so `no_sync_accumulation` is refused with this engine (config.check_engines)."""
         yield
 
     def step(self) -> dict[str, float]:

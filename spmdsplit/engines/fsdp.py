@@ -132,10 +132,11 @@ class FSDPEngine(HFExport):
 
     @contextlib.contextmanager
     def grad_sync(self, enabled: bool):
-        """Backwards inside with `enabled=False` keep their gradients unsharded on this rank and
-        add the next ones to them, instead of reduce-scattering each: for all micro-batches of a
-        mini-batch but the last, whose backward then reduces the sum once. Costs a whole
-        unsharded gradient per rank meanwhile; saves a reduce-scatter per micro-batch."""
+        """Backwards inside with `enabled=False` do not reduce-scatter: FSDP2 keeps each parameter's
+        gradient *unsharded*, in the reduce dtype (fp32), and adds the next ones to it, until a
+        backward with `enabled=True` reduces the sum once. A whole fp32 gradient per rank meanwhile
+        (4 B/param, whatever the pool size) for one reduce-scatter saved per micro-batch: only
+        `no_sync_accumulation` asks for it (roles/common.run_ppo_updates)."""
         self.model.set_requires_gradient_sync(enabled)
         try:
             yield
@@ -162,12 +163,16 @@ class FSDPEngine(HFExport):
 
     @torch.no_grad()
     def iter_full_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, whole tensor in `dtype`) for each weight, one at a time: all-gathered over the
-        pool, cast, handed over, and freed when the consumer asks for the next. A pool collective:
-        every rank of the pool must consume the whole stream, in order."""
+        """(HF name, whole tensor in `dtype`) for each weight, one at a time: cast, all-gathered over
+        the pool, handed over, and freed when the consumer asks for the next. The shard is cast
+        before the gather (a DTensor's `.to` is local), so a bf16 rollout's gather moves half the
+        bytes of the fp32 masters, with the same values: the cast rounds each element alone. A pool
+        collective: every rank of the pool must consume the whole stream, in order."""
         for name, tensor in hf_tensors(self.model):
-            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
-            yield name, full.to(dtype) if dtype is not None else full
+            cast = tensor.detach().to(dtype) if dtype is not None else tensor.detach()
+            full = cast.full_tensor() if isinstance(cast, DTensor) else cast
+            del cast
+            yield name, full
             del full
 
     def save_checkpoint(self, path: str) -> None:

@@ -53,7 +53,8 @@ def global_counts(mini: Batch, group, device) -> tuple[torch.Tensor, torch.Tenso
 
 def run_ppo_updates(engine, batch: Batch, cfg, rollout_n: int, seed: int, device,
                     micro_loss: Callable[[Batch, torch.Tensor, torch.Tensor], dict]):
-    """The PPO update loop (epochs x mini-batches x micro-batches with gradient accumulation).
+    """The PPO update loop (epochs x mini-batches x micro-batches with gradient accumulation into
+the sharded gradients, or, with `cfg.no_sync_accumulation`, into whole ones reduced once).
 
     `micro_loss(micro, num_tokens, num_seqs)` runs forward + `engine.backward` on one micro-batch
     and returns (loss_shares, pieces): loss_shares {name: this micro-batch's share of the
@@ -70,7 +71,9 @@ def run_ppo_updates(engine, batch: Batch, cfg, rollout_n: int, seed: int, device
         num_tokens, num_seqs = global_counts(mini, engine.group, device)
         micros = mini.split(cfg.ppo_micro_batch_size_per_gpu)
         for k, micro in enumerate(micros):
-            with engine.grad_sync(k == len(micros) - 1):  # reduce gradients once, on the last micro-batch
+            # By default every micro-batch's backward reduces (FSDP2: reduce-scatters) its gradient,
+            # so no rank holds more than its shard; no_sync_accumulation reduces once, on the last.
+            with engine.grad_sync(not cfg.no_sync_accumulation or k == len(micros) - 1):
                 loss_shares, pieces = micro_loss(micro, num_tokens, num_seqs)
             for name, share in loss_shares.items():
                 loss_sums[name] = loss_sums.get(name, 0.0) + float(share)

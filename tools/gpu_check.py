@@ -4,9 +4,12 @@ The one-GPU check of issue 11 (item 8), ready for a session that has a GPU: a co
 one rank with NCCL, bf16 and gradient checkpointing, on a random Qwen2 of Qwen2.5-0.5B's shape
 (hidden 896, 24 layers, 14/2 heads, MLP 4864; the embedded tokenizer's 15-token vocabulary, so
 no download and a head of 13k parameters instead of 136M), for `--steps` steps per rollout
-engine (vLLM's `rollout.gpu_memory_utilization` share is its own: not modelled). Prints, side by side: the median step time after the first step, the rank's
-`torch.cuda.max_memory_allocated` (the timeline's `peak_memory` counter) and what the memory
-model (tools/memory.py) predicts for that shape and workload. Writes `gpu_check.json` / `.md`
+engine. Prints, side by side: the median step time after the first step, the rank's
+`torch.cuda.max_memory_allocated` (the timeline's `peak_memory` counter), with vLLM also what the
+whole device held right after each wake (`device_used_mb` of the `sync_weights` events:
+`torch.cuda.mem_get_info`, which sees vLLM's own memory pool where torch's statistics do not),
+and what the memory model (tools/memory.py) predicts for that shape and workload (for vLLM:
+the trainer's resident state plus `rollout.gpu_memory_utilization` x the device). Writes `gpu_check.json` / `.md`
 into `--out`. `--device cpu` runs the same jobs on CPU (RSS instead, fp32; to try the script).
 """
 
@@ -41,12 +44,14 @@ def job_overrides(device: str, w: dict) -> list[str]:
             f"critic.forward_micro_batch_size_per_gpu={w['log_prob_micro']}"]
 
 
-def predicted_mb(shape: dict, vocab: int, device: str, w: dict) -> float:
-    """The memory model's peak for the rank (HF rollout: it does not model vLLM's pre-allocation)."""
+def predicted_mb(shape: dict, vocab: int, device: str, w: dict, rollout: str, utilization: float,
+                 device_gb: float) -> float:
+    """The memory model's peak for the rank."""
     s = Shape("check", shape["hidden"], shape["layers"], shape["heads"], shape["kv_heads"], shape["mlp"], vocab)
     model = Workload(dtype_bytes=2 if device == "cuda" else 4, gradient_checkpointing=True, cpu=device == "cpu",
                      prompts_per_step=w["batch"], prompt_len=w["prompt_len"], response_len=w["response_len"],
-                     micro=w["micro"], log_prob_micro=w["log_prob_micro"])
+                     mini=w["batch"], micro=w["micro"], log_prob_micro=w["log_prob_micro"], rollout=rollout,
+                     gpu_memory_utilization=utilization, device_gb=device_gb)
     return colocated_rank(s, 1, model)["total"] / MB
 
 
@@ -54,8 +59,11 @@ def measure(trace: dict, scalars: dict) -> dict:
     steps = scalars.get("timing_s/step", {})
     after_first = [t for step, t in sorted(steps.items()) if step > 1]
     peak = peak_memory(trace, pools_by_rank(trace))[-1]
+    awake = [e["args"]["device_used_mb"] for e in trace.get("traceEvents", [])
+             if e.get("name") == "sync_weights" and "device_used_mb" in e.get("args", {})]
     return {"step_s": statistics.median(after_first) if after_first else None,
             "peak_mb": peak["cuda_max_allocated_mb"] or peak["rss_mb"],
+            "device_used_after_wake_mb": max(awake) if awake else None,
             "peak_kind": "cuda max allocated" if peak["cuda_max_allocated_mb"] else "RSS",
             "score_last": (scalars.get("critic/score/mean") or {}).get(max(steps) if steps else 0)}
 
@@ -67,13 +75,15 @@ def render(report: dict) -> str:
              f"{shape['heads']}/{shape['kv_heads']} heads, MLP {shape['mlp']}, vocab {meta['vocab']}: "
              f"{meta['params'] / 1e6:.1f}M params), {meta['gpu'] or meta['device']}, torch {meta['torch']}, "
              f"{meta['steps']} steps, {meta['date']}", "", f"Workload: `{' '.join(meta['workload'])}`",
-             "", "| rollout | median step (s) | peak (MB) | predicted (MB) | predicted / measured - 1 |",
-             "|---|---|---|---|---|"]
+             "", "| rollout | median step (s) | peak (MB) | device in use after wake (MB) | predicted (MB) "
+                 "| predicted / measured - 1 |", "|---|---|---|---|---|---|"]
     for name, row in report["rollouts"].items():
         step = "n/a" if row["step_s"] is None else f"{row['step_s']:.2f}"
-        predicted = row["predicted_mb"]
+        used = row.get("device_used_after_wake_mb")
+        measured = max(row["peak_mb"], used or 0.0)  # vLLM's pool is outside torch's statistics
         lines.append(f"| {name} | {step} | {row['peak_mb']:.0f} ({row['peak_kind']}) | "
-                     + ("not modelled | |" if predicted is None else f"{predicted:.0f} | {predicted / row['peak_mb'] - 1:+.0%} |"))
+                     f"{'n/a' if used is None else f'{used:.0f}'} | {row['predicted_mb']:.0f} | "
+                     f"{row['predicted_mb'] / measured - 1:+.0%} |")
     return "\n".join(lines) + "\n"
 
 
@@ -105,7 +115,10 @@ def main(argv=None) -> int:
             except BenchError as e:
                 print(f"gpu_check: error: {e}", file=sys.stderr)
                 return 1
-            predicted = predicted_mb(shape, vocab, args.device, w) if name == "hf" else None
+            utilization = float(next((o.split("=", 1)[1] for o in args.overrides
+                                      if o.startswith("rollout.gpu_memory_utilization=")), 0.5))
+            device_gb = torch.cuda.get_device_properties(0).total_memory / 2**30 if args.device == "cuda" else 0.0
+            predicted = predicted_mb(shape, vocab, args.device, w, name, utilization, device_gb)
             rollouts[name] = {**measure(trace, scalars), "predicted_mb": predicted}
     meta = {"device": args.device, "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
             "torch": torch.__version__, "shape": shape, "params": params, "vocab": vocab, "steps": args.steps,

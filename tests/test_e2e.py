@@ -204,7 +204,7 @@ def test_gsm8k_parquet_files_train_through_the_chat_template(tmp_path):
 
 @pytest.mark.slow
 def test_grpo_learns_the_embedded_task(tmp_path):
-    """The README's GRPO recipe on the embedded task: it must solve it too (last 5 steps >= 0.9)."""
+    """The GRPO recipe of docs/algorithms.md on the embedded task: it must solve it too (last 5 steps >= 0.9)."""
     out = tmp_path / "run"
     result = torchrun(2, "placement.mode=colocate", "algorithm.adv_estimator=grpo", "rollout.n=4",
                       "data.train_batch_size=32", "actor.ppo_mini_batch_size=16",

@@ -126,7 +126,7 @@ def test_last_boxed_content_keeps_nested_braces():
 # --------------------------------------------------------------------------- where verl scores differently
 
 # Every known difference from verl's built-in scorers (verl/utils/reward_score/gsm8k.py and
-# math_reward.py, as dispatched by default_compute_score), one row each, as the README lists them:
+# math_reward.py, as dispatched by default_compute_score), one row each, as docs/algorithms.md lists them:
 # (data_source, response, ground truth, our score, verl's score). verl's scores were read off its
 # code, not run (verl is not a dependency); everything not listed here scores as verl does.
 VERL_DIFFERENCES = {

@@ -96,6 +96,6 @@ def test_the_default_job_learns_with_vllm(tmp_path):
     assert result.returncode == 0, result.stderr[-5000:]
     scores = [v for _, v in scalars(str(out / "tb"))["critic/score/mean"]]
     # vLLM samples other tokens than HF from the same distribution (its own per-row seeds), so this
-    # is another seed of the default, which must solve the task as every seed of it did (README).
+    # is another seed of the default, which must solve the task as every seed of it did (docs/embedded.md).
     first, last = sum(scores[:5]) / 5, sum(scores[-5:]) / 5
     assert first < 0.1 and last >= 0.9, f"score {first:.3f} -> {last:.3f}: {scores[-10:]}"

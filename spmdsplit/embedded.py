@@ -38,7 +38,7 @@ BUILD_SEED = 1234
 # The embedded toy's hyper-parameters, layered over the schema when model.path is empty (see
 # config.load_config; a --config file and key=value overrides still win). The schema holds verl's
 # values for a pretrained model; a random 2-layer model needs learning rates ~1000x larger.
-# configs/default.yaml spells out the same values. Why these, in README "Why the default is what it is".
+# configs/default.yaml spells out the same values. Why these: docs/embedded.md, "Why the default is what it is".
 EMBEDDED_PRESET = {
     "trainer": {"total_steps": 200},
     # A cosine decay to a tenth of the peak: at a constant 2e-3 a policy that had solved the task

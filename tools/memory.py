@@ -223,7 +223,7 @@ def _total(keep: dict[str, float], phases: dict[str, float]) -> dict:
 
 
 def layouts(world: int) -> dict[str, tuple[int, int] | None]:
-    """The layouts of one node that the README's table compares (None = colocate)."""
+    """The layouts of one node that docs/memory.md's fit table compares (None = colocate)."""
     half = world // 2
     return {f"{half}+{half}": (half, half), f"{world - 2}+2": (world - 2, 2), "colocate": None}
 

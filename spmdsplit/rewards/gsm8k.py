@@ -14,7 +14,7 @@ kept, and the result is compared as a *string* with the ground truth (commas rem
 number is sentence punctuation, not part of it (`... is 72.` reads `72`; verl reads `72.` and
 scores it wrong); the flexible mode drops commas too and skips matches without a digit; the
 ground truth is read as trimmed text. Each difference is a row of VERL_DIFFERENCES in
-tests/test_rewards_verl.py (and a line of the README).
+tests/test_rewards_verl.py (and a line of docs/algorithms.md).
 
 Scores: `score` (1.0) when the answer equals the ground truth, `format_score` (0.0) when an answer
 was found but is wrong, 0.0 when none was found.

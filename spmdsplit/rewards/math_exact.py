@@ -7,7 +7,7 @@ This follows verl's `math` scorer (the Hendrycks MATH string match: last `\boxed
 `x+1` and `1+x`. A ground truth given as a full solution (with its own `\boxed{}`) is reduced to
 its boxed answer first. Where its answers differ from verl's (`\fbox`, the normalisation below
 is more lenient in places and stricter in three): VERL_DIFFERENCES in tests/test_rewards_verl.py,
-listed in the README.
+listed in docs/algorithms.md.
 
 The normalisation, in order (`normalize_answer`), and only this:
 

@@ -23,6 +23,8 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor
 
+from spmdsplit.config import LOSS_AGG_MODES  # declared once, with the keys that choose one
+
 ReduceSum = Callable[[Tensor], Tensor]
 
 __all__ = [
@@ -304,8 +306,6 @@ def apply_kl_penalty(token_level_scores: Tensor, old_log_probs: Tensor, ref_log_
 
 
 # ----------------------------------------------------------------------------- losses
-
-LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def _positive(x):

@@ -8,9 +8,11 @@ first collective instead of hanging the ranks that got further.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import typing
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -22,36 +24,85 @@ class ConfigError(ValueError):
     """A config value that cannot work; the message names the key and what was expected."""
 
 
+# A key's allowed values are declared on its field, once: `check_values` walks the schema and
+# applies each field's `check` (metadata), so a new field with choices or a range needs nothing
+# else. A check takes the full key and the value and returns the error, or None when the value is fine.
+
+def choice(*allowed, default=None, why_not: dict | None = None):
+    """A field whose value must be one of `allowed` (the first unless `default` says otherwise);
+    `why_not` maps a wrong value to a better explanation than the list (`{key}` names the key)."""
+    default = allowed[0] if default is None else default
+    assert default in allowed, (default, allowed)
+
+    def check(key, value):
+        if value in allowed:
+            return None
+        if value in (why_not or {}):
+            return f"{key}={value!r}: " + why_not[value].format(key=key)
+        return f"{key}={value!r}: expected one of {list(allowed)}"
+    return field(default=default, metadata={"choices": allowed, "check": check})
+
+
+def bounded(default, ok: Callable[[Any], bool], expected: str):
+    """A number that `ok` accepts; otherwise the error says `expected` (e.g. "expected >= 0")."""
+    assert ok(default), default
+
+    def check(key, value):
+        return None if ok(value) else f"{key}={value!r}: {expected}"
+    return field(default=default, metadata={"check": check})
+
+
+def positive(default):
+    return bounded(default, lambda v: v > 0, "expected a positive number")
+
+
+# Choices several keys share.
+ENGINES = ("fsdp", "deepspeed")  # spmdsplit/engines/
+KL_ESTIMATORS = ("kl", "abs", "mse", "low_var_kl")  # the KL penalty in the reward, and the actor's KL loss
+# spmdsplit/algo.py agg_loss implements these (and imports them from here).
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def inference_zero_stage(trained: str):
+    """DeepSpeed for a model that only infers can shard its weights (3) or hold them whole (0);
+    -1 follows the model `trained` alongside it in the same pool."""
+    no_optimizer = ("ZeRO stages 1 and 2 shard optimizer state (and gradients), and this model only infers and "
+                    "has none; use {key}=3 (weights sharded over the pool), 0 (whole on every rank) or -1 (3 if "
+                    + trained + ".zero_stage is 3, else 0)")
+    return choice(-1, 0, 3, why_not={1: no_optimizer, 2: no_optimizer})
+
+
 @dataclass
 class TrainerConfig:
-    total_steps: int = 100
+    total_steps: int = positive(100)
     seed: int = 1
     log_dir: str = "outputs/tensorboard"  # TensorBoard event files, written by world rank 0
     timeline: str = "outputs/timeline.json"  # Chrome-trace JSON of every rank's phases; "" = off
     output_dir: str = "outputs/actor_hf"  # the trained actor in Hugging Face format; "" = don't save
-    device: str = "auto"  # auto (cuda when available) | cpu | cuda
+    device: str = choice("auto", "cpu", "cuda")  # auto: cuda when available
     num_threads: int = 1  # torch threads per rank on CPU (1 avoids oversubscribing cores); 0 = torch's default
-    dist_timeout_s: int = 600  # a collective inside a pool that waits longer than this fails instead of hanging
+    dist_timeout_s: int = positive(600)  # a collective inside a pool that waits longer than this fails instead of hanging
     # A wait for the other pool (its rollout, its advantages, a validation set it generates): a
     # busy pool is not a dead one, so this is long. Dead ranks end the job at once anyway
     # (spmdsplit/failure.py and the launcher), whatever this says.
-    pool_wait_timeout_s: int = 10800
+    pool_wait_timeout_s: int = positive(10800)
     progress_bar: bool = True
     val_freq: int = -1  # validate every this many steps (and after the last); -1 = never
     val_before_train: bool = False
     critic_warmup: int = 0  # the first this many steps train only the critic
     # Checkpoints (see spmdsplit/checkpoint.py). A stop request (SIGUSR2, SIGTERM) always checkpoints.
-    save_freq: int = -1  # checkpoint every this many steps and after the last; -1 = only when stopped
+    # save_freq: checkpoint every this many steps and after the last; -1 = only when stopped.
+    save_freq: int = bounded(-1, lambda v: v > 0 or v == -1, "expected a positive number of steps, or -1 (off)")
     default_local_dir: str = "checkpoints"  # on a filesystem every node sees, to resume after a requeue
-    max_ckpt_to_keep: int = 0  # keep the newest this many; 0 = keep all
+    max_ckpt_to_keep: int = bounded(0, lambda v: v >= 0, "expected >= 0 (0 = keep all)")  # keep the newest this many
     resume: str = "auto"  # auto (the latest complete checkpoint, if any) | disable | a global_step_* folder
 
 
 @dataclass
 class PlacementConfig:
-    mode: str = "split"  # split | colocate | custom
+    mode: str = choice("split", "colocate", "custom")
     pools: list[int] = field(default_factory=list)  # custom: [actor, critic] sizes
-    pool_unit: str = "ranks_per_node"  # custom sizes count ranks_per_node | nodes
+    pool_unit: str = choice("ranks_per_node", "nodes")  # what custom sizes count
     overlap: bool = True  # false: the pools wait for each other at each phase (verl's blocking calls)
 
 
@@ -59,24 +110,24 @@ class PlacementConfig:
 class ModelConfig:
     path: str = ""  # local dir or hub id; "" = the embedded tiny model, built locally on first use
     embedded_dir: str = ""  # where the embedded model is built; "" = $SPMDSPLIT_CACHE or ~/.cache/spmdsplit
-    dtype: str = "auto"  # auto (bf16 on cuda, fp32 on cpu) | float32 | bfloat16
+    dtype: str = choice("auto", "float32", "bfloat16")  # auto: bf16 on cuda, fp32 on cpu
     trust_remote_code: bool = False
     gradient_checkpointing: bool = False
 
 
 @dataclass
 class DataConfig:
-    task: str = "repeat"  # the built-in synthetic task (see spmdsplit/data/synthetic.py), when no train_files
-    num_train_samples: int = 20000  # size of the synthetic training set
+    task: str = choice(*TASKS, default="repeat")  # the built-in synthetic task (see spmdsplit/data/synthetic.py), when no train_files
+    num_train_samples: int = positive(20000)  # size of the synthetic training set
     # verl's parquet files (a path or a list of paths); "" = the synthetic task
     train_files: Any = ""
     val_files: Any = ""
     prompt_key: str = "prompt"
-    train_batch_size: int = 128  # prompts per step, over the whole world
-    max_prompt_length: int = 8
-    max_response_length: int = 6  # the synthetic tasks' answers are 4 digits: room for the EOS and to overrun
+    train_batch_size: int = positive(128)  # prompts per step, over the whole world
+    max_prompt_length: int = positive(8)
+    max_response_length: int = positive(6)  # the synthetic tasks' answers are 4 digits: room for the EOS and to overrun
     filter_overlong_prompts: bool = False  # drop (and count) prompts longer than max_prompt_length
-    truncation: str = "error"  # a prompt still too long: error | left | right
+    truncation: str = choice("error", "left", "right")  # a prompt still too long: fail, or cut on that side
     skip_malformed_rows: bool = False  # false: malformed rows stop the job, with their row numbers
     shuffle: bool = True
     seed: int = 1
@@ -88,8 +139,8 @@ class OptimConfig:
     weight_decay: float = 0.01
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     lr_warmup_steps: int = 0  # linear warmup over this many trainer steps (as verl), then the schedule
-    lr_scheduler_type: str = "constant"  # constant | cosine: down to min_lr_ratio * lr at the last trainer step
-    min_lr_ratio: float = 0.0  # cosine only
+    lr_scheduler_type: str = choice("constant", "cosine")  # cosine: down to min_lr_ratio * lr at the last trainer step
+    min_lr_ratio: float = bounded(0.0, lambda v: 0 <= v <= 1, "expected 0 <= ratio <= 1")  # cosine only
     total_training_steps: int = -1  # where the cosine ends; -1: trainer.total_steps (filled by load_config, as verl's trainer does)
     grad_clip: float = 1.0
 
@@ -99,22 +150,23 @@ class ActorConfig:
     # verl's learning rates: right for a pretrained model; the embedded toy's live in its preset
     # (spmdsplit/embedded.py EMBEDDED_PRESET), applied when model.path is empty.
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
-    ppo_mini_batch_size: int = 32  # prompts per optimizer step, over the whole pool
-    ppo_micro_batch_size_per_gpu: int = 16  # rows per forward/backward on one rank
-    ppo_epochs: int = 1
+    ppo_mini_batch_size: int = positive(32)  # prompts per optimizer step, over the whole pool
+    ppo_micro_batch_size_per_gpu: int = positive(16)  # rows per forward/backward on one rank
+    ppo_epochs: int = positive(1)
     shuffle: bool = True
     clip_ratio: float = 0.2
     clip_ratio_low: Optional[float] = None
     clip_ratio_high: Optional[float] = None
-    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages
+    clip_ratio_c: float = bounded(3.0, lambda v: v > 1, "the dual-clip bound must be > 1")  # for negative advantages
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
-    loss_agg_mode: str = "token-mean"  # or token-sum, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm
-    log_prob_micro_batch_size_per_gpu: int = 32
-    engine: str = "fsdp"  # fsdp (FSDP2) | deepspeed (ZeRO, over the actor pool's group)
-    zero_stage: int = 3  # deepspeed: 1 (optimizer state), 2 (+ gradients), 3 (+ weights) sharded over the pool
+    kl_loss_type: str = choice(*KL_ESTIMATORS, default="low_var_kl")
+    loss_agg_mode: str = choice(*LOSS_AGG_MODES)
+    log_prob_micro_batch_size_per_gpu: int = positive(32)
+    engine: str = choice(*ENGINES)  # fsdp (FSDP2) | deepspeed (ZeRO, over the actor pool's group)
+    # deepspeed: 1 (optimizer state), 2 (+ gradients), 3 (+ weights) sharded over the pool
+    zero_stage: int = choice(1, 2, 3, default=3)
     # FSDP2: reduce-scatter gradients once per mini-batch instead of after every micro-batch. Saves
     # one reduce-scatter per micro-batch; costs one whole *unsharded* fp32 gradient (4 B/param, the
     # reduce dtype) on every rank while a mini-batch accumulates, whatever the pool size (7B: ~30 GB).
@@ -126,15 +178,16 @@ class ActorConfig:
 class CriticConfig:
     model_path: str = ""  # "" = model.path (a value head on the policy's backbone, as verl does)
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
-    ppo_mini_batch_size: int = 32
-    ppo_micro_batch_size_per_gpu: int = 16
-    ppo_epochs: int = 1
+    ppo_mini_batch_size: int = positive(32)
+    ppo_micro_batch_size_per_gpu: int = positive(16)
+    ppo_epochs: int = positive(1)
     shuffle: bool = True
     cliprange_value: float = 0.5
-    loss_agg_mode: str = "token-mean"
-    forward_micro_batch_size_per_gpu: int = 32
-    engine: str = "fsdp"  # fsdp | deepspeed, over the critic pool's group
-    zero_stage: int = 3  # deepspeed: 1 | 2 | 3
+    # The actor's modes but token-sum, which the value loss has never been offered (agg_loss has it).
+    loss_agg_mode: str = choice(*(m for m in LOSS_AGG_MODES if m != "token-sum"))
+    forward_micro_batch_size_per_gpu: int = positive(32)
+    engine: str = choice(*ENGINES)  # over the critic pool's group
+    zero_stage: int = choice(1, 2, 3, default=3)  # deepspeed
     no_sync_accumulation: bool = False  # as actor.no_sync_accumulation (critic of 7B: ~28 GB per rank)
 
 
@@ -142,16 +195,16 @@ class CriticConfig:
 class RefConfig:
     """The reference policy: evaluated only, on the actor pool."""
 
-    engine: str = ""  # "" = actor.engine | fsdp | deepspeed
+    engine: str = choice("", *ENGINES)  # "" = actor.engine
     # deepspeed: 3 (weights sharded over the pool) | 0 (whole on every rank); -1 = 3 if the
     # actor's stage is 3, else 0. Stages 1 and 2 shard optimizer state, which it has none of.
-    zero_stage: int = -1
-    log_prob_micro_batch_size_per_gpu: int = 32  # rows per forward of the reference on one rank (verl's key)
+    zero_stage: int = inference_zero_stage("actor")
+    log_prob_micro_batch_size_per_gpu: int = positive(32)  # rows per forward of the reference on one rank (verl's key)
 
 
 @dataclass
 class ValKwargsConfig:
-    n: int = 1
+    n: int = positive(1)
     do_sample: bool = False  # greedy by default
     temperature: float = 1.0
     top_p: float = 1.0
@@ -160,29 +213,31 @@ class ValKwargsConfig:
 
 @dataclass
 class RolloutConfig:
-    name: str = "hf"  # hf (transformers generate on a copy of the policy) | vllm (spmdsplit/rollout/vllm_engine.py)
-    temperature: float = 1.0
-    top_p: float = 1.0
+    name: str = choice("hf", "vllm")  # hf (transformers generate on a copy of the policy) | vllm (spmdsplit/rollout/vllm_engine.py)
+    temperature: float = positive(1.0)
+    top_p: float = bounded(1.0, lambda v: 0 < v <= 1, "expected 0 < top_p <= 1")
     top_k: int = -1  # -1 = off
     do_sample: bool = True
-    n: int = 1  # responses sampled per prompt (GRPO/RLOO group size)
+    n: int = positive(1)  # responses sampled per prompt (GRPO/RLOO group size)
     # >1: the actor pool sends its rollout in this many chunks, each as soon as it is generated,
     # so the critic pool computes values and rewards while generation goes on.
-    stream_chunks: int = 1
+    stream_chunks: int = positive(1)
     # Which ranks generate: actor (the actor pool's) | all (the critic pool's too, with engines
     # refreshed by a broadcast from the actor pool each step; spmdsplit/weight_sync.py).
-    ranks: str = "actor"
-    weight_bucket_mb: float = 256.0  # rollout.ranks=all: the broadcast's bucket size
+    ranks: str = choice("actor", "all")
+    weight_bucket_mb: float = positive(256.0)  # rollout.ranks=all: the broadcast's bucket size
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)  # sampling for validation
     # vLLM only (rollout.name=vllm), under verl's names.
-    tensor_model_parallel_size: int = 1  # ranks per engine, consecutive, inside one pool
-    data_parallel_size: int = 1  # vLLM's own data parallel steps its engines in lockstep: only 1
+    tensor_model_parallel_size: int = positive(1)  # ranks per engine, consecutive, inside one pool
+    data_parallel_size: int = bounded(1, lambda v: v == 1, "expected 1; vLLM's own data parallel steps its engines "
+                                      "in lockstep, and every generating rank (or tensor-parallel group) already runs "
+                                      "its own engine")
     # The share of the WHOLE device vLLM reserves for itself (weights + KV cache + activations), on
     # top of what the trainer already holds there: resident state + this x device memory must fit.
-    gpu_memory_utilization: float = 0.5
-    kv_cache_memory_gb: float = 0.0  # explicit KV-cache size per engine; 0 = from gpu_memory_utilization on GPU, 1 GiB on CPU
-    max_num_seqs: int = 1024
-    max_num_batched_tokens: int = 8192
+    gpu_memory_utilization: float = bounded(0.5, lambda v: 0 < v <= 1, "expected 0 < value <= 1")
+    kv_cache_memory_gb: float = bounded(0.0, lambda v: v >= 0, "expected >= 0 (0 = vLLM sizes it)")  # explicit KV-cache size per engine; 0 = from gpu_memory_utilization on GPU, 1 GiB on CPU
+    max_num_seqs: int = positive(1024)
+    max_num_batched_tokens: int = positive(8192)  # >= data.max_prompt_length + max_response_length
     enforce_eager: bool = True  # no CUDA graphs / no torch.compile: quicker start, slower decode
     enable_prefix_caching: bool = True
     # GPU: the engine sleeps between a step's rollouts (vLLM sleep level 2: weights and KV cache
@@ -204,9 +259,9 @@ class CustomRewardFnConfig:
 @dataclass
 class RewardModelConfig:
     path: str = ""  # an AutoModelForSequenceClassification checkpoint; "" = rule rewards only
-    micro_batch_size_per_gpu: int = 16
-    engine: str = ""  # "" = critic.engine | fsdp | deepspeed
-    zero_stage: int = -1  # deepspeed: 3 | 0; -1 = 3 if critic.zero_stage is 3, else 0 (as ref.zero_stage)
+    micro_batch_size_per_gpu: int = positive(16)
+    engine: str = choice("", *ENGINES)  # "" = critic.engine
+    zero_stage: int = inference_zero_stage("critic")  # as ref.zero_stage, following the critic
 
 
 @dataclass
@@ -217,7 +272,7 @@ class RewardConfig:
 
 @dataclass
 class KLCtrlConfig:
-    type: str = "fixed"  # fixed | adaptive
+    type: str = choice("fixed", "adaptive")
     kl_coef: float = 0.001
     target_kl: float = 0.1
     horizon: int = 10000
@@ -225,12 +280,12 @@ class KLCtrlConfig:
 
 @dataclass
 class AlgorithmConfig:
-    adv_estimator: str = "gae"
+    adv_estimator: str = choice("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
     gamma: float = 1.0
     lam: float = 1.0
     norm_adv_by_std_in_grpo: bool = True
     use_kl_in_reward: bool = False
-    kl_penalty: str = "kl"
+    kl_penalty: str = choice(*KL_ESTIMATORS)
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
 
 
@@ -248,49 +303,8 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
 
 
-CHOICES = {
-    "placement.mode": ("split", "colocate", "custom"),
-    "placement.pool_unit": ("ranks_per_node", "nodes"),
-    "rollout.ranks": ("actor", "all"),
-    "trainer.device": ("auto", "cpu", "cuda"),
-    "model.dtype": ("auto", "float32", "bfloat16"),
-    "algorithm.adv_estimator": ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
-    "data.truncation": ("error", "left", "right"),
-    "data.task": tuple(TASKS),
-    "algorithm.kl_penalty": ("kl", "abs", "mse", "low_var_kl"),
-    "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
-    "actor.kl_loss_type": ("kl", "abs", "mse", "low_var_kl"),
-    "actor.loss_agg_mode": ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
-                            "seq-mean-token-sum-norm"),
-    "critic.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-    "actor.engine": ("fsdp", "deepspeed"),
-    "critic.engine": ("fsdp", "deepspeed"),
-    "ref.engine": ("", "fsdp", "deepspeed"),
-    "reward.model.engine": ("", "fsdp", "deepspeed"),
-    "actor.zero_stage": (1, 2, 3),
-    "rollout.name": ("hf", "vllm"),
-    "critic.zero_stage": (1, 2, 3),
-    "actor.optim.lr_scheduler_type": ("constant", "cosine"),
-    "critic.optim.lr_scheduler_type": ("constant", "cosine"),
-}
-
-# Models that only infer: DeepSpeed can shard their weights (3) or hold them whole (0); -1 = follow.
-INFERENCE_ZERO_STAGES = {"ref.zero_stage": "actor", "reward.model.zero_stage": "critic"}
-
 PATH_KEYS = ("trainer.log_dir", "trainer.timeline", "trainer.output_dir", "trainer.default_local_dir",
              "model.path", "model.embedded_dir", "critic.model_path")
-
-POSITIVE = (
-    "trainer.total_steps", "trainer.dist_timeout_s", "trainer.pool_wait_timeout_s", "data.train_batch_size", "data.max_prompt_length",
-    "data.max_response_length", "data.num_train_samples", "actor.ppo_mini_batch_size",
-    "actor.ppo_micro_batch_size_per_gpu", "actor.ppo_epochs", "actor.log_prob_micro_batch_size_per_gpu",
-    "ref.log_prob_micro_batch_size_per_gpu",
-    "critic.ppo_mini_batch_size", "critic.ppo_micro_batch_size_per_gpu", "critic.ppo_epochs",
-    "critic.forward_micro_batch_size_per_gpu", "rollout.temperature", "rollout.stream_chunks", "rollout.n",
-    "rollout.weight_bucket_mb", "rollout.val_kwargs.n", "reward.model.micro_batch_size_per_gpu",
-    "rollout.tensor_model_parallel_size", "rollout.max_num_seqs", "rollout.max_num_batched_tokens",
-)
-
 
 # What a value of a schema key must look like, by the type of its default (for parse errors).
 def _expected_form(schema: DictConfig, key: str) -> str:
@@ -395,29 +409,28 @@ def config_warnings(cfg: DictConfig) -> list[str]:
     return out
 
 
+def declared_checks(cls: type = Config, prefix: str = "") -> list[tuple[str, Callable]]:
+    """(full key, check) for every field that declares one, in the schema's order."""
+    out = []
+    for f in dataclasses.fields(cls):
+        kind = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(kind):
+            out += declared_checks(kind, f"{prefix}{f.name}.")
+        elif "check" in f.metadata:
+            out.append((prefix + f.name, f.metadata["check"]))
+    return out
+
+
 def check_values(cfg: DictConfig) -> None:
-    """Checks that need no knowledge of the world: choices, signs, batch arithmetic within a pool."""
-    for key, allowed in CHOICES.items():
-        value = OmegaConf.select(cfg, key)
-        if value not in allowed:
-            raise ConfigError(f"{key}={value!r}: expected one of {list(allowed)}")
-    for key in POSITIVE:
-        value = OmegaConf.select(cfg, key)
-        if not value > 0:
-            raise ConfigError(f"{key}={value!r}: expected a positive number")
-    if cfg.trainer.save_freq == 0 or cfg.trainer.save_freq < -1:
-        raise ConfigError(f"trainer.save_freq={cfg.trainer.save_freq}: expected a positive number of steps, or -1 (off)")
-    if cfg.trainer.max_ckpt_to_keep < 0:
-        raise ConfigError(f"trainer.max_ckpt_to_keep={cfg.trainer.max_ckpt_to_keep}: expected >= 0 (0 = keep all)")
+    """Checks that need no knowledge of the world: each key's declared choices or range, then the
+    ones between keys (batch arithmetic within a pool, engines, rollout)."""
+    for key, check in declared_checks():
+        problem = check(key, OmegaConf.select(cfg, key))
+        if problem:
+            raise ConfigError(problem)
     if (cfg.trainer.save_freq > 0 or cfg.trainer.resume == "auto") and not cfg.trainer.default_local_dir:
         raise ConfigError("trainer.default_local_dir is empty: checkpoints need a folder")
-    if not 0 < cfg.rollout.top_p <= 1:
-        raise ConfigError(f"rollout.top_p={cfg.rollout.top_p}: expected 0 < top_p <= 1")
-    if cfg.actor.clip_ratio_c <= 1:
-        raise ConfigError(f"actor.clip_ratio_c={cfg.actor.clip_ratio_c}: the dual-clip bound must be > 1")
     for role in ("actor", "critic"):
-        if not 0 <= cfg[role].optim.min_lr_ratio <= 1:
-            raise ConfigError(f"{role}.optim.min_lr_ratio={cfg[role].optim.min_lr_ratio}: expected 0 <= ratio <= 1")
         mini = cfg[role].ppo_mini_batch_size
         if cfg.data.train_batch_size % mini:
             raise ConfigError(
@@ -445,17 +458,7 @@ def check_values(cfg: DictConfig) -> None:
 
 
 def check_engines(cfg: DictConfig) -> None:
-    """ZeRO stages of the inference-only models, and DeepSpeed installed where it is chosen."""
-    for key, trained in INFERENCE_ZERO_STAGES.items():
-        stage = OmegaConf.select(cfg, key)
-        if stage in (1, 2):
-            raise ConfigError(
-                f"{key}={stage}: ZeRO stages 1 and 2 shard optimizer state (and gradients), and this model only "
-                f"infers and has none; use {key}=3 (weights sharded over the pool), 0 (whole on every rank) "
-                f"or -1 (3 if {trained}.zero_stage is 3, else 0)"
-            )
-        if stage not in (-1, 0, 3):
-            raise ConfigError(f"{key}={stage!r}: expected one of [-1, 0, 3]")
+    """FSDP-only options, and DeepSpeed installed where it is chosen."""
     for role in ("actor", "critic"):
         if cfg[role].no_sync_accumulation and cfg[role].engine == "deepspeed":
             raise ConfigError(
@@ -480,15 +483,6 @@ def check_rollout(cfg: DictConfig) -> None:
             raise ConfigError(f"rollout.tensor_model_parallel_size={r.tensor_model_parallel_size}: only rollout.name=vllm "
                               f"runs tensor parallel (rollout.name={r.name} keeps a whole copy per rank); use 1")
         return
-    if r.data_parallel_size != 1:
-        raise ConfigError(
-            f"rollout.data_parallel_size={r.data_parallel_size}: expected 1; vLLM's own data parallel steps its "
-            "engines in lockstep, and every generating rank (or tensor-parallel group) already runs its own engine"
-        )
-    if not 0 < r.gpu_memory_utilization <= 1:
-        raise ConfigError(f"rollout.gpu_memory_utilization={r.gpu_memory_utilization}: expected 0 < value <= 1")
-    if r.kv_cache_memory_gb < 0:
-        raise ConfigError(f"rollout.kv_cache_memory_gb={r.kv_cache_memory_gb}: expected >= 0 (0 = vLLM sizes it)")
     longest = cfg.data.max_prompt_length + cfg.data.max_response_length
     if r.max_num_batched_tokens < longest:
         raise ConfigError(

@@ -44,12 +44,19 @@ def choice(*allowed, default=None, why_not: dict | None = None):
 
 
 def bounded(default, ok: Callable[[Any], bool], expected: str):
-    """A number that `ok` accepts; otherwise the error says `expected` (e.g. "expected >= 0")."""
+    """A value that `ok` accepts; otherwise the error says `expected` (e.g. "expected >= 0")."""
     assert ok(default), default
 
     def check(key, value):
         return None if ok(value) else f"{key}={value!r}: {expected}"
     return field(default=default, metadata={"check": check})
+
+
+def paths(default):
+    """A path or a list of paths (typed Any, as OmegaConf has no union of the two)."""
+    def ok(v):
+        return isinstance(v, str) or (OmegaConf.is_list(v) or isinstance(v, list)) and all(isinstance(x, str) for x in v)
+    return bounded(default, ok, "expected a path or a list of paths")
 
 
 def positive(default):
@@ -120,8 +127,8 @@ class DataConfig:
     task: str = choice(*TASKS, default="repeat")  # the built-in synthetic task (see spmdsplit/data/synthetic.py), when no train_files
     num_train_samples: int = positive(20000)  # size of the synthetic training set
     # verl's parquet files (a path or a list of paths); "" = the synthetic task
-    train_files: Any = ""
-    val_files: Any = ""
+    train_files: Any = paths("")
+    val_files: Any = paths("")
     prompt_key: str = "prompt"
     train_batch_size: int = positive(128)  # prompts per step, over the whole world
     max_prompt_length: int = positive(8)
@@ -306,6 +313,44 @@ class Config:
 PATH_KEYS = ("trainer.log_dir", "trainer.timeline", "trainer.output_dir", "trainer.default_local_dir",
              "model.path", "model.embedded_dir", "critic.model_path")
 
+def _shape(value) -> str:
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    return repr(value)
+
+
+def check_shapes(value, kind: Any = Config, key: str = "") -> None:
+    """A mapping, list or scalar where the schema wants another shape, as one line naming the full
+    key. OmegaConf's merge would say it with the key `?`, or not catch it at all (a mapping into a
+    list is a TypeError). `value` is plain (OmegaConf.to_container, unresolved). Unknown keys and
+    scalars of the wrong type are left to the merge, whose messages name them."""
+    if value is None or (isinstance(value, str) and "${" in value):  # null or an interpolation: the merge decides
+        return
+    if kind is Any:
+        return
+    if dataclasses.is_dataclass(kind):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a section (a mapping of its keys), got {_shape(value)}")
+        kinds = typing.get_type_hints(kind)
+        for name, sub in value.items():
+            if name in kinds:
+                check_shapes(sub, kinds[name], f"{key}.{name}" if key else str(name))
+        return
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin is typing.Union:  # Optional[X]; None returned above
+        check_shapes(value, next(a for a in args if a is not type(None)), key)
+    elif origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {_shape(value)}")
+        for i, item in enumerate(value):
+            check_shapes(item, args[0] if args else Any, f"{key}[{i}]")
+    elif isinstance(value, (dict, list)):
+        expected = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(kind, "a value")
+        raise ConfigError(f"{key}: expected {expected}, got {_shape(value)}")
+
+
 # What a value of a schema key must look like, by the type of its default (for parse errors).
 def _expected_form(schema: DictConfig, key: str) -> str:
     try:
@@ -340,6 +385,8 @@ def _parse_overrides(schema: DictConfig, overrides: list[str]) -> DictConfig:
             problem = getattr(e, "problem", None) or str(e).splitlines()[0]
             raise ConfigError(f"{key}={value!r}: cannot be parsed as YAML ({problem}); expected "
                               f"{_expected_form(schema, key)}") from None
+        # Each on its own: merging two overrides of different shapes would fail first.
+        check_shapes(OmegaConf.to_container(parsed[-1], resolve=False))
     return OmegaConf.merge(*parsed) if parsed else OmegaConf.create()
 
 
@@ -359,6 +406,7 @@ def _read_config_file(config_file: str) -> DictConfig:
     if not OmegaConf.is_dict(loaded):
         raise ConfigError(f"--config {config_file!r}: expected a YAML mapping of the schema's sections "
                           f"(trainer:, data:, ...), got a {type(loaded).__name__}")
+    check_shapes(OmegaConf.to_container(loaded, resolve=False))
     return loaded
 
 

@@ -22,10 +22,11 @@ CASES = [
     (2, ["model.path=/no/such/model"], "model.path"),
     (2, ["algorithm.adv_estimator=grpo", "rollout.n=4"], "the critic pool would only run a rule reward"),
     (2, ["placement.pools={actor:[1],critic:[2]}"], "placement.pools='{actor:[1],critic:[2]}': cannot be parsed"),
+    (2, ["placement.pools={actor: 1}"], "placement.pools: expected a list, got a mapping"),  # was a merge traceback
 ]
 IDS = ["odd-split", "pools-dont-add-up", "batch-not-divisible", "unknown-key", "wrong-type", "missing-model",
        "critic-free-split-with-nothing-to-do",
-       "override-yaml-cannot-parse"]
+       "override-yaml-cannot-parse", "mapping-where-a-list-is"]
 
 
 def launch_ranks_by_hand(nproc: int, overrides: list[str]) -> list[subprocess.CompletedProcess]:

@@ -422,3 +422,55 @@ def test_config_file_that_yaml_cannot_parse_names_the_file_and_line(tmp_path):
     assert str(path) in msg and "line 4" in msg and "\n" not in msg
     path.write_text("- 1\n- 2\n")
     assert "mapping" in error_of(config_file=str(path))
+
+
+# --------------------------------------------------------------------------- shapes and declared checks
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("placement.pools={a: 1}", "placement.pools: expected a list, got a mapping"),  # was a merge TypeError
+        ("actor.optim.lr={x: 1}", "actor.optim.lr: expected a number, got a mapping"),
+        ("actor.optim.lr=[1,2]", "actor.optim.lr: expected a number, got a list"),
+        ("actor.optim.betas={a: 1}", "actor.optim.betas: expected a list, got a mapping"),
+        ("actor.optim.betas=3", "actor.optim.betas: expected a list, got 3"),
+        ("placement.pools=[{a: 1}]", "placement.pools[0]: expected an integer, got a mapping"),
+        ("placement.mode={a: 1}", "placement.mode: expected a string, got a mapping"),
+        ("actor.clip_ratio_low={a: 1}", "actor.clip_ratio_low: expected a number, got a mapping"),  # Optional[float]
+        ("actor=[1,2]", "actor: expected a section (a mapping of its keys), got a list"),  # was key '?'
+        ("actor.optim=3", "actor.optim: expected a section (a mapping of its keys), got 3"),  # was key '?'
+        ("reward.model=x", "reward.model: expected a section (a mapping of its keys), got 'x'"),
+        ("data.train_files={a: 1}", "data.train_files={'a': 1}: expected a path or a list of paths"),  # typed Any
+    ],
+)
+def test_a_value_of_the_wrong_shape_is_one_line_naming_the_full_key(override, message):
+    msg = error_of(override)
+    assert msg == message and "\n" not in msg
+
+
+def test_overrides_of_different_shapes_for_one_key_are_each_checked():
+    # Merged together first, these two would end in a TypeError from the merge.
+    assert error_of("placement.pools=[3,1]", "placement.pools={a: 1}") == "placement.pools: expected a list, got a mapping"
+
+
+def test_a_config_file_with_the_wrong_shape_names_the_full_key(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("actor:\n  optim:\n    lr:\n      x: 1\n")
+    assert error_of(config_file=str(path)) == "actor.optim.lr: expected a number, got a mapping"
+    path.write_text("critic: [1, 2]\n")
+    assert error_of(config_file=str(path)) == "critic: expected a section (a mapping of its keys), got a list"
+    path.write_text("data:\n  train_files: [a.parquet, b.parquet]\n")
+    assert list(load_config(str(path)).data.train_files) == ["a.parquet", "b.parquet"]
+
+
+def test_choices_and_ranges_come_from_the_fields():
+    from spmdsplit.config import Config, declared_checks
+
+    checks = dict(declared_checks())
+    # Nested sections share their field's declaration: one OptimConfig field, two keys.
+    assert {"actor.optim.lr_scheduler_type", "critic.optim.min_lr_ratio", "rollout.val_kwargs.n",
+            "ref.zero_stage", "reward.model.zero_stage", "data.task"} <= set(checks)
+    defaults = OmegaConf.structured(Config)
+    for key, check in checks.items():  # every default passes its own check
+        assert check(key, OmegaConf.select(defaults, key)) is None, key

@@ -27,6 +27,13 @@ class TrainerConfig:
     total_steps: int = 100
     seed: int = 1
     log_dir: str = "outputs/tensorboard"  # TensorBoard event files, written by world rank 0
+    # Where world rank 0 sends the metrics: console | tensorboard | wandb | mlflow (the last two are
+    # extras: pip install -e ".[wandb]" / ".[mlflow]"). wandb follows its environment (WANDB_MODE=offline,
+    # WANDB_DIR; default dir: trainer.log_dir's parent); MLflow follows MLFLOW_TRACKING_URI (default: a
+    # file store, mlruns/ beside trainer.log_dir). Names as verl's trainer.logger.
+    logger: list[str] = field(default_factory=lambda: ["console", "tensorboard"])
+    project_name: str = "spmdsplit"  # the wandb project, the MLflow experiment
+    experiment_name: str = "default"  # the wandb / MLflow run's name
     timeline: str = "outputs/timeline.json"  # Chrome-trace JSON of every rank's phases; "" = off
     output_dir: str = "outputs/actor_hf"  # the trained actor in Hugging Face format; "" = don't save
     device: str = "auto"  # auto (cuda when available) | cpu | cuda
@@ -274,6 +281,9 @@ CHOICES = {
     "critic.optim.lr_scheduler_type": ("constant", "cosine"),
 }
 
+# trainer.logger's sinks (a list, so not in CHOICES); spmdsplit/metrics.py builds each.
+LOGGERS = ("console", "tensorboard", "wandb", "mlflow")
+
 # Models that only infer: DeepSpeed can shard their weights (3) or hold them whole (0); -1 = follow.
 INFERENCE_ZERO_STAGES = {"ref.zero_stage": "actor", "reward.model.zero_stage": "critic"}
 
@@ -401,6 +411,9 @@ def check_values(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if value not in allowed:
             raise ConfigError(f"{key}={value!r}: expected one of {list(allowed)}")
+    for name in cfg.trainer.logger:
+        if name not in LOGGERS:
+            raise ConfigError(f"trainer.logger={list(cfg.trainer.logger)}: {name!r} is not one of {list(LOGGERS)}")
     for key in POSITIVE:
         value = OmegaConf.select(cfg, key)
         if not value > 0:

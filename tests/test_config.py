@@ -83,6 +83,24 @@ def test_bad_choice_lists_the_allowed_values(override, key, allowed):
         assert value in msg, value
 
 
+def test_an_unknown_logger_is_one_line_naming_trainer_logger():
+    msg = error_of("trainer.logger=[console,neptune]")
+    assert "\n" not in msg and msg.startswith("trainer.logger=") and "'neptune'" in msg
+    for name in ("console", "tensorboard", "wandb", "mlflow"):
+        assert name in msg
+
+
+def test_a_chosen_logger_that_is_not_installed_is_named_with_its_extra(monkeypatch):
+    import importlib.util
+
+    from spmdsplit.metrics import missing_logger
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a))
+    assert missing_logger(["console", "tensorboard"]) is None
+    assert missing_logger(["console", "mlflow"]) == 'trainer.logger: mlflow is not installed (pip install -e ".[mlflow]")'
+
+
 @pytest.mark.parametrize(
     "override",
     ["trainer.total_steps=0", "data.train_batch_size=-8", "data.max_response_length=0",

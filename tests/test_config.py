@@ -277,11 +277,15 @@ CLI_RUNS = {
     "print_config": (["--print-config", "trainer.total_steps=7"], False),  # a plain `python -m`, one rank
     "typo": (["trainer.totl_steps=3"], True),  # as rank 1 of a 2-rank torchrun
     "missing_model": (["model.path=/nonexistent/dir"], True),
+    "missing_logger": (["trainer.logger=[console,mlflow]"], True),
 }
+# Runs that must see a package as not installed: a sitecustomize on PYTHONPATH hides it
+# (importlib.util.find_spec answers None for a name that sys.modules maps to None).
+CLI_HIDDEN = {"missing_logger": "mlflow"}
 
 
 @pytest.fixture(scope="module")
-def cli():
+def cli(tmp_path_factory):
     """Runs every `python -m spmdsplit.train` case of this module at once (they are import-bound)
     and returns name -> (returncode, stdout, stderr, seconds, tried_to_join_a_process_group)."""
     base = {k: v for k, v in os.environ.items()
@@ -291,6 +295,10 @@ def cli():
     for name, (args, as_rank1) in CLI_RUNS.items():
         rdv = Rendezvous() if as_rank1 else None
         env = {**base, "OMP_NUM_THREADS": "1", **(rdv.env() if rdv else {})}
+        if name in CLI_HIDDEN:
+            hide = tmp_path_factory.mktemp(f"hide-{name}")
+            (hide / "sitecustomize.py").write_text(f"import sys\nsys.modules[{CLI_HIDDEN[name]!r}] = None\n")
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(hide), env.get("PYTHONPATH")]))
         proc = subprocess.Popen([sys.executable, "-m", "spmdsplit.train", *args], cwd=REPO, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         procs[name] = (proc, rdv, time.monotonic())
@@ -336,6 +344,15 @@ def test_missing_model_path_exits_2_naming_it(cli):
     rc, out, err, took, joined = cli["missing_model"]
     assert rc == 2, (out, err)
     assert "model.path" in err and "/nonexistent/dir" in err
+    assert "Traceback" not in err
+    assert not joined
+    assert took < CLI_TIMEOUT
+
+
+def test_a_chosen_logger_not_installed_exits_2_before_any_process_group(cli):
+    rc, out, err, took, joined = cli["missing_logger"]
+    assert rc == 2, (out, err)
+    assert 'trainer.logger: mlflow is not installed (pip install -e ".[mlflow]")' in err
     assert "Traceback" not in err
     assert not joined
     assert took < CLI_TIMEOUT

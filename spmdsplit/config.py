@@ -43,6 +43,16 @@ def choice(*allowed, default=None, why_not: dict | None = None):
     return field(default=default, metadata={"choices": allowed, "check": check})
 
 
+def each_of(*allowed, default: list):
+    """A list whose every item must be one of `allowed` (trainer.logger)."""
+    assert all(item in allowed for item in default), (default, allowed)
+
+    def check(key, value):
+        wrong = [item for item in value if item not in allowed]
+        return f"{key}={list(value)}: {wrong[0]!r} is not one of {list(allowed)}" if wrong else None
+    return field(default_factory=lambda: list(default), metadata={"choices": allowed, "check": check})
+
+
 def bounded(default, ok: Callable[[Any], bool], expected: str):
     """A value that `ok` accepts; otherwise the error says `expected` (e.g. "expected >= 0")."""
     assert ok(default), default
@@ -84,6 +94,13 @@ class TrainerConfig:
     total_steps: int = positive(100)
     seed: int = 1
     log_dir: str = "outputs/tensorboard"  # TensorBoard event files, written by world rank 0
+    # Where world rank 0 sends the metrics: console | tensorboard | wandb | mlflow (the last two are
+    # extras: pip install -e ".[wandb]" / ".[mlflow]"). wandb follows its environment (WANDB_MODE=offline,
+    # WANDB_DIR; default dir: trainer.log_dir's parent); MLflow follows MLFLOW_TRACKING_URI (default: a
+    # file store, mlruns/ beside trainer.log_dir). Names as verl's trainer.logger.
+    logger: list[str] = each_of("console", "tensorboard", "wandb", "mlflow", default=["console", "tensorboard"])
+    project_name: str = "spmdsplit"  # the wandb project, the MLflow experiment
+    experiment_name: str = "default"  # the wandb / MLflow run's name
     timeline: str = "outputs/timeline.json"  # Chrome-trace JSON of every rank's phases; "" = off
     output_dir: str = "outputs/actor_hf"  # the trained actor in Hugging Face format; "" = don't save
     device: str = choice("auto", "cpu", "cuda")  # auto: cuda when available

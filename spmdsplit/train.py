@@ -35,6 +35,7 @@ from spmdsplit.data.parquet import DataError
 from spmdsplit.data.sources import build_rows, format_report
 from spmdsplit.embedded import ensure_embedded_model
 from spmdsplit.models import load_tokenizer
+from spmdsplit.metrics import missing_logger
 from spmdsplit.rewards.custom import load_custom_reward_fn
 from spmdsplit.config import ConfigError, check_against_pools, config_warnings, load_config, to_yaml
 from spmdsplit.placement import PlacementError, build_pools, launch_shape_from_env, plan_placement
@@ -102,6 +103,9 @@ def prepare(cfg):
     problems = versions.version_problems(cfg)  # vLLM and DeepSpeed, when chosen (and the rest, under Slurm)
     if problems:
         raise ConfigError(problems[0])
+    missing = missing_logger(cfg.trainer.logger)  # rank 0 alone would import it, mid-job
+    if missing:
+        raise ConfigError(missing)
     world, local, nnodes = launch_shape_from_env()
     p = cfg.placement
     placement = plan_placement(p.mode, list(p.pools) or None, p.pool_unit, world, local, nnodes)

@@ -98,7 +98,8 @@ class Trainer:
         self.critic_metrics_received = 0
         if resume_from:
             self.load_checkpoint(resume_from)
-        self.logger = MetricsLogger(cfg.trainer.log_dir, cfg.trainer.total_steps, cfg.trainer.progress_bar,
+        # wandb records the resolved config with the run, as verl's tracking does.
+        self.logger = MetricsLogger(cfg.trainer, OmegaConf.to_container(cfg, resolve=True),
                                     first_step=self.start_step) if self.rank == 0 else None
 
     def seed_sampling(self, after_step: int = 0) -> None:

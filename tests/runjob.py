@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import subprocess
@@ -29,6 +30,49 @@ def scalars(log_dir: str) -> dict[str, list[tuple[int, float]]]:
     acc = EventAccumulator(log_dir, size_guidance={"scalars": 0})
     acc.Reload()
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def wandb_offline_scalars(wandb_dir: str) -> dict[str, list[tuple[int, float]]]:
+    """The step metrics of the one offline run under `wandb_dir`, read from its .wandb file: wandb
+    has no public reader of offline runs (wandb.Api reads the server), so this walks the file's
+    LevelDB-log framing (a 7-byte header, 32 KiB blocks of checksum/length/type-framed chunks)
+    and parses each record with wandb's own protobuf schema."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = glob.glob(os.path.join(wandb_dir, "wandb", "offline-run-*", "*.wandb"))
+    with open(path, "rb") as f:
+        data = f.read()
+    assert data[:4] == b":W&B", data[:7]
+    block, pos, chunk, out = 32768, 7, b"", {}
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if left < 7 or (length == 0 and kind == 0):  # the padding at a block's end
+            pos += left
+            continue
+        chunk, pos = chunk + data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):  # a FULL record, or the LAST chunk of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(chunk)
+            chunk = b""
+            if record.WhichOneof("record_type") == "history":
+                row = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+                for key, value in row.items():
+                    if not key.startswith("_"):  # wandb's own _step, _runtime, _timestamp
+                        out.setdefault(key, []).append((row["_step"], value))
+    return out
+
+
+def mlflow_scalars(tracking_uri: str) -> dict[str, list[tuple[int, float]]]:
+    """Every metric's history of the one MLflow run at `tracking_uri`."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    return {key: [(m.step, m.value) for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)]
+            for key in run.data.metrics}
 
 
 def timeline_events(path: str) -> list[dict]:

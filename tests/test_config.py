@@ -83,6 +83,24 @@ def test_bad_choice_lists_the_allowed_values(override, key, allowed):
         assert value in msg, value
 
 
+def test_an_unknown_logger_is_one_line_naming_trainer_logger():
+    msg = error_of("trainer.logger=[console,neptune]")
+    assert "\n" not in msg and msg.startswith("trainer.logger=") and "'neptune'" in msg
+    for name in ("console", "tensorboard", "wandb", "mlflow"):
+        assert name in msg
+
+
+def test_a_chosen_logger_that_is_not_installed_is_named_with_its_extra(monkeypatch):
+    import importlib.util
+
+    from spmdsplit.metrics import missing_logger
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a))
+    assert missing_logger(["console", "tensorboard"]) is None
+    assert missing_logger(["console", "mlflow"]) == 'trainer.logger: mlflow is not installed (pip install -e ".[mlflow]")'
+
+
 @pytest.mark.parametrize(
     "override",
     ["trainer.total_steps=0", "data.train_batch_size=-8", "data.max_response_length=0",
@@ -259,11 +277,15 @@ CLI_RUNS = {
     "print_config": (["--print-config", "trainer.total_steps=7"], False),  # a plain `python -m`, one rank
     "typo": (["trainer.totl_steps=3"], True),  # as rank 1 of a 2-rank torchrun
     "missing_model": (["model.path=/nonexistent/dir"], True),
+    "missing_logger": (["trainer.logger=[console,mlflow]"], True),
 }
+# Runs that must see a package as not installed: a sitecustomize on PYTHONPATH hides it
+# (importlib.util.find_spec answers None for a name that sys.modules maps to None).
+CLI_HIDDEN = {"missing_logger": "mlflow"}
 
 
 @pytest.fixture(scope="module")
-def cli():
+def cli(tmp_path_factory):
     """Runs every `python -m spmdsplit.train` case of this module at once (they are import-bound)
     and returns name -> (returncode, stdout, stderr, seconds, tried_to_join_a_process_group)."""
     base = {k: v for k, v in os.environ.items()
@@ -273,6 +295,10 @@ def cli():
     for name, (args, as_rank1) in CLI_RUNS.items():
         rdv = Rendezvous() if as_rank1 else None
         env = {**base, "OMP_NUM_THREADS": "1", **(rdv.env() if rdv else {})}
+        if name in CLI_HIDDEN:
+            hide = tmp_path_factory.mktemp(f"hide-{name}")
+            (hide / "sitecustomize.py").write_text(f"import sys\nsys.modules[{CLI_HIDDEN[name]!r}] = None\n")
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(hide), env.get("PYTHONPATH")]))
         proc = subprocess.Popen([sys.executable, "-m", "spmdsplit.train", *args], cwd=REPO, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         procs[name] = (proc, rdv, time.monotonic())
@@ -318,6 +344,15 @@ def test_missing_model_path_exits_2_naming_it(cli):
     rc, out, err, took, joined = cli["missing_model"]
     assert rc == 2, (out, err)
     assert "model.path" in err and "/nonexistent/dir" in err
+    assert "Traceback" not in err
+    assert not joined
+    assert took < CLI_TIMEOUT
+
+
+def test_a_chosen_logger_not_installed_exits_2_before_any_process_group(cli):
+    rc, out, err, took, joined = cli["missing_logger"]
+    assert rc == 2, (out, err)
+    assert 'trainer.logger: mlflow is not installed (pip install -e ".[mlflow]")' in err
     assert "Traceback" not in err
     assert not joined
     assert took < CLI_TIMEOUT

@@ -1,11 +1,14 @@
 """The real job under torchrun on CPU/gloo: placements, metrics, timeline, output, learning."""
 
 import json
+import math
 
+import numpy as np
 import pytest
 
 from tests.extra_info_check import assert_every_split_scored, write_job_files
-from tests.runjob import overlapping_steps, scalars, timeline_events, torchrun
+from spmdsplit.metrics import mlflow_metric_name
+from tests.runjob import mlflow_scalars, overlapping_steps, scalars, timeline_events, torchrun, wandb_offline_scalars
 
 VERL_METRICS = [
     "critic/score/mean", "critic/rewards/mean", "critic/advantages/mean", "critic/returns/mean",
@@ -164,13 +167,33 @@ def test_critic_warmup_holds_the_actor_back(tmp_path):
     assert [s for s, _ in logged["critic/vf_loss"]] == [1, 2, 3, 4]
 
 
-def test_validation_logs_verl_val_core_metrics(tmp_path):
-    out, result = run_short(tmp_path, 2, "trainer.val_freq=2", "trainer.val_before_train=true", "trainer.total_steps=3")
+def test_validation_logs_verl_val_core_metrics(tmp_path, monkeypatch):
+    # Every sink of trainer.logger at once, at their defaults beside trainer.log_dir (wandb offline:
+    # no network), so one short job checks that all of them hold what TensorBoard holds.
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    out, result = run_short(tmp_path, 2, "trainer.val_freq=2", "trainer.val_before_train=true", "trainer.total_steps=3",
+                            "trainer.logger=[console,tensorboard,wandb,mlflow]")
     logged = scalars(str(out / "tb"))
     key = "val-core/synthetic/repeat/reward/mean@1"
     assert [s for s, _ in logged[key]] == [0, 2, 3]  # before training, every 2 steps, and after the last
     assert all(0.0 <= v <= 1.0 for _, v in logged[key])
     assert "data (val): 256 row(s)" in result.stdout
+    assert "step 3: score=" in result.stdout
+    assert_same_scalars(wandb_offline_scalars(str(out)), logged, "wandb")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # the reader too (the job opts in by itself)
+    # MLflow rejects `@` in a name: spmdsplit.metrics.mlflow_metric_name maps it.
+    assert_same_scalars(mlflow_scalars(f"file:{out}/mlruns"), {mlflow_metric_name(k): v for k, v in logged.items()}, "mlflow")
+
+
+def assert_same_scalars(got: dict, tensorboard: dict, sink: str) -> None:
+    """The same names, steps and values (TensorBoard keeps float32, the others float64)."""
+    assert sorted(got) == sorted(tensorboard), (sink, set(got) ^ set(tensorboard))
+    for key, points in tensorboard.items():
+        assert [s for s, _ in got[key]] == [s for s, _ in points], (sink, key)
+        for (_, value), (_, expected) in zip(got[key], points):
+            assert np.float32(value) == np.float32(expected) or (math.isnan(value) and math.isnan(expected)), (sink, key)
 
 
 def test_gsm8k_parquet_files_train_through_the_chat_template(tmp_path):

@@ -120,11 +120,6 @@ def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device, seed: in
     return ModelSource("causal_lm", path, dtype, seed, trust_remote_code).read(device)
 
 
-def load_value_model(path: str, dtype: torch.dtype, device: torch.device, seed: int, trust_remote_code=False):
-    """A whole critic on `device`: the policy's backbone with a one-output token-classification head."""
-    return ModelSource("value", path, dtype, seed, trust_remote_code).read(device)
-
-
 def hf_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors an HF checkpoint holds, by their HF names: every parameter once (a tied head
     comes under its first name only; from_pretrained ties it back) and the persistent buffers."""

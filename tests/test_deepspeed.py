@@ -30,7 +30,8 @@ def _role(role, model_dir, engine_for, micro):
     """An actor or critic on the embedded model, its engine made by `engine_for(model, optim)`;
     two optimizer steps (two mini-batches) per update, `micro` rows per micro-batch."""
     from spmdsplit.config import ActorConfig, CriticConfig, OptimConfig
-    from spmdsplit.models import load_causal_lm, load_value_model
+    from spmdsplit.models import load_causal_lm
+    from tests.helpers import load_value_model
     from spmdsplit.roles.actor import Actor
     from spmdsplit.roles.critic import Critic
 
@@ -86,7 +87,8 @@ def test_zero_update_matches_unsharded_update(model_dir, role, stage):
     # 2 updates x 2 mini-batches x 2 micro-batches; ZeRO-1 keeps whole gradients by design.
     assert len(whole_after_micro) == 8
     assert all(whole_after_micro) if stage == 1 else not any(whole_after_micro), whole_after_micro
-    from spmdsplit.models import load_causal_lm, load_value_model
+    from spmdsplit.models import load_causal_lm
+    from tests.helpers import load_value_model
 
     load = load_causal_lm if role == "actor" else load_value_model
     initial = load(model_dir, torch.float32, torch.device("cpu"), seed=3).state_dict()
@@ -219,7 +221,7 @@ def _inference_beside_plain(rank, world_size, model_dir):
     from spmdsplit.exchange import row_ranges
     from spmdsplit.models import load_causal_lm
     from spmdsplit.roles.actor import Actor
-    from spmdsplit.roles.reward_model import load_reward_model
+    from tests.helpers import load_reward_model
 
     pool = dist.new_group([0, 1])
     dist.new_group([2])

@@ -434,7 +434,7 @@ def rm_batch(tokenizer):
 def rm_dir(tmp_path_factory):
     """A tiny random Qwen2ForSequenceClassification saved as a checkpoint, with no pad id in its
     config (RewardModel must set one)."""
-    from spmdsplit.roles.reward_model import load_reward_model
+    from tests.helpers import load_reward_model
 
     folder = ensure_embedded_model()
     model = load_reward_model(folder, torch.float32, torch.device("cpu"), seed=11)
@@ -478,7 +478,8 @@ class PlainEngine:
 
 def _rm_on_pool(rank, world_size, rm_dir, policy_dir):
     from spmdsplit.engines.fsdp import FSDPEngine
-    from spmdsplit.roles.reward_model import RewardModel, load_reward_model
+    from spmdsplit.roles.reward_model import RewardModel
+    from tests.helpers import load_reward_model
 
     mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
     device = torch.device("cpu")
@@ -532,7 +533,8 @@ def test_reward_model_reads_the_last_real_token_even_when_it_is_the_pad_id(rm_di
 
 
 def test_reward_model_sets_a_pad_id_and_truncates_from_the_left(rm_dir, tokenizer):
-    from spmdsplit.roles.reward_model import RewardModel, load_reward_model
+    from spmdsplit.roles.reward_model import RewardModel
+    from tests.helpers import load_reward_model
 
     model = load_reward_model(rm_dir, torch.float32, torch.device("cpu"), seed=1)
     assert model.config.pad_token_id is None
@@ -546,7 +548,8 @@ def test_reward_model_sets_a_pad_id_and_truncates_from_the_left(rm_dir, tokenize
 
 
 def test_reward_model_nan_stops_with_the_sample_shown(rm_dir, tokenizer):
-    from spmdsplit.roles.reward_model import RewardModel, load_reward_model
+    from spmdsplit.roles.reward_model import RewardModel
+    from tests.helpers import load_reward_model
 
     model = load_reward_model(rm_dir, torch.float32, torch.device("cpu"), seed=1)
     with torch.no_grad():

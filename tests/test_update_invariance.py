@@ -40,7 +40,8 @@ def _update(rank, world_size, model_dir, role, micro, loss_agg_mode="token-mean"
     from spmdsplit.config import ActorConfig, CriticConfig, OptimConfig
     from spmdsplit.engines.fsdp import FSDPEngine
     from spmdsplit.exchange import row_ranges
-    from spmdsplit.models import load_causal_lm, load_value_model
+    from spmdsplit.models import load_causal_lm
+    from tests.helpers import load_value_model
     from spmdsplit.roles.actor import Actor
     from spmdsplit.roles.critic import Critic
 
@@ -100,7 +101,8 @@ def test_update_matches_across_ranks_and_micro_batches(model_dir, role, mode):
 
 
 def _initial_state(model_dir, role):
-    from spmdsplit.models import load_causal_lm, load_value_model
+    from spmdsplit.models import load_causal_lm
+    from tests.helpers import load_value_model
 
     load = load_causal_lm if role == "actor" else load_value_model
     return {k: v.clone() for k, v in load(model_dir, torch.float32, torch.device("cpu"), seed=3).state_dict().items()}

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
+
+from tools.jobs import BenchError, free_port, peak_memory, pools_by_rank, run_job
+from tools.models import build_random_qwen2
+from tools.report import fmt, write_report
 
 MODE_OVERRIDES = {
     "colocate": ["placement.mode=colocate", "placement.pools=[]"],
@@ -46,10 +47,6 @@ SHORT_WORKLOAD = ["data.train_batch_size=16", "actor.ppo_mini_batch_size=8", "cr
 PHASES = ("sync_weights", "gen", "old_log_prob", "ref", "values", "reward", "adv", "update_actor",
           "update_critic", "exchange/rollout", "exchange/log_probs", "exchange/advantages", "exchange/generated")
 UPDATES = ("update_actor", "update_critic")
-
-
-class BenchError(RuntimeError):
-    """A job that failed or left nothing to read; the message carries its stderr tail."""
 
 
 # ------------------------------------------------------------------ pure analysis
@@ -78,16 +75,6 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def complete_events(trace: dict) -> list[dict]:
     return [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
-
-
-def pools_by_rank(trace: dict) -> dict[int, str]:
-    """rank -> "actor" | "critic" | "actor+critic", from the "rank r (pool)" process names."""
-    pools = {}
-    for e in trace.get("traceEvents", []):
-        if e.get("ph") == "M" and e.get("name") == "process_name":
-            name = e["args"]["name"]
-            pools[e["pid"]] = name[name.find("(") + 1: name.rfind(")")] if "(" in name else "?"
-    return pools
 
 
 def phase_seconds(events: list[dict]) -> dict[tuple[int, int, str], float]:
@@ -160,13 +147,6 @@ def _busiest_per_step(sums: dict[tuple[int, int], float]) -> dict[int, float]:
     return out
 
 
-def peak_memory(trace: dict, pools: dict[int, str]) -> list[dict]:
-    rows = [{"rank": e["pid"], "pool": pools.get(e["pid"], "?"), "rss_mb": e["args"].get("rss_mb"),
-             "cuda_max_allocated_mb": e["args"].get("cuda_max_allocated_mb")}
-            for e in trace.get("traceEvents", []) if e.get("ph") == "C" and e.get("name") == "peak_memory"]
-    return sorted(rows, key=lambda r: r["rank"])
-
-
 def analyze(trace: dict, scalars: dict[str, dict[int, float]], warmup: int) -> dict:
     """One mode's numbers from its timeline and TensorBoard scalars."""
     events, pools = complete_events(trace), pools_by_rank(trace)
@@ -197,40 +177,6 @@ def overlap_summary(modes: dict[str, dict]) -> dict:
 
 
 # ------------------------------------------------------------------ running jobs
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def read_scalars(log_dir: str) -> dict[str, dict[int, float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(log_dir, size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
-
-
-def run_job(nproc: int, overrides: list[str], job_dir: str, timeout: float = 3600) -> tuple[dict, dict]:
-    """One `torchrun -m spmdsplit.train` job; returns (timeline trace, TensorBoard scalars)."""
-    tb, timeline = os.path.join(job_dir, "tb"), os.path.join(job_dir, "timeline.json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(free_port()), "-m", "spmdsplit.train", "trainer.progress_bar=false",
-           f"trainer.log_dir={tb}", f"trainer.timeline={timeline}", "trainer.output_dir=",
-           # every mode starts from step 1, whatever checkpoints lie in the working folder
-           "trainer.resume=disable", *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    os.makedirs(job_dir, exist_ok=True)
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    with open(os.path.join(job_dir, "log.txt"), "w") as f:
-        f.write(" ".join(cmd) + "\n\n" + result.stdout + "\n" + result.stderr)
-    if result.returncode != 0 or not os.path.isfile(timeline):
-        tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-40:])
-        raise BenchError(f"job failed (exit {result.returncode}): {' '.join(cmd)}\n--- output tail ---\n{tail}")
-    with open(timeline) as f:
-        return json.load(f), read_scalars(tb)
-
 
 def _p2p_worker(rank: int, port: int, nbytes: int, repeats: int, backend: str, queue) -> None:
     import torch
@@ -300,10 +246,6 @@ def rollout_summary(modes: dict) -> list[dict]:
 
 # ------------------------------------------------------------------ reports
 
-def _f(x, fmt="{:.3f}") -> str:
-    return "n/a" if x is None else fmt.format(x)
-
-
 def render_markdown(report: dict) -> str:
     meta, modes, ov, p2p = report["meta"], report["modes"], report["overlap"], report["p2p"]
     lines = [
@@ -318,32 +260,32 @@ def render_markdown(report: dict) -> str:
     ]
     base = modes.get("colocate", {}).get("step_time_s")
     for name, m in modes.items():
-        mem = ", ".join(f"r{r['rank']} {r['pool']} {_f(r['cuda_max_allocated_mb'] or r['rss_mb'], '{:.0f}')}"
+        mem = ", ".join(f"r{r['rank']} {r['pool']} {fmt(r['cuda_max_allocated_mb'] or r['rss_mb'], '{:.0f}')}"
                         for r in m["peak_memory"]) or "n/a"
         ex = m["exchange"]
         lines.append(
-            f"| {name} | {_f(m['step_time_s'])} | {_f(ratio(base, m['step_time_s']), '{:.2f}x')} | "
-            f"{_f(m['update']['span_s'])} | {_f(ex['share'], '{:.1%}')} | {_f(ex['wait_share'], '{:.1%}')} | "
-            f"{_f(ex['bandwidth_MBps'], '{:.1f}')} | {_f(p2p['bandwidth_MBps'], '{:.0f}')} | {mem} |")
+            f"| {name} | {fmt(m['step_time_s'])} | {fmt(ratio(base, m['step_time_s']), '{:.2f}x')} | "
+            f"{fmt(m['update']['span_s'])} | {fmt(ex['share'], '{:.1%}')} | {fmt(ex['wait_share'], '{:.1%}')} | "
+            f"{fmt(ex['bandwidth_MBps'], '{:.1f}')} | {fmt(p2p['bandwidth_MBps'], '{:.0f}')} | {mem} |")
     lines += ["", "| update-phase speedup of overlap over no overlap | measured | ideal | T_actor (s) | T_critic (s) |",
               "|---|---|---|---|---|",
-              f"| split vs split-blocking | {_f(ov.get('measured'), '{:.2f}x')} | {_f(ov.get('ideal'), '{:.2f}x')} | "
-              f"{_f(ov.get('T_actor_s'))} | {_f(ov.get('T_critic_s'))} |", ""]
+              f"| split vs split-blocking | {fmt(ov.get('measured'), '{:.2f}x')} | {fmt(ov.get('ideal'), '{:.2f}x')} | "
+              f"{fmt(ov.get('T_actor_s'))} | {fmt(ov.get('T_critic_s'))} |", ""]
     columns = [(name, pool) for name, m in modes.items() for pool in m["phases"]]
     lines += ["Median seconds per step of each phase, per pool (a pool's time is its slowest rank's):", "",
               "| phase | " + " | ".join(f"{n} {p}" for n, p in columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for phase in PHASES:
         cells = [modes[n]["phases"][p].get(phase) for n, p in columns]
         if any(c is not None for c in cells):
-            lines.append(f"| {phase} | " + " | ".join(_f(c) for c in cells) + " |")
+            lines.append(f"| {phase} | " + " | ".join(fmt(c) for c in cells) + " |")
     if report.get("rollout"):
         lines += ["Rollout engines and who generates (targets on 1+1 CPU ranks: vLLM gen <= 0.6x HF's; "
                   "rollout.ranks=all step <= 0.8x actor-only):", "",
                   "| mode | gen, actor pool (s) | gen, critic pool (s) | step (s) | gen vs HF | step vs actor-only |",
                   "|---|---|---|---|---|---|"]
         for r in report["rollout"]:
-            lines.append(f"| {r['mode']} | {_f(r['gen_actor_s'])} | {_f(r['gen_critic_s'])} | {_f(r['step_s'])} | "
-                         f"{_f(r['gen_vs_hf'], '{:.2f}x')} | {_f(r['step_vs_actor_only'], '{:.2f}x')} |")
+            lines.append(f"| {r['mode']} | {fmt(r['gen_actor_s'])} | {fmt(r['gen_critic_s'])} | {fmt(r['step_s'])} | "
+                         f"{fmt(r['gen_vs_hf'], '{:.2f}x')} | {fmt(r['step_vs_actor_only'], '{:.2f}x')} |")
         lines.append("")
     lines += ["", "Definitions: *update span* = per step, from the earliest start of update_actor/update_critic "
               "on any rank to the latest end, median over steps; measured speedup = span(split-blocking) / "
@@ -442,8 +384,6 @@ def run_bench(args) -> dict:
     device = pick_device(args.overrides, args.nproc)
     workload = (SHORT_WORKLOAD if args.short else []) + list(args.overrides)
     if args.gen_heavy:
-        from tools.bench_memory import build_random_qwen2
-
         model = os.path.join(args.out, "gen_heavy_model")
         if not os.path.isfile(os.path.join(model, "config.json")):
             build_random_qwen2(model, **GEN_HEAVY_MODEL, long_answers=True)
@@ -480,15 +420,6 @@ def main(argv=None) -> int:
         return 1
     write_report(args.out, "bench", report, render_markdown(report))
     return 0
-
-
-def write_report(out: str, name: str, report: dict, markdown: str) -> None:
-    """`<out>/<name>.json` and `<out>/<name>.md`, and the Markdown on stdout."""
-    with open(os.path.join(out, f"{name}.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    with open(os.path.join(out, f"{name}.md"), "w") as f:
-        f.write(markdown)
-    print(markdown)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,9 @@ import os
 import sys
 import time
 
-from tools.bench import SHORT_WORKLOAD, analyze, run_job, write_report
+from tools.bench import SHORT_WORKLOAD, analyze
+from tools.jobs import run_job
+from tools.report import write_report
 
 ENGINES = {
     "fsdp": [],

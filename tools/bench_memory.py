@@ -29,7 +29,9 @@ import sys
 import tempfile
 import time
 
-from tools.bench import BenchError, _f, run_job, write_report
+from tools.jobs import BenchError, peak_memory, pools_by_rank, run_job
+from tools.models import build_random_qwen2
+from tools.report import fmt, write_report
 
 # Issue 11's workload: 2 steps, 8 prompts, short prompts and responses, mini-batch 8, micro-batch 4.
 WORKLOAD = ["data.train_batch_size=8", "data.max_prompt_length=16", "data.max_response_length=16",
@@ -41,35 +43,6 @@ TARGETS = {"actor_bpp": 22.0, "critic_bpp": 16.0, "actor_ratio": 0.75}
 # Issue 18's: an actor rank's peak with k micro-batches per mini-batch within this of the same layout's with its own.
 MICRO_TARGET_BPP = 1.0
 RETURN_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
-
-
-def build_random_qwen2(folder: str, hidden: int, layers: int, heads: int, kv_heads: int, mlp: int,
-                       long_answers: bool = False) -> int:
-    """A randomly initialised Qwen2ForCausalLM with the embedded tokenizer, saved into `folder`;
-    returns its parameter count. `long_answers`: a random head samples EOS as often as any other
-    of the 15 tokens, ending most responses within a few tokens; with its EOS row zeroed (logit 0)
-    and the other rows scaled up (logits of a few units, one dominant), EOS is all but never drawn
-    and every response runs to data.max_response_length, as a trained model's long answers do."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from spmdsplit.embedded import build_tokenizer
-
-    tokenizer = build_tokenizer()
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=mlp,
-                         max_position_embeddings=256, tie_word_embeddings=False,
-                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
-    if long_answers:
-        with torch.no_grad():
-            model.lm_head.weight.mul_(20.0)
-            model.lm_head.weight[tokenizer.eos_token_id] = 0.0
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return sum(p.numel() for p in model.parameters())
 
 
 LAYOUT = re.compile(r"(\d+)\+(\d+)(?:/(\d+))?(-nosync)?")
@@ -113,8 +86,6 @@ def layout_overrides(layout: str, workload: list[str] = ()) -> tuple[int, list[s
 def peaks(trace: dict) -> list[dict]:
     """rank, pool and peak MB (CUDA max allocated where there is one, else RSS), from the last
     `peak_memory` counter of each rank (peaks only grow)."""
-    from tools.bench import peak_memory, pools_by_rank
-
     last = {}
     for row in peak_memory(trace, pools_by_rank(trace)):
         last[row["rank"]] = row
@@ -162,10 +133,10 @@ def render(report: dict) -> str:
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     t = summary["targets"]
     at = summary.get("targets_at", names[-1])
-    lines += ["", f"At {at}: actor ranks {_f(t['actor_bpp'], '{:.1f}')} B/param (target <= "
-              f"{TARGETS['actor_bpp']:.0f}), critic ranks {_f(t['critic_bpp'], '{:.1f}')} B/param (target <= "
+    lines += ["", f"At {at}: actor ranks {fmt(t['actor_bpp'], '{:.1f}')} B/param (target <= "
+              f"{TARGETS['actor_bpp']:.0f}), critic ranks {fmt(t['critic_bpp'], '{:.1f}')} B/param (target <= "
               f"{TARGETS['critic_bpp']:.0f}); an actor rank's peak {at} / {names[0]} = "
-              f"{_f(t['actor_ratio'], '{:.2f}')} (target <= {TARGETS['actor_ratio']}).",
+              f"{fmt(t['actor_ratio'], '{:.2f}')} (target <= {TARGETS['actor_ratio']}).",
               *[f"{name}: an actor rank's peak {m['actor_bpp']:.1f} B/param, {m['diff_bpp']:+.1f} B/param from "
                 f"{m['base']}'s {m['base_actor_bpp']:.1f} (target within {MICRO_TARGET_BPP:.0f})."
                 for name, m in summary.get("micro_batching", {}).items()],

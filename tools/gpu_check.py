@@ -22,9 +22,10 @@ import statistics
 import sys
 import tempfile
 
-from tools.bench import BenchError, pools_by_rank, peak_memory, run_job, write_report
-from tools.bench_memory import build_random_qwen2
+from tools.jobs import BenchError, peak_memory, pools_by_rank, run_job
 from tools.memory import MB, Shape, Workload, colocated_rank
+from tools.models import build_random_qwen2
+from tools.report import write_report
 
 QWEN25_05B = dict(hidden=896, layers=24, heads=14, kv_heads=2, mlp=4864)
 WORKLOAD = dict(batch=64, prompt_len=64, response_len=128, micro=8, log_prob_micro=16)

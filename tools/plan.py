@@ -36,6 +36,8 @@ import os
 import sys
 
 from tools import bench
+from tools.jobs import BenchError, run_job
+from tools.report import fmt
 
 ACTOR_PHASES = ("gen", "old_log_prob", "ref", "update_actor")
 CRITIC_PHASES = ("values", "reward", "adv", "update_critic")
@@ -118,7 +120,7 @@ def profile_workload(overrides: list[str], nproc: int, steps: int, warmup: int, 
     device = bench.pick_device(overrides, nproc)
     run = [*overrides, f"trainer.total_steps={steps}", f"trainer.device={device}",
            "placement.mode=split", "placement.pools=[]", "placement.overlap=false"]
-    trace, scalars = bench.run_job(nproc, run, os.path.join(out, "profile"))
+    trace, scalars = run_job(nproc, run, os.path.join(out, "profile"))
     m = bench.analyze(trace, scalars, warmup)
     return {"device": device, "workload": list(overrides), "overrides": run,
             "actor_size": nproc // 2, "critic_size": nproc // 2,
@@ -127,7 +129,7 @@ def profile_workload(overrides: list[str], nproc: int, steps: int, warmup: int, 
 
 
 def render(profile: dict, accepted: list[dict], rejected: list[dict]) -> str:
-    f = bench._f
+    f = fmt
     lines = [f"Profile: split {profile['actor_size']}+{profile['critic_size']} on {profile['device']}, "
              f"step {f(profile.get('step_time_s'))} s; exchange transfer {f(profile.get('exchange_s'))} s/step", "",
              "| placement.pools | pool_unit | actor ranks | critic ranks | actor busy (s) | critic busy (s) | "
@@ -168,7 +170,7 @@ def main(argv=None) -> int:
         else:
             print(f"tools.plan: profiling the workload on {args.nproc} ranks ...", file=sys.stderr, flush=True)
             profile = profile_workload(args.overrides, args.nproc, args.steps, args.warmup, args.out)
-    except (ValueError, bench.BenchError) as e:
+    except (ValueError, BenchError) as e:
         print(f"tools.plan: error: {e}", file=sys.stderr)
         return 1
     accepted, rejected = rank_candidates(profile, args.world_size, args.ranks_per_node, args.overrides)

@@ -8,27 +8,9 @@ Confinement to the pool. DeepSpeed is handed an `mpu` whose data-parallel group 
 group and whose model-parallel group is this rank alone, so its gradient reductions, ZeRO
 partitions and parameter gathers all run over the pool. A few calls in DeepSpeed 0.19 still go
 to the *world* whatever the mpu says; with the other pool busy elsewhere they hang (a barrier
-the other pool never joins) or fail. Each is scoped to the pool below, in the narrowest way
-found, and `tests/test_deepspeed.py::test_each_unscoped_call_hangs_beside_another_pool` shows
-that without each scoping the same job hangs:
-
-  1. `deepspeed.comm.torch.TorchBackend.__init__` JIT-builds the CPU shared-memory all-reduce
-     op (`build_shm_op`: 53 s of C++ compile on a fresh machine here) although only tensor-parallel
-     inference (`inference_all_reduce`) ever uses it. Not a collective, but it makes the first
-     start slow: `build_shm_op` is replaced by `lambda: None` while we create the backend.
-  2. `PartitionedParameterCoordinator.reset_step` (ZeRO-3) checks that every rank recorded the
-     same module trace with `deepspeed.runtime.zero.utils.assert_ints_same_as_other_ranks`,
-     which broadcasts from *global* rank 0 over the world: replaced (in the modules that
-     imported it) by the same check over the pool, from the pool's first rank.
-  3. `deepspeed.comm.barrier()` with no group: in `DeepSpeedZeroOptimizer_Stage3.__init__`
-     (`_create_fp16_partitions_with_defragmentation`, `_setup_for_real_optimizer`) and in
-     `DeepSpeedEngine.save_checkpoint` (before and after writing): while this engine runs a
-     DeepSpeed call, a barrier with no group is a barrier over the pool.
-  4. `DeepSpeedEngine._checkpoint_tag_validation` all-reduces a hash of the tag over the world:
-     turned off by DeepSpeed's own config, `checkpoint.tag_validation="Ignore"` (the tag is a
-     constant here, so there is nothing to validate).
-The scope (2, 3) is active only inside this engine's methods (`_pool_scope`), so DeepSpeed calls
-made by anyone else are untouched.
+the other pool never joins) or fail. `engines/deepspeed_compat.py` scopes each to the pool (and
+works around DeepSpeed's other rough edges), each with the DeepSpeed version it targets and the
+test that shows it is needed; this engine runs every DeepSpeed call inside `_pool_scope`.
 
 Gradient scale. `managed_gradient_accumulation=false` (DeepSpeed 0.19) makes `step` the boundary
 that finalizes and updates, which is this interface exactly. What `backward` does with the
@@ -46,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import warnings
 from typing import Any, Iterator
 
 import torch
@@ -54,28 +35,12 @@ import torch.distributed as dist
 from torch import nn
 
 from spmdsplit.engines.common import HFExport, adamw_with_warmup, apply_ac
+from spmdsplit.engines.deepspeed_compat import (CHECKPOINT_CONFIG, active_group, comm_device,
+                                                import_before_zero_init, init_deepspeed_comm,
+                                                install_pool_scoping, zero_init)
 from spmdsplit.models import ModelSource, hf_tensors
 
-# DeepSpeed 0.19 calls torch's all_gather_into_tensor / reduce_scatter_tensor, which torch 2.13
-# deprecates with a FutureWarning on every call: theirs to change, and noise in every step's log.
-warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
-
 CHECKPOINT_TAG = "engine"  # fixed: the caller owns the directory and publishes it; no "latest" file
-
-# The process group of the engine whose method is running (innermost last); DeepSpeed calls
-# that would go to the world go to this group instead while it is set.
-_ACTIVE_GROUPS: list[dist.ProcessGroup] = []
-_PATCHED = False
-
-
-@contextlib.contextmanager
-def _active_group(group: dist.ProcessGroup):
-    """DeepSpeed's world-wide calls (2, 3 above) go to `group` while inside."""
-    _ACTIVE_GROUPS.append(group)
-    try:
-        yield
-    finally:
-        _ACTIVE_GROUPS.pop()
 
 
 class _PoolMPU:
@@ -120,101 +85,6 @@ def _single_rank_group() -> dist.ProcessGroup:
     return _SINGLE_GROUPS[rank]
 
 
-def _pool_assert_ints_same(original):
-    """`assert_ints_same_as_other_ranks` over the active pool: the pool's first rank's list is
-    broadcast over the pool and every rank compares its own to it (same check, same message)."""
-
-    def check(ints: list[int]) -> None:
-        if not _ACTIVE_GROUPS:
-            return original(ints)
-        group = _ACTIVE_GROUPS[-1]
-        device = _comm_device(group)
-        src = dist.get_global_rank(group, 0)
-        length = torch.tensor([len(ints)], dtype=torch.long, device=device)
-        dist.broadcast(length, src=src, group=group)
-        if int(length.item()) != len(ints):
-            raise RuntimeError(f"ZeRO-3 trace: {len(ints)} entries on rank {dist.get_rank()}, "
-                               f"{int(length.item())} on the pool's first rank {src}")
-        first = torch.tensor(ints, dtype=torch.long, device=device)
-        dist.broadcast(first, src=src, group=group)
-        if first.tolist() != list(ints):
-            raise RuntimeError(f"ZeRO-3 trace differs between rank {dist.get_rank()} and the pool's first rank {src}: "
-                               f"{list(ints)} vs {first.tolist()}")
-
-    return check
-
-
-def _pool_barrier(original):
-    """`deepspeed.comm.barrier`: with no group while a pool engine runs, a barrier over the pool."""
-
-    def barrier(group=None, *args, **kwargs):
-        if group is None and _ACTIVE_GROUPS:
-            group = _ACTIVE_GROUPS[-1]
-        return original(group, *args, **kwargs)
-
-    return barrier
-
-
-def _comm_device(group) -> torch.device:
-    backend = dist.get_backend(group)
-    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-
-
-def _install_pool_scoping() -> None:
-    """Installs the wrappers (2, 3 of the module docstring) once per process. Outside an engine's
-    `_pool_scope` they call straight through to DeepSpeed's own functions."""
-    global _PATCHED
-    if _PATCHED:
-        return
-    _PATCHED = True
-    # For the tests that show each scoping is needed: "trace" and/or "barrier" leave that one out.
-    unscoped = set(os.environ.get("SPMDSPLIT_DS_UNSCOPED", "").split(","))
-    import deepspeed.comm
-    import deepspeed.runtime.zero.partition_parameters as partition_parameters
-    import deepspeed.runtime.zero.partitioned_param_coordinator as coordinator
-    import deepspeed.runtime.zero.stage3 as stage3
-    import deepspeed.runtime.zero.utils as zero_utils
-
-    # DeepSpeed 0.19.8, deepspeed/runtime/zero/partitioned_param_coordinator.py,
-    # PartitionedParameterCoordinator.reset_step: trace check over the world from global rank 0.
-    # partition_parameters (safe_mode) and stage3 (enable_sanity_checks) import the same function
-    # for checks that are off by default; they are scoped too so that turning them on stays safe.
-    check = _pool_assert_ints_same(zero_utils.assert_ints_same_as_other_ranks)
-    for module in (coordinator, partition_parameters, stage3):
-        if "trace" not in unscoped:
-            module.assert_ints_same_as_other_ranks = check
-    # DeepSpeed 0.19.8, deepspeed/runtime/zero/stage3.py (DeepSpeedZeroOptimizer_Stage3.
-    # _create_fp16_partitions_with_defragmentation, ._setup_for_real_optimizer) and
-    # deepspeed/runtime/engine.py (DeepSpeedEngine.save_checkpoint): `dist.barrier()` with no
-    # group, where `dist` is the package `deepspeed.comm`, looked up at call time.
-    if "barrier" not in unscoped:
-        deepspeed.comm.barrier = _pool_barrier(deepspeed.comm.barrier)
-
-
-def init_deepspeed_comm() -> None:
-    """DeepSpeed's communication backend on top of the torch.distributed world already there,
-    without the JIT build of its CPU shared-memory op (1 in the module docstring)."""
-    import importlib
-
-    import deepspeed.comm
-
-    # importlib, not `import deepspeed.comm.torch as`: the package's `torch` attribute is torch itself.
-    ds_comm = importlib.import_module("deepspeed.comm.comm")
-    ds_torch = importlib.import_module("deepspeed.comm.torch")
-
-    if ds_comm.cdb is not None:
-        return
-    # DeepSpeed 0.19.8, deepspeed/comm/torch.py, TorchBackend.__init__ calls build_shm_op(),
-    # which compiles deepspeed_shm_comm (C++, 53 s here) on first use; None is its own "not
-    # available" answer, after which all collectives go through torch.distributed as usual.
-    original = ds_torch.build_shm_op
-    ds_torch.build_shm_op = lambda: None
-    try:
-        deepspeed.comm.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False, verbose=False)
-    finally:
-        ds_torch.build_shm_op = original
-
-
 def ds_config(zero_stage: int, optim, param_dtype, dp_size: int) -> dict[str, Any]:
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 1,  # only for DeepSpeed's sample counters: we feed batches ourselves
@@ -226,7 +96,7 @@ def ds_config(zero_stage: int, optim, param_dtype, dp_size: int) -> dict[str, An
         # default, spelled out: FSDPEngine does the same, and fp32 ZeRO always does).
         "bf16": {"enabled": param_dtype == torch.bfloat16, "check_grad_overflow": True},
         "zero_allow_untested_optimizer": True,  # a torch AdamW we build: no config-named op to JIT-compile
-        "checkpoint": {"tag_validation": "Ignore"},  # 4: no world all-reduce of the tag
+        "checkpoint": dict(CHECKPOINT_CONFIG),  # deepspeed_compat 4: no world all-reduce of the tag
         "steps_per_print": 2**62,
         "wall_clock_breakdown": False,
     }
@@ -261,7 +131,7 @@ class DeepSpeedEngine(HFExport):
             param_dtype = torch.bfloat16  # a frozen model held in bf16 (GPU): DeepSpeed must keep it so
         self.compute_dtype = param_dtype or next(model.parameters()).dtype
         init_deepspeed_comm()
-        _install_pool_scoping()
+        install_pool_scoping()
         if activation_checkpointing:
             apply_ac(model)
         optimizer = scheduler = None
@@ -296,7 +166,7 @@ class DeepSpeedEngine(HFExport):
         return cls(model, group, zero_stage, optim, param_dtype, activation_checkpointing)
 
     def _pool_scope(self):
-        return _active_group(self.group)
+        return active_group(self.group)
 
     def __call__(self, *args, **kwargs):
         with self._pool_scope():
@@ -418,19 +288,13 @@ def load_into_partitions(source: ModelSource, group: dist.ProcessGroup, device: 
     import deepspeed
 
     init_deepspeed_comm()
-    _install_pool_scoping()
+    install_pool_scoping()
     first = dist.get_global_rank(group, 0)
     is_reader = dist.get_rank() == first
     mpu = _PoolMPU(group, _single_rank_group())
-    # A first build on the meta device (no storage) imports everything the model's construction
-    # imports: under zero.Init, which patches tensor construction, a first import of torch._dynamo
-    # (transformers imports it lazily) fails.
-    source.skeleton("meta")
-    with _active_group(group):
-        # No `dtype=`: the config's bf16 switch decides, as deepspeed.initialize would. (DeepSpeed
-        # 0.19.8's _set_dtype, given a dtype, parses `dtype or fp16 if fp16_ok else bf16 ...` so
-        # that on a CPU it yields bf16 whatever dtype was asked for.)
-        with deepspeed.zero.Init(data_parallel_group=group, mpu=mpu, config_dict_or_path=config):
+    import_before_zero_init(source)
+    with active_group(group):
+        with zero_init(group, mpu, config):
             model = source.skeleton(device)
         reader = source.read("cpu") if is_reader else None
         # remove_duplicate=False: a head tied to the embeddings is found under its own name too.
@@ -450,7 +314,7 @@ def load_into_partitions(source: ModelSource, group: dist.ProcessGroup, device: 
         for name, buffer in model.named_buffers():
             if is_reader:
                 buffer.copy_(buffer_values[name])
-            on_wire = buffer.to(_comm_device(group))
+            on_wire = buffer.to(comm_device(group))
             dist.broadcast(on_wire, src=first, group=group)
             buffer.copy_(on_wire)
     del reader, values, buffer_values

@@ -26,15 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from spmdsplit.batch import Batch
-from spmdsplit.models import ModelSource
 from spmdsplit.roles.reward import RewardError, describe_sample, on_last_token, response_texts
-
-
-def load_reward_model(path: str, dtype: torch.dtype, device: torch.device, seed: int, trust_remote_code: bool = False):
-    """The reward model, one output (`num_labels=1`). A checkpoint that has no such head (a plain
-    causal LM) gets a fresh one, equal wherever it is read thanks to the seed; that is only useful in
-    tests, a real reward model is a trained sequence classifier."""
-    return ModelSource("reward", path, dtype, seed, trust_remote_code).read(device)
 
 
 def default_max_length(prompt_len: int, response_len: int) -> int:

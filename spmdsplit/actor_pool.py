@@ -132,10 +132,15 @@ class ActorPool:
         return len(rows) * n
 
 
+def critic_pool_generates(cfg, placement) -> bool:
+    """rollout.ranks=all with pools of their own: the critic pool's ranks generate their share too."""
+    return cfg.rollout.ranks == "all" and not placement.colocated
+
+
 def generating_ranks(cfg, pools: Pools) -> list[int]:
     """The ranks that generate a training step's rollout, in the order of its global batch."""
     placement = pools.placement
-    if cfg.rollout.ranks == "all" and not placement.colocated:
+    if critic_pool_generates(cfg, placement):
         return list(placement.actor_ranks) + list(placement.critic_ranks)
     return list(placement.actor_ranks)
 

@@ -330,6 +330,7 @@ class Config:
 PATH_KEYS = ("trainer.log_dir", "trainer.timeline", "trainer.output_dir", "trainer.default_local_dir",
              "model.path", "model.embedded_dir", "critic.model_path")
 
+
 def _shape(value) -> str:
     if isinstance(value, dict):
         return "a mapping"

@@ -19,10 +19,11 @@ from datetime import timedelta
 
 from spmdsplit import versions
 
-if __name__ == "__main__" and versions.version_problems():  # before the imports below: an older
-    # transformers may not even import; the job's own choices (vLLM, DeepSpeed) are checked in prepare()
-    print(f"spmdsplit [rank {os.environ.get('RANK', os.environ.get('SLURM_PROCID', 0))}]: error: "
-          f"{versions.version_problems()[0]}", file=sys.stderr, flush=True)
+# Before the imports below: an older transformers may not even import. The job's own choices
+# (vLLM, DeepSpeed) are checked in prepare(), once the config is read.
+if __name__ == "__main__" and (_problems := versions.version_problems()):
+    print(f"spmdsplit [rank {os.environ.get('RANK', os.environ.get('SLURM_PROCID', 0))}]: error: {_problems[0]}",
+          file=sys.stderr, flush=True)
     sys.exit(2)
 
 import torch  # noqa: E402 - after the version check

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from spmdsplit import checkpoint
-from spmdsplit.actor_pool import ActorPool, usable_val_rows
+from spmdsplit.actor_pool import ActorPool, critic_pool_generates, usable_val_rows
 from spmdsplit.batch import Batch
 from spmdsplit.critic_pool import CriticPool, Generator
 from spmdsplit.data.prompts import PromptDataset
@@ -57,8 +57,7 @@ class Trainer:
                                    cfg.rollout.stream_chunks, cfg.trainer.pool_wait_timeout_s)
         val_responses = (len(usable_val_rows(self.val_rows, self.placement)) * cfg.rollout.val_kwargs.n
                          if self.val_rows else 0)
-        self.channel.connect(generated=cfg.rollout.ranks == "all" and not self.placement.colocated,
-                             num_val_rows=val_responses)
+        self.channel.connect(generated=critic_pool_generates(cfg, self.placement), num_val_rows=val_responses)
         self.stop_vote = StopVote(timedelta(seconds=cfg.trainer.pool_wait_timeout_s))
         # verl's blocking calls, for comparison; meaningless when the roles share ranks anyway.
         blocking = not cfg.placement.overlap and not self.placement.colocated
@@ -69,7 +68,7 @@ class Trainer:
 
         # rollout.ranks=all: the critic pool generates too, its engines fed by a broadcast.
         weights = None
-        if cfg.rollout.ranks == "all" and not self.placement.colocated:
+        if critic_pool_generates(cfg, self.placement):
             weights = WeightBroadcast(self.actor_ranks, self.critic_ranks, self.device, cfg.rollout.weight_bucket_mb,
                                       timedelta(seconds=cfg.trainer.pool_wait_timeout_s))
 

@@ -13,7 +13,7 @@ from importlib import metadata
 
 from packaging.version import Version
 
-# package -> (floor, why; the ceiling where one applies)
+# package -> (floor, why); CEILINGS below holds the one ceiling
 FLOORS = {
     "torch": ("2.6", "FSDP2's public `torch.distributed.fsdp.fully_shard`"),
     "transformers": ("4.56", "`from_pretrained(dtype=...)` / `from_config(dtype=...)`: older versions ignore "

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tools import bench, jobs, plan
+from tools import bench, bench_tokens, jobs, plan
 
 SHORT = ["data.train_batch_size=16", "actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=8",
          "actor.ppo_micro_batch_size_per_gpu=4", "critic.ppo_micro_batch_size_per_gpu=4"]
@@ -154,6 +154,109 @@ def test_planner_candidates_per_node_and_node_level():
     got = plan.candidates(16, 8)
     assert ("ranks_per_node", 6, 2, 12, 4) in got and ("nodes", 1, 1, 8, 8) in got and len(got) == 8
     assert plan.candidates(4) == [("ranks_per_node", a, 4 - a, a, 4 - a) for a in (1, 2, 3)]
+
+
+# ------------------------------------------------------------------ tokens, not padding (bench_tokens)
+
+def test_token_budgets_hold_a_fixed_micro_batchs_tokens():
+    shapes = {**bench_tokens.LONG_TAIL}
+    budgets = bench_tokens.token_budgets(shapes)
+    assert budgets["actor.ppo_max_token_len_per_gpu"] == 4 * (64 + 256)
+    assert budgets["critic.forward_max_token_len_per_gpu"] == 16 * (64 + 256)
+    assert set(budgets) == set(bench_tokens.BUDGETS)
+    tokens, fixed = bench_tokens.mode_overrides("tokens", shapes), bench_tokens.mode_overrides("fixed", shapes)
+    assert {"actor.use_dynamic_bsz=true", "model.use_remove_padding=true", "trainer.balance_batch=true",
+            "actor.ppo_max_token_len_per_gpu=1280"} <= set(tokens)
+    # fixed spells every switch out: balance_batch is on by default
+    assert {"actor.use_dynamic_bsz=false", "critic.use_dynamic_bsz=false", "model.use_remove_padding=false",
+            "trainer.balance_batch=false"} <= set(fixed)
+    assert not any("max_token_len" in o for o in fixed)
+
+
+def test_response_lengths_from_the_dump_and_their_histogram():
+    assert bench_tokens.response_tokens(0, 256) == 1  # the EOS alone
+    assert bench_tokens.response_tokens(255, 256) == 256 and bench_tokens.response_tokens(256, 256) == 256
+    lengths = [1, 2, 3, 10, 100, 256]
+    assert bench_tokens.length_stats(lengths) == {"count": 6, "mean": pytest.approx(62.0), "median": 6.5,
+                                                  "max": 256, "min": 1}
+    assert bench_tokens.length_stats([])["median"] is None
+    bins = bench_tokens.histogram(lengths, 256, bins=4)
+    assert bins == [(1, 64, 4), (65, 128, 1), (129, 192, 0), (193, 256, 1)]
+    text = bench_tokens.text_histogram(bins, bar=8)
+    assert text[0].split() == ["1-64", "########", "4", "(67%)"] and text[2].split() == ["129-192", "0", "(0%)"]
+
+
+def test_padding_share_from_logged_lengths_and_each_modes_rule():
+    scalars = {"prompt_length/mean": {1: 10.0, 2: 20.0, 3: 30.0}, "response_length/mean": {1: 30.0, 2: 20.0, 3: 10.0},
+               "response_length/max": {1: 50.0, 2: 40.0, 3: 60.0}, "timing_s/step": {1: 9.0, 2: 2.0, 3: 4.0}}
+    fixed = bench_tokens.step_tokens(scalars, rows=4, prompt_width=40, response_width=60, mode="fixed")
+    assert fixed[2] == {"valid": 160.0, "processed": 400}
+    assert bench_tokens.padding_share(fixed, warmup=1) == pytest.approx(1 - 320 / 800)
+    cut = bench_tokens.step_tokens(scalars, rows=4, prompt_width=40, response_width=None, mode="fixed")
+    assert cut[2]["processed"] == 4 * (40 + 40) and cut[3]["processed"] == 4 * (40 + 60)
+    tokens = bench_tokens.step_tokens(scalars, rows=4, prompt_width=40, response_width=60, mode="tokens")
+    assert bench_tokens.padding_share(tokens, warmup=1) == 0.0
+    assert bench_tokens.tokens_per_second(fixed, scalars["timing_s/step"], warmup=1) == pytest.approx((80 + 40) / 2)
+    assert bench_tokens.padding_share({}, warmup=0) is None
+
+
+def test_train_phases_sum_and_compare_fixed_with_tokens():
+    phases = {"actor": {"gen": 5.0, "old_log_prob": 1.0, "ref": 1.0, "update_actor": 3.0},
+              "critic": {"values": 1.0, "update_critic": 2.0, "reward": 0.1}}
+    got = bench_tokens.train_phase_seconds(phases)
+    assert got == {"old_log_prob": 1.0, "ref": 1.0, "values": 1.0, "update_actor": 3.0, "update_critic": 2.0, "sum": 8.0}
+    assert bench_tokens.train_phase_seconds({})["sum"] is None
+    fixed = {"train_phases": got, "step_time_s": 10.0, "tokens_per_s": 100.0,
+             "final": {"critic/score/mean": 0.50, "actor/pg_loss": 0.001}}
+    tokens = {"train_phases": {k: v / 2 for k, v in got.items()}, "step_time_s": 8.0, "tokens_per_s": 125.0,
+              "final": {"critic/score/mean": 0.56, "actor/pg_loss": -0.004}}
+    c = bench_tokens.compare(fixed, tokens)
+    assert c["phase_ratio"]["sum"] == pytest.approx(2.0) and c["step_ratio"] == pytest.approx(1.25)
+    assert c["tokens_per_s_ratio"] == pytest.approx(1.25)
+    assert c["final"]["critic/score/mean"]["agree"] is False  # 0.06 > 0.01 + 5% of 0.5
+    assert c["final"]["actor/pg_loss"]["agree"] is True  # near 0: the absolute tolerance
+    assert bench_tokens.agree(None, 1.0) is None
+
+
+def test_balance_and_final_metrics_from_scalars():
+    scalars = {"balance/tokens_max_min_ratio": {1: 3.0, 2: 1.05, 3: 1.07}, "actor/pg_loss": {1: 0.5, 3: 0.2, 2: 0.3},
+               "timing_s/step": {1: 1.0}}
+    assert bench_tokens.balance_metrics(scalars, warmup=1) == {"balance/tokens_max_min_ratio": pytest.approx(1.06)}
+    assert bench_tokens.final_metrics(scalars) == {"actor/pg_loss": 0.2}
+
+
+def test_long_tail_prompts_and_the_length_dump(tmp_path):
+    import importlib.util
+
+    import pyarrow.parquet as pq
+
+    bench_tokens.write_prompts(str(tmp_path / "p.parquet"), 200, (4, 64))
+    rows = pq.read_table(str(tmp_path / "p.parquet")).to_pylist()
+    lengths = [len(r["prompt"]) for r in rows]
+    assert min(lengths) >= 4 and max(lengths) <= 64 and max(lengths) - min(lengths) > 40
+    assert all(r["prompt"].endswith("=") and r["reward_model"]["ground_truth"] == r["prompt"][-2] * 4 for r in rows)
+    overrides, dump = bench_tokens.length_dump(str(tmp_path / "job"))
+    path = overrides[0].split("=", 1)[1]
+    spec = importlib.util.spec_from_file_location("length_reward", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.compute_score(data_source="bench/long_tail", solution_str="7777", ground_truth="7777") == 1.0
+    module.compute_score(data_source="bench/long_tail", solution_str="", ground_truth="1111")
+    assert bench_tokens.read_lengths(dump, 256) == [5, 1]
+    assert bench_tokens.length_dump(str(tmp_path / "job"))[1] == dump and bench_tokens.read_lengths(dump, 256) == []
+
+
+def test_random_qwen2_draws_eos_at_the_rate_asked_and_no_other_special(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tools.models import build_random_qwen2
+
+    build_random_qwen2(str(tmp_path), hidden=64, layers=2, heads=2, kv_heads=1, mlp=128, eos_rate=0.02)
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    probs = torch.softmax(model(torch.randint(4, 15, (8, 32))).logits, -1)
+    assert probs[..., 2].mean().item() == pytest.approx(0.02, rel=0.25)  # id 2: the embedded EOS
+    assert probs[..., [0, 1, 3]].max().item() < 1e-6  # pad, bos, unk: never drawn
 
 
 # ------------------------------------------------------------------ real runs

@@ -7,6 +7,8 @@ scalars (step times, per-phase timings) and the Chrome-trace timeline (per-rank 
 exchange bytes and transfer times, peak memory). Writes `bench.json`, `bench.md` and one
 `timeline_<mode>.png` per mode into `--out`, and prints the Markdown.
 
+`--long-tail` compares fixed micro-batches with token budgets instead (tools/bench_tokens.py).
+
 The first `--warmup` steps are left out of every median. The analysis functions are pure (trace
 events and scalars in, numbers out) so that tests can feed them hand-made events.
 """
@@ -363,11 +365,20 @@ def parse_args(argv):
     p.add_argument("--short", action="store_true", help="a tiny workload, for tests")
     p.add_argument("--gen-heavy", action="store_true",
                    help="long responses from a random ~3.6M-parameter Qwen2; default modes: " + " ".join(ROLLOUT_MODES))
+    p.add_argument("--long-tail", action="store_true",
+                   help="fixed micro-batches vs token budgets (tools/bench_tokens.py): a long-tail workload and "
+                        "the default, at each --layouts; writes bench_tokens.json/.md")
+    p.add_argument("--layouts", nargs="+", choices=("1+1", "2+2"), default=["1+1", "2+2"], help="--long-tail: split layouts")
+    p.add_argument("--workloads", nargs="+", choices=("long-tail", "default"), default=["long-tail", "default"],
+                   help="--long-tail: which workloads")
+    p.add_argument("--token-modes", nargs="+", choices=("fixed", "tokens"), default=["fixed", "tokens"],
+                   help="--long-tail: which modes")
     p.add_argument("--out", default="outputs/bench", help="where bench.json, bench.md and the PNGs go")
     p.add_argument("overrides", nargs="*", help="key=value train overrides for every mode")
     args = p.parse_args(argv)
-    args.steps = args.steps or (4 if args.short else 20)
-    args.warmup = (1 if args.short else 2) if args.warmup is None else args.warmup
+    few = args.short or args.long_tail  # --long-tail: 8 jobs on 2 cores, each step seconds long
+    args.steps = args.steps or (4 if args.short else 5 if args.long_tail else 20)
+    args.warmup = (1 if few else 2) if args.warmup is None else args.warmup
     if args.modes is None and args.gen_heavy:
         args.modes = list(ROLLOUT_MODES)
     if args.modes is None:
@@ -413,12 +424,18 @@ def run_bench(args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.long_tail:
+        from tools import bench_tokens  # it builds on this module's analysis: imported only here
+
+        run, render, name = bench_tokens.run, bench_tokens.render_markdown, "bench_tokens"
+    else:
+        run, render, name = run_bench, render_markdown, "bench"
     try:
-        report = run_bench(args)
+        report = run(args)
     except BenchError as e:
         print(f"tools.bench: error: {e}", file=sys.stderr)
         return 1
-    write_report(args.out, "bench", report, render_markdown(report))
+    write_report(args.out, name, report, render(report))
     return 0
 
 

@@ -1,6 +1,8 @@
 """The memory model's arithmetic (tools/memory.py): parameter counts from shapes, what sharding
 divides by the pool size and what it does not."""
 
+from dataclasses import replace
+
 import pytest
 
 from tools import memory
@@ -104,3 +106,42 @@ def test_bench_layouts_cut_each_ranks_mini_batch_into_micro_batches():
     assert layout_overrides("2+2", WORKLOAD) == (4, ["placement.mode=split", "placement.pools=[]"])
     with pytest.raises(ValueError):
         layout_overrides("2+2/3", WORKLOAD)
+
+
+def test_a_token_budget_of_the_padded_micro_batch_gives_the_padded_numbers():
+    """With use_dynamic_bsz + use_remove_padding a micro-batch is sized by its token budget: a
+    budget of micro rows x (prompt + response) holds what those padded rows hold."""
+    s, row = QWEN25["Qwen2.5-7B"], 512 + 512
+    padded = Workload(micro=8, log_prob_micro=32)
+    same = replace(padded, ppo_max_token_len=8 * row, log_prob_max_token_len=32 * row, forward_max_token_len=32 * row)
+    for pool in (1, 4):
+        for rank in (memory.actor_rank, memory.critic_rank):
+            assert rank(s, pool, same)["phases"] == pytest.approx(rank(s, pool, padded)["phases"])
+    assert memory.micro_batches(4, same) == memory.micro_batches(4, padded) == 2
+
+
+def test_a_smaller_token_budget_needs_less_and_a_larger_one_more():
+    s = QWEN25["Qwen2.5-7B"]
+    padded = Workload(micro=8, log_prob_micro=32)  # 8 x 1024 = 8192 tokens per update micro-batch
+    half = replace(padded, ppo_max_token_len=4096, log_prob_max_token_len=4096, forward_max_token_len=4096)
+    double = replace(padded, ppo_max_token_len=16384)
+    for rank in (memory.actor_rank, memory.critic_rank):
+        small, big, base = rank(s, 4, half)["phases"], rank(s, 4, double)["phases"], rank(s, 4, padded)["phases"]
+        assert small["update"] < base["update"] < big["update"]
+    assert memory.actor_rank(s, 4, half)["phases"]["log-probs"] < memory.actor_rank(s, 4, padded)["phases"]["log-probs"]
+    assert memory.critic_rank(s, 4, half)["phases"]["values"] < memory.critic_rank(s, 4, padded)["phases"]["values"]
+    # tokens, not rows: activations scale with the budget alone
+    assert memory.activations(s, memory.micro_rows(8, 4096, padded), padded, True) == pytest.approx(
+        memory.activations(s, 4, padded, True))
+    assert memory.micro_batches(4, half) == 4 and memory.micro_batches(4, double) == 1
+
+
+def test_the_fit_table_says_which_micro_batching_it_assumes(capsys):
+    assert memory.main([]) == 0
+    assert "fixed micro-batches of 8 rows" in capsys.readouterr().out
+    assert memory.main(["--max-token-len", "16384"]) == 0
+    out = capsys.readouterr().out
+    assert "token budgets (use_dynamic_bsz + use_remove_padding, no padding): update 16384 tokens" in out
+    assert "| Qwen2.5-7B | 7.62B | 4+4 | 66.3 (update) |" in out
+    with pytest.raises(SystemExit):  # a budget must take the longest row whole
+        memory.main(["--max-token-len", "1000"])

@@ -1,9 +1,11 @@
 """`python -m tools.plan --memory [--gpu-gb 80 --world-size 8] [--rollout hf|vllm] [--no-sync-accumulation]
-[--check outputs/bench_memory/bench_memory.json]`
+[--max-token-len N] [--check outputs/bench_memory/bench_memory.json]`
 
 A memory model: predicted peak device memory of one rank of each pool, from the model's shape,
 the compute dtype, the engine (FSDP2 = ZeRO-3, or DeepSpeed stage 1/2/3), the pool sizes,
-gradient checkpointing, micro-batch and sequence lengths. What a rank holds all the time:
+gradient checkpointing, micro-batch and sequence lengths. A micro-batch is rows padded to prompt +
+response tokens, or with a token budget (`--max-token-len`, verl's `*_max_token_len_per_gpu`
+with use_dynamic_bsz and use_remove_padding) one packed row of the budget's tokens. What a rank holds all the time:
 
   * a trained model (actor, critic): fp32 masters and AdamW's two fp32 moments, 12 B/param,
     divided by the pool size where the engine shards them (FSDP2: all of it; ZeRO-1/2: optimizer
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import dataclass, replace
 
@@ -102,6 +105,12 @@ class Workload:
     mini: int = 64  # rows per optimizer step over the pool: ppo_mini_batch_size * rollout.n
     micro: int = 8  # ppo_micro_batch_size_per_gpu (actor and critic)
     log_prob_micro: int = 32  # log_prob / forward micro-batch
+    # Token budgets per micro-batch (0 = fixed micro-batches of rows, each padded to prompt_len +
+    # response_len): verl's use_dynamic_bsz with use_remove_padding, where a micro-batch is one
+    # packed row of at most this many tokens and no padding. See micro_rows.
+    ppo_max_token_len: int = 0  # actor.ppo_max_token_len_per_gpu and critic.ppo_max_token_len_per_gpu
+    log_prob_max_token_len: int = 0  # actor.log_prob_max_token_len_per_gpu, ref.log_prob_max_token_len_per_gpu
+    forward_max_token_len: int = 0  # critic.forward_max_token_len_per_gpu (values)
     no_sync_accumulation: bool = False  # FSDP2: reduce gradients once per mini-batch (actor and critic)
     rollout: str = "hf"  # hf (a whole copy, always held) | vllm (sleeps at level 2 between rollouts)
     gpu_memory_utilization: float = 0.5  # vllm: its share of the whole device, on top of what is resident
@@ -121,9 +130,19 @@ def trained_state(params: int, pool: int, w: Workload) -> float:
     return weights + masters + flat_grads + 8 * params / pool
 
 
+def micro_rows(rows: int, budget: int, w: Workload) -> float:
+    """The rows one micro-batch holds, in rows of prompt_len + response_len tokens: `rows` for
+    fixed micro-batches (padded to that length); with a token budget (use_dynamic_bsz and
+    use_remove_padding), budget / (prompt_len + response_len), so that the micro-batch's tokens
+    are the budget's, and its response positions those of rows shaped like the workload's (the
+    lengths then read as typical rows', not only as the limits). A budget of rows x (prompt_len +
+    response_len) gives what `rows` padded rows give."""
+    return budget / (w.prompt_len + w.response_len) if budget else rows
+
+
 def micro_batches(pool: int, w: Workload) -> int:
     """Micro-batches per mini-batch on one rank."""
-    return max(1, -(-(w.mini // pool) // w.micro))
+    return max(1, math.ceil((w.mini // pool) / micro_rows(w.micro, w.ppo_max_token_len, w)))
 
 
 def update_gradients(params: int, pool: int, w: Workload) -> float:
@@ -148,7 +167,8 @@ def gathered_units(s: Shape, params: int, pool: int, w: Workload) -> float:
 
 
 def activations(s: Shape, rows: int, w: Workload, training: bool) -> float:
-    """Saved activations of one micro-batch's forward (training) or one block's (inference)."""
+    """Saved activations of one micro-batch's forward (training) or one block's (inference);
+    `rows` of prompt_len + response_len tokens (see micro_rows)."""
     tokens = rows * (w.prompt_len + w.response_len)
     h, i = s.hidden, s.intermediate
     # Per token and block, as autograd saves them: norm inputs/outputs (the RMSNorm upcasts to
@@ -184,6 +204,7 @@ def generate(s: Shape, rows: int, w: Workload) -> tuple[str, float]:
 def actor_rank(s: Shape, pool: int, w: Workload) -> dict[str, float]:
     """Bytes on one actor-pool rank: what it keeps, and the largest transient of any phase."""
     rows = w.prompts_per_step // pool
+    log_prob_rows, update_rows = micro_rows(w.log_prob_micro, w.log_prob_max_token_len, w), micro_rows(w.micro, w.ppo_max_token_len, w)
     keep = {"policy (weights+AdamW)": trained_state(s.params, pool, w),
             "reference": w.dtype_bytes * s.params / pool,
             "rollout weights": w.dtype_bytes * s.params if w.rollout == "hf" else 0.0,
@@ -192,20 +213,21 @@ def actor_rank(s: Shape, pool: int, w: Workload) -> dict[str, float]:
     # On CPU the pool's first rank reads each model whole (fp32 here) to hand out its shards.
     phases = {"load": 4 * s.params if w.cpu and pool > 1 else 0.0,
               generate_name: generate_bytes,
-              "log-probs": gathered_units(s, s.params, pool, w) + activations(s, w.log_prob_micro, w, False)
-              + logits(s, w.log_prob_micro, w, False),
+              "log-probs": gathered_units(s, s.params, pool, w) + activations(s, log_prob_rows, w, False)
+              + logits(s, log_prob_rows, w, False),
               "update": update_gradients(s.params, pool, w) + gathered_units(s, s.params, pool, w)
-              + activations(s, w.micro, w, True) + logits(s, w.micro, w, True)}
+              + activations(s, update_rows, w, True) + logits(s, update_rows, w, True)}
     return _total(keep, phases)
 
 
 def critic_rank(s: Shape, pool: int, w: Workload) -> dict[str, float]:
     p = s.critic_params
+    forward_rows, update_rows = micro_rows(w.log_prob_micro, w.forward_max_token_len, w), micro_rows(w.micro, w.ppo_max_token_len, w)
     keep = {"critic (weights+AdamW)": trained_state(p, pool, w),
             "process": w.base_mb * MB if w.cpu else 0.0}
     phases = {"load": 4 * p if w.cpu and pool > 1 else 0.0,
-              "values": gathered_units(s, p, pool, w) + activations(s, w.log_prob_micro, w, False),
-              "update": update_gradients(p, pool, w) + gathered_units(s, p, pool, w) + activations(s, w.micro, w, True)}
+              "values": gathered_units(s, p, pool, w) + activations(s, forward_rows, w, False),
+              "update": update_gradients(p, pool, w) + gathered_units(s, p, pool, w) + activations(s, update_rows, w, True)}
     return _total(keep, phases)
 
 
@@ -252,6 +274,18 @@ def fit_table(shapes, world: int, gpu_gb: float, reserve_gb: float, w: Workload)
     return rows
 
 
+def describe_micro(w: Workload) -> str:
+    """Which micro-batching the prediction assumes."""
+    if not (w.ppo_max_token_len or w.log_prob_max_token_len or w.forward_max_token_len):
+        return (f"fixed micro-batches of {w.micro} rows (log-prob and values {w.log_prob_micro}), each row padded to "
+                "prompt + response")
+    budget = lambda tokens, rows: f"{tokens} tokens" if tokens else f"{rows} padded rows"  # noqa: E731
+    return (f"token budgets (use_dynamic_bsz + use_remove_padding, no padding): update "
+            f"{budget(w.ppo_max_token_len, w.micro)}, log-prob {budget(w.log_prob_max_token_len, w.log_prob_micro)}, "
+            f"values {budget(w.forward_max_token_len, w.log_prob_micro)} per micro-batch, of rows shaped like the "
+            "workload's")
+
+
 def describe_rollout(w: Workload) -> str:
     if w.rollout == "vllm":
         return (f"vLLM rollout at gpu_memory_utilization {w.gpu_memory_utilization} (asleep at level 2 while the "
@@ -265,8 +299,8 @@ def render_fit(rows: list[dict], world: int, gpu_gb: float, reserve_gb: float, w
              f"{reserve_gb:.0f} GB left for the CUDA context, NCCL and fragmentation). Workload: bf16 compute, "
              f"{w.engine}{'' if w.engine == 'fsdp' else f' ZeRO-{w.zero_stage}'}, gradient checkpointing "
              f"{'on' if w.gradient_checkpointing else 'off'}, {w.prompts_per_step} rollouts per step, prompt "
-             f"{w.prompt_len} + response {w.response_len} tokens, mini-batch {w.mini} rows, micro-batch {w.micro} "
-             f"(log-prob {w.log_prob_micro}), gradients reduced every micro-batch, {describe_rollout(w)}. Last "
+             f"{w.prompt_len} + response {w.response_len} tokens, mini-batch {w.mini} rows, {describe_micro(w)}, "
+             f"gradients reduced every micro-batch, {describe_rollout(w)}. Last "
              "columns: the worst rank with no_sync_accumulation (a whole fp32 gradient per rank while a mini-batch "
              "of several micro-batches accumulates).", "",
              "| model | params | layout | actor rank (GB) | critic rank (GB) | colocated rank (GB) | fits "
@@ -329,15 +363,30 @@ def main(argv=None) -> int:
     p.add_argument("--mini", type=int, default=64, help="rows per optimizer step over a pool (ppo_mini_batch_size * n)")
     p.add_argument("--micro", type=int, default=8)
     p.add_argument("--log-prob-micro", type=int, default=32)
+    p.add_argument("--max-token-len", type=int, default=0,
+                   help="token budget of every micro-batch (use_dynamic_bsz + use_remove_padding); each of the three "
+                        "below overrides it for its phases")
+    p.add_argument("--ppo-max-token-len-per-gpu", type=int, help="update micro-batches (actor and critic)")
+    p.add_argument("--log-prob-max-token-len-per-gpu", type=int, help="actor and reference log-probs")
+    p.add_argument("--forward-max-token-len-per-gpu", type=int, help="the critic's values")
     p.add_argument("--no-sync-accumulation", action="store_true",
                    help="actor and critic reduce gradients once per mini-batch (a whole fp32 gradient per rank)")
     p.add_argument("--rollout", choices=("hf", "vllm"), default="hf")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="vllm: its share of the whole GPU")
     p.add_argument("--check", help="a bench_memory.json to compare the model with (CPU RSS)")
     args = p.parse_args(argv)
+    budgets = {name: args.max_token_len if getattr(args, name) is None else getattr(args, name)
+               for name in ("ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu", "forward_max_token_len_per_gpu")}
+    for name, tokens in budgets.items():
+        # as verl: a packed micro-batch must take the longest row whole
+        if tokens and tokens < args.prompt_len + args.response_len:
+            p.error(f"{name}={tokens} is below one row of prompt {args.prompt_len} + response {args.response_len} tokens")
     w = Workload(engine=args.engine, zero_stage=args.zero_stage, gradient_checkpointing=not args.no_gradient_checkpointing,
                  prompts_per_step=args.rollouts, prompt_len=args.prompt_len, response_len=args.response_len,
                  mini=args.mini, micro=args.micro, log_prob_micro=args.log_prob_micro,
+                 ppo_max_token_len=budgets["ppo_max_token_len_per_gpu"],
+                 log_prob_max_token_len=budgets["log_prob_max_token_len_per_gpu"],
+                 forward_max_token_len=budgets["forward_max_token_len_per_gpu"],
                  no_sync_accumulation=args.no_sync_accumulation, rollout=args.rollout,
                  gpu_memory_utilization=args.gpu_memory_utilization, device_gb=args.gpu_gb)
     rows = fit_table(QWEN25.values(), args.world_size, args.gpu_gb, args.reserve_gb, w)

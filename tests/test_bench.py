@@ -225,6 +225,35 @@ def test_balance_and_final_metrics_from_scalars():
     assert bench_tokens.final_metrics(scalars) == {"actor/pg_loss": 0.2}
 
 
+def fake_run(workload, mode, layout, phase_s, balance=None):
+    phases = {p: phase_s for p in bench_tokens.TRAIN_PHASES}
+    return {"workload": workload, "mode": mode, "layout": layout, "wall_s": 30.0, "step_time_s": 6 * phase_s,
+            "train_phases": {**phases, "sum": 5 * phase_s}, "tokens_per_s": 1000 / phase_s,
+            "padding_share": 0.7 if mode == "fixed" else 0.0, "balance": balance or {},
+            "final": {"critic/score/mean": 0.02}, "response_lengths": bench_tokens.length_stats([1, 50, 256]),
+            "response_length_tb": {"mean": 102.3, "max": 256.0, "min": 1.0},
+            "histogram": bench_tokens.histogram([1, 50, 256], 256) if workload == "long-tail" else []}
+
+
+def test_targets_and_the_report_from_hand_made_runs():
+    runs = [fake_run("long-tail", "fixed", "2+2", 1.0), fake_run("long-tail", "tokens", "2+2", 0.5, {"balance/max_min": 1.2}),
+            fake_run("default", "fixed", "2+2", 1.0), fake_run("default", "tokens", "2+2", 1.04)]
+    comparisons = {"long-tail 2+2": bench_tokens.compare(runs[0], runs[1]), "default 2+2": bench_tokens.compare(runs[2], runs[3])}
+    got = {t["target"]: (t["value"], t["met"]) for t in bench_tokens.targets(comparisons, runs)}
+    assert got["long tail, 2+2: five phases fixed / tokens >= 1.8"] == (pytest.approx(2.0), True)
+    assert got["default, 2+2: five phases tokens / fixed <= 1.05"] == (pytest.approx(1.04), True)
+    assert got["long-tail 2+2: balance/max_min <= 1.1"] == (1.2, False)
+    report = {"meta": {"device": "cpu", "torch": "x", "date": "d", "steps": 5, "warmup": 1, "wall_s": 120.0,
+                       "overrides": []}, "runs": runs, "comparisons": comparisons,
+              "targets": bench_tokens.targets(comparisons, runs)}
+    md = bench_tokens.render_markdown(report)
+    assert "| long-tail | 2+2 | fixed | 1.000 | 1.000 | 1.000 | 1.000 | 1.000 | 5.000 | 6.000 | 1000 | 70.0% | 30 |" in md
+    assert "| long-tail | 2+2 | 2.00x | 2.00x | 2.00x | 2.00x | 2.00x | 2.00x | 2.00x | 2.00x |" in md
+    assert "| long tail, 2+2: five phases fixed / tokens >= 1.8 | 2.00 | yes |" in md
+    assert "| long-tail | 2+2 | tokens | balance/max_min | 1.200 |" in md
+    assert md.count("Response lengths, long-tail") == 2 and "mean 102.3, median 50.0, max 256" in md
+
+
 def test_long_tail_prompts_and_the_length_dump(tmp_path):
     import importlib.util
 

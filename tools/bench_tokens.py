@@ -202,6 +202,27 @@ def compare(fixed: dict, tokens: dict) -> dict:
             "tokens_per_s_ratio": bench.ratio(tokens["tokens_per_s"], fixed["tokens_per_s"]), "final": metrics}
 
 
+def targets(comparisons: dict, runs: list[dict]) -> list[dict]:
+    """Issue 20's targets against what was measured: the five phases >= 1.8x faster in tokens mode
+    on the long tail at 2+2, no slower than 1.05x on the default, and with balancing on no rank
+    above 1.1x another's tokens (read from a balance metric whose name says max/min, if any)."""
+    out = []
+    for key, c in comparisons.items():
+        workload, layout = key.split(" ")
+        if workload == "long-tail" and layout == "2+2":
+            out.append({"target": "long tail, 2+2: five phases fixed / tokens >= 1.8", "value": c["phase_ratio"]["sum"],
+                        "met": None if c["phase_ratio"]["sum"] is None else c["phase_ratio"]["sum"] >= 1.8})
+        if workload == "default":
+            slower = bench.ratio(1.0, c["phase_ratio"]["sum"])
+            out.append({"target": f"default, {layout}: five phases tokens / fixed <= 1.05", "value": slower,
+                        "met": None if slower is None else slower <= 1.05})
+    for r in runs:
+        for tag, v in r["balance"].items():
+            if r["mode"] == "tokens" and "max" in tag and "min" in tag:
+                out.append({"target": f"{r['workload']} {r['layout']}: {tag} <= 1.1", "value": v, "met": v <= 1.1})
+    return out
+
+
 # ------------------------------------------------------------------ the workload on disk
 
 def write_prompts(path: str, rows: int, lengths: tuple[int, int], seed: int = 0) -> None:
@@ -307,7 +328,8 @@ def run(args) -> dict:
             "steps": args.steps, "warmup": args.warmup, "overrides": args.overrides, "layouts": args.layouts,
             "long_tail_model": LONG_TAIL_MODEL, "eos_rate": LONG_TAIL_EOS_RATE, "prompt_tokens": LONG_TAIL_PROMPTS,
             "wall_s": sum(r["wall_s"] for r in runs)}
-    return {"schema": "spmdsplit.bench_tokens/1", "meta": meta, "runs": runs, "comparisons": comparisons}
+    return {"schema": "spmdsplit.bench_tokens/1", "meta": meta, "runs": runs, "comparisons": comparisons,
+            "targets": targets(comparisons, runs)}
 
 
 # ------------------------------------------------------------------ report
@@ -333,6 +355,9 @@ def render_markdown(report: dict) -> str:
         lines.append(f"| {workload} | {layout} | " + " | ".join(fmt(c["phase_ratio"][p], "{:.2f}x") for p in TRAIN_PHASES)
                      + f" | {fmt(c['phase_ratio']['sum'], '{:.2f}x')} | {fmt(c['step_ratio'], '{:.2f}x')} | "
                      f"{fmt(c['tokens_per_s_ratio'], '{:.2f}x')} |")
+    lines += ["", "| target | measured | met |", "|---|---|---|"]
+    lines += [f"| {t['target']} | {fmt(t['value'], '{:.2f}')} | {'n/a' if t['met'] is None else 'yes' if t['met'] else 'NO'} |"
+              for t in report["targets"]]
     lines += ["", "Final metrics (last step), fixed vs tokens; `agree`: |tokens - fixed| <= 0.01 + 5% |fixed|:", "",
               "| workload | layout | metric | fixed | tokens | agree |", "|---|---|---|---|---|---|"]
     for key, c in report["comparisons"].items():
@@ -349,10 +374,9 @@ def render_markdown(report: dict) -> str:
         if r["histogram"]:
             s, tb = r["response_lengths"], r["response_length_tb"]
             lines += ["", f"Response lengths, {r['workload']} {r['mode']} {r['layout']} (every response of every step, "
-                      f"from the job's length dump): {s['count']} responses, mean {s['mean']:.1f}, median {s['median']:.0f}, "
+                      f"from the job's length dump): {s['count']} responses, mean {s['mean']:.1f}, median {s['median']:.1f}, "
                       f"max {s['max']}, min {s['min']} (TensorBoard, median over steps: mean {fmt(tb['mean'], '{:.1f}')}, "
                       f"max {fmt(tb['max'], '{:.0f}')})", "", "```"] + text_histogram(r["histogram"]) + ["```"]
-            break  # the responses are the same workload's in every job: one histogram says it
     lines += ["", "Definitions: a phase's time is its pool's slowest rank's, median over steps. valid tokens = rows x "
               "(mean prompt + mean response length) per step (TensorBoard); padding share = 1 - valid / processed, "
               "processed = rows x (max prompt + max response) in fixed mode, the valid tokens in tokens mode "

@@ -247,6 +247,9 @@ def test_targets_and_the_report_from_hand_made_runs():
                        "overrides": []}, "runs": runs, "comparisons": comparisons,
               "targets": bench_tokens.targets(comparisons, runs)}
     md = bench_tokens.render_markdown(report)
+    tables = [block.splitlines() for block in md.split("\n\n") if block.startswith("|")]
+    for table in tables:  # every row as many cells as its header
+        assert len({line.count("|") for line in table}) == 1, table
     assert "| long-tail | 2+2 | fixed | 1.000 | 1.000 | 1.000 | 1.000 | 1.000 | 5.000 | 6.000 | 1000 | 70.0% | 30 |" in md
     assert "| long-tail | 2+2 | 2.00x | 2.00x | 2.00x | 2.00x | 2.00x | 2.00x | 2.00x | 2.00x |" in md
     assert "| long tail, 2+2: five phases fixed / tokens >= 1.8 | 2.00 | yes |" in md

@@ -377,7 +377,7 @@ def parse_args(argv):
     p.add_argument("overrides", nargs="*", help="key=value train overrides for every mode")
     args = p.parse_args(argv)
     few = args.short or args.long_tail  # --long-tail: 8 jobs on 2 cores, each step seconds long
-    args.steps = args.steps or (4 if args.short else 5 if args.long_tail else 20)
+    args.steps = args.steps or (4 if args.short else 8 if args.long_tail else 20)
     args.warmup = (1 if few else 2) if args.warmup is None else args.warmup
     if args.modes is None and args.gen_heavy:
         args.modes = list(ROLLOUT_MODES)

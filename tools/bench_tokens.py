@@ -340,7 +340,7 @@ def render_markdown(report: dict) -> str:
              f"{meta['steps']} steps per job, medians over steps > {meta['warmup']}; all jobs "
              f"{meta['wall_s']:.0f} s of wall time. Extra overrides: `{' '.join(meta['overrides']) or '(none)'}`.", "",
              "| workload | layout | mode | " + " | ".join(TRAIN_PHASES) + " | sum of five (s) | step (s) | "
-             "valid tokens/s | padding share | wall (s) |", "|---" * (len(TRAIN_PHASES) + 9) + "|"]
+             "valid tokens/s | padding share | wall (s) |", "|---" * (len(TRAIN_PHASES) + 8) + "|"]
     for r in report["runs"]:
         ph = r["train_phases"]
         lines.append(f"| {r['workload']} | {r['layout']} | {r['mode']} | " + " | ".join(fmt(ph.get(p)) for p in TRAIN_PHASES)

@@ -189,15 +189,26 @@ def test_response_lengths_from_the_dump_and_their_histogram():
 def test_padding_share_from_logged_lengths_and_each_modes_rule():
     scalars = {"prompt_length/mean": {1: 10.0, 2: 20.0, 3: 30.0}, "response_length/mean": {1: 30.0, 2: 20.0, 3: 10.0},
                "response_length/max": {1: 50.0, 2: 40.0, 3: 60.0}, "timing_s/step": {1: 9.0, 2: 2.0, 3: 4.0}}
-    fixed = bench_tokens.step_tokens(scalars, rows=4, prompt_width=40, response_width=60, mode="fixed")
+    full = {s: [60] for s in (1, 2, 3)}
+    fixed = bench_tokens.step_tokens(scalars, rows=4, prompt_width=40, widths=full, mode="fixed")
     assert fixed[2] == {"valid": 160.0, "processed": 400}
     assert bench_tokens.padding_share(fixed, warmup=1) == pytest.approx(1 - 320 / 800)
-    cut = bench_tokens.step_tokens(scalars, rows=4, prompt_width=40, response_width=None, mode="fixed")
+    assert bench_tokens.widths_from_scalars(scalars) == {1: [50], 2: [40], 3: [60]}
+    cut = bench_tokens.step_tokens(scalars, rows=4, prompt_width=40, widths=bench_tokens.widths_from_scalars(scalars),
+                                   mode="fixed")
     assert cut[2]["processed"] == 4 * (40 + 40) and cut[3]["processed"] == 4 * (40 + 60)
-    tokens = bench_tokens.step_tokens(scalars, rows=4, prompt_width=40, response_width=60, mode="tokens")
+    two_ranks = bench_tokens.step_tokens(scalars, rows=4, prompt_width=40, widths={2: [10, 30]}, mode="fixed")
+    assert two_ranks[2]["processed"] == 2 * (40 + 10) + 2 * (40 + 30) and two_ranks[3]["processed"] is None
+    tokens = bench_tokens.step_tokens(scalars, rows=4, prompt_width=40, widths={}, mode="tokens")
     assert bench_tokens.padding_share(tokens, warmup=1) == 0.0
     assert bench_tokens.tokens_per_second(fixed, scalars["timing_s/step"], warmup=1) == pytest.approx((80 + 40) / 2)
     assert bench_tokens.padding_share({}, warmup=0) is None
+
+
+def test_each_ranks_response_width_from_the_length_dump():
+    # two critic ranks, 2 rows each per step, 2 steps (and a half-written third step ignored)
+    per_rank = [[3, 9, 1, 1, 7], [0, 4, 256, 2]]
+    assert bench_tokens.widths_from_dump(per_rank, rows_per_rank=2) == {1: [9, 4], 2: [1, 256]}
 
 
 def test_train_phases_sum_and_compare_fixed_with_tokens():
@@ -219,9 +230,13 @@ def test_train_phases_sum_and_compare_fixed_with_tokens():
 
 
 def test_balance_and_final_metrics_from_scalars():
-    scalars = {"balance/tokens_max_min_ratio": {1: 3.0, 2: 1.05, 3: 1.07}, "actor/pg_loss": {1: 0.5, 3: 0.2, 2: 0.3},
-               "timing_s/step": {1: 1.0}}
-    assert bench_tokens.balance_metrics(scalars, warmup=1) == {"balance/tokens_max_min_ratio": pytest.approx(1.06)}
+    scalars = {"global_seqlen/min": {1: 100, 2: 100, 3: 50}, "global_seqlen/max": {1: 300, 2: 150, 3: 100},
+               "global_seqlen/balanced_min": {1: 100, 2: 120, 3: 70}, "global_seqlen/balanced_max": {1: 300, 2: 126, 3: 77},
+               "global_seqlen/mean": {1: 200, 2: 125, 3: 75}, "global_seqlen/critic/balanced_min": {2: 0},
+               "global_seqlen/critic/balanced_max": {2: 9}, "actor/pg_loss": {1: 0.5, 3: 0.2, 2: 0.3}, "timing_s/step": {1: 1.0}}
+    assert bench_tokens.balance_metrics(scalars, warmup=1) == {  # a step with a rank of no tokens has no ratio
+        "actor max/min tokens per rank, before": pytest.approx(1.75), "actor max/min tokens per rank, after": pytest.approx(1.075)}
+    assert bench_tokens.balance_metrics({"actor/pg_loss": {1: 0.5}}, warmup=0) == {}
     assert bench_tokens.final_metrics(scalars) == {"actor/pg_loss": 0.2}
 
 
@@ -236,13 +251,15 @@ def fake_run(workload, mode, layout, phase_s, balance=None):
 
 
 def test_targets_and_the_report_from_hand_made_runs():
-    runs = [fake_run("long-tail", "fixed", "2+2", 1.0), fake_run("long-tail", "tokens", "2+2", 0.5, {"balance/max_min": 1.2}),
+    runs = [fake_run("long-tail", "fixed", "2+2", 1.0), fake_run("long-tail", "tokens", "2+2", 0.5, {"actor max/min tokens per rank, after": 1.2,
+                                                                  "actor max/min tokens per rank, before": 2.0}),
             fake_run("default", "fixed", "2+2", 1.0), fake_run("default", "tokens", "2+2", 1.04)]
     comparisons = {"long-tail 2+2": bench_tokens.compare(runs[0], runs[1]), "default 2+2": bench_tokens.compare(runs[2], runs[3])}
     got = {t["target"]: (t["value"], t["met"]) for t in bench_tokens.targets(comparisons, runs)}
     assert got["long tail, 2+2: five phases fixed / tokens >= 1.8"] == (pytest.approx(2.0), True)
     assert got["default, 2+2: five phases tokens / fixed <= 1.05"] == (pytest.approx(1.04), True)
-    assert got["long-tail 2+2: balance/max_min <= 1.1"] == (1.2, False)
+    assert got["long-tail 2+2: actor max/min tokens per rank, after <= 1.1"] == (1.2, False)
+    assert len(got) == 3  # "before" is no target
     report = {"meta": {"device": "cpu", "torch": "x", "date": "d", "steps": 5, "warmup": 1, "wall_s": 120.0,
                        "overrides": []}, "runs": runs, "comparisons": comparisons,
               "targets": bench_tokens.targets(comparisons, runs)}
@@ -253,7 +270,7 @@ def test_targets_and_the_report_from_hand_made_runs():
     assert "| long-tail | 2+2 | fixed | 1.000 | 1.000 | 1.000 | 1.000 | 1.000 | 5.000 | 6.000 | 1000 | 70.0% | 30 |" in md
     assert "| long-tail | 2+2 | 2.00x | 2.00x | 2.00x | 2.00x | 2.00x | 2.00x | 2.00x | 2.00x |" in md
     assert "| long tail, 2+2: five phases fixed / tokens >= 1.8 | 2.00 | yes |" in md
-    assert "| long-tail | 2+2 | tokens | balance/max_min | 1.200 |" in md
+    assert "| long-tail | 2+2 | tokens | actor max/min tokens per rank, after | 1.200 |" in md
     assert md.count("Response lengths, long-tail") == 2 and "mean 102.3, median 50.0, max 256" in md
 
 
@@ -274,7 +291,7 @@ def test_long_tail_prompts_and_the_length_dump(tmp_path):
     spec.loader.exec_module(module)
     assert module.compute_score(data_source="bench/long_tail", solution_str="7777", ground_truth="7777") == 1.0
     module.compute_score(data_source="bench/long_tail", solution_str="", ground_truth="1111")
-    assert bench_tokens.read_lengths(dump, 256) == [5, 1]
+    assert bench_tokens.read_lengths(dump, 256) == [[5, 1]]  # one process: one list
     assert bench_tokens.length_dump(str(tmp_path / "job"))[1] == dump and bench_tokens.read_lengths(dump, 256) == []
 
 

@@ -19,9 +19,10 @@ same workload (`ppo_max_token_len_per_gpu` = ppo_micro_batch_size_per_gpu x (max
 response), and likewise for log-probs and values), so neither mode may hold more activations at once.
 
 Padding share = 1 - valid tokens / tokens the forward passes processed, computed from what the
-job logged (TensorBoard prompt_length/mean, response_length/mean and /max) and each mode's rule:
-fixed processes every row at the padded width; tokens mode with remove-padding processes the
-valid tokens alone.
+job logged (TensorBoard prompt_length/mean and response_length/mean, the length dump) and each
+mode's rule: fixed processes each rank's rows at data.max_prompt_length + the rank's longest
+response (the rollout engine cuts responses to their longest); tokens mode with remove-padding
+processes the valid tokens alone.
 """
 
 from __future__ import annotations
@@ -129,25 +130,44 @@ def text_histogram(bins: list[tuple[int, int, int]], bar: int = 40) -> list[str]
     return [f"{lo:>4}-{hi:<4} {'#' * round(bar * c / most):<{bar}} {c} ({c / total:.0%})" for lo, hi, c in bins]
 
 
-def step_tokens(scalars: dict[str, dict[int, float]], rows: int, prompt_width: int, response_width: int | None,
+def step_tokens(scalars: dict[str, dict[int, float]], rows: int, prompt_width: int, widths: dict[int, list[int]],
                 mode: str) -> dict[int, dict[str, float]]:
     """step -> {valid, processed} tokens of one pass over the step's rows. valid = rows x (mean
-    prompt + mean response length), from the job's TensorBoard. processed: fixed, every row at
-    the padded width (prompt_width + response_width; response_width None = the step's longest
-    response, where the engine cuts responses to the batch's longest); tokens (remove-padding),
-    the valid tokens alone. Every training phase passes over every row (the updates ppo_epochs
-    times), so one pass's share is every phase's share."""
+    prompt + mean response length), from the job's TensorBoard. processed: fixed, each rank's rows
+    at its padded width, prompt_width (prompts are left-padded to data.max_prompt_length) + that
+    rank's response width (`widths`: step -> one width per rank, each rank holding rows / ranks
+    rows); tokens (remove-padding), the valid tokens alone. Every training phase passes over every
+    row (the updates ppo_epochs times), so one pass's share is every phase's share."""
     prompts, responses = scalars.get("prompt_length/mean", {}), scalars.get("response_length/mean", {})
-    longest = scalars.get("response_length/max", {})
     out = {}
     for step in sorted(set(prompts) & set(responses)):
         valid = rows * (prompts[step] + responses[step])
         if mode == "tokens":
             processed = valid
+        elif widths.get(step):
+            processed = sum(rows / len(widths[step]) * (prompt_width + w) for w in widths[step])
         else:
-            width = response_width if response_width is not None else longest.get(step)
-            processed = rows * (prompt_width + width) if width is not None else None
+            processed = None
         out[step] = {"valid": valid, "processed": processed}
+    return out
+
+
+def widths_from_scalars(scalars: dict[str, dict[int, float]]) -> dict[int, list[int]]:
+    """step -> [the step's longest response] (TensorBoard's response_length/max): every rank's
+    response width where rollouts are cut to their longest response and one rank holds the rows;
+    an upper bound on each where several do (a rank's rows are as wide as its own longest)."""
+    return {step: [max(int(v), 1)] for step, v in scalars.get("response_length/max", {}).items()}
+
+
+def widths_from_dump(per_rank: list[list[int]], rows_per_rank: int) -> dict[int, list[int]]:
+    """step -> each rank's longest response, from the length dump (one list per critic rank, its
+    rows_per_rank responses of step 1, then of step 2, ...): a fixed-mode rank's response width
+    where rollouts are cut to their longest, the pools are of one size and no balancing moves rows
+    (each critic rank scores exactly the rows one actor rank generated and trains on)."""
+    out: dict[int, list[int]] = {}
+    for lengths in per_rank:
+        for i in range(0, len(lengths) - rows_per_rank + 1, rows_per_rank):
+            out.setdefault(i // rows_per_rank + 1, []).append(max(max(lengths[i:i + rows_per_rank]), 1))
     return out
 
 
@@ -173,10 +193,18 @@ def train_phase_seconds(phases: dict[str, dict[str, float]]) -> dict[str, float 
 
 
 def balance_metrics(scalars: dict[str, dict[int, float]], warmup: int) -> dict[str, float]:
-    """Every TensorBoard scalar whose name says balance, median after the warm-up (the runtime's
-    row-balancing metrics, whatever it names them)."""
-    return {tag: v for tag, by_step in sorted(scalars.items()) if "balanc" in tag
-            for v in [bench.median_after_warmup(by_step, warmup)] if v is not None}
+    """Max / min tokens per rank of each pool, before balancing (as generated) and after, median
+    over the steps after the warm-up, from verl's balance metrics as trainer.balance_batch logs
+    them: global_seqlen/{min,max,balanced_min,balanced_max} for the actor pool,
+    global_seqlen/critic/... for the critic pool. Empty where balancing was off."""
+    out = {}
+    for pool, prefix in (("actor", "global_seqlen"), ("critic", "global_seqlen/critic")):
+        for when, lo, hi in (("before", "min", "max"), ("after", "balanced_min", "balanced_max")):
+            low, high = scalars.get(f"{prefix}/{lo}", {}), scalars.get(f"{prefix}/{hi}", {})
+            value = bench.median_after_warmup({s: high[s] / low[s] for s in high if low.get(s)}, warmup)
+            if value is not None:
+                out[f"{pool} max/min tokens per rank, {when}"] = value
+    return out
 
 
 def final_metrics(scalars: dict[str, dict[int, float]]) -> dict[str, float]:
@@ -205,7 +233,7 @@ def compare(fixed: dict, tokens: dict) -> dict:
 def targets(comparisons: dict, runs: list[dict]) -> list[dict]:
     """Issue 20's targets against what was measured: the five phases >= 1.8x faster in tokens mode
     on the long tail at 2+2, no slower than 1.05x on the default, and with balancing on no rank
-    above 1.1x another's tokens (read from a balance metric whose name says max/min, if any)."""
+    above 1.1x another's tokens (balance_metrics' "after")."""
     out = []
     for key, c in comparisons.items():
         workload, layout = key.split(" ")
@@ -218,7 +246,7 @@ def targets(comparisons: dict, runs: list[dict]) -> list[dict]:
                         "met": None if slower is None else slower <= 1.05})
     for r in runs:
         for tag, v in r["balance"].items():
-            if r["mode"] == "tokens" and "max" in tag and "min" in tag:
+            if r["mode"] == "tokens" and tag.endswith("after"):
                 out.append({"target": f"{r['workload']} {r['layout']}: {tag} <= 1.1", "value": v, "met": v <= 1.1})
     return out
 
@@ -267,12 +295,13 @@ def length_dump(job_dir: str) -> tuple[list[str], str]:
     return [f"reward.custom_fn.path={path}"], dump
 
 
-def read_lengths(dump: str, max_response: int) -> list[int]:
-    lengths = []
+def read_lengths(dump: str, max_response: int) -> list[list[int]]:
+    """Response lengths in tokens, one list per process that scored rows (a critic rank), in order."""
+    per_rank = []
     for name in sorted(os.listdir(dump)):
         with open(os.path.join(dump, name)) as f:
-            lengths += [response_tokens(int(line), max_response) for line in f if line.strip()]
-    return lengths
+            per_rank.append([response_tokens(int(line), max_response) for line in f if line.strip()])
+    return per_rank
 
 
 # ------------------------------------------------------------------ running
@@ -286,10 +315,12 @@ def run_one(workload: str, mode: str, layout: str, base: list[str], shapes: dict
     start = time.time()
     trace, scalars = run_job(LAYOUTS[layout], base + dump_overrides + extra, job_dir)
     m = bench.analyze(trace, scalars, args.warmup)
-    rows = int(shapes["data.train_batch_size"])
-    tokens = step_tokens(scalars, rows, int(shapes["data.max_prompt_length"]),
-                         int(shapes["data.max_response_length"]), mode)
-    lengths = read_lengths(dump, int(shapes["data.max_response_length"])) if dump else []
+    rows, max_response = int(shapes["data.train_batch_size"]), int(shapes["data.max_response_length"])
+    per_rank = read_lengths(dump, max_response) if dump else []
+    lengths = [n for rank in per_rank for n in rank]
+    # The default workload has no dump: its widths are the step's longest, exact at 1+1, an upper bound at 2+2.
+    widths = widths_from_dump(per_rank, rows // len(per_rank)) if per_rank else widths_from_scalars(scalars)
+    tokens = step_tokens(scalars, rows, int(shapes["data.max_prompt_length"]), widths, mode)
     return {"workload": workload, "mode": mode, "layout": layout, "overrides": extra, "wall_s": time.time() - start,
             "step_time_s": m["step_time_s"], "steps_used": m["steps_used"], "train_phases": train_phase_seconds(m["phases"]),
             "phases": m["phases"], "padding_share": padding_share(tokens, args.warmup),
@@ -298,7 +329,7 @@ def run_one(workload: str, mode: str, layout: str, base: list[str], shapes: dict
             "response_length_tb": {k: bench.median(scalars.get(f"response_length/{k}", {}).values())
                                    for k in ("mean", "max", "min")},
             "response_lengths": length_stats(lengths),
-            "histogram": histogram(lengths, int(shapes["data.max_response_length"])) if lengths else [],
+            "histogram": histogram(lengths, max_response) if lengths else [],
             "balance": balance_metrics(scalars, args.warmup), "final": final_metrics(scalars),
             "peak_memory": m["peak_memory"]}
 
@@ -379,6 +410,8 @@ def render_markdown(report: dict) -> str:
                       f"max {fmt(tb['max'], '{:.0f}')})", "", "```"] + text_histogram(r["histogram"]) + ["```"]
     lines += ["", "Definitions: a phase's time is its pool's slowest rank's, median over steps. valid tokens = rows x "
               "(mean prompt + mean response length) per step (TensorBoard); padding share = 1 - valid / processed, "
-              "processed = rows x (max prompt + max response) in fixed mode, the valid tokens in tokens mode "
-              "(remove-padding). Token budgets = the fixed micro-batch's rows x (max prompt + max response).", ""]
+              "processed = in fixed mode each rank's rows x (max prompt + the longest response among them: rollouts "
+              "are cut to it; per rank from the length dump on the long tail, the step's longest from TensorBoard on "
+              "the default, an upper bound at 2+2), in tokens mode the valid tokens (remove-padding). Token budgets = "
+              "the fixed micro-batch's rows x (max prompt + max response).", ""]
     return "\n".join(lines)

@@ -403,14 +403,6 @@ class Pools:
         self.placement.ranks_of(pool)
         return self.actor_mesh if pool == "actor" else self.critic_mesh
 
-    def rank_in(self, pool: str) -> int:
-        """This rank's index within the pool. Same as dist.get_rank(group): new_group sorts
-        its ranks and the placement's lists are sorted, so no call is needed."""
-        ranks = self.placement.ranks_of(pool)
-        if self.rank not in ranks:
-            raise ValueError(f"rank {self.rank} is not in the {pool} pool {list(ranks)}")
-        return ranks.index(self.rank)
-
 
 def _member_or_none(group) -> ProcessGroup | None:
     # new_group returns GroupMember.NON_GROUP_MEMBER (a sentinel, not None) on ranks outside

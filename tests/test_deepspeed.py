@@ -198,18 +198,70 @@ def test_save_and_load_in_one_pool_while_the_other_trains(model_dir, tmp_path, s
     "stage, unscoped, where",
     [(3, "barrier", "_create_fp16_partitions_with_defragmentation"),  # ZeRO-3 optimizer set-up
      (3, "trace", "reset_step"),  # ZeRO-3 trace check after the first forward/backward
-     (2, "barrier", "save_checkpoint")],  # no ZeRO-3 set-up barriers: the checkpoint's is the first
+     (2, "barrier", "save_checkpoint"),  # no ZeRO-3 set-up barriers: the checkpoint's is the first
+     (2, "tag_validation", "_checkpoint_tag_validation")],  # the checkpoint's barrier scoped, then this
 )
 def test_each_unscoped_call_hangs_beside_another_pool(model_dir, tmp_path, monkeypatch, stage, unscoped, where):
-    """The job above with one of the pool scopings left out (SPMDSPLIT_DS_UNSCOPED): that DeepSpeed
+    """The job above with one of the pool scopings left out (SPMDSPLIT_DS_WITHOUT): that DeepSpeed
     call waits on the world, which the FSDP pool never joins. The FSDP pool gives up after 20 s and
     leaves, so the waiting call fails (peer gone) where it would otherwise hang; the traceback must
     show the DeepSpeed function the scoping is for."""
-    monkeypatch.setenv("SPMDSPLIT_DS_UNSCOPED", unscoped)  # spawned ranks inherit it
+    monkeypatch.setenv("SPMDSPLIT_DS_WITHOUT", unscoped)  # spawned ranks inherit it
     with pytest.raises(AssertionError, match="hang|failed") as failure:
         run_ranks(_save_load_beside_training, 4, model_dir, stage, str(tmp_path), 20.0, timeout=90)
     assert "rank(s) [2, 3]" in str(failure.value) or "rank(s) [2]" in str(failure.value) or "rank(s) [3]" in str(failure.value)
     assert where in str(failure.value)
+
+
+def _shm_builds(rank, world_size):
+    """How often DeepSpeed's communication start-up asks for the shared-memory op's JIT build. The
+    builder is replaced by a counter that builds nothing: the build itself takes ~53 s."""
+    import importlib
+
+    from spmdsplit.engines.deepspeed_compat import init_deepspeed_comm
+
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
+    calls = []
+    ds_torch.build_shm_op = lambda: calls.append(1)
+    init_deepspeed_comm()
+    return len(calls)
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("left_out", [False, True])
+def test_deepspeed_comm_init_would_build_the_shm_op(monkeypatch, left_out):
+    """deepspeed_compat 1: DeepSpeed 0.19.8's TorchBackend asks for the JIT build of its CPU
+    shared-memory all-reduce at start-up; with the workaround it is never asked."""
+    if left_out:
+        monkeypatch.setenv("SPMDSPLIT_DS_WITHOUT", "shm_build")
+    assert run_ranks(_shm_builds, 1, timeout=120) == [1 if left_out else 0]
+
+
+def _zero3_build(rank, world_size, model_dir):
+    """A ZeRO-3 pool of two builds an fp32 model from the checkpoint: its parameters' dtypes."""
+    from spmdsplit.engines.deepspeed import DeepSpeedEngine
+    from spmdsplit.models import ModelSource
+
+    model = DeepSpeedEngine.from_source(ModelSource("causal_lm", model_dir, torch.float32), dist.group.WORLD, 3,
+                                        torch.device("cpu")).model
+    return sorted({str(p.dtype) for p in model.parameters()})
+
+
+@needs_deepspeed
+@pytest.mark.parametrize("left_out, fails_with", [("", None), ("dynamo_import", "Signature mismatch"),
+                                                  ("zero_init_dtype", "bfloat16")])
+def test_zero_init_workarounds_are_needed(model_dir, monkeypatch, left_out, fails_with):
+    """deepspeed_compat 5 and 6, in fresh processes: with both, the pool builds the fp32 model it
+    was asked for; without the first import outside zero.Init, importing torch._dynamo under it fails (a signature mismatch);
+    without leaving zero.Init's dtype to the config, the model comes out bf16."""
+    monkeypatch.setenv("SPMDSPLIT_DS_WITHOUT", left_out)
+    if fails_with is None:
+        assert run_ranks(_zero3_build, 2, model_dir, timeout=180) == [["torch.float32"]] * 2
+    elif left_out == "zero_init_dtype":
+        assert run_ranks(_zero3_build, 2, model_dir, timeout=180) == [["torch.bfloat16"]] * 2
+    else:
+        with pytest.raises(AssertionError, match=fails_with):
+            run_ranks(_zero3_build, 2, model_dir, timeout=180)
 
 
 def _inference_beside_plain(rank, world_size, model_dir):

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from spmdsplit.engines.common import HFExport, adamw_with_warmup, apply_ac
-from spmdsplit.engines.deepspeed_compat import (CHECKPOINT_CONFIG, active_group, comm_device,
+from spmdsplit.engines.deepspeed_compat import (active_group, checkpoint_config, comm_device,
                                                 import_before_zero_init, init_deepspeed_comm,
                                                 install_pool_scoping, zero_init)
 from spmdsplit.models import ModelSource, hf_tensors
@@ -96,7 +96,7 @@ def ds_config(zero_stage: int, optim, param_dtype, dp_size: int) -> dict[str, An
         # default, spelled out: FSDPEngine does the same, and fp32 ZeRO always does).
         "bf16": {"enabled": param_dtype == torch.bfloat16, "check_grad_overflow": True},
         "zero_allow_untested_optimizer": True,  # a torch AdamW we build: no config-named op to JIT-compile
-        "checkpoint": dict(CHECKPOINT_CONFIG),  # deepspeed_compat 4: no world all-reduce of the tag
+        "checkpoint": checkpoint_config(),  # deepspeed_compat 4: no world all-reduce of the tag
         "steps_per_print": 2**62,
         "wall_clock_breakdown": False,
     }
@@ -294,7 +294,7 @@ def load_into_partitions(source: ModelSource, group: dist.ProcessGroup, device: 
     mpu = _PoolMPU(group, _single_rank_group())
     import_before_zero_init(source)
     with active_group(group):
-        with zero_init(group, mpu, config):
+        with zero_init(group, mpu, config, source.dtype):
             model = source.skeleton(device)
         reader = source.read("cpu") if is_reader else None
         # remove_duplicate=False: a head tied to the embeddings is found under its own name too.

@@ -1,18 +1,29 @@
 """What DeepSpeed 0.19 does wrong (or slowly) when it runs in one pool beside another, and the
 narrowest fix found for each. All target DeepSpeed 0.19.8 (pyproject caps it below 0.20;
 spmdsplit.versions warns on another version): a new DeepSpeed may move or fix any of them, and
-the test named with each says whether the fix is still needed.
+the test named with each says whether the fix is still needed: each can be left out by naming
+it in SPMDSPLIT_DS_WITHOUT (comma-separated; tests only), and its test shows what then goes wrong.
 
 Kept apart from `engines/deepspeed.py`, which is the engine itself: DeepSpeed is confined to the
 pool there by the `mpu` it is handed; what the mpu does not reach is patched here.
 
-  1. `init_deepspeed_comm`: no JIT build of the CPU shared-memory all-reduce on first start.
-  2. `install_pool_scoping` (trace): ZeRO-3's module-trace check broadcasts over the world.
-  3. `install_pool_scoping` (barrier): group-less `deepspeed.comm.barrier()` waits on the world.
-  4. `CHECKPOINT_CONFIG`: the checkpoint tag's validation all-reduces over the world.
-  5. `import_before_zero_init`: a first import of torch._dynamo under `zero.Init` fails.
-  6. `zero_init`: `zero.Init` given a `dtype` picks bf16 on a CPU whatever was asked.
-  7. the FutureWarning filter below: torch's deprecation of two collectives DeepSpeed calls.
+  name             what                                                          without it
+  1. shm_build      `init_deepspeed_comm`: no JIT build of the CPU shared-memory    a ~53 s C++ build
+                    all-reduce on first start
+  2. trace          `install_pool_scoping`: ZeRO-3's module-trace check             hang
+                    broadcasts over the world
+  3. barrier        `install_pool_scoping`: group-less `deepspeed.comm.barrier()`   hang
+                    waits on the world
+  4. tag_validation `checkpoint_config`: the checkpoint tag's validation            hang
+                    all-reduces over the world
+  5. dynamo_import  `import_before_zero_init`: a first import of torch._dynamo      error at build
+                    under `zero.Init` fails
+  6. zero_init_dtype `zero_init`: `zero.Init` given a `dtype` picks bf16 on a CPU   wrong dtype
+                    whatever was asked
+  7. (none)         the FutureWarning filter below: torch's deprecation of two      log noise only
+                    collectives DeepSpeed calls
+Tests: 1 in tests/test_deepspeed.py::test_deepspeed_comm_init_would_build_the_shm_op, 2-4 in
+::test_each_unscoped_call_hangs_beside_another_pool, 5-6 in ::test_zero_init_workarounds_are_needed.
 2 and 3 are active only inside `active_group(group)`, i.e. inside a pool engine's methods, so
 DeepSpeed calls made by anyone else are untouched.
 """
@@ -31,12 +42,20 @@ import torch.distributed as dist
 # deprecates with a FutureWarning on every call: theirs to change, and noise in every step's log.
 warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
 
-# 4. DeepSpeed 0.19.8, deepspeed/runtime/engine.py, DeepSpeedEngine._checkpoint_tag_validation
-# (called by save_checkpoint) all-reduces a hash of the tag over the world. DeepSpeed's own config
-# turns it off; the engine's tag is a constant, so there is nothing to validate. Shown needed by
-# no test of its own: tests/test_deepspeed.py::test_save_and_load_in_one_pool_while_the_other_trains
-# saves beside a training pool with it in place.
-CHECKPOINT_CONFIG = {"tag_validation": "Ignore"}
+
+def without(name: str) -> bool:
+    """Whether the test running asks to leave workaround `name` out (SPMDSPLIT_DS_WITHOUT)."""
+    return name in os.environ.get("SPMDSPLIT_DS_WITHOUT", "").split(",")
+
+
+def checkpoint_config() -> dict:
+    """4. DeepSpeed 0.19.8, deepspeed/runtime/engine.py, `DeepSpeedEngine._checkpoint_tag_validation`
+    (called by save_checkpoint, after its first barrier) all-reduces a hash of the tag over the
+    world. DeepSpeed's own config turns it off; the engine's tag is a constant, so there is nothing
+    to validate. Without it: tests/test_deepspeed.py::
+    test_each_unscoped_call_hangs_beside_another_pool[2-tag_validation-_checkpoint_tag_validation]."""
+    return {} if without("tag_validation") else {"tag_validation": "Ignore"}
+
 
 # The process group of the engine whose method is running (innermost last); DeepSpeed calls
 # that would go to the world go to this group instead while it is set.
@@ -107,13 +126,11 @@ def _pool_barrier(original):
 
 def install_pool_scoping() -> None:
     """Installs the wrappers of 2 and 3 once per process. Outside `active_group` they call straight
-    through to DeepSpeed's own functions. SPMDSPLIT_DS_UNSCOPED ("trace" and/or "barrier") leaves
-    one out, for the test that shows each is needed."""
+    through to DeepSpeed's own functions."""
     global _PATCHED
     if _PATCHED:
         return
     _PATCHED = True
-    unscoped = set(os.environ.get("SPMDSPLIT_DS_UNSCOPED", "").split(","))
     import deepspeed.comm
     import deepspeed.runtime.zero.partition_parameters as partition_parameters
     import deepspeed.runtime.zero.partitioned_param_coordinator as coordinator
@@ -125,10 +142,10 @@ def install_pool_scoping() -> None:
     # they are scoped too so that turning them on stays safe.
     check = _pool_assert_ints_same(zero_utils.assert_ints_same_as_other_ranks)
     for module in (coordinator, partition_parameters, stage3):
-        if "trace" not in unscoped:
+        if not without("trace"):
             module.assert_ints_same_as_other_ranks = check
     # `dist` in those DeepSpeed files is the package `deepspeed.comm`, looked up at call time.
-    if "barrier" not in unscoped:
+    if not without("barrier"):
         deepspeed.comm.barrier = _pool_barrier(deepspeed.comm.barrier)
 
 
@@ -139,8 +156,9 @@ def init_deepspeed_comm() -> None:
     machine here) although only tensor-parallel inference (`inference_all_reduce`) uses it. Not a
     collective, so no hang, only a slow first start: `build_shm_op` answers None (its own "not
     available", after which all collectives go through torch.distributed as usual) while the
-    backend is made. Checked by tests/test_deepspeed.py::test_ppo_job_with_engine_mix_on_2_plus_2,
-    which fails if anything lands in TORCH_EXTENSIONS_DIR."""
+    backend is made. Without it: tests/test_deepspeed.py::test_deepspeed_comm_init_would_build_the_shm_op
+    (DeepSpeed calls the builder); ::test_ppo_job_with_engine_mix_on_2_plus_2 fails if anything
+    lands in TORCH_EXTENSIONS_DIR."""
     import deepspeed.comm
 
     # importlib, not `import deepspeed.comm.torch as`: the package's `torch` attribute is torch itself.
@@ -150,7 +168,8 @@ def init_deepspeed_comm() -> None:
     if ds_comm.cdb is not None:
         return
     original = ds_torch.build_shm_op
-    ds_torch.build_shm_op = lambda: None
+    if not without("shm_build"):
+        ds_torch.build_shm_op = lambda: None
     try:
         deepspeed.comm.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False, verbose=False)
     finally:
@@ -161,20 +180,20 @@ def import_before_zero_init(source) -> None:
     """5. `deepspeed.zero.Init` patches tensor construction, and under it a first import of
     torch._dynamo (which transformers imports lazily while building a model) fails (DeepSpeed
     0.19.8). A first build of `source`'s model on the meta device (no storage) imports everything
-    the model's construction imports, before zero.Init. Exercised (in fresh processes) by
-    tests/test_sharded_loading.py::test_only_the_pools_first_rank_reads_the_checkpoint[deepspeed]
-    and test_sharded_load_and_streamed_sync_on_pools_of_one_and_two[deepspeed]."""
-    source.skeleton("meta")
+    the model's construction imports, before zero.Init. Without it: tests/test_deepspeed.py::
+    test_zero_init_workarounds_are_needed[dynamo_import] (a fresh process)."""
+    if not without("dynamo_import"):
+        source.skeleton("meta")
 
 
-def zero_init(group: dist.ProcessGroup, mpu, config: dict):
-    """6. `deepspeed.zero.Init` over `group`, with no `dtype=`: the config's bf16 switch decides,
-    as deepspeed.initialize would. DeepSpeed 0.19.8's `Init._set_dtype`
-    (deepspeed/runtime/zero/partition_parameters.py), given a dtype, parses
-    `dtype or fp16 if fp16_ok else bf16 ...` so that on a CPU it yields bf16 whatever dtype was
-    asked for. Exercised by tests/test_sharded_loading.py::
-    test_sharded_load_and_streamed_sync_on_pools_of_one_and_two[deepspeed], which compares the
-    loaded weights and their dtypes with from_pretrained's."""
+def zero_init(group: dist.ProcessGroup, mpu, config: dict, dtype: torch.dtype):
+    """6. `deepspeed.zero.Init` over `group`, with no `dtype=` (`dtype`, the one the model is
+    built in, is not passed): the config's bf16 switch decides, as deepspeed.initialize would.
+    DeepSpeed 0.19.8's `Init._set_dtype` (deepspeed/runtime/zero/partition_parameters.py), given a
+    dtype, parses `dtype or fp16 if fp16_ok else bf16 ...` so that on a CPU it yields bf16 whatever
+    dtype was asked for. Without it: tests/test_deepspeed.py::
+    test_zero_init_workarounds_are_needed[zero_init_dtype] (fp32 asked, bf16 built)."""
     import deepspeed
 
-    return deepspeed.zero.Init(data_parallel_group=group, mpu=mpu, config_dict_or_path=config)
+    asked = {"dtype": dtype} if without("zero_init_dtype") else {}
+    return deepspeed.zero.Init(data_parallel_group=group, mpu=mpu, config_dict_or_path=config, **asked)

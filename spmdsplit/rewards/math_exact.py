@@ -88,10 +88,6 @@ def normalize_answer(answer) -> str:
     return s
 
 
-def extract_answer(solution_str: str) -> str | None:
-    return last_boxed_content(solution_str)
-
-
 def compute_score(solution_str: str, ground_truth) -> float:
     answer = last_boxed_content(solution_str)
     if answer is None:

@@ -188,27 +188,43 @@ def test_response_lengths_from_the_dump_and_their_histogram():
 
 def test_padding_share_from_logged_lengths_and_each_modes_rule():
     scalars = {"prompt_length/mean": {1: 10.0, 2: 20.0, 3: 30.0}, "response_length/mean": {1: 30.0, 2: 20.0, 3: 10.0},
-               "response_length/max": {1: 50.0, 2: 40.0, 3: 60.0}, "timing_s/step": {1: 9.0, 2: 2.0, 3: 4.0}}
-    full = {s: [60] for s in (1, 2, 3)}
-    fixed = bench_tokens.step_tokens(scalars, rows=4, prompt_width=40, widths=full, mode="fixed")
-    assert fixed[2] == {"valid": 160.0, "processed": 400}
-    assert bench_tokens.padding_share(fixed, warmup=1) == pytest.approx(1 - 320 / 800)
-    assert bench_tokens.widths_from_scalars(scalars) == {1: [50], 2: [40], 3: [60]}
-    cut = bench_tokens.step_tokens(scalars, rows=4, prompt_width=40, widths=bench_tokens.widths_from_scalars(scalars),
-                                   mode="fixed")
-    assert cut[2]["processed"] == 4 * (40 + 40) and cut[3]["processed"] == 4 * (40 + 60)
-    two_ranks = bench_tokens.step_tokens(scalars, rows=4, prompt_width=40, widths={2: [10, 30]}, mode="fixed")
-    assert two_ranks[2]["processed"] == 2 * (40 + 10) + 2 * (40 + 30) and two_ranks[3]["processed"] is None
-    tokens = bench_tokens.step_tokens(scalars, rows=4, prompt_width=40, widths={}, mode="tokens")
+               "prompt_length/max": {1: 20.0, 2: 30.0, 3: 40.0}, "response_length/max": {1: 50.0, 2: 50.0, 3: 60.0},
+               "timing_s/step": {1: 9.0, 2: 2.0, 3: 4.0}}
+    fixed = bench_tokens.step_tokens(scalars, rows=4, mode="fixed")
+    assert fixed[2] == {"valid": 160.0, "processed": 4 * (30 + 50)}
+    assert bench_tokens.padding_share(fixed, warmup=1) == pytest.approx(1 - (160 + 160) / (320 + 400))
+    tokens = bench_tokens.step_tokens(scalars, rows=4, mode="tokens")
     assert bench_tokens.padding_share(tokens, warmup=1) == 0.0
     assert bench_tokens.tokens_per_second(fixed, scalars["timing_s/step"], warmup=1) == pytest.approx((80 + 40) / 2)
     assert bench_tokens.padding_share({}, warmup=0) is None
 
 
-def test_each_ranks_response_width_from_the_length_dump():
-    # two critic ranks, 2 rows each per step, 2 steps (and a half-written third step ignored)
-    per_rank = [[3, 9, 1, 1, 7], [0, 4, 256, 2]]
-    assert bench_tokens.widths_from_dump(per_rank, rows_per_rank=2) == {1: [9, 4], 2: [1, 256]}
+def test_fixed_micro_batches_are_trimmed_to_their_widest_row():
+    rows = [(10, 5), (2, 1), (4, 20), (4, 0), (1, 1)]
+    # one pass of micro-batches of 2: [(10,5),(2,1)] -> 2 x 15, [(4,20),(4,0)] -> 2 x 24, [(1,1)] -> 2
+    assert bench_tokens.fixed_pass_tokens(rows, 2) == (48, 30 + 48 + 2)
+    # mini-batches of 3 rows first: [(10,5),(2,1)], [(4,20)] | [(4,0),(1,1)]
+    assert bench_tokens.fixed_pass_tokens(rows, 2, mini_rows=3) == (48, 30 + 24 + 2 * (4 + 1))
+    assert bench_tokens.fixed_pass_tokens([], 2) == (0, 0)
+
+
+def test_padding_per_pass_from_the_length_dump():
+    passes = {"old_log_prob": (4, None), "update_actor": (1, 2)}
+    # one rank, 4 rows per step, 2 steps: step 1 is the warm-up
+    per_rank = [[(1, 1)] * 4 + [(3, 1), (1, 3), (2, 2), (2, 2)]]
+    got = bench_tokens.dump_pass_tokens(per_rank, rows_per_rank=4, passes=passes, warmup=1)
+    assert got == {"old_log_prob": {"valid": 16, "processed": 4 * 6}, "update_actor": {"valid": 16, "processed": 16}}
+    shares = bench_tokens.padding_shares("fixed", {}, per_rank, passes, rows=4, warmup=1)
+    assert shares["padding_by_pass"] == {"old_log_prob": pytest.approx(1 / 3), "update_actor": 0.0}
+    assert shares["padding_share"] == pytest.approx(1 - 32 / 40) and shares["padding_how"] == "exact"
+    tokens = bench_tokens.padding_shares("tokens", {2: {"valid": 5, "processed": 5}}, [], passes, rows=4, warmup=1)
+    assert tokens == {"padding_share": 0.0, "padding_by_pass": {"old_log_prob": 0.0, "update_actor": 0.0},
+                      "padding_how": "exact"}
+    bound = bench_tokens.padding_shares("fixed", {2: {"valid": 5, "processed": 10}}, [], passes, rows=4, warmup=1)
+    assert bound["padding_share"] == 0.5 and bound["padding_how"] == "upper bound"
+    shapes = {**bench_tokens.LONG_TAIL}
+    assert bench_tokens.pass_shapes(shapes, 2) == {"old_log_prob": (16, None), "ref": (16, None), "values": (16, None),
+                                                   "update_actor": (4, 8), "update_critic": (4, 8)}
 
 
 def test_train_phases_sum_and_compare_fixed_with_tokens():
@@ -244,7 +260,8 @@ def fake_run(workload, mode, layout, phase_s, balance=None):
     phases = {p: phase_s for p in bench_tokens.TRAIN_PHASES}
     return {"workload": workload, "mode": mode, "layout": layout, "wall_s": 30.0, "step_time_s": 6 * phase_s,
             "train_phases": {**phases, "sum": 5 * phase_s}, "tokens_per_s": 1000 / phase_s,
-            "padding_share": 0.7 if mode == "fixed" else 0.0, "balance": balance or {},
+            "padding_share": 0.7 if mode == "fixed" else 0.0, "balance": balance or {}, "padding_how": "exact",
+            "padding_by_pass": {p: 0.5 for p in bench_tokens.TRAIN_PHASES} if mode == "fixed" else {},
             "final": {"critic/score/mean": 0.02}, "response_lengths": bench_tokens.length_stats([1, 50, 256]),
             "response_length_tb": {"mean": 102.3, "max": 256.0, "min": 1.0},
             "histogram": bench_tokens.histogram([1, 50, 256], 256) if workload == "long-tail" else []}
@@ -271,6 +288,7 @@ def test_targets_and_the_report_from_hand_made_runs():
     assert "| long-tail | 2+2 | 2.00x | 2.00x | 2.00x | 2.00x | 2.00x | 2.00x | 2.00x | 2.00x |" in md
     assert "| long tail, 2+2: five phases fixed / tokens >= 1.8 | 2.00 | yes |" in md
     assert "| long-tail | 2+2 | tokens | actor max/min tokens per rank, after | 1.200 |" in md
+    assert "| long-tail | 2+2 | 50.0% | 50.0% | 50.0% | 50.0% | 50.0% |" in md  # fixed mode's padding per pass
     assert md.count("Response lengths, long-tail") == 2 and "mean 102.3, median 50.0, max 256" in md
 
 
@@ -289,9 +307,12 @@ def test_long_tail_prompts_and_the_length_dump(tmp_path):
     spec = importlib.util.spec_from_file_location("length_reward", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert module.compute_score(data_source="bench/long_tail", solution_str="7777", ground_truth="7777") == 1.0
-    module.compute_score(data_source="bench/long_tail", solution_str="", ground_truth="1111")
-    assert bench_tokens.read_lengths(dump, 256) == [[5, 1]]  # one process: one list
+    assert all(r["extra_info"]["prompt_tokens"] == len(r["prompt"]) for r in rows)
+    assert module.compute_score(data_source="bench/long_tail", solution_str="7777", ground_truth="7777",
+                                extra_info={"index": 0, "prompt_tokens": 9}) == 1.0
+    module.compute_score(data_source="bench/long_tail", solution_str="", ground_truth="1111",
+                         extra_info={"index": 1, "prompt_tokens": 4})
+    assert bench_tokens.read_lengths(dump, 256) == [[(9, 5), (4, 1)]]  # one process: one list
     assert bench_tokens.length_dump(str(tmp_path / "job"))[1] == dump and bench_tokens.read_lengths(dump, 256) == []
 
 

@@ -47,9 +47,12 @@ LONG_TAIL = {"data.max_prompt_length": 64, "data.max_response_length": 256, "dat
              "actor.ppo_mini_batch_size": 16, "critic.ppo_mini_batch_size": 16,
              "actor.ppo_micro_batch_size_per_gpu": 4, "critic.ppo_micro_batch_size_per_gpu": 4,
              "actor.log_prob_micro_batch_size_per_gpu": 16, "ref.log_prob_micro_batch_size_per_gpu": 16,
-             "critic.forward_micro_batch_size_per_gpu": 16}
+             "critic.forward_micro_batch_size_per_gpu": 16,
+             # consecutive rows in every fixed micro-batch, so the bench can count its padding (dump_pass_tokens)
+             "actor.shuffle": "false", "critic.shuffle": "false"}
 # The embedded default's shapes (spmdsplit/config.py and embedded.py), for its token budgets.
 DEFAULT = {"data.max_prompt_length": 8, "data.max_response_length": 6, "data.train_batch_size": 128,
+           "actor.ppo_mini_batch_size": 16, "critic.ppo_mini_batch_size": 16,
            "actor.ppo_micro_batch_size_per_gpu": 16, "critic.ppo_micro_batch_size_per_gpu": 16,
            "actor.log_prob_micro_batch_size_per_gpu": 32, "ref.log_prob_micro_batch_size_per_gpu": 32,
            "critic.forward_micro_batch_size_per_gpu": 32}
@@ -66,9 +69,10 @@ BUDGETS = {"actor.ppo_max_token_len_per_gpu": "actor.ppo_micro_batch_size_per_gp
            "ref.log_prob_max_token_len_per_gpu": "ref.log_prob_micro_batch_size_per_gpu",
            "critic.forward_max_token_len_per_gpu": "critic.forward_micro_batch_size_per_gpu"}
 
-REWARD_FN = '''"""Written by tools.bench_tokens: the built-in positional-match score, and each response's
-length (characters = tokens but the EOS: the bench's model never draws another special token)
-appended to a file of this process, for the bench's histogram."""
+REWARD_FN = '''"""Written by tools.bench_tokens: the built-in positional-match score, and each row's
+prompt length (extra_info.prompt_tokens, from the bench's parquet) and response length (characters
+= tokens but the EOS: the bench's model never draws another special token) appended to a file of
+this process, in the order the rows come, for the bench's histogram and padding count."""
 import os
 
 from spmdsplit.rewards.rule import positional_match_score
@@ -78,7 +82,7 @@ DUMP = {dump!r}
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     with open(os.path.join(DUMP, f"lengths.{{os.getpid()}}.txt"), "a") as f:
-        f.write(f"{{len(solution_str)}}\\n")
+        f.write(f"{{extra_info['prompt_tokens']}} {{len(solution_str)}}\\n")
     return positional_match_score(solution_str, ground_truth)
 '''
 
@@ -130,45 +134,89 @@ def text_histogram(bins: list[tuple[int, int, int]], bar: int = 40) -> list[str]
     return [f"{lo:>4}-{hi:<4} {'#' * round(bar * c / most):<{bar}} {c} ({c / total:.0%})" for lo, hi, c in bins]
 
 
-def step_tokens(scalars: dict[str, dict[int, float]], rows: int, prompt_width: int, widths: dict[int, list[int]],
-                mode: str) -> dict[int, dict[str, float]]:
+def step_tokens(scalars: dict[str, dict[int, float]], rows: int, mode: str) -> dict[int, dict[str, float]]:
     """step -> {valid, processed} tokens of one pass over the step's rows. valid = rows x (mean
-    prompt + mean response length), from the job's TensorBoard. processed: fixed, each rank's rows
-    at its padded width, prompt_width (prompts are left-padded to data.max_prompt_length) + that
-    rank's response width (`widths`: step -> one width per rank, each rank holding rows / ranks
-    rows); tokens (remove-padding), the valid tokens alone. Every training phase passes over every
-    row (the updates ppo_epochs times), so one pass's share is every phase's share."""
+    prompt + mean response length), from the job's TensorBoard. processed: tokens mode
+    (remove-padding), the valid tokens alone; fixed, rows x (the step's longest prompt + longest
+    response), an upper bound: each fixed micro-batch is trimmed to its own widest row, which the
+    logged maxima cannot show (`dump_pass_tokens` counts it exactly from the length dump)."""
     prompts, responses = scalars.get("prompt_length/mean", {}), scalars.get("response_length/mean", {})
+    prompt_max, response_max = scalars.get("prompt_length/max", {}), scalars.get("response_length/max", {})
     out = {}
     for step in sorted(set(prompts) & set(responses)):
         valid = rows * (prompts[step] + responses[step])
         if mode == "tokens":
             processed = valid
-        elif widths.get(step):
-            processed = sum(rows / len(widths[step]) * (prompt_width + w) for w in widths[step])
+        elif step in prompt_max and step in response_max:
+            processed = rows * (prompt_max[step] + max(response_max[step], 1))
         else:
             processed = None
         out[step] = {"valid": valid, "processed": processed}
     return out
 
 
-def widths_from_scalars(scalars: dict[str, dict[int, float]]) -> dict[int, list[int]]:
-    """step -> [the step's longest response] (TensorBoard's response_length/max): every rank's
-    response width where rollouts are cut to their longest response and one rank holds the rows;
-    an upper bound on each where several do (a rank's rows are as wide as its own longest)."""
-    return {step: [max(int(v), 1)] for step, v in scalars.get("response_length/max", {}).items()}
+def fixed_pass_tokens(rows: list[tuple[int, int]], micro_rows: int, mini_rows: int | None = None) -> tuple[int, int]:
+    """(valid, processed) tokens of one fixed-micro-batch pass over a rank's rows, each a (prompt,
+    response) length in the rank's order: mini-batches of `mini_rows` consecutive rows (None: one,
+    the log-prob passes), each cut into micro-batches of `micro_rows` consecutive rows, each
+    trimmed to its widest row, i.e. its longest prompt + its longest response (the padded passes
+    of spmdsplit/roles/common.py; consecutive because the bench turns the update's shuffle off)."""
+    valid = processed = 0
+    step = mini_rows or len(rows) or 1
+    for m in range(0, len(rows), step):
+        mini = rows[m:m + step]
+        for i in range(0, len(mini), micro_rows):
+            micro = mini[i:i + micro_rows]
+            valid += sum(p + r for p, r in micro)
+            processed += len(micro) * (max(p for p, _ in micro) + max(max(r for _, r in micro), 1))
+    return valid, processed
 
 
-def widths_from_dump(per_rank: list[list[int]], rows_per_rank: int) -> dict[int, list[int]]:
-    """step -> each rank's longest response, from the length dump (one list per critic rank, its
-    rows_per_rank responses of step 1, then of step 2, ...): a fixed-mode rank's response width
-    where rollouts are cut to their longest, the pools are of one size and no balancing moves rows
-    (each critic rank scores exactly the rows one actor rank generated and trains on)."""
-    out: dict[int, list[int]] = {}
-    for lengths in per_rank:
-        for i in range(0, len(lengths) - rows_per_rank + 1, rows_per_rank):
-            out.setdefault(i // rows_per_rank + 1, []).append(max(max(lengths[i:i + rows_per_rank]), 1))
+def dump_pass_tokens(per_rank: list[list[tuple[int, int]]], rows_per_rank: int, passes: dict[str, tuple],
+                     warmup: int) -> dict[str, dict[str, int]]:
+    """pass -> {valid, processed} tokens of fixed mode over the steps after the warm-up, summed over
+    ranks, from the length dump: one list per critic rank of (prompt, response) lengths,
+    rows_per_rank rows of step 1, then of step 2, ... With pools of one size and no balancing each
+    critic rank holds, in the same order, exactly the rows one actor rank generated and trains on,
+    so its list is that actor rank's too. `passes`: name -> (micro_rows, mini_rows per rank or None)."""
+    out = {name: {"valid": 0, "processed": 0} for name in passes}
+    for rows in per_rank:
+        for first in range(warmup * rows_per_rank, len(rows) - rows_per_rank + 1, rows_per_rank):
+            for name, (micro, mini) in passes.items():
+                valid, processed = fixed_pass_tokens(rows[first:first + rows_per_rank], micro, mini)
+                out[name]["valid"] += valid
+                out[name]["processed"] += processed
     return out
+
+
+def share(valid: float, processed: float) -> float | None:
+    return 1 - valid / processed if processed else None
+
+
+def pass_shapes(shapes: dict, pool: int) -> dict[str, tuple[int, int | None]]:
+    """Each training pass's (micro-batch rows, mini-batch rows per rank or None) in fixed mode, on
+    pools of `pool` ranks each."""
+    get = lambda key: int(shapes[key])  # noqa: E731
+    return {"old_log_prob": (get("actor.log_prob_micro_batch_size_per_gpu"), None),
+            "ref": (get("ref.log_prob_micro_batch_size_per_gpu"), None),
+            "values": (get("critic.forward_micro_batch_size_per_gpu"), None),
+            "update_actor": (get("actor.ppo_micro_batch_size_per_gpu"), get("actor.ppo_mini_batch_size") // pool),
+            "update_critic": (get("critic.ppo_micro_batch_size_per_gpu"), get("critic.ppo_mini_batch_size") // pool)}
+
+
+def padding_shares(mode: str, tokens: dict, per_rank: list, passes: dict, rows: int, warmup: int) -> dict:
+    """The padding share of one job: over the five passes together and per pass, and how it was
+    got ("exact": counted from the length dump, or the mode's rule; "upper bound": fixed mode
+    without a dump, from the logged maxima)."""
+    if mode == "tokens":  # remove-padding: every pass processes the valid tokens alone
+        return {"padding_share": padding_share(tokens, warmup), "padding_by_pass": {p: 0.0 for p in passes},
+                "padding_how": "exact"}
+    if not per_rank:
+        return {"padding_share": padding_share(tokens, warmup), "padding_by_pass": {}, "padding_how": "upper bound"}
+    counted = dump_pass_tokens(per_rank, rows // len(per_rank), passes, warmup)
+    total_valid, total_processed = (sum(c[k] for c in counted.values()) for k in ("valid", "processed"))
+    return {"padding_share": share(total_valid, total_processed),
+            "padding_by_pass": {p: share(c["valid"], c["processed"]) for p, c in counted.items()}, "padding_how": "exact"}
 
 
 def padding_share(tokens: dict[int, dict[str, float]], warmup: int) -> float | None:
@@ -267,7 +315,7 @@ def write_prompts(path: str, rows: int, lengths: tuple[int, int], seed: int = 0)
         truths.append(digits[-1] * 4)
     table = pa.table({"prompt": prompts, "data_source": ["bench/long_tail"] * rows,
                       "reward_model": [{"ground_truth": t, "style": "rule"} for t in truths],
-                      "extra_info": [{"index": i} for i in range(rows)]})
+                      "extra_info": [{"index": i, "prompt_tokens": len(p)} for i, p in enumerate(prompts)]})
     pq.write_table(table, path)
 
 
@@ -295,12 +343,14 @@ def length_dump(job_dir: str) -> tuple[list[str], str]:
     return [f"reward.custom_fn.path={path}"], dump
 
 
-def read_lengths(dump: str, max_response: int) -> list[list[int]]:
-    """Response lengths in tokens, one list per process that scored rows (a critic rank), in order."""
+def read_lengths(dump: str, max_response: int) -> list[list[tuple[int, int]]]:
+    """(prompt, response) lengths in tokens, one list per process that scored rows (a critic
+    rank), in the order it scored them."""
     per_rank = []
     for name in sorted(os.listdir(dump)):
         with open(os.path.join(dump, name)) as f:
-            per_rank.append([response_tokens(int(line), max_response) for line in f if line.strip()])
+            pairs = [line.split() for line in f if line.strip()]
+        per_rank.append([(int(p), response_tokens(int(r), max_response)) for p, r in pairs])
     return per_rank
 
 
@@ -317,13 +367,12 @@ def run_one(workload: str, mode: str, layout: str, base: list[str], shapes: dict
     m = bench.analyze(trace, scalars, args.warmup)
     rows, max_response = int(shapes["data.train_batch_size"]), int(shapes["data.max_response_length"])
     per_rank = read_lengths(dump, max_response) if dump else []
-    lengths = [n for rank in per_rank for n in rank]
-    # The default workload has no dump: its widths are the step's longest, exact at 1+1, an upper bound at 2+2.
-    widths = widths_from_dump(per_rank, rows // len(per_rank)) if per_rank else widths_from_scalars(scalars)
-    tokens = step_tokens(scalars, rows, int(shapes["data.max_prompt_length"]), widths, mode)
+    lengths = [r for rank in per_rank for _, r in rank]
+    tokens = step_tokens(scalars, rows, mode)
+    padding = padding_shares(mode, tokens, per_rank, pass_shapes(shapes, LAYOUTS[layout] // 2), rows, args.warmup)
     return {"workload": workload, "mode": mode, "layout": layout, "overrides": extra, "wall_s": time.time() - start,
             "step_time_s": m["step_time_s"], "steps_used": m["steps_used"], "train_phases": train_phase_seconds(m["phases"]),
-            "phases": m["phases"], "padding_share": padding_share(tokens, args.warmup),
+            "phases": m["phases"], **padding,
             "tokens_per_s": tokens_per_second(tokens, scalars.get("timing_s/step", {}), args.warmup),
             "valid_tokens_per_step": bench.median(t["valid"] for s, t in tokens.items() if s > args.warmup),
             "response_length_tb": {k: bench.median(scalars.get(f"response_length/{k}", {}).values())
@@ -376,7 +425,14 @@ def render_markdown(report: dict) -> str:
         ph = r["train_phases"]
         lines.append(f"| {r['workload']} | {r['layout']} | {r['mode']} | " + " | ".join(fmt(ph.get(p)) for p in TRAIN_PHASES)
                      + f" | {fmt(ph.get('sum'))} | {fmt(r['step_time_s'])} | {fmt(r['tokens_per_s'], '{:.0f}')} | "
-                     f"{fmt(r['padding_share'], '{:.1%}')} | {r['wall_s']:.0f} |")
+                     f"{'<= ' if r['padding_how'] == 'upper bound' else ''}{fmt(r['padding_share'], '{:.1%}')} | "
+                     f"{r['wall_s']:.0f} |")
+    by_pass = [r for r in report["runs"] if r["mode"] == "fixed" and r["padding_by_pass"]]
+    if by_pass:
+        lines += ["", "Padding share of each pass in fixed mode (counted from the length dump; tokens mode: 0):", "",
+                  "| workload | layout | " + " | ".join(TRAIN_PHASES) + " |", "|---" * (len(TRAIN_PHASES) + 2) + "|"]
+        lines += [f"| {r['workload']} | {r['layout']} | " + " | ".join(fmt(r["padding_by_pass"].get(p), "{:.1%}")
+                                                                    for p in TRAIN_PHASES) + " |" for r in by_pass]
     lines += ["", "fixed / tokens (above 1: tokens mode faster; targets: the five phases >= 1.8x on the long tail "
               "at 2+2, >= 1/1.05 on the default):", "",
               "| workload | layout | " + " | ".join(TRAIN_PHASES) + " | sum of five | step | tokens/s (tokens / fixed) |",
@@ -410,8 +466,9 @@ def render_markdown(report: dict) -> str:
                       f"max {fmt(tb['max'], '{:.0f}')})", "", "```"] + text_histogram(r["histogram"]) + ["```"]
     lines += ["", "Definitions: a phase's time is its pool's slowest rank's, median over steps. valid tokens = rows x "
               "(mean prompt + mean response length) per step (TensorBoard); padding share = 1 - valid / processed, "
-              "processed = in fixed mode each rank's rows x (max prompt + the longest response among them: rollouts "
-              "are cut to it; per rank from the length dump on the long tail, the step's longest from TensorBoard on "
-              "the default, an upper bound at 2+2), in tokens mode the valid tokens (remove-padding). Token budgets = "
-              "the fixed micro-batch's rows x (max prompt + max response).", ""]
+              "processed = in fixed mode each micro-batch's rows x its widest row (longest prompt + longest response, "
+              "as the padded passes trim them), counted per pass from the length dump on the long tail (whose updates "
+              "do not shuffle, so micro-batches are consecutive rows), bounded by rows x (the step's longest prompt + "
+              "longest response) on the default (`<=`); in tokens mode the valid tokens (remove-padding packs them). "
+              "Token budgets: see `overrides` in bench_tokens.json.", ""]
     return "\n".join(lines)

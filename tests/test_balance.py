@@ -182,3 +182,81 @@ def test_reorder_rows_on_one_rank_needs_no_process_group():
     got = reorder_rows(Link(KINDS), Message("BALANCE", 1), full, [0], [4, 2, 0, 1, 3])
     assert got["row_index"].tolist() == [4, 2, 0, 1, 3]
     assert torch.equal(got["responses"], full["responses"][[4, 2, 0, 1, 3]])
+
+
+# --------------------------------------------------------------------------- real jobs
+
+PROMPTS_PER_STEP, SHORT, LONG = 32, 1, 24  # prompt digits
+
+
+def write_skewed_prompts(folder) -> str:
+    """verl parquet rows of the copy task whose every step's batch (no shuffle) has its short
+    prompts first and its long ones last: contiguous slices put the short half on the first ranks
+    and the long half on the last, the imbalance balancing must undo. The embedded model's
+    random policy ends a response at each token with probability ~1/15 (EOS among ~15 tokens),
+    so the responses add a long-tailed spread of their own."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = random.Random(0)
+    rows = []
+    for step in range(3):
+        for i in range(PROMPTS_PER_STEP):
+            digits = "".join(rng.choice("0123456789") for _ in range(SHORT if i < PROMPTS_PER_STEP // 2 else LONG))
+            rows.append({"prompt": digits + "=", "data_source": "synthetic/copy",
+                         "reward_model": {"ground_truth": digits, "style": "rule"}})
+    folder.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), folder / "train.parquet")
+    return str(folder / "train.parquet")
+
+
+def balance_job(tmp_path, name: str, nproc: int, balance: bool, *overrides: str) -> dict:
+    from tests.runjob import scalars, torchrun
+
+    out = tmp_path / name
+    result = torchrun(
+        nproc, f"data.train_files={write_skewed_prompts(tmp_path / 'data')}", "data.shuffle=false",
+        f"data.max_prompt_length={LONG + 1}", "data.max_response_length=32", "trainer.total_steps=2",
+        f"data.train_batch_size={PROMPTS_PER_STEP}", "rollout.n=2",
+        # One optimizer step per update: each sees all rows, wherever they sit, so balancing
+        # changes no number beyond float rounding.
+        f"actor.ppo_mini_batch_size={PROMPTS_PER_STEP}", f"critic.ppo_mini_batch_size={PROMPTS_PER_STEP}",
+        "actor.ppo_micro_batch_size_per_gpu=16", "critic.ppo_micro_batch_size_per_gpu=16",
+        f"trainer.balance_batch={str(balance).lower()}", f"trainer.log_dir={out}/tb", "trainer.timeline=",
+        "trainer.output_dir=", *overrides, timeout=500,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return {k: [v for _, v in series] for k, series in scalars(str(out / "tb")).items()}
+
+
+SAME_METRICS = ["critic/score/mean", "response_length/mean", "prompt_length/mean", "actor/pg_loss", "actor/entropy",
+                "actor/grad_norm", "critic/advantages/mean", "critic/returns/mean"]
+
+
+def assert_balanced_and_unchanged(on: dict, off: dict, pools: list[str]) -> None:
+    for prefix in pools:
+        before = [hi / lo for hi, lo in zip(on[f"{prefix}/max"], on[f"{prefix}/min"])]
+        after = [hi / lo for hi, lo in zip(on[f"{prefix}/balanced_max"], on[f"{prefix}/balanced_min"])]
+        print(prefix, "max/min tokens per rank before", before, "after", after)
+        assert all(r <= 1.1 for r in after), (prefix, after)
+        assert all(r >= 1.5 for r in before), (prefix, before)  # the skew the data puts there
+    assert not any(k.startswith("global_seqlen") for k in off), "balance_batch=false balanced"
+    for key in SAME_METRICS + [k for k in off if k.startswith("critic/v")]:
+        assert on[key] == pytest.approx(off[key], rel=1e-4, abs=1e-6), key
+
+
+def test_split_job_balances_both_pools_and_trains_the_same(tmp_path):
+    """2+2 split, GAE with a critic: each pool's ranks carry even tokens after balancing (verl's
+    global_seqlen/*), and the run's numbers are those of the unbalanced run."""
+    on = balance_job(tmp_path, "on", 4, True, "placement.mode=split")
+    off = balance_job(tmp_path, "off", 4, False, "placement.mode=split")
+    assert_balanced_and_unchanged(on, off, ["global_seqlen", "global_seqlen/critic"])
+
+
+def test_colocate_grpo_job_balances_whole_groups_and_trains_the_same(tmp_path):
+    """Colocate, GRPO: a group's advantages are computed among its rows on one rank, so a
+    balancing that split a group would change them (and the loss) against the unbalanced run."""
+    on = balance_job(tmp_path, "on", 2, True, "placement.mode=colocate", "algorithm.adv_estimator=grpo")
+    off = balance_job(tmp_path, "off", 2, False, "placement.mode=colocate", "algorithm.adv_estimator=grpo")
+    assert "global_seqlen/critic/max" not in on  # one pool
+    assert_balanced_and_unchanged(on, off, ["global_seqlen"])

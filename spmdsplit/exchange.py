@@ -17,7 +17,9 @@ view carries any dtype (bool, bfloat16) that gloo cannot send natively.
 
 Rows: the global batch of `num_rows` rows is split contiguously over each rank list with
 `row_ranges`; each source sends each destination exactly the overlap of their ranges, so no rank
-ever holds rows it does not need and nothing is gathered on one rank.
+ever holds rows it does not need and nothing is gathered on one rank. `reorder_rows` puts the
+rows held by one rank list into another global order (balancing, spmdsplit/balance.py) the
+same way: each rank sends each other rank only the rows of its new slice.
 
 Self-delivery: what a rank sends to itself (it is in both lists, e.g. colocate placement) never
 goes through torch.distributed: the link parks it under its (kind, step, chunk) and the receive on

@@ -45,9 +45,11 @@ Checkpoint at step k:
 Between two ranks each link is one ordered stream: NCCL matches point-to-point messages in the
 order they were posted and ignores tags, so the receiver posts its receives in exactly the order
 above, and every header is checked (spmdsplit/exchange.py). Rows that come back (advantages,
-log-probs) carry `row_index`, each row's place in the step's global batch, and are checked
-against the rows held: a routing slip is an error, never training on the wrong rows. In
-colocate placement every message a rank sends goes to itself and never touches the wire.
+log-probs) carry `row_index`, the row's place in the step's global batch as generated (its
+identity: balancing reorders the rows but never renumbers them), and are checked against the
+rows held: a routing slip is an error, never training on the wrong rows. In colocate placement
+every message a rank sends goes to itself and never touches the wire, but BALANCE (rows between
+the ranks of the one pool).
 """
 
 from __future__ import annotations

@@ -114,6 +114,10 @@ class TrainerConfig:
     val_freq: int = -1  # validate every this many steps (and after the last); -1 = never
     val_before_train: bool = False
     critic_warmup: int = 0  # the first this many steps train only the critic
+    # verl's balance_batch: each chunk's prompt groups are reordered so that every rank of each
+    # pool holds an even share of the tokens (attention_mask sums), not just an even row count
+    # (spmdsplit/balance.py; the move among the actor pool's ranks: spmdsplit/messages.py).
+    balance_batch: bool = True
     # Checkpoints (see spmdsplit/checkpoint.py). A stop request (SIGUSR2, SIGTERM) always checkpoints.
     # save_freq: checkpoint every this many steps and after the last; -1 = only when stopped.
     save_freq: int = bounded(-1, lambda v: v > 0 or v == -1, "expected a positive number of steps, or -1 (off)")

@@ -90,9 +90,11 @@ def write_timeline(path: str, events_per_rank: list[list[dict]], roles_per_rank:
 
 
 @torch.no_grad()
-def compute_data_metrics(batch: Batch, group, device) -> dict[str, float]:
+def compute_data_metrics(batch: Batch, group, device, max_response_length: int) -> dict[str, float]:
     """verl's data metrics (critic/score, rewards, advantages, returns, values, response and
-    prompt lengths) over the pool's whole global batch, from one SUM and one MAX all-reduce."""
+    prompt lengths) over the pool's whole global batch, from one SUM and one MAX all-reduce.
+    `max_response_length`: data.max_response_length, what a clipped response ran to (the batch
+    is only as wide as its longest response)."""
     response_mask = batch["response_mask"].float()
     prompt_mask = batch["attention_mask"][:, : -response_mask.shape[1]].float()
     response_length = response_mask.sum(-1)
@@ -116,8 +118,7 @@ def compute_data_metrics(batch: Batch, group, device) -> dict[str, float]:
         valid = x[response_mask.bool()]
         maxes[f"{key}/max"] = valid.max().item() if valid.numel() else float("-inf")
         mins[f"{key}/min"] = valid.min().item() if valid.numel() else float("inf")
-    max_len = response_mask.shape[1]
-    sums["response_length/clip_ratio"] = (response_length >= max_len).float().sum().item()
+    sums["response_length/clip_ratio"] = (response_length >= max_response_length).float().sum().item()
     counts["response_length/clip_ratio"] = len(response_length)
     metrics = pool_reduce_metrics(sums, counts, group, device)
     maxes, mins = pool_max_min(maxes, mins, group, device)

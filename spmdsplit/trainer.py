@@ -57,7 +57,8 @@ class Trainer:
                                    cfg.rollout.stream_chunks, cfg.trainer.pool_wait_timeout_s)
         val_responses = (len(usable_val_rows(self.val_rows, self.placement)) * cfg.rollout.val_kwargs.n
                          if self.val_rows else 0)
-        self.channel.connect(generated=critic_pool_generates(cfg, self.placement), num_val_rows=val_responses)
+        self.channel.connect(generated=critic_pool_generates(cfg, self.placement), num_val_rows=val_responses,
+                             balanced=cfg.trainer.balance_batch)
         self.stop_vote = StopVote(timedelta(seconds=cfg.trainer.pool_wait_timeout_s))
         # verl's blocking calls, for comparison; meaningless when the roles share ranks anyway.
         blocking = not cfg.placement.overlap and not self.placement.colocated

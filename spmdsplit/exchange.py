@@ -359,18 +359,3 @@ def all_pairs(ranks: Sequence[int]) -> list[tuple[int, int]]:
     """Every pair of `ranks`: those `reorder_rows` may join (which ones depends on the rows)."""
     ranks = list(ranks)
     return [(a, b) for i, a in enumerate(ranks) for b in ranks[i + 1:]]
-
-
-def exchange_rows(link: Link, msg: Message, batch: Batch | None, src_ranks: Sequence[int], dst_ranks: Sequence[int],
-                  num_rows: int) -> Batch | None:
-    """For code run on every rank: sends (if a source), receives (if a destination), waits for
-    its own sends. Sending first, non-blocking, is what keeps a rank in both lists from deadlocking."""
-    me, src_ranks, dst_ranks = _rank(), list(src_ranks), list(dst_ranks)
-    pending = PendingSend()
-    if me in src_ranks:
-        if batch is None:
-            raise ValueError(f"rank {me} is a source but was given no batch")
-        pending = send_rows(link, msg, batch, src_ranks, dst_ranks, num_rows)
-    result = recv_rows(link, msg, src_ranks, dst_ranks, num_rows) if me in dst_ranks else None
-    pending.wait()
-    return result

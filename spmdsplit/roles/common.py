@@ -32,14 +32,15 @@ def forward_response(model, micro: Batch, head: Head, remove_padding: bool = Fal
     does not (and its one-wide output is small), so it leaves it off.
     """
     response_mask = micro["response_mask"].bool()
-    if remove_padding:
-        outputs = _packed_forward(model, micro, head, response_only)
-    else:
-        outputs = _trimmed_forward(model, micro, head, response_only)
-    single = not isinstance(outputs, tuple)
-    outputs = (outputs,) if single else outputs
-    outputs = tuple(None if out is None else torch.where(response_mask, out, 0) for out in outputs)
-    return outputs[0] if single else outputs
+    forward = _packed_forward if remove_padding else _trimmed_forward
+    return _each(lambda out: torch.where(response_mask, out, 0), forward(model, micro, head, response_only))
+
+
+def _each(fn, outputs):
+    """fn applied to each of a head's outputs (one tensor, or a tuple with Nones kept)."""
+    if isinstance(outputs, tuple):
+        return tuple(None if out is None else fn(out) for out in outputs)
+    return fn(outputs)
 
 
 def _trimmed_forward(model, micro: Batch, head: Head, response_only: bool):
@@ -56,10 +57,7 @@ def _trimmed_forward(model, micro: Batch, head: Head, response_only: bool):
     out = model(input_ids=micro["input_ids"][:, cols], attention_mask=mask[:, cols],
                 position_ids=micro["position_ids"][:, cols], use_cache=False, **extra)
     outputs = head(out.logits[:, -width - 1 : -1], micro["responses"][:, :width])
-
-    def full_width(x):
-        return None if x is None else torch.nn.functional.pad(x, (0, R - width))
-    return tuple(map(full_width, outputs)) if isinstance(outputs, tuple) else full_width(outputs)
+    return _each(lambda x: torch.nn.functional.pad(x, (0, R - width)), outputs)  # back to full width
 
 
 def _packed_forward(model, micro: Batch, head: Head, response_only: bool):
@@ -93,10 +91,8 @@ def _packed_forward(model, micro: Batch, head: Head, response_only: bool):
                 position_ids=position_ids, use_cache=False, **extra)
     logits = out.logits if response_only else out.logits[:, predictors]
     outputs = head(logits, micro["responses"][rows, cols][None])
-
-    def scatter(x):  # [1, N] at (rows, cols) of a zero [b, R]; differentiable
-        return None if x is None else x.new_zeros(b, R).index_put((rows, cols), x[0])
-    return tuple(map(scatter, outputs)) if isinstance(outputs, tuple) else scatter(outputs)
+    # Each [1, N] output to its (row, column) of a zero [b, R] (differentiable).
+    return _each(lambda x: x.new_zeros(b, R).index_put((rows, cols), x[0]), outputs)
 
 
 def packed_attention_mask(model, lengths: torch.Tensor) -> torch.Tensor | None:

@@ -73,9 +73,11 @@ def actor_log_probs(model, rollout, temperature: float) -> torch.Tensor:
     from spmdsplit import algo
     from spmdsplit.roles.common import forward_response
 
+    def head(logits, tokens):
+        return algo.logprobs_from_logits(logits.float() / temperature, tokens)
+
     with torch.no_grad():
-        logits = forward_response(model, rollout).float() / temperature
-    return algo.logprobs_from_logits(logits, rollout["responses"]) * rollout["response_mask"]
+        return forward_response(model, rollout, head)  # 0 past each response
 
 
 def start_engine(model_dir: str, *overrides: str):

@@ -8,6 +8,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from spmdsplit.balance import balanced_group_order, seqlen_metrics, slice_sums
 from spmdsplit.batch import Batch
 from spmdsplit.data.prompts import PromptDataset, collate_prompts
 from spmdsplit.exchange import PendingSend, row_ranges
@@ -29,6 +30,7 @@ class ActorPool:
         self.chunks = cfg.rollout.stream_chunks
         self.sends = PendingSend()  # this step's sends to the critic pool, waited for at its end
         self.rollout_metrics: dict[str, float] = {}
+        self.tokens_per_rank: dict[str, list[list[int]]] = {}  # pool -> [before, after] balancing, per rank
 
     def roll_out(self, step: int) -> Batch:
         """gen (chunk by chunk, each sent on at once) -> old_log_prob -> ref [-> log-probs sent]."""
@@ -38,6 +40,7 @@ class ActorPool:
             self.wake_rollout()
             event.update(self.timer.device_in_use())  # the engine's share included (tools/gpu_check.py)
         parts = []
+        self.tokens_per_rank = {}  # this step's, for the balance metrics
         for c in range(self.chunks):
             with phase("gen", step, chunk=c):
                 parts.append(self.generate(shares.chunk(c, self.chunks)))
@@ -47,13 +50,16 @@ class ActorPool:
                 with phase("rollout_sleep", step):
                     self.rollout.sleep()
             if not self.weights:
+                parts[-1] = self.balance(step, c, parts[-1])
                 self.sends.add(channel.send_rollout(step, c, parts[-1]))
         if self.weights:  # rollout.ranks=all: the critic pool generated the rest of the rows
             self.sends.add(channel.send_generated(step, parts[0]))
             with phase("exchange/generated", step) as stats:
                 parts = [channel.recv_generated(step, stats)]
+            parts = [self.balance(step, 0, parts[0])]  # once the actor pool holds every row
             self.sends.add(channel.send_rollout(step, 0, parts[0]))
-        rollout = Batch.concat(parts)
+        # Each chunk is as wide as its longest response (rollout/base.py): pad them to one width.
+        rollout = Batch.concat(parts, pad_to_widest=True)
         with phase("old_log_prob", step):
             rollout["old_log_probs"] = self.actor.compute_log_prob(rollout)
         if "rollout_log_probs" in rollout:  # the engine's own log-probs: a check, as in verl
@@ -73,9 +79,10 @@ class ActorPool:
         for c in range(self.chunks):
             with self.timer.phase("exchange/advantages", step, chunk=c) as stats:
                 advantages.append(self.channel.recv_advantages(step, c, stats))
-        advantages = Batch.concat(advantages)
+        advantages = Batch.concat(advantages, pad_to_widest=True)
         check_rows(advantages, rollout, "advantages")
-        rollout["advantages"] = advantages["advantages"]
+        # The critic pool's ranks padded their rows to their own widest response, not this rank's.
+        rollout["advantages"] = advantages.with_width(rollout["responses"].shape[1])["advantages"]
         self.handoff()  # blocking mode: the actor updates only after the critic did
         metrics = {}
         if step > self.cfg.trainer.critic_warmup:  # the first steps train only the critic
@@ -84,6 +91,42 @@ class ActorPool:
         self.sends.wait()
         self.sends = PendingSend()
         metrics.update(self.rollout_metrics)
+        if self.tokens_per_rank:
+            metrics.update(self.balance_metrics())
+        return metrics
+
+    def balance(self, step: int, chunk: int, part: Batch) -> Batch:
+        """trainer.balance_batch: this rank's rows of the chunk, exchanged within the actor pool
+        so that the chunk's global order is the balanced one (spmdsplit/balance.py). The order
+        cuts the chunk's prompt groups into lcm(actor pool, critic pool) parts of equal count, so
+        both pools' contiguous slices of it (row_ranges) are even. Rows keep their `row_index`."""
+        if not self.cfg.trainer.balance_batch:
+            return part
+        placement, n = self.pools.placement, self.cfg.rollout.n
+        with self.timer.phase("balance", step, chunk=chunk):
+            # Every actor rank holds equal whole groups (config.check_against_pools), so one
+            # all_gather over the pool gives every rank the chunk's token counts in global order.
+            mine = part["attention_mask"].sum(1).view(-1, n).sum(1).to(self.pools.device)
+            gathered = [torch.empty_like(mine) for _ in placement.actor_ranks]
+            dist.all_gather(gathered, mine, group=self.pools.actor_group)
+            group_tokens = torch.cat(gathered).tolist()
+            parts = math.lcm(len(placement.actor_ranks), len(placement.critic_ranks))
+            groups = balanced_group_order(group_tokens, parts)
+            balanced = self.channel.balance(step, chunk, part, [g * n + i for g in groups for i in range(n)])
+        for pool, ranks in (("actor", placement.actor_ranks), ("critic", placement.critic_ranks)):
+            before = slice_sums(group_tokens, len(ranks))
+            after = slice_sums([group_tokens[g] for g in groups], len(ranks))
+            totals = self.tokens_per_rank.setdefault(pool, [[0] * len(ranks), [0] * len(ranks)])
+            for total, chunk_sums in zip(totals, (before, after)):
+                total[:] = [a + b for a, b in zip(total, chunk_sums)]
+        return balanced
+
+    def balance_metrics(self) -> dict[str, float]:
+        """verl's global_seqlen/* of the step for the actor pool (the policy's data-parallel ranks,
+        verl's meaning) and, when the critic pool is another, global_seqlen/critic/*."""
+        metrics = seqlen_metrics(*self.tokens_per_rank["actor"], "global_seqlen")
+        if not self.pools.placement.colocated:
+            metrics.update(seqlen_metrics(*self.tokens_per_rank["critic"], "global_seqlen/critic"))
         return metrics
 
     # ------------------------------------------------------------------ pieces
@@ -128,7 +171,8 @@ class ActorPool:
                 parts.append(self.generate(shares, validate=True))
         with self.timer.phase("rollout_sleep", step):
             self.rollout.sleep()  # one wake for every batch of the set
-        self.channel.send_val_rollout(step, Batch.concat(parts), len(rows) * n).wait()
+        # Validation rows are not balanced: scoring them is cheap next to a training step.
+        self.channel.send_val_rollout(step, Batch.concat(parts, pad_to_widest=True), len(rows) * n).wait()
         return len(rows) * n
 
 

@@ -114,6 +114,10 @@ class TrainerConfig:
     val_freq: int = -1  # validate every this many steps (and after the last); -1 = never
     val_before_train: bool = False
     critic_warmup: int = 0  # the first this many steps train only the critic
+    # verl's balance_batch: each chunk's prompt groups are reordered so that every rank of each
+    # pool holds an even share of the tokens (attention_mask sums), not just an even row count
+    # (spmdsplit/balance.py; the move among the actor pool's ranks: spmdsplit/messages.py).
+    balance_batch: bool = True
     # Checkpoints (see spmdsplit/checkpoint.py). A stop request (SIGUSR2, SIGTERM) always checkpoints.
     # save_freq: checkpoint every this many steps and after the last; -1 = only when stopped.
     save_freq: int = bounded(-1, lambda v: v > 0 or v == -1, "expected a positive number of steps, or -1 (off)")
@@ -137,6 +141,14 @@ class ModelConfig:
     dtype: str = choice("auto", "float32", "bfloat16")  # auto: bf16 on cuda, fp32 on cpu
     trust_remote_code: bool = False
     gradient_checkpointing: bool = False
+    # Padding-free forward passes (verl's name) for the actor, reference, critic and reward model:
+    # each micro-batch's real tokens packed into one sequence, so no compute goes to padding. With
+    # sdpa/eager an explicit [T, T] block-causal mask keeps rows apart (memory grows with the
+    # micro-batch's tokens squared: keep token budgets small on CPU); flash_attention_2 needs none.
+    use_remove_padding: bool = False
+    # The attention kernel of every trained and frozen model (not the rollout engines'): sdpa |
+    # eager | flash_attention_2 (GPU only; needs the flash_attn package).
+    attn_implementation: str = choice("sdpa", "eager", "flash_attention_2")
 
 
 @dataclass
@@ -196,6 +208,16 @@ class ActorConfig:
     # reduce dtype) on every rank while a mini-batch accumulates, whatever the pool size (7B: ~30 GB).
     # Only with engine=fsdp: ZeRO-2/3 partition gradients in every backward, ZeRO-1 holds them whole anyway.
     no_sync_accumulation: bool = False
+    # Token-budget micro-batches (verl's names): instead of a fixed number of rows, a rank's rows
+    # (of a mini-batch; of its whole batch for the log-prob pass) are binned so no micro-batch holds
+    # more than this many tokens (prompt + response, padding not counted). A row longer than the
+    # budget still runs, in a micro-batch of its own, so a budget below data.max_prompt_length +
+    # data.max_response_length is allowed. The ranks of the pool agree on one micro-batch count (an
+    # all-reduce per pass); a rank short of rows runs a dummy one. Cost: activation memory scales
+    # with the budget, not with the row count; the update itself does not change.
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = positive(16384)  # per micro-batch of the update
+    log_prob_max_token_len_per_gpu: int = positive(16384)  # per micro-batch of the old-log-prob pass
 
 
 @dataclass
@@ -213,6 +235,9 @@ class CriticConfig:
     engine: str = choice(*ENGINES)  # over the critic pool's group
     zero_stage: int = choice(1, 2, 3, default=3)  # deepspeed
     no_sync_accumulation: bool = False  # as actor.no_sync_accumulation (critic of 7B: ~28 GB per rank)
+    use_dynamic_bsz: bool = False  # token-budget micro-batches, as actor.use_dynamic_bsz
+    ppo_max_token_len_per_gpu: int = positive(16384)  # per micro-batch of the update
+    forward_max_token_len_per_gpu: int = positive(16384)  # per micro-batch of the values pass
 
 
 @dataclass
@@ -224,6 +249,11 @@ class RefConfig:
     # actor's stage is 3, else 0. Stages 1 and 2 shard optimizer state, which it has none of.
     zero_stage: int = inference_zero_stage("actor")
     log_prob_micro_batch_size_per_gpu: int = positive(32)  # rows per forward of the reference on one rank (verl's key)
+    # Token-budget micro-batches for the reference's pass; null = actor.use_dynamic_bsz and
+    # actor.log_prob_max_token_len_per_gpu (the two passes see the same rows).
+    log_prob_use_dynamic_bsz: Optional[bool] = None
+    log_prob_max_token_len_per_gpu: Optional[int] = bounded(None, lambda v: v is None or v > 0,
+                                                            "expected a positive number, or null (the actor's)")
 
 
 @dataclass
@@ -286,6 +316,9 @@ class RewardModelConfig:
     micro_batch_size_per_gpu: int = positive(16)
     engine: str = choice("", *ENGINES)  # "" = critic.engine
     zero_stage: int = inference_zero_stage("critic")  # as ref.zero_stage, following the critic
+    # Token-budget micro-batches of the reward model's own tokens (its tokenizer's), as actor.use_dynamic_bsz.
+    use_dynamic_bsz: bool = False
+    forward_max_token_len_per_gpu: int = positive(16384)
 
 
 @dataclass
@@ -524,13 +557,19 @@ def check_values(cfg: DictConfig) -> None:
 
 
 def check_engines(cfg: DictConfig) -> None:
-    """FSDP-only options, and DeepSpeed installed where it is chosen."""
+    """FSDP-only options, and DeepSpeed and FlashAttention installed where they are chosen."""
     for role in ("actor", "critic"):
         if cfg[role].no_sync_accumulation and cfg[role].engine == "deepspeed":
             raise ConfigError(
                 f"{role}.no_sync_accumulation=true is an FSDP2 option: DeepSpeed ZeRO-2/3 partition gradients in "
                 "every backward (its no_sync refuses them) and ZeRO-1 keeps a whole gradient per rank anyway, "
                 "all-reduced once at the step; leave it false with engine=deepspeed")
+    if cfg.model.attn_implementation == "flash_attention_2":
+        import importlib.util
+
+        if importlib.util.find_spec("flash_attn") is None:
+            raise ConfigError("model.attn_implementation=flash_attention_2: the flash_attn package is not installed "
+                              "(GPU only: pip install flash-attn); use sdpa")
     chosen = [key for key in ("actor.engine", "critic.engine", "ref.engine", "reward.model.engine")
               if OmegaConf.select(cfg, key) == "deepspeed"]
     if chosen:

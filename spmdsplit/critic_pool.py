@@ -43,15 +43,18 @@ class CriticPool:
             with phase("reward", step, chunk=c):
                 part["token_level_scores"], _ = self.reward.compute(part, keep_extras=True)
             parts.append(part)
-        batch = Batch.concat(parts)
+        # Each chunk is as wide as the longest response in it (rollout/base.py): pad them to one width.
+        batch = Batch.concat(parts, pad_to_widest=True)
         if self.cfg.algorithm.use_kl_in_reward:  # sent after every rollout chunk, so taken after them
             log_probs = []
             for c in range(self.chunks):
                 with phase("exchange/log_probs", step, chunk=c) as stats:
                     log_probs.append(channel.recv_log_probs(step, c, stats))
-            log_probs = Batch.concat(log_probs)
+            log_probs = Batch.concat(log_probs, pad_to_widest=True)
             check_rows(log_probs, batch, "log-probs")
-            batch.update(log_probs.select(["old_log_probs", "ref_log_prob"]))
+            # As wide as the actor ranks' rollouts, which need not be this rank's width.
+            width = batch["responses"].shape[1]
+            batch.update(log_probs.select(["old_log_probs", "ref_log_prob"]).with_width(width))
         with phase("adv", step):
             metrics = self.compute_advantage(batch)
         metrics.update(self.reward.pop_extra_metrics(self.pools.critic_group, self.pools.device))  # e.g. "acc"
@@ -60,7 +63,8 @@ class CriticPool:
         if self.critic is not None:
             with phase("update_critic", step):
                 metrics.update(self.critic.update_critic(batch, seed=self.cfg.trainer.seed * 7919 + step))
-        metrics.update(compute_data_metrics(batch, self.pools.critic_group, self.pools.device))
+        metrics.update(compute_data_metrics(batch, self.pools.critic_group, self.pools.device,
+                                            self.cfg.data.max_response_length))
         self.handoff()  # blocking mode: the actor updates only after the critic did
         for sent in sends:
             sent.wait()

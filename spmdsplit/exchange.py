@@ -17,7 +17,9 @@ view carries any dtype (bool, bfloat16) that gloo cannot send natively.
 
 Rows: the global batch of `num_rows` rows is split contiguously over each rank list with
 `row_ranges`; each source sends each destination exactly the overlap of their ranges, so no rank
-ever holds rows it does not need and nothing is gathered on one rank.
+ever holds rows it does not need and nothing is gathered on one rank. `reorder_rows` puts the
+rows held by one rank list into another global order (balancing, spmdsplit/balance.py) the
+same way: each rank sends each other rank only the rows of its new slice.
 
 Self-delivery: what a rank sends to itself (it is in both lists, e.g. colocate placement) never
 goes through torch.distributed: the link parks it under its (kind, step, chunk) and the receive on
@@ -312,19 +314,48 @@ def recv_rows(link: Link, msg: Message, src_ranks, dst_ranks, num_rows: int, sta
         stats["transfer_us"] = (time.perf_counter_ns() - headers_in) // 1000
     pieces = [link.unpark(msg) if s == me else _unpack(*bodies[s]) for s in peers]
     # One piece: hand back its views as they are (torch.cat would copy every column once more).
-    return pieces[0] if len(pieces) == 1 else Batch.concat(pieces)
+    # Pieces from several senders are rollout rows of different response widths: padded to one.
+    return pieces[0] if len(pieces) == 1 else Batch.concat(pieces, pad_to_widest=True)
 
 
-def exchange_rows(link: Link, msg: Message, batch: Batch | None, src_ranks: Sequence[int], dst_ranks: Sequence[int],
-                  num_rows: int) -> Batch | None:
-    """For code run on every rank: sends (if a source), receives (if a destination), waits for
-    its own sends. Sending first, non-blocking, is what keeps a rank in both lists from deadlocking."""
-    me, src_ranks, dst_ranks = _rank(), list(src_ranks), list(dst_ranks)
+def reorder_rows(link: Link, msg: Message, batch: Batch, ranks: Sequence[int], order: Sequence[int]) -> Batch:
+    """For every rank of `ranks` (one pool): the global batch, held in contiguous `row_ranges` by
+    `ranks`, put into a new global order. `order[p]` is the row (its old place) that goes to place
+    p; afterwards each rank holds its `row_ranges` slice of the new order. Every rank must pass the
+    same `order`. Each rank sends every other rank, in rank order, the rows it holds of that rank's
+    new slice (one message, none where it holds none), then receives the same way: both sides see
+    the same order, so it matches by order alone; rows a rank keeps go by self-delivery."""
+    ranks, me = list(ranks), _rank()
+    if sorted(order) != list(range(len(order))):
+        raise ValueError(f"order must be a permutation of range({len(order)})")
+    ranges = row_ranges(len(order), len(ranks))
+    holder = [r for r, (lo, hi) in enumerate(ranges) for _ in range(lo, hi)]  # old place -> index in ranks
+    old_lo, old_hi = ranges[ranks.index(me)]
+    if len(batch) != old_hi - old_lo:
+        raise ValueError(f"rank {me} holds rows {(old_lo, old_hi)} of {len(order)} but got a batch of {len(batch)}")
     pending = PendingSend()
-    if me in src_ranks:
-        if batch is None:
-            raise ValueError(f"rank {me} is a source but was given no batch")
-        pending = send_rows(link, msg, batch, src_ranks, dst_ranks, num_rows)
-    result = recv_rows(link, msg, src_ranks, dst_ranks, num_rows) if me in dst_ranks else None
+    for d, (lo, hi) in zip(ranks, ranges):
+        theirs = [order[p] - old_lo for p in range(lo, hi) if old_lo <= order[p] < old_hi]
+        if not theirs:
+            continue
+        piece = batch.index(theirs)
+        if d == me:
+            link.park(msg, piece)
+        else:
+            pending.add(link.isend(msg, *_pack(piece, link.device), d))
+    new_lo, new_hi = ranges[ranks.index(me)]
+    sources = sorted({holder[order[p]] for p in range(new_lo, new_hi)})
+    bodies = link.recv_bodies(link.recv_headers(msg, [ranks[s] for s in sources if ranks[s] != me]))
+    pieces = [link.unpark(msg) if ranks[s] == me else _unpack(*bodies[ranks[s]]) for s in sources]
+    received = Batch.concat(pieces, pad_to_widest=True)
+    # `received` holds the rows source by source, each source's in new order: put them in new order.
+    arrival = sorted(range(new_lo, new_hi), key=lambda p: (holder[order[p]], p))
+    place_in_received = {p: i for i, p in enumerate(arrival)}
     pending.wait()
-    return result
+    return received.index([place_in_received[p] for p in range(new_lo, new_hi)])
+
+
+def all_pairs(ranks: Sequence[int]) -> list[tuple[int, int]]:
+    """Every pair of `ranks`: those `reorder_rows` may join (which ones depends on the rows)."""
+    ranks = list(ranks)
+    return [(a, b) for i, a in enumerate(ranks) for b in ranks[i + 1:]]

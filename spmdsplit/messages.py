@@ -22,7 +22,15 @@ Per training step k, with N = rollout.stream_chunks:
                                                        generates its share of the step's prompts
   bulk     A, C -> A    GENERATED k                    only with rollout.ranks=all: the generated
                                                        rows into the actor pool's partition
-  bulk     A -> C       ROLLOUT k, chunk 0 .. N-1      each chunk as soon as it is generated
+  bulk     A -> A       BALANCE k, chunk c             only with trainer.balance_batch: once the
+                                                       actor pool holds chunk c (after GENERATED
+                                                       with rollout.ranks=all), its rows move
+                                                       between the actor pool's ranks into the
+                                                       balanced order (spmdsplit/balance.py),
+                                                       after one all_gather of token counts over
+                                                       the actor pool's group; then
+  bulk     A -> C       ROLLOUT k, chunk c             each chunk as soon as it is generated
+                                                       (and balanced), c = 0 .. N-1
   bulk     A -> C       LOG_PROBS k, chunk 0 .. N-1    after all ROLLOUT chunks; only with
                                                        algorithm.use_kl_in_reward
   bulk     C -> A       ADVANTAGES k, chunk 0 .. N-1   after GAE, before update_critic
@@ -37,9 +45,11 @@ Checkpoint at step k:
 Between two ranks each link is one ordered stream: NCCL matches point-to-point messages in the
 order they were posted and ignores tags, so the receiver posts its receives in exactly the order
 above, and every header is checked (spmdsplit/exchange.py). Rows that come back (advantages,
-log-probs) carry `row_index`, each row's place in the step's global batch, and are checked
-against the rows held: a routing slip is an error, never training on the wrong rows. In
-colocate placement every message a rank sends goes to itself and never touches the wire.
+log-probs) carry `row_index`, the row's place in the step's global batch as generated (its
+identity: balancing reorders the rows but never renumbers them), and are checked against the
+rows held: a routing slip is an error, never training on the wrong rows. In colocate placement
+every message a rank sends goes to itself and never touches the wire, but BALANCE (rows between
+the ranks of the one pool).
 """
 
 from __future__ import annotations
@@ -50,10 +60,12 @@ import torch
 import torch.distributed as dist
 
 from spmdsplit.batch import Batch
-from spmdsplit.exchange import Link, Message, PendingSend, ProtocolError, recv_rows, row_pairs, send_rows
+from spmdsplit.exchange import (Link, Message, PendingSend, ProtocolError, all_pairs, recv_rows, reorder_rows,
+                                row_pairs, send_rows)
 from spmdsplit.placement import Placement
 
-GENERATED, ROLLOUT, LOG_PROBS, ADVANTAGES, VAL_ROLLOUT = "GENERATED", "ROLLOUT", "LOG_PROBS", "ADVANTAGES", "VAL_ROLLOUT"
+GENERATED, BALANCE, ROLLOUT, LOG_PROBS, ADVANTAGES = "GENERATED", "BALANCE", "ROLLOUT", "LOG_PROBS", "ADVANTAGES"
+VAL_ROLLOUT = "VAL_ROLLOUT"
 CRITIC_METRICS, VAL_METRICS, CHECKPOINT_WRITTEN = "CRITIC_METRICS", "VAL_METRICS", "CHECKPOINT_WRITTEN"
 
 # What the critic pool needs of a rollout (the rest stays with the actor pool). Everything a
@@ -82,7 +94,7 @@ class PoolChannel:
                  wait_timeout_s: float):
         world = list(range(placement.world_size))
         timeout = timedelta(seconds=wait_timeout_s)
-        self.bulk = Link([GENERATED, ROLLOUT, LOG_PROBS, ADVANTAGES, VAL_ROLLOUT],
+        self.bulk = Link([GENERATED, BALANCE, ROLLOUT, LOG_PROBS, ADVANTAGES, VAL_ROLLOUT],
                          dist.new_group(world, timeout=timeout), device, "bulk")
         self.control_group = dist.new_group(world, backend="gloo", timeout=timeout)
         self.control = Link([CRITIC_METRICS, VAL_METRICS, CHECKPOINT_WRITTEN], self.control_group, "cpu", "control")
@@ -90,11 +102,13 @@ class PoolChannel:
         self.rows_per_step, self.chunk_rows = rows_per_step, rows_per_step // chunks
         self.metrics_in_flight = PendingSend()
 
-    def connect(self, generated: bool, num_val_rows: int) -> None:
+    def connect(self, generated: bool, num_val_rows: int, balanced: bool = False) -> None:
         """Every rank, once, at start-up: each pair of ranks that the bulk messages below will
         join exchanges a first message now, in the order of the schedule (Link.connect says why).
-        `generated`: rollout.ranks=all; `num_val_rows`: validation responses per run (0: none)."""
+        `generated`: rollout.ranks=all; `num_val_rows`: validation responses per run (0: none);
+        `balanced`: trainer.balance_batch (which actor ranks trade rows depends on the lengths)."""
         pairs = row_pairs(self.A + self.C, self.A, self.rows_per_step) if generated else []
+        pairs += all_pairs(self.A) if balanced else []  # BALANCE
         pairs += row_pairs(self.A, self.C, self.chunk_rows)  # ROLLOUT, LOG_PROBS
         pairs += row_pairs(self.C, self.A, self.chunk_rows)  # ADVANTAGES
         if num_val_rows:
@@ -109,6 +123,12 @@ class PoolChannel:
 
     def recv_generated(self, step: int, stats: dict | None = None) -> Batch:
         return recv_rows(self.bulk, Message(GENERATED, step), self.A + self.C, self.A, self.rows_per_step, stats)
+
+    # ---- trainer.balance_batch: the actor pool's rows of a chunk (of the step, with
+    #      rollout.ranks=all) into the balanced order, among the actor pool's ranks
+
+    def balance(self, step: int, chunk: int, part: Batch, order: list[int]) -> Batch:
+        return reorder_rows(self.bulk, Message(BALANCE, step, chunk), part, self.A, order)
 
     # ---- a training step, rows chunk by chunk (chunk c of the global batch is chunk c of every
     #      actor rank, laid end to end, so each chunk is an exchange of its own)

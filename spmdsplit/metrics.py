@@ -90,9 +90,11 @@ def write_timeline(path: str, events_per_rank: list[list[dict]], roles_per_rank:
 
 
 @torch.no_grad()
-def compute_data_metrics(batch: Batch, group, device) -> dict[str, float]:
+def compute_data_metrics(batch: Batch, group, device, max_response_length: int) -> dict[str, float]:
     """verl's data metrics (critic/score, rewards, advantages, returns, values, response and
-    prompt lengths) over the pool's whole global batch, from one SUM and one MAX all-reduce."""
+    prompt lengths) over the pool's whole global batch, from one SUM and one MAX all-reduce.
+    `max_response_length`: data.max_response_length, what a clipped response ran to (the batch
+    is only as wide as its longest response)."""
     response_mask = batch["response_mask"].float()
     prompt_mask = batch["attention_mask"][:, : -response_mask.shape[1]].float()
     response_length = response_mask.sum(-1)
@@ -116,8 +118,7 @@ def compute_data_metrics(batch: Batch, group, device) -> dict[str, float]:
         valid = x[response_mask.bool()]
         maxes[f"{key}/max"] = valid.max().item() if valid.numel() else float("-inf")
         mins[f"{key}/min"] = valid.min().item() if valid.numel() else float("inf")
-    max_len = response_mask.shape[1]
-    sums["response_length/clip_ratio"] = (response_length >= max_len).float().sum().item()
+    sums["response_length/clip_ratio"] = (response_length >= max_response_length).float().sum().item()
     counts["response_length/clip_ratio"] = len(response_length)
     metrics = pool_reduce_metrics(sums, counts, group, device)
     maxes, mins = pool_max_min(maxes, mins, group, device)
@@ -182,6 +183,10 @@ class Sink:
     def log_validation(self, step: int, metrics: dict[str, float]) -> None:
         self.log(step, metrics)
 
+    def run_id(self) -> str | None:
+        """The tracking run this sink writes to, for a resumed job to go on in (None: no run)."""
+        return None
+
     def close(self) -> None:
         pass
 
@@ -238,14 +243,21 @@ class TensorBoardSink(Sink):
 class WandbSink(Sink):
     """A Weights & Biases run named trainer.experiment_name in trainer.project_name. wandb's own
     environment decides the rest: WANDB_MODE=offline writes without a network (`wandb sync`
-    uploads later), WANDB_DIR moves its files (default: beside trainer.log_dir)."""
+    uploads later), WANDB_DIR moves its files (default: beside trainer.log_dir). A resumed job
+    goes on in the run its checkpoint names (`run_id`), as one run."""
 
-    def __init__(self, project: str, experiment: str, config: dict, default_dir: str):
+    name = "wandb"
+
+    def __init__(self, project: str, experiment: str, config: dict, default_dir: str, run_id: str | None = None):
         import wandb
 
         directory = os.environ.get("WANDB_DIR") or default_dir
         os.makedirs(directory, exist_ok=True)
-        self.run = wandb.init(project=project, name=experiment, config=config, dir=directory)
+        resume = {"id": run_id, "resume": "allow"} if run_id else {}
+        self.run = wandb.init(project=project, name=experiment, config=config, dir=directory, **resume)
+
+    def run_id(self) -> str:
+        return self.run.id
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(metrics, step=step)
@@ -254,11 +266,28 @@ class WandbSink(Sink):
         self.run.finish()
 
 
+def flat_params(config: dict, prefix: str = "") -> dict[str, str]:
+    """The config as MLflow params: dotted keys, values as text (MLflow keeps at most 6000
+    characters of a param)."""
+    out = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flat_params(value, name + "."))
+        else:
+            out[name] = str(value)[:6000]
+    return out
+
+
 class MlflowSink(Sink):
     """An MLflow run named trainer.experiment_name in the experiment trainer.project_name, at
-    MLFLOW_TRACKING_URI (a server, or a store) or else a local file store beside trainer.log_dir."""
+    MLFLOW_TRACKING_URI (a server, or a store) or else a local file store beside trainer.log_dir.
+    The resolved config becomes the run's params, as verl's tracking logs it; a resumed job goes
+    on in the run its checkpoint names (params are MLflow's to keep: they are logged once)."""
 
-    def __init__(self, project: str, experiment: str, default_dir: str):
+    name = "mlflow"
+
+    def __init__(self, project: str, experiment: str, config: dict, default_dir: str, run_id: str | None = None):
         import mlflow
 
         if not os.environ.get("MLFLOW_TRACKING_URI"):
@@ -268,7 +297,18 @@ class MlflowSink(Sink):
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         mlflow.set_experiment(project)
         self.mlflow = mlflow
+        if run_id:
+            try:
+                self.run = mlflow.start_run(run_id=run_id)
+                return
+            except mlflow.exceptions.MlflowException as e:  # another store than the stopped job's
+                print(f"spmdsplit: warning: MLflow run {run_id} of the checkpoint not found at "
+                      f"{mlflow.get_tracking_uri()} ({str(e).splitlines()[0]}); starting a new run", flush=True)
         self.run = mlflow.start_run(run_name=experiment)
+        mlflow.log_params(flat_params(config))
+
+    def run_id(self) -> str:
+        return self.run.info.run_id
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.mlflow.log_metrics({mlflow_metric_name(k): v for k, v in metrics.items()}, step=step)
@@ -277,15 +317,18 @@ class MlflowSink(Sink):
         self.mlflow.end_run()
 
 
-def make_sinks(trainer, config: dict, first_step: int) -> list[Sink]:
-    """The sinks trainer.logger names, in its order."""
+def make_sinks(trainer, config: dict, first_step: int, run_ids: dict[str, str]) -> list[Sink]:
+    """The sinks trainer.logger names, in its order; `run_ids` (from the checkpoint a job resumes
+    from) names the wandb / MLflow runs to go on in."""
     default_dir = run_output_dir(trainer.log_dir)
     make = {
         "console": lambda: ConsoleSink(trainer.total_steps, trainer.progress_bar, first_step),
         # trainer.log_dir="" turned TensorBoard off before trainer.logger existed; it still does.
         "tensorboard": lambda: TensorBoardSink(trainer.log_dir, first_step) if trainer.log_dir else None,
-        "wandb": lambda: WandbSink(trainer.project_name, trainer.experiment_name, config, default_dir),
-        "mlflow": lambda: MlflowSink(trainer.project_name, trainer.experiment_name, default_dir),
+        "wandb": lambda: WandbSink(trainer.project_name, trainer.experiment_name, config, default_dir,
+                                   run_ids.get("wandb")),
+        "mlflow": lambda: MlflowSink(trainer.project_name, trainer.experiment_name, config, default_dir,
+                                     run_ids.get("mlflow")),
     }
     return [sink for sink in (make[name]() for name in trainer.logger) if sink]
 
@@ -294,8 +337,8 @@ class MetricsLogger:
     """World rank 0 only: every step's metrics to each sink of trainer.logger, and a history of
     them for the end-of-run report."""
 
-    def __init__(self, trainer, config: dict | None = None, first_step: int = 1):
-        self.sinks = make_sinks(trainer, config or {}, first_step)
+    def __init__(self, trainer, config: dict | None = None, first_step: int = 1, run_ids: dict | None = None):
+        self.sinks = make_sinks(trainer, config or {}, first_step, run_ids or {})
         self.history: list[dict[str, float]] = []
         self.validation: list[dict[str, float]] = []
 
@@ -303,6 +346,10 @@ class MetricsLogger:
         self.history.append({"step": step, **metrics})
         for sink in self.sinks:
             sink.log(step, metrics)
+
+    def run_ids(self) -> dict[str, str]:
+        """The tracking runs to go on in after a resume (saved with each checkpoint)."""
+        return {sink.name: sink.run_id() for sink in self.sinks if sink.run_id()}
 
     def log_scalars(self, step: int, metrics: dict[str, float]) -> None:
         """Metrics outside the step's own line (validation)."""

@@ -78,6 +78,8 @@ class ModelSource:
     dtype: torch.dtype
     seed: int = 0
     trust_remote_code: bool = False
+    # transformers' attention kernel (model.attn_implementation); None = transformers' default.
+    attn_implementation: str | None = None
 
     def _auto(self):
         import transformers
@@ -87,10 +89,13 @@ class ModelSource:
     def _head_kwargs(self) -> dict:
         return {} if self.kind == "causal_lm" else {"num_labels": 1}
 
+    def _attention_kwargs(self) -> dict:
+        return {"attn_implementation": self.attn_implementation} if self.attn_implementation else {}
+
     def read(self, device: torch.device | str = "cpu") -> nn.Module:
         torch.manual_seed(self.seed)
         model = self._auto().from_pretrained(self.path, dtype=self.dtype, trust_remote_code=self.trust_remote_code,
-                                             **self._head_kwargs())
+                                             **self._head_kwargs(), **self._attention_kwargs())
         return _no_dropout(model).to(device)
 
     def skeleton(self, device: torch.device | str = "meta") -> nn.Module:
@@ -100,7 +105,8 @@ class ModelSource:
 
         config = AutoConfig.from_pretrained(self.path, trust_remote_code=self.trust_remote_code, **self._head_kwargs())
         with torch.device(device), _no_init_weights():
-            model = self._auto().from_config(config, dtype=self.dtype, trust_remote_code=self.trust_remote_code)
+            model = self._auto().from_config(config, dtype=self.dtype, trust_remote_code=self.trust_remote_code,
+                                             **self._attention_kwargs())
             model.tie_weights()  # skipped with the initialisation; a tied head must stay one tensor
         return _no_dropout(model)
 

@@ -57,7 +57,8 @@ class Trainer:
                                    cfg.rollout.stream_chunks, cfg.trainer.pool_wait_timeout_s)
         val_responses = (len(usable_val_rows(self.val_rows, self.placement)) * cfg.rollout.val_kwargs.n
                          if self.val_rows else 0)
-        self.channel.connect(generated=critic_pool_generates(cfg, self.placement), num_val_rows=val_responses)
+        self.channel.connect(generated=critic_pool_generates(cfg, self.placement), num_val_rows=val_responses,
+                             balanced=cfg.trainer.balance_batch)
         self.stop_vote = StopVote(timedelta(seconds=cfg.trainer.pool_wait_timeout_s))
         # verl's blocking calls, for comparison; meaningless when the roles share ranks anyway.
         blocking = not cfg.placement.overlap and not self.placement.colocated
@@ -95,11 +96,12 @@ class Trainer:
         self.start_step = 1
         self.unlogged: dict[int, dict] = {}  # rank 0: step -> {"actor": ..., "critic": ...} until both are in
         self.critic_metrics_received = 0
+        self.tracking_runs: dict[str, str] = {}  # wandb / MLflow runs a resumed job goes on in
         if resume_from:
             self.load_checkpoint(resume_from)
         # wandb records the resolved config with the run, as verl's tracking does.
-        self.logger = MetricsLogger(cfg.trainer, OmegaConf.to_container(cfg, resolve=True),
-                                    first_step=self.start_step) if self.rank == 0 else None
+        self.logger = MetricsLogger(cfg.trainer, OmegaConf.to_container(cfg, resolve=True), first_step=self.start_step,
+                                    run_ids=self.tracking_runs) if self.rank == 0 else None
 
     def seed_sampling(self, after_step: int = 0) -> None:
         """Sampling must differ between ranks (else every shard draws the same responses); a
@@ -257,7 +259,7 @@ class Trainer:
                 self.channel.recv_checkpoint_written(step)
             meta = {"step": step, "world_size": self.placement.world_size, "actor_ranks": self.actor_ranks,
                     "critic_ranks": self.critic_ranks, "time": time.time(),
-                    "config": OmegaConf.to_container(cfg, resolve=True)}
+                    "config": OmegaConf.to_container(cfg, resolve=True), "tracking_runs": self.logger.run_ids()}
             path = checkpoint.publish(root, step, meta, cfg.trainer.max_ckpt_to_keep)
             print(f"spmdsplit: checkpoint of step {step} written to {path}", flush=True)
 
@@ -287,3 +289,4 @@ class Trainer:
             print(f"spmdsplit: resuming from {path} at step {step + 1}{note}", flush=True)
         self.start_step = step + 1
         self.critic_metrics_received = step
+        self.tracking_runs = meta.get("tracking_runs", {})

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from spmdsplit.batch import Batch
 from spmdsplit.models import ModelSource
 
 
@@ -17,3 +18,32 @@ def load_reward_model(path: str, dtype: torch.dtype, device: torch.device, seed:
     """The reward model, one output (`num_labels=1`). A checkpoint that has no such head (a plain
     causal LM) gets a fresh one, equal wherever it is read thanks to the seed."""
     return ModelSource("reward", path, dtype, seed, trust_remote_code).read(device)
+
+
+class PlainEngine:
+    """The engine's interface without FSDP, for single-process tests."""
+
+    def __init__(self, model):
+        self.model, self.group = model.eval(), None
+
+    def __call__(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+
+def ppo_rows(prompts, responses, prompt_mask, response_mask, generator: torch.Generator) -> Batch:
+    """A rollout ready for an update: left-padded prompts and right-padded responses [B, P] and
+    [B, R] with their masks, joined as the rollout joins them, and random old log-probs,
+    advantages, values and returns (drawn from `generator`, in that order)."""
+    from spmdsplit.rollout.base import position_ids_from_mask
+
+    rows, R = responses.shape
+    attention_mask = torch.cat([prompt_mask, response_mask], 1)
+    return Batch({
+        "prompts": prompts, "responses": responses, "response_mask": response_mask,
+        "input_ids": torch.cat([prompts, responses], 1), "attention_mask": attention_mask,
+        "position_ids": position_ids_from_mask(attention_mask),
+        "old_log_probs": -2.0 - torch.rand(rows, R, generator=generator),
+        "advantages": torch.randn(rows, R, generator=generator) * response_mask,
+        "values": torch.randn(rows, R, generator=generator) * 0.1 * response_mask,
+        "returns": torch.randn(rows, R, generator=generator) * response_mask,
+    })

@@ -32,16 +32,29 @@ def scalars(log_dir: str) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
+def wandb_offline_runs(wandb_dir: str) -> list[str]:
+    """The run id of each offline run directory under `wandb_dir` (offline-run-<time>-<id>), oldest first."""
+    return [os.path.basename(d).rsplit("-", 1)[1] for d in sorted(glob.glob(os.path.join(wandb_dir, "wandb", "offline-run-*")))]
+
+
 def wandb_offline_scalars(wandb_dir: str) -> dict[str, list[tuple[int, float]]]:
-    """The step metrics of the one offline run under `wandb_dir`, read from its .wandb file: wandb
-    has no public reader of offline runs (wandb.Api reads the server), so this walks the file's
-    LevelDB-log framing (a 7-byte header, 32 KiB blocks of checksum/length/type-framed chunks)
-    and parses each record with wandb's own protobuf schema."""
+    """The step metrics of the offline runs under `wandb_dir` (one job, or a job and its resumed
+    parts), read from their .wandb files: wandb has no public reader of offline runs (wandb.Api
+    reads the server), so this walks each file's LevelDB-log framing (a 7-byte header, 32 KiB
+    blocks of checksum/length/type-framed chunks) and parses each record with wandb's own protobuf
+    schema."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted(glob.glob(os.path.join(wandb_dir, "wandb", "offline-run-*", "*.wandb"))):
+        for key, points in _wandb_file_scalars(path).items():
+            out.setdefault(key, []).extend(points)
+    return out
+
+
+def _wandb_file_scalars(path: str) -> dict[str, list[tuple[int, float]]]:
     import struct
 
     from wandb.proto import wandb_internal_pb2
 
-    (path,) = glob.glob(os.path.join(wandb_dir, "wandb", "offline-run-*", "*.wandb"))
     with open(path, "rb") as f:
         data = f.read()
     assert data[:4] == b":W&B", data[:7]

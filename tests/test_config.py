@@ -104,7 +104,9 @@ def test_a_chosen_logger_that_is_not_installed_is_named_with_its_extra(monkeypat
 @pytest.mark.parametrize(
     "override",
     ["trainer.total_steps=0", "data.train_batch_size=-8", "data.max_response_length=0",
-     "actor.ppo_micro_batch_size_per_gpu=0", "critic.ppo_epochs=-1", "rollout.temperature=0"],
+     "actor.ppo_micro_batch_size_per_gpu=0", "critic.ppo_epochs=-1", "rollout.temperature=0",
+     "actor.ppo_max_token_len_per_gpu=0", "ref.log_prob_max_token_len_per_gpu=0",
+     "reward.model.forward_max_token_len_per_gpu=-1"],
 )
 def test_non_positive_values_are_rejected(override):
     key = override.split("=")[0]
@@ -509,3 +511,31 @@ def test_choices_and_ranges_come_from_the_fields():
     defaults = OmegaConf.structured(Config)
     for key, check in checks.items():  # every default passes its own check
         assert check(key, OmegaConf.select(defaults, key)) is None, key
+
+
+def test_flash_attention_without_flash_attn_is_one_line_naming_the_key(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else real(name, *a))
+    msg = error_of("model.attn_implementation=flash_attention_2")
+    assert msg.startswith("model.attn_implementation=flash_attention_2") and "\n" not in msg
+    assert "model.attn_implementation" in error_of("model.attn_implementation=flash")
+    load_config(None, ["model.attn_implementation=eager", "model.use_remove_padding=true"])
+
+
+def test_a_token_budget_below_the_longest_row_is_allowed():
+    load_config(None, ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=3", "data.max_prompt_length=8"])
+
+
+def test_the_reference_follows_the_actors_token_budget_unless_set():
+    from spmdsplit.roles.build import ref_config
+
+    cfg = load_config(None, ["actor.use_dynamic_bsz=true", "actor.log_prob_max_token_len_per_gpu=100"])
+    ref = ref_config(cfg)
+    assert ref.use_dynamic_bsz and ref.log_prob_max_token_len_per_gpu == 100
+    cfg = load_config(None, ["actor.use_dynamic_bsz=true", "ref.log_prob_use_dynamic_bsz=false",
+                             "ref.log_prob_max_token_len_per_gpu=50", "ref.log_prob_micro_batch_size_per_gpu=4"])
+    ref = ref_config(cfg)
+    assert not ref.use_dynamic_bsz and ref.log_prob_max_token_len_per_gpu == 50
+    assert ref.log_prob_micro_batch_size_per_gpu == 4 and cfg.actor.use_dynamic_bsz

@@ -1,15 +1,33 @@
+from typing import Sequence
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from spmdsplit.batch import Batch
-from spmdsplit.exchange import Link, Message, ProtocolError, exchange_rows, recv_rows, row_pairs, row_ranges, send_rows
+from spmdsplit.exchange import Link, Message, PendingSend, ProtocolError, recv_rows, row_pairs, row_ranges, send_rows
 from tests.multiproc import run_ranks
 
 SEQ = 6
 KINDS = ["ROWS", "BACK", "OBJECT", "OTHER"]
 # No test here passes a tag (nothing in the project does): every exchange below is correct by
 # posting order alone, NCCL's rule, though gloo would honour tags.
+
+
+def exchange_rows(link: Link, msg: Message, batch: Batch | None, src_ranks: Sequence[int], dst_ranks: Sequence[int],
+                  num_rows: int) -> Batch | None:
+    """Both sides of one message, for a test that runs the same code on every rank: sends (if a
+    source), receives (if a destination), waits for its own sends. Sending first, non-blocking, is
+    what keeps a rank in both lists from deadlocking."""
+    me, src_ranks, dst_ranks = dist.get_rank() if dist.is_initialized() else 0, list(src_ranks), list(dst_ranks)
+    pending = PendingSend()
+    if me in src_ranks:
+        if batch is None:
+            raise ValueError(f"rank {me} is a source but was given no batch")
+        pending = send_rows(link, msg, batch, src_ranks, dst_ranks, num_rows)
+    result = recv_rows(link, msg, src_ranks, dst_ranks, num_rows) if me in dst_ranks else None
+    pending.wait()
+    return result
 
 
 def test_row_ranges_even():

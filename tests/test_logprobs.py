@@ -27,7 +27,8 @@ def straightforward(model, batch, temperature):
                 position_ids=batch["position_ids"], use_cache=False)
     logits = out.logits[:, -RESPONSE - 1:-1].float() / temperature
     log_probs = torch.log_softmax(logits, -1).gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
-    return log_probs, algo.entropy_from_logits(logits)
+    mask = batch["response_mask"].bool()  # the actor leaves 0 past each response
+    return torch.where(mask, log_probs, 0), torch.where(mask, algo.entropy_from_logits(logits), 0)
 
 
 def ppo_loss(batch, log_prob, entropy, entropy_coeff):

@@ -14,7 +14,9 @@ import pytest
 
 from spmdsplit.checkpoint import LATEST, partial_dir, step_dir
 from tests.multiproc import free_port
-from tests.runjob import scalars, torchrun
+from spmdsplit.metrics import mlflow_metric_name
+from tests.test_e2e import assert_same_scalars
+from tests.runjob import mlflow_scalars, scalars, torchrun, wandb_offline_runs, wandb_offline_scalars
 
 STEPS = 8
 JOB = (
@@ -101,8 +103,15 @@ def assert_same_as_reference(out, reference):
         assert resumed[tag] == values, f"{tag} differs after resume"
 
 
-def test_sigusr2_stops_after_a_checkpoint_and_the_resumed_run_repeats_the_uninterrupted_one(tmp_path, reference):
-    job = start_job(tmp_path)  # no save_freq: the stop request alone must checkpoint
+def test_sigusr2_stops_after_a_checkpoint_and_the_resumed_run_repeats_the_uninterrupted_one(tmp_path, reference,
+                                                                                           monkeypatch):
+    # wandb (offline) and MLflow (a file store beside the log dir) too: the resumed job goes on in
+    # the runs the stopped one started, so each holds every step once.
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    loggers = "trainer.logger=[console,tensorboard,wandb,mlflow]"
+    job = start_job(tmp_path, loggers)  # no save_freq: the stop request alone must checkpoint
     read_until(job, "step 2:")
     os.kill(worker_pid(job.pid, rank=1), signal.SIGUSR2)  # the critic rank only: the others learn by the vote
     output, _ = job.communicate(timeout=240)
@@ -112,8 +121,23 @@ def test_sigusr2_stops_after_a_checkpoint_and_the_resumed_run_repeats_the_uninte
     assert 2 <= stopped_at < STEPS
     assert f"step {stopped_at + 1}:" not in output
 
-    assert f"resuming from {step_dir(str(tmp_path / 'ckpt'), stopped_at)} at step {stopped_at + 1}" in resume_to_the_end(tmp_path)
+    resumed = resume_to_the_end(tmp_path, loggers)
+    assert f"resuming from {step_dir(str(tmp_path / 'ckpt'), stopped_at)} at step {stopped_at + 1}" in resumed
     assert_same_as_reference(tmp_path, reference)  # one log dir for both runs: each step once, all equal
+
+    tensorboard = scalars(f"{tmp_path}/tb")
+    first, again = wandb_offline_runs(str(tmp_path))  # one directory per job, both of one run
+    assert first == again
+    assert_same_scalars(wandb_offline_scalars(str(tmp_path)), tensorboard, "wandb")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    assert_same_scalars(mlflow_scalars(f"file:{tmp_path}/mlruns"),  # one run, or this fails
+                        {mlflow_metric_name(k): v for k, v in tensorboard.items()}, "mlflow")
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"file:{tmp_path}/mlruns")
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.data.params["trainer.total_steps"] == str(STEPS)  # the config, as params
+    assert run.data.params["algorithm.kl_ctrl.type"] == "adaptive"
 
 
 def test_a_rank_killed_mid_step_ends_the_job_fast_and_a_restart_resumes(tmp_path, reference):

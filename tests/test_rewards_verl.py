@@ -17,6 +17,7 @@ from spmdsplit.rewards import gsm8k, math_exact, rule
 from spmdsplit.rewards.custom import CustomRewardError, load_custom_reward_fn
 from spmdsplit.rewards.rule import compute_score, score_sample
 from spmdsplit.roles.reward import RewardError, RuleReward, describe_sample
+from tests.helpers import PlainEngine
 from tests.multiproc import run_ranks
 
 # --------------------------------------------------------------------------- GSM8K
@@ -464,16 +465,6 @@ def reference_scores(rm_dir, texts):
             assert torch.allclose(hf, per_token)
             out.append(per_token.item())
     return torch.tensor(out)
-
-
-class PlainEngine:
-    """The engine's interface without FSDP, for single-process tests."""
-
-    def __init__(self, model):
-        self.model, self.group = model.eval(), None
-
-    def __call__(self, *args, **kwargs):
-        return self.model(*args, **kwargs)
 
 
 def _rm_on_pool(rank, world_size, rm_dir, policy_dir):

@@ -84,9 +84,12 @@ def prompts_batch(tokenizer, n=6, seed=0, task="repeat"):
     return rows, collate_prompts(rows, tokenizer, P, step=1, first_row=0)
 
 
-def check_rollout_layout(out, prompts, tokenizer, R):
+def check_rollout_layout(out, prompts, tokenizer, max_R):
+    """`out` is as wide as its longest response (at most `max_R`): no column is padding in every row."""
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     B = len(prompts)
+    R = out["responses"].shape[1]
+    assert R == max(int(out["response_mask"].sum(-1).max()), 1) and R <= max_R
     assert out["prompts"].shape == (B, P)
     assert out["responses"].shape == (B, R)
     assert out["response_mask"].shape == (B, R)
@@ -147,25 +150,32 @@ def test_greedy_is_deterministic_and_matches_a_teacher_forced_forward(model, tok
     with torch.no_grad():
         logits = model(input_ids=a["input_ids"], attention_mask=a["attention_mask"],
                        position_ids=a["position_ids"]).logits
-    predicted = logits[:, P - 1 : P + R - 1].argmax(-1)
+    width = a["responses"].shape[1]
+    predicted = logits[:, P - 1 : P + width - 1].argmax(-1)
     valid = a["response_mask"].bool()
     assert torch.equal(predicted[valid], a["responses"][valid])
 
 
-def test_all_rows_stop_at_once_still_gives_max_response_length(model_path, tokenizer):
+def test_rows_that_all_stop_at_once_give_one_column_and_full_width_keeps_the_maximum(model_path, tokenizer):
+    """The rollout is cut to its longest response (issue 20): here one column, the EOS. With
+    `full_width` (the Dr. GRPO loss, whose horizon is the width) it keeps max_response_length."""
     model = load_causal_lm(model_path, torch.float32, CPU, seed=0)
     rollout = HFRollout(model, tokenizer, RolloutConfig(do_sample=False), 7)
+    full = HFRollout(model, tokenizer, RolloutConfig(do_sample=False), 7, full_width=True)
     _, prompts = prompts_batch(tokenizer, n=4, seed=1)
     before = rollout.generate(prompts)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    forced_row = [eos] + [pad] * 6
-    assert any(r != forced_row for r in before["responses"].tolist()), "the random model already emits only EOS"
+    assert before["responses"].shape[1] > 1, "the random model already emits only EOS"
 
     rollout.load_weights(forcing_state_dict(model, eos))
     out = rollout.generate(prompts)
     check_rollout_layout(out, prompts, tokenizer, 7)
-    assert out["responses"].tolist() == [forced_row] * 4
+    assert out["responses"].tolist() == [[eos]] * 4
+    assert out["response_mask"].tolist() == [[1]] * 4
+    out = full.generate(prompts)
+    assert out["responses"].tolist() == [[eos] + [pad] * 6] * 4
     assert out["response_mask"].tolist() == [[1] + [0] * 6] * 4
+    assert out["input_ids"].shape == (4, P + 7)
 
 
 def forcing_state_dict(model, token_id):
@@ -196,8 +206,8 @@ def test_load_weights_changes_what_is_generated(model_path, tokenizer):
 
     rollout.load_weights(forcing_state_dict(model, tokenizer.eos_token_id))
     out = rollout.generate(prompts)
-    assert out["responses"].tolist() == [[tokenizer.eos_token_id] + [tokenizer.pad_token_id] * (R - 1)] * 6
-    assert out["response_mask"].tolist() == [[1] + [0] * (R - 1)] * 6
+    assert out["responses"].tolist() == [[tokenizer.eos_token_id]] * 6  # cut to the longest response
+    assert out["response_mask"].tolist() == [[1]] * 6
 
 
 def test_load_weights_is_strict(model_path, tokenizer):
@@ -232,7 +242,7 @@ def test_generate_needs_no_process_group_and_calls_no_collective(model, tokenize
     _, prompts = prompts_batch(tokenizer, n=4, seed=4)
     for do_sample in (True, False):
         out = HFRollout(model, tokenizer, RolloutConfig(do_sample=do_sample), R).generate(prompts)
-        assert out["responses"].shape == (4, R)
+        assert out["responses"].shape[0] == 4 and out["responses"].shape[1] <= R
     assert called == []
     assert not dist.is_initialized()
 
@@ -282,4 +292,4 @@ def test_eos_token_ids_include_the_checkpoints_generation_config(model_path, tok
     rollout.load_weights(forcing_state_dict(model, equals))  # always emits the chat-style stop token
     _, prompts = prompts_batch(tokenizer, n=2, seed=1)
     out = rollout.generate(prompts)
-    assert out["response_mask"].tolist() == [[1] + [0] * (R - 1)] * 2
+    assert out["response_mask"].tolist() == [[1]] * 2

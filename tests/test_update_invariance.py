@@ -14,8 +14,7 @@ ROWS, PROMPT, RESPONSE = 8, 4, 5
 
 
 def make_batch(vocab: int):
-    from spmdsplit.batch import Batch
-    from spmdsplit.rollout.hf import position_ids_from_mask
+    from tests.helpers import ppo_rows
 
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, vocab, (ROWS, PROMPT), generator=g)
@@ -24,19 +23,13 @@ def make_batch(vocab: int):
     response_mask = (torch.arange(RESPONSE)[None] < lengths[:, None]).long()
     prompt_mask = torch.ones(ROWS, PROMPT, dtype=torch.long)
     prompt_mask[::3, 0] = 0  # some left padding
-    attention_mask = torch.cat([prompt_mask, response_mask], 1)
-    return Batch({
-        "prompts": prompts, "responses": responses, "response_mask": response_mask,
-        "input_ids": torch.cat([prompts, responses], 1), "attention_mask": attention_mask,
-        "position_ids": position_ids_from_mask(attention_mask),
-        "old_log_probs": -2.0 - torch.rand(ROWS, RESPONSE, generator=g),
-        "advantages": torch.randn(ROWS, RESPONSE, generator=g) * response_mask,
-        "values": torch.randn(ROWS, RESPONSE, generator=g) * 0.1 * response_mask,
-        "returns": torch.randn(ROWS, RESPONSE, generator=g) * response_mask,
-    })
+    return ppo_rows(prompts, responses, prompt_mask, response_mask, g)
 
 
-def _update(rank, world_size, model_dir, role, micro, loss_agg_mode="token-mean", checkpointing=False):
+def _update(rank, world_size, model_dir, role, micro, loss_agg_mode="token-mean", checkpointing=False,
+            max_tokens=None):
+    """One update of the pool's rows; `max_tokens`: token-budget micro-batches of at most that many
+    tokens (use_dynamic_bsz) instead of `micro` rows each."""
     from spmdsplit.config import ActorConfig, CriticConfig, OptimConfig
     from spmdsplit.engines.fsdp import FSDPEngine
     from spmdsplit.exchange import row_ranges
@@ -50,12 +43,14 @@ def _update(rank, world_size, model_dir, role, micro, loss_agg_mode="token-mean"
     optim = OptimConfig(lr=1e-2, lr_warmup_steps=0, grad_clip=1e9)
     if role == "actor":
         cfg = ActorConfig(optim=optim, ppo_mini_batch_size=ROWS, ppo_micro_batch_size_per_gpu=micro,
-                          entropy_coeff=0.01, shuffle=False, loss_agg_mode=loss_agg_mode)
+                          entropy_coeff=0.01, shuffle=False, loss_agg_mode=loss_agg_mode,
+                          use_dynamic_bsz=max_tokens is not None, ppo_max_token_len_per_gpu=max_tokens or 1)
         model = load_causal_lm(model_dir, torch.float32, device, seed=3)
         worker = Actor(FSDPEngine(model, mesh, cfg.optim), cfg, temperature=1.0, device=device)
     else:
         cfg = CriticConfig(optim=optim, ppo_mini_batch_size=ROWS, ppo_micro_batch_size_per_gpu=micro,
-                           cliprange_value=0.05, shuffle=False, loss_agg_mode=loss_agg_mode)
+                           cliprange_value=0.05, shuffle=False, loss_agg_mode=loss_agg_mode,
+                           use_dynamic_bsz=max_tokens is not None, ppo_max_token_len_per_gpu=max_tokens or 1)
         model = load_value_model(model_dir, torch.float32, device, seed=3)
         worker = Critic(FSDPEngine(model, mesh, cfg.optim, activation_checkpointing=checkpointing), cfg, device)
         assert model.is_gradient_checkpointing == checkpointing
@@ -98,6 +93,23 @@ def test_update_matches_across_ranks_and_micro_batches(model_dir, role, mode):
     loss = "actor/pg_loss" if role == "actor" else "critic/vf_loss"
     for key in (grad, loss):
         assert two_ranks[0][1][key] == pytest.approx(metrics_1[key], rel=1e-5, abs=1e-8), key
+
+
+@pytest.mark.parametrize("role, mode", [("actor", "token-mean"), ("actor", "seq-mean-token-mean"), ("critic", "token-mean")])
+def test_token_budget_micro_batches_leave_the_update_unchanged(model_dir, role, mode):
+    """FSDP2 on 2 ranks: micro-batches of at most 11 tokens bin the two ranks' rows differently
+    (4 bins and 3, so rank 1 splits one to match) and give the weights and metrics of 2 rows each."""
+    from spmdsplit.roles.micro_batches import token_budget_bins
+
+    tokens = make_batch(32)["attention_mask"].sum(-1).tolist()
+    assert len(token_budget_bins(tokens[:4], 11)) != len(token_budget_bins(tokens[4:], 11))
+    fixed = run_ranks(_update, 2, model_dir, role, 2, mode)
+    by_tokens = run_ranks(_update, 2, model_dir, role, 2, mode, False, 11)
+    for (expected, m_fixed), (got, m_tokens) in zip(fixed, by_tokens):
+        for name in expected:
+            torch.testing.assert_close(got[name], expected[name], rtol=0, atol=5e-5, msg=name)
+        for key in m_fixed:
+            assert m_tokens[key] == pytest.approx(m_fixed[key], rel=1e-5, abs=1e-8), key
 
 
 def _initial_state(model_dir, role):

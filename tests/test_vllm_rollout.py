@@ -73,9 +73,11 @@ def actor_log_probs(model, rollout, temperature: float) -> torch.Tensor:
     from spmdsplit import algo
     from spmdsplit.roles.common import forward_response
 
+    def head(logits, tokens):
+        return algo.logprobs_from_logits(logits.float() / temperature, tokens)
+
     with torch.no_grad():
-        logits = forward_response(model, rollout).float() / temperature
-    return algo.logprobs_from_logits(logits, rollout["responses"]) * rollout["response_mask"]
+        return forward_response(model, rollout, head)  # 0 past each response
 
 
 def start_engine(model_dir: str, *overrides: str):
@@ -163,6 +165,10 @@ def engine_checks(engine, tokenizer):
     return res
 
 
+def widen(rows: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(rows, (0, width - rows.shape[1]))
+
+
 def with_seeds(batch, seeds):
     batch["sample_seed"] = seeds
     return batch
@@ -178,6 +184,10 @@ def test_greedy_vllm_equals_hf_column_by_column(checks):
     vllm_out, hf_out = checks["greedy"]
     for k in COLUMNS:
         assert torch.equal(vllm_out[k], hf_out[k]), k
+    # As wide as the longest response, the engine's own column too (issue 20; the EOS test
+    # below sees it cut below max_response_length).
+    assert vllm_out["responses"].shape[1] == vllm_out["response_mask"].sum(1).max() <= R
+    assert vllm_out["rollout_log_probs"].shape == vllm_out["responses"].shape
     assert torch.equal(vllm_out["rollout_log_probs"] == 0, vllm_out["response_mask"] == 0)
     got, prompt_columns = checks["greedy_non_tensors"]
     assert got == prompt_columns
@@ -193,10 +203,12 @@ def test_after_a_weight_update_vllm_equals_hf_with_the_new_weights(checks):
 
 @needs_vllm
 def test_eos_ends_a_response_and_the_head_is_updated(checks):
-    eos, pad = 2, 0
+    eos = 2
     out = checks["eos"]
-    assert out["responses"].tolist() == [[eos] + [pad] * (R - 1)] * len(out["responses"])
-    assert out["response_mask"].tolist() == [[1] + [0] * (R - 1)] * len(out["responses"])
+    # Cut to the longest response (issue 20): every row is its EOS alone.
+    assert out["responses"].tolist() == [[eos]] * len(out["responses"])
+    assert out["response_mask"].tolist() == [[1]] * len(out["responses"])
+    assert out["rollout_log_probs"].shape == (len(out["responses"]), 1)
 
 
 @needs_vllm
@@ -226,8 +238,10 @@ def test_row_seeds_give_the_same_rows_whatever_the_batch(checks):
     whole, whole_lp, seeds, mixed, mixed_lp = checks["seeds"]
     order = [10, 8, 11, 9, 2, 0, 3, 1]
     assert torch.equal(seeds, row_seeds(1, 3, torch.tensor(order)))
-    assert torch.equal(mixed, whole[order])
-    assert torch.equal(mixed_lp, whole_lp[order])
+    # Each call is cut to its own longest response: compare the rows at one width.
+    width = max(mixed.shape[1], whole.shape[1])
+    assert torch.equal(widen(mixed, width), widen(whole[order], width))
+    assert torch.equal(widen(mixed_lp, width), widen(whole_lp[order], width))
     a, b = checks["unseeded"]
     assert not torch.equal(a, b), "without seeds two samplings should differ"
 

@@ -172,7 +172,10 @@ def main(argv=None) -> int:
     os.environ.update(malloc)  # run_job hands the environment to torchrun
     layouts, overrides_by_layout = {}, {}
     with tempfile.TemporaryDirectory(prefix="bench-memory-") as folder:
-        params = build_random_qwen2(folder, args.hidden, args.layers, args.heads, args.kv_heads, args.mlp)
+        # Responses that run to data.max_response_length: a rollout is only as wide as its longest
+        # response, and the memory model these peaks are read against sizes for the full width.
+        params = build_random_qwen2(folder, args.hidden, args.layers, args.heads, args.kv_heads, args.mlp,
+                                    long_answers=True)
         workload = [f"model.path={folder}", f"trainer.total_steps={args.steps}", f"trainer.device={args.device}",
                     *WORKLOAD, *args.overrides]
         for layout in args.layouts:

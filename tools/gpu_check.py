@@ -106,7 +106,9 @@ def main(argv=None) -> int:
     shape, w = (SMALL_SHAPE, SMALL_WORKLOAD) if args.small else (QWEN25_05B, WORKLOAD)
     rollouts = {}
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as folder:
-        params = build_random_qwen2(folder, **shape)
+        # Responses that run to data.max_response_length: a rollout is only as wide as its longest
+        # response, and the memory model it is checked against sizes for the full width.
+        params = build_random_qwen2(folder, **shape, long_answers=True)
         workload = [f"model.path={folder}", f"trainer.total_steps={args.steps}", *job_overrides(args.device, w),
                     *args.overrides]
         for name in args.rollouts:

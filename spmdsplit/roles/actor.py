@@ -7,24 +7,32 @@ import torch
 from spmdsplit import algo
 from spmdsplit.batch import Batch
 from spmdsplit.roles.common import forward_response, run_ppo_updates
+from spmdsplit.roles.micro_batches import in_row_order, micro_batches, plan_micro_batches
 
 
 class Actor:
-    def __init__(self, engine, cfg, temperature: float, device, rollout_n: int = 1):
+    """remove_padding: each micro-batch's valid tokens packed into one sequence (model.use_remove_padding)."""
+
+    def __init__(self, engine, cfg, temperature: float, device, rollout_n: int = 1, remove_padding: bool = False):
         self.engine, self.cfg, self.temperature, self.device = engine, cfg, temperature, device
         self.rollout_n = rollout_n
+        self.remove_padding = remove_padding
 
     def _log_probs(self, micro: Batch, entropy: str):
         """(log-probs, entropy or None) of the response tokens; entropy: none | grad | detached
         (see algo.logprobs_and_entropy). Divided by the sampling temperature: the log-probs must
         be those of the distribution the rollout actually sampled from."""
-        logits = forward_response(self.engine, micro, response_only=True)
-        return algo.logprobs_and_entropy(logits, micro["responses"], self.temperature, entropy)
+        def head(logits, tokens):
+            return algo.logprobs_and_entropy(logits, tokens, self.temperature, entropy)
+        return forward_response(self.engine, micro, head, self.remove_padding, response_only=True)
 
     @torch.no_grad()
     def compute_log_prob(self, batch: Batch) -> torch.Tensor:
-        parts = [self._log_probs(m, "none")[0] for m in batch.split(self.cfg.log_prob_micro_batch_size_per_gpu)]
-        return torch.cat(parts)
+        cfg = self.cfg
+        bins = plan_micro_batches(batch, cfg.use_dynamic_bsz, cfg.log_prob_micro_batch_size_per_gpu,
+                                  cfg.log_prob_max_token_len_per_gpu, self.engine.group, self.device)
+        parts = [self._log_probs(micro, "none")[0] for micro, _ in micro_batches(batch, bins)]
+        return in_row_order(parts, bins, len(batch))
 
     def update_policy(self, batch: Batch, seed: int) -> dict[str, float]:
         cfg = self.cfg
@@ -47,7 +55,6 @@ class Actor:
                 kl_share = algo.agg_loss(kl, mask, cfg.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
                 loss = loss + cfg.kl_loss_coef * kl_share
                 shares["actor/kl_loss"] = kl_share.item()
-            self.engine.backward(loss)
             n = mask.sum().item()
             pieces = {
                 "actor/pg_clipfrac": (pg_clipfrac.item(), n),
@@ -55,7 +62,7 @@ class Actor:
                 "actor/pg_clipfrac_lower": (pg_clipfrac_lower.item(), n),
                 "actor/entropy": (algo.masked_mean(entropy.detach(), mask).item(), n),
             }
-            return shares, pieces
+            return loss, shares, pieces
 
         metrics = run_ppo_updates(self.engine, batch, cfg, self.rollout_n, seed, self.device, micro_loss)
         metrics["actor/grad_norm"] = metrics.pop("grad_norm")

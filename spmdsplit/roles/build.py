@@ -51,14 +51,27 @@ def build_actor_pool(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> ActorP
     temperature = cfg.rollout.temperature
     mesh = pools.actor_mesh
     # Trained: fp32 masters, computing in `mixed`. Frozen: held in the compute dtype outright.
-    policy = ModelSource("causal_lm", path, torch.float32, seed, remote)
+    attention, packed = cfg.model.attn_implementation, cfg.model.use_remove_padding
+    policy = ModelSource("causal_lm", path, torch.float32, seed, remote, attention)
     actor = Actor(build_engine(cfg, "actor", policy, mesh, device, mixed), cfg.actor, temperature, device,
-                  rollout_n=cfg.rollout.n)
-    reference = ModelSource("causal_lm", path, dtype, seed, remote)
-    # The reference reads the actor's settings but its own micro-batch (verl's ref.log_prob_micro_batch_size_per_gpu).
-    ref_cfg = OmegaConf.merge(cfg.actor, {"log_prob_micro_batch_size_per_gpu": cfg.ref.log_prob_micro_batch_size_per_gpu})
-    ref = Actor(build_engine(cfg, "ref", reference, mesh, device), ref_cfg, temperature, device)
+                  rollout_n=cfg.rollout.n, remove_padding=packed)
+    reference = ModelSource("causal_lm", path, dtype, seed, remote, attention)
+    ref = Actor(build_engine(cfg, "ref", reference, mesh, device), ref_config(cfg), temperature, device,
+                remove_padding=packed)
     return ActorPoolRoles(actor, ref, build_rollout_engine(cfg, pools, tokenizer, eos_ids))
+
+
+def ref_config(cfg):
+    """The reference reads the actor's settings but its own micro-batches (verl's
+    ref.log_prob_micro_batch_size_per_gpu, ref.log_prob_use_dynamic_bsz and
+    ref.log_prob_max_token_len_per_gpu; the last two follow the actor's when null)."""
+    ref, actor = cfg.ref, cfg.actor
+    own = {"log_prob_micro_batch_size_per_gpu": ref.log_prob_micro_batch_size_per_gpu}
+    if ref.log_prob_use_dynamic_bsz is not None:
+        own["use_dynamic_bsz"] = ref.log_prob_use_dynamic_bsz
+    if ref.log_prob_max_token_len_per_gpu is not None:
+        own["log_prob_max_token_len_per_gpu"] = ref.log_prob_max_token_len_per_gpu
+    return OmegaConf.merge(actor, own)
 
 
 def build_rollout_engine(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> Rollout:
@@ -71,19 +84,22 @@ def build_rollout_engine(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> Ro
 def build_critic_pool(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> CriticPoolRoles:
     device, seed, remote = pools.device, cfg.trainer.seed, cfg.model.trust_remote_code
     dtype, mixed = compute_dtypes(cfg, device)
+    attention, packed = cfg.model.attn_implementation, cfg.model.use_remove_padding
     critic = None
     if cfg.algorithm.adv_estimator == "gae":
-        value_model = ModelSource("value", cfg.critic.model_path or cfg.model.path, torch.float32, seed, remote)
+        value_model = ModelSource("value", cfg.critic.model_path or cfg.model.path, torch.float32, seed, remote,
+                                  attention)
         critic = Critic(build_engine(cfg, "critic", value_model, pools.critic_mesh, device, mixed), cfg.critic,
-                        device, rollout_n=cfg.rollout.n)
+                        device, rollout_n=cfg.rollout.n, remove_padding=packed)
     custom = cfg.reward.custom_fn
     custom_fn = load_custom_reward_fn(custom.path, custom.name) if custom.path else None
     reward = RuleReward(tokenizer, eos_ids, custom_fn=custom_fn)
     if cfg.reward.model.path:  # a reward model replaces the rule scores, as in verl
-        rm_path = cfg.reward.model.path
-        rm_engine = build_engine(cfg, "reward_model", ModelSource("reward", rm_path, dtype, seed, remote),
+        rm = cfg.reward.model
+        rm_engine = build_engine(cfg, "reward_model", ModelSource("reward", rm.path, dtype, seed, remote, attention),
                                  pools.critic_mesh, device)
-        reward = RewardModel(rm_engine, load_tokenizer(rm_path, remote), tokenizer,
-                             cfg.reward.model.micro_batch_size_per_gpu, device, eos_ids)
+        reward = RewardModel(rm_engine, load_tokenizer(rm.path, remote), tokenizer, rm.micro_batch_size_per_gpu,
+                             device, eos_ids, max_tokens=rm.forward_max_token_len_per_gpu if rm.use_dynamic_bsz else None,
+                             remove_padding=packed)
     kl = cfg.algorithm.kl_ctrl
     return CriticPoolRoles(critic, reward, algo.get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon))

@@ -8,28 +8,125 @@ import torch
 
 from spmdsplit.batch import Batch
 from spmdsplit.distributed import pool_reduce_metrics, pool_sum
+from spmdsplit.roles.micro_batches import micro_batches, plan_micro_batches
+
+# head(logits [..., N, V], tokens [..., N]) -> a tensor [..., N], or a tuple of them (None allowed):
+# what a role computes from the model's output at the N positions that predict response tokens.
+Head = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | tuple"]
 
 
-def forward_response(model, batch: Batch, response_only: bool = False):
-    """Model output at the positions that *predict* each response token (one to the left), so
-    column t of the result scores response token t: log-prob of it, or the value of the state
-    before it.
+def forward_response(model, micro: Batch, head: Head, remove_padding: bool = False, response_only: bool = False):
+    """`head` of the model's output at the positions that *predict* each response token (one to
+    the left), as [b, R] per output of `head`: column t scores response token t (its log-prob, or
+    the value of the state before it), 0 past each response.
 
-    response_only: compute the head only on the last R + 1 positions (transformers'
+    Padded (default): the micro-batch trimmed to its own widest row (prompt columns that are
+    padding in every row dropped, response columns past its longest response too; the result is
+    the same, causal attention never looks right and masked keys weigh nothing), then the
+    outputs put back at the full width R. remove_padding: every row's valid tokens packed into one
+    sequence (`_packed_forward`).
+
+    response_only: compute the model's head only at the positions `head` reads (transformers'
     `logits_to_keep`), not on the prompt's: at a 152k vocabulary the LM head's output is the
     largest tensor of the forward. Causal LMs take it; the critic's token-classification head
     does not (and its one-wide output is small), so it leaves it off.
     """
-    R = batch["responses"].shape[1]
-    extra = {"logits_to_keep": R + 1} if response_only else {}
-    out = model(
-        input_ids=batch["input_ids"],
-        attention_mask=batch["attention_mask"],
-        position_ids=batch["position_ids"],
-        use_cache=False,
-        **extra,
-    )
-    return out.logits[:, -R - 1 : -1]
+    response_mask = micro["response_mask"].bool()
+    forward = _packed_forward if remove_padding else _trimmed_forward
+    return _each(lambda out: torch.where(response_mask, out, 0), forward(model, micro, head, response_only))
+
+
+def _each(fn, outputs):
+    """fn applied to each of a head's outputs (one tensor, or a tuple with Nones kept)."""
+    if isinstance(outputs, tuple):
+        return tuple(None if out is None else fn(out) for out in outputs)
+    return fn(outputs)
+
+
+def _trimmed_forward(model, micro: Batch, head: Head, response_only: bool):
+    mask = micro["attention_mask"]
+    R = micro["responses"].shape[1]
+    P = mask.shape[1] - R
+    used = mask.bool().any(0)
+    # The first column some row's prompt uses (a prompt has at least one real token), and how many
+    # response columns the longest response of this micro-batch fills (at least one).
+    first = int(used[:P].nonzero()[0]) if used[:P].any() else P - 1
+    width = int(used[P:].nonzero()[-1]) + 1 if used[P:].any() else 1
+    cols = slice(first, P + width)
+    extra = {"logits_to_keep": width + 1} if response_only else {}
+    out = model(input_ids=micro["input_ids"][:, cols], attention_mask=mask[:, cols],
+                position_ids=micro["position_ids"][:, cols], use_cache=False, **extra)
+    outputs = head(out.logits[:, -width - 1 : -1], micro["responses"][:, :width])
+    return _each(lambda x: torch.nn.functional.pad(x, (0, R - width)), outputs)  # back to full width
+
+
+def _packed_forward(model, micro: Batch, head: Head, response_only: bool):
+    """The micro-batch's valid tokens as one sequence [1, T], position ids restarting at each row.
+
+    What keeps the rows apart depends on the attention kernel. FlashAttention-2: transformers 5
+    (modeling_flash_attention_utils.py, `_flash_attention_forward`) sees position ids of a batch
+    of one that do not rise by one throughout (`_is_packed_sequence`) and, with no attention mask,
+    derives cu_seqlens from where they restart (`prepare_fa_kwargs_from_position_ids`) for the
+    variable-length kernel: so the position ids alone, and attention_mask=None. sdpa and eager
+    get an explicit block-causal 4-D float mask, which transformers passes through as is.
+    (transformers 5.19 also finds packed rows from restarting position ids by itself, but only
+    with no cache: with use_cache on, rows see each other, 0.24 off on the embedded model, and a
+    remote-code model may not look at all; the explicit mask holds either way.) It takes
+    O(T^2) memory, fine for CPU's small micro-batches, the reason to use flash_attention_2 on GPUs.
+    """
+    mask = micro["attention_mask"].bool()
+    R = micro["responses"].shape[1]
+    P = mask.shape[1] - R
+    b = mask.shape[0]
+    input_ids = micro["input_ids"][mask][None]  # row by row, each row's valid tokens in order
+    position_ids = micro["position_ids"][mask][None]
+    # Where each valid (row, column) lands in the packed sequence; a response token is predicted
+    # by the token before it in the packed sequence, its row's previous valid token (the prompt
+    # has at least one).
+    packed_index = (mask.flatten().cumsum(0) - 1).view(mask.shape)
+    rows, cols = mask[:, P:].nonzero(as_tuple=True)
+    predictors = packed_index[:, P:][rows, cols] - 1
+    extra = {"logits_to_keep": predictors} if response_only else {}
+    out = model(input_ids=input_ids, attention_mask=packed_attention_mask(model, mask.sum(1)),
+                position_ids=position_ids, use_cache=False, **extra)
+    logits = out.logits if response_only else out.logits[:, predictors]
+    outputs = head(logits, micro["responses"][rows, cols][None])
+    # Each [1, N] output to its (row, column) of a zero [b, R] (differentiable).
+    return _each(lambda x: x.new_zeros(b, R).index_put((rows, cols), x[0]), outputs)
+
+
+def packed_attention_mask(model, lengths: torch.Tensor) -> torch.Tensor | None:
+    """The attention mask for rows of these lengths packed into one sequence (see
+    `_packed_forward`): None under FlashAttention-2, whose kernel finds the rows from the
+    position ids; a block-causal mask under any other."""
+    if str(_config(model)._attn_implementation).startswith("flash_attention"):
+        return None
+    return block_causal_mask(lengths, _compute_dtype(model))
+
+
+def block_causal_mask(lengths: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[1, 1, T, T] additive mask for rows of these lengths packed one after another: 0 where a
+    token may attend (same row, not later), the dtype's minimum elsewhere."""
+    row = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
+    position = torch.arange(len(row), device=lengths.device)
+    allowed = (row[:, None] == row[None, :]) & (position[None, :] <= position[:, None])
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=lengths.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+def _module(model) -> torch.nn.Module:
+    """The model itself, whether given bare or as the engine around it."""
+    return model if isinstance(model, torch.nn.Module) else model.model
+
+
+def _config(model):
+    return _module(model).config
+
+
+def _compute_dtype(model) -> torch.dtype:
+    """The dtype the attention computes in (an engine's mixed-precision dtype, or the weights')."""
+    dtype = getattr(model, "compute_dtype", None)
+    return dtype if dtype is not None else next(_module(model).parameters()).dtype
 
 
 def minibatches(batch: Batch, mini_batch_rows: int, epochs: int, shuffle: bool, seed: int) -> Iterator[Batch]:
@@ -52,15 +149,19 @@ def global_counts(mini: Batch, group, device) -> tuple[torch.Tensor, torch.Tenso
 
 
 def run_ppo_updates(engine, batch: Batch, cfg, rollout_n: int, seed: int, device,
-                    micro_loss: Callable[[Batch, torch.Tensor, torch.Tensor], dict]):
+                    micro_loss: Callable[[Batch, torch.Tensor, torch.Tensor], tuple]):
     """The PPO update loop (epochs x mini-batches x micro-batches with gradient accumulation into
 the sharded gradients, or, with `cfg.no_sync_accumulation`, into whole ones reduced once).
 
-    `micro_loss(micro, num_tokens, num_seqs)` runs forward + `engine.backward` on one micro-batch
-    and returns (loss_shares, pieces): loss_shares {name: this micro-batch's share of the
-    mini-batch loss} (shares add up, over micro-batches and ranks, to the mini-batch loss) and
-    pieces {name: (local_mean, local_weight)} for token-weighted metrics. Returns pool-wide means,
-    losses averaged over optimizer steps, and grad_norm / lr.
+    Micro-batches: `cfg.ppo_micro_batch_size_per_gpu` rows each, or with `cfg.use_dynamic_bsz`
+    at most `cfg.ppo_max_token_len_per_gpu` tokens each, as many on every rank of the pool
+    (roles/micro_batches.py); a dummy micro-batch's loss is multiplied by 0 and its numbers dropped.
+
+    `micro_loss(micro, num_tokens, num_seqs)` runs the forward of one micro-batch and returns
+    (loss, loss_shares, pieces): the loss to backpropagate, loss_shares {name: this micro-batch's
+    share of the mini-batch loss} (shares add up, over micro-batches and ranks, to the mini-batch
+    loss) and pieces {name: (local_mean, local_weight)} for token-weighted metrics. Returns
+    pool-wide means, losses averaged over optimizer steps, and grad_norm / lr.
     """
     mini_rows = cfg.ppo_mini_batch_size * rollout_n // engine.dp_size  # mini-batches count prompts, as in verl
     loss_sums: dict[str, float] = {}
@@ -69,17 +170,22 @@ the sharded gradients, or, with `cfg.no_sync_accumulation`, into whole ones redu
     steps = []
     for mini in minibatches(batch, mini_rows, cfg.ppo_epochs, cfg.shuffle, seed):
         num_tokens, num_seqs = global_counts(mini, engine.group, device)
-        micros = mini.split(cfg.ppo_micro_batch_size_per_gpu)
-        for k, micro in enumerate(micros):
+        bins = plan_micro_batches(mini, cfg.use_dynamic_bsz, cfg.ppo_micro_batch_size_per_gpu,
+                                  cfg.ppo_max_token_len_per_gpu, engine.group, device)
+        for k, (micro, dummy) in enumerate(micro_batches(mini, bins)):
             # By default every micro-batch's backward reduces (FSDP2: reduce-scatters) its gradient,
             # so no rank holds more than its shard; no_sync_accumulation reduces once, on the last.
-            with engine.grad_sync(not cfg.no_sync_accumulation or k == len(micros) - 1):
-                loss_shares, pieces = micro_loss(micro, num_tokens, num_seqs)
+            with engine.grad_sync(not cfg.no_sync_accumulation or k == len(bins) - 1):
+                loss, loss_shares, pieces = micro_loss(micro, num_tokens, num_seqs)
+                # A dummy runs forward and backward only to join the pool's collectives: a zero
+                # gradient, and its numbers count 0 (their names still go in, so that every rank
+                # reduces the same metrics even if it ran nothing but dummies).
+                engine.backward(loss * 0 if dummy else loss)
             for name, share in loss_shares.items():
-                loss_sums[name] = loss_sums.get(name, 0.0) + float(share)
+                loss_sums[name] = loss_sums.get(name, 0.0) + (0.0 if dummy else float(share))
             for name, (value, weight) in pieces.items():
-                sums[name] = sums.get(name, 0.0) + float(value) * float(weight)
-                weights[name] = weights.get(name, 0.0) + float(weight)
+                sums[name] = sums.get(name, 0.0) + (0.0 if dummy else float(value) * float(weight))
+                weights[name] = weights.get(name, 0.0) + (0.0 if dummy else float(weight))
         steps.append(engine.step())
     engine.scheduler.step()  # once per trainer step, as verl: lr_warmup_steps counts trainer steps
     # Shares summed over the pool give each mini-batch's loss once: weighting each rank's sum by

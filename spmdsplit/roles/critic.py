@@ -7,20 +7,32 @@ import torch
 from spmdsplit import algo
 from spmdsplit.batch import Batch
 from spmdsplit.roles.common import forward_response, run_ppo_updates
+from spmdsplit.roles.micro_batches import in_row_order, micro_batches, plan_micro_batches
+
+
+def value_head(outputs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The token classifier's one output is the value (of the state before each token)."""
+    return outputs[..., 0].float()
 
 
 class Critic:
-    def __init__(self, engine, cfg, device, rollout_n: int = 1):
+    """remove_padding: each micro-batch's valid tokens packed into one sequence (model.use_remove_padding)."""
+
+    def __init__(self, engine, cfg, device, rollout_n: int = 1, remove_padding: bool = False):
         self.engine, self.cfg, self.device = engine, cfg, device
         self.rollout_n = rollout_n
+        self.remove_padding = remove_padding
 
     def _values(self, micro: Batch) -> torch.Tensor:
-        values = forward_response(self.engine, micro)[..., 0].float()
-        return values * micro["response_mask"]  # no value past the end of a response
+        # 0 past the end of a response: forward_response leaves no value there.
+        return forward_response(self.engine, micro, value_head, self.remove_padding)
 
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> torch.Tensor:
-        return torch.cat([self._values(m) for m in batch.split(self.cfg.forward_micro_batch_size_per_gpu)])
+        cfg = self.cfg
+        bins = plan_micro_batches(batch, cfg.use_dynamic_bsz, cfg.forward_micro_batch_size_per_gpu,
+                                  cfg.forward_max_token_len_per_gpu, self.engine.group, self.device)
+        return in_row_order([self._values(micro) for micro, _ in micro_batches(batch, bins)], bins, len(batch))
 
     def update_critic(self, batch: Batch, seed: int) -> dict[str, float]:
         cfg = self.cfg
@@ -33,13 +45,12 @@ class Critic:
                 vpreds, micro["returns"], micro["values"], mask, cfg.cliprange_value,
                 loss_agg_mode=cfg.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
             )
-            self.engine.backward(vf_loss)
             n = mask.sum().item()
             pieces = {
                 "critic/vf_clipfrac": (vf_clipfrac.item(), n),
                 "critic/vpred_mean": (algo.masked_mean(vpreds.detach(), mask).item(), n),
             }
-            return {"critic/vf_loss": vf_loss.item()}, pieces
+            return vf_loss, {"critic/vf_loss": vf_loss.item()}, pieces
 
         metrics = run_ppo_updates(self.engine, batch, cfg, self.rollout_n, seed, self.device, micro_loss)
         metrics["critic/grad_norm"] = metrics.pop("grad_norm")

@@ -7,25 +7,27 @@ Each rank of the critic pool scores its own rows:
    valid tokens, without the EOS that ends it) are decoded with the *policy's* tokenizer, and
    `prompt + response` is tokenised again with the *reward model's* tokenizer (the two may
    differ), right-padded;
-2. the texts run through the model in micro-batches of `micro_batch_size` rows, without grad;
+2. the texts run through the model in micro-batches of `micro_batch_size` rows, or of at most
+   `max_tokens` tokens (reward.model.use_dynamic_bsz), without grad; padded, or with
+   `remove_padding` packed into one sequence per micro-batch;
 3. the score is the model's output at the last real token of each text, and it is placed on the
    last valid token of the response, as the rule reward places its score.
 
 FSDP runs collectives over the pool inside every forward, so every rank of the pool must run the
 same number of forwards. With equal shards and a fixed micro-batch size they do; so that unequal
-shards cannot hang the pool, the ranks agree on the largest count first (one small all-reduce
-over the pool) and a rank with fewer rows runs one-token dummy forwards for the rest.
+shards or token budgets cannot hang the pool, the ranks agree on the largest count first (one
+small all-reduce over the pool, roles/micro_batches.py) and a rank with fewer micro-batches splits
+its own, or runs one-token dummy forwards for the rest.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from spmdsplit.batch import Batch
+from spmdsplit.roles.common import packed_attention_mask
+from spmdsplit.roles.micro_batches import in_row_order, plan_bins
 from spmdsplit.roles.reward import RewardError, describe_sample, on_last_token, response_texts
 
 
@@ -40,10 +42,13 @@ class RewardModel:
     once (it runs FSDP collectives). `max_length` caps the reward model's input: a longer text
     loses its *start* (left truncation), since the score is read at the end of the response and
     the response must stay whole; None = `default_max_length(P, R)`, and never more than the
-    model's `max_position_embeddings`."""
+    model's `max_position_embeddings`. `max_tokens`: token-budget micro-batches (None = fixed
+    `micro_batch_size` rows); `remove_padding`: each micro-batch packed into one sequence (only
+    for models that score every token, see below; others run padded)."""
 
     def __init__(self, engine, rm_tokenizer, policy_tokenizer, micro_batch_size: int, device,
-                 eos_token_ids: list[int] | None = None, max_length: int | None = None):
+                 eos_token_ids: list[int] | None = None, max_length: int | None = None,
+                 max_tokens: int | None = None, remove_padding: bool = False):
         if micro_batch_size <= 0:
             raise ValueError(f"reward.model.micro_batch_size_per_gpu must be positive, got {micro_batch_size}")
         self.engine = engine
@@ -53,6 +58,7 @@ class RewardModel:
         self.device = torch.device(device)
         self.eos_token_ids = set(eos_token_ids or [policy_tokenizer.eos_token_id])
         self.max_length = max_length
+        self.max_tokens = max_tokens
         model = engine.model
         self.pad_token_id = self._ensure_pad_token(model, rm_tokenizer)
         self.max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
@@ -65,6 +71,8 @@ class RewardModel:
         self._per_token = None
         if isinstance(head, nn.Module):
             head.register_forward_hook(self._capture)
+        # Packed rows are told apart only by reading each row's last token ourselves.
+        self.remove_padding = remove_padding and isinstance(head, nn.Module)
 
     @staticmethod
     def _ensure_pad_token(model, rm_tokenizer) -> int:
@@ -129,13 +137,20 @@ class RewardModel:
             return per_token[torch.arange(ids.shape[0], device=per_token.device), last.to(per_token.device), 0].float()
         return out.logits[:, 0].float()
 
-    def _num_forwards(self, local: int) -> int:
-        group = getattr(self.engine, "group", None)
-        if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
-            return local
-        count = torch.tensor([local], dtype=torch.long, device=self.device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
-        return int(count.item())
+    def _forward_packed(self, rows: list[list[int]]) -> torch.Tensor:
+        """The rows as one sequence, position ids restarting at each (roles/common.py
+        `_packed_forward` says what keeps them apart); each row's score at its last token."""
+        lengths = torch.tensor([len(r) for r in rows], device=self.device)
+        ids = torch.tensor([t for r in rows for t in r], dtype=torch.long, device=self.device)[None]
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lengths.tolist()])[None]
+        self._per_token = None
+        self.engine(input_ids=ids, attention_mask=packed_attention_mask(self.engine, lengths),
+                    position_ids=positions, use_cache=False)
+        per_token, self._per_token = self._per_token, None
+        return per_token[0, lengths.cumsum(0) - 1, 0].float()
+
+    def _score(self, rows: list[list[int]]) -> torch.Tensor:
+        return self._forward_packed(rows) if self.remove_padding else self._forward(*self._pad(rows))
 
     @torch.no_grad()
     def compute(self, batch: Batch, keep_extras: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,16 +162,12 @@ class RewardModel:
         if self.max_positions:
             max_length = min(max_length, int(self.max_positions))
         encoded = self.encode([p + a for p, a in zip(prompts, answers)], max_length)
-        mbs = self.micro_batch_size
-        local = math.ceil(B / mbs)
-        scores = []
-        for k in range(self._num_forwards(local)):
-            if k < local:
-                scores.append(self._forward(*self._pad(encoded[k * mbs : (k + 1) * mbs])))
-            else:  # this rank has run out of rows: a dummy forward keeps the pool in lockstep
-                self._forward(*self._pad([[self.pad_token_id]]))
-        scores = torch.cat(scores) if scores else torch.zeros(0)
-        scores = scores.to(device=responses.device, dtype=torch.float32)
+        # Rows of each forward, as many forwards as on any rank of the pool.
+        bins = plan_bins([len(ids) for ids in encoded], self.max_tokens is not None, self.micro_batch_size,
+                         self.max_tokens or 0, getattr(self.engine, "group", None), self.device)
+        # An empty bin: this rank has run out of rows, a dummy forward keeps the pool in lockstep.
+        parts = [self._score([encoded[i] for i in rows] if rows else [[self.pad_token_id]]) for rows in bins]
+        scores = in_row_order(parts, bins, B).to(device=responses.device, dtype=torch.float32)
         bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
         if bad:
             i = bad[0]

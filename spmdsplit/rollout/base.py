@@ -19,9 +19,10 @@ class Rollout(Protocol):
 
     def generate(self, prompts: Batch, validate: bool = False) -> Batch:
         """`prompts`: left-padded `input_ids`/`attention_mask` [B, P] (+ non-tensor columns, and an
-        optional int64 `sample_seed` [B]); returns `prompts`, `responses` [B, R] (right-padded, R =
-        data.max_response_length), `response_mask`, `input_ids`, `attention_mask`, `position_ids`
-        [B, P+R], the prompt batch's non-tensor columns, and engine extras (vLLM: `rollout_log_probs`)."""
+        optional int64 `sample_seed` [B]); returns `prompts`, `responses` [B, R] (right-padded; R = the
+        longest response of this call, see `rollout_batch`), `response_mask`, `input_ids`,
+        `attention_mask`, `position_ids` [B, P+R], the prompt batch's non-tensor columns, and engine
+        extras [B, R] (vLLM: `rollout_log_probs`)."""
 
     def wake_up(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The start of a step's generation: the policy's new weights, as a stream of (Hugging Face
@@ -45,24 +46,48 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (torch.cumsum(attention_mask, dim=1) - 1).clamp(min=0)
 
 
-def rollout_batch(prompts: Batch, responses: torch.Tensor, pad_token_id: int, eos_token_ids: list[int]) -> Batch:
-    """The rollout's columns from the prompts and the generated tokens [B, R]: everything after a
-    row's first EOS becomes padding, and positions count the real tokens of prompt + response."""
-    prompt_ids, prompt_mask = prompts["input_ids"], prompts["attention_mask"]
+def rollout_batch(prompts: Batch, responses: torch.Tensor, pad_token_id: int, eos_token_ids: list[int],
+                  extras: dict[str, torch.Tensor] | None = None, full_width: int | None = None) -> Batch:
+    """The rollout's columns from the prompts and the generated tokens [B, R']: everything after a
+    row's first EOS becomes padding, and positions count the real tokens of prompt + response.
+    `extras`: the engine's own [B, R'] columns (vLLM's `rollout_log_probs`), zeroed past each
+    response like the rest.
+
+    The responses are cut to R = the longest response of the batch (at least one column): the
+    columns past it are padding in every row, and every exchange and every forward after this
+    would carry them for nothing. Rows of different calls then have different R, and the places
+    where rollout parts meet pad them to the widest (Batch.concat's `pad_to_widest`).
+    `full_width`: pad or keep every row at this R instead (data.max_response_length), for the
+    loss that divides by the response width (`keeps_full_width`)."""
     response_mask = response_mask_until_eos(responses, eos_token_ids)
     responses = responses.masked_fill(response_mask == 0, pad_token_id)
-    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    width = full_width or max(int(response_mask.sum(1).max().item()) if len(responses) else 0, 1)
+    columns = {"responses": responses, "response_mask": response_mask,
+               **{name: extra * response_mask for name, extra in (extras or {}).items()}}
+    for name, column in columns.items():
+        pad = width - column.shape[1]
+        value = pad_token_id if name == "responses" else 0
+        columns[name] = torch.nn.functional.pad(column, (0, pad), value=value) if pad > 0 else column[:, :width]
+    prompt_ids, prompt_mask = prompts["input_ids"], prompts["attention_mask"]
+    attention_mask = torch.cat([prompt_mask, columns["response_mask"]], dim=1)
     return Batch(
         {
             "prompts": prompt_ids,
-            "responses": responses,
-            "response_mask": response_mask,
-            "input_ids": torch.cat([prompt_ids, responses], dim=1),
+            **columns,
+            "input_ids": torch.cat([prompt_ids, columns["responses"]], dim=1),
             "attention_mask": attention_mask,
             "position_ids": position_ids_from_mask(attention_mask),
         },
         dict(prompts.non_tensors),
     )
+
+
+def keeps_full_width(cfg) -> bool:
+    """Whether rollouts keep every row at data.max_response_length instead of their longest
+    response: `seq-mean-token-sum-norm` (Dr. GRPO) divides each loss by the response width as its
+    constant horizon (algo.agg_loss), which must not change with the rows a rank happens to hold.
+    (Passing the horizon to agg_loss from the roles would let those runs be cut too.)"""
+    return "seq-mean-token-sum-norm" in (cfg.actor.loss_agg_mode, cfg.critic.loss_agg_mode)
 
 
 _MASK64 = (1 << 64) - 1

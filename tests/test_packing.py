@@ -1,0 +1,210 @@
+"""Padding-free forward passes (model.use_remove_padding) and token-budget micro-batches
+(use_dynamic_bsz) compute what the padded, fixed micro-batches compute: log-probs, entropy,
+values, reward-model scores and gradients, on the plain model and through both engines."""
+
+import importlib.util
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from spmdsplit.batch import Batch
+from spmdsplit.roles.micro_batches import (fixed_bins, in_row_order, micro_batches, split_to_count,
+                                           token_budget_bins)
+from tests.multiproc import run_ranks
+
+P, R = 7, 6
+# Left-padded prompts and right-padded responses of different lengths, some of length 1; no row
+# fills the prompt or the response width, so the padded path's trimming has columns to drop.
+PROMPT_LENGTHS = [5, 1, 3, 2, 5, 4, 1, 3]
+RESPONSE_LENGTHS = [4, 1, 3, 1, 2, 4, 3, 1]
+TOLERANCE = dict(rtol=0, atol=1e-5)
+
+
+def ragged_batch(vocab: int, prompt_lengths=PROMPT_LENGTHS, response_lengths=RESPONSE_LENGTHS) -> Batch:
+    from tests.helpers import ppo_rows
+
+    g = torch.Generator().manual_seed(0)
+    rows = len(prompt_lengths)
+    prompt_mask = (torch.arange(P)[None] >= P - torch.tensor(prompt_lengths)[:, None]).long()
+    response_mask = (torch.arange(R)[None] < torch.tensor(response_lengths)[:, None]).long()
+    prompts = torch.randint(3, vocab, (rows, P), generator=g) * prompt_mask
+    responses = torch.randint(3, vocab, (rows, R), generator=g) * response_mask
+    return ppo_rows(prompts, responses, prompt_mask, response_mask, g)
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    from spmdsplit.embedded import ensure_embedded_model
+
+    return ensure_embedded_model()
+
+
+def logprob_head(entropy="grad"):
+    from spmdsplit import algo
+
+    return lambda logits, tokens: algo.logprobs_and_entropy(logits, tokens, 0.7, entropy)
+
+
+def unpadded_reference(model, batch: Batch, head) -> tuple:
+    """Each row on its own, its valid tokens only, no mask: what padding and packing must both give."""
+    out = [torch.zeros(len(batch), R), torch.zeros(len(batch), R)]
+    for i in range(len(batch)):
+        valid = batch["attention_mask"][i].bool()
+        n = int(batch["response_mask"][i].sum())
+        logits = model(input_ids=batch["input_ids"][i][valid][None]).logits[:, -n - 1 : -1]
+        results = head(logits, batch["responses"][i, :n][None])
+        for k, result in enumerate(results if isinstance(results, tuple) else (results,)):
+            out[k][i, :n] = result[0]
+    return tuple(out)
+
+
+# ------------------------------------------------------------------ the planner (pure functions)
+
+def test_token_budget_bins_hold_the_budget_and_a_long_row_alone():
+    lengths = [9, 3, 4, 20, 5, 1, 7]
+    bins = token_budget_bins(lengths, 10)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    assert [3] in bins  # longer than the budget: on its own
+    assert all(sum(lengths[i] for i in b) <= 10 for b in bins if b != [3])
+    assert len(bins) == 4  # first-fit decreasing: 20 | 9+1 | 7+3 | 5+4
+
+
+def test_split_to_count_keeps_the_budget_then_adds_dummies():
+    lengths = [6, 3, 3, 2]
+    bins = split_to_count([[0, 1], [2, 3]], lengths, 3)
+    assert len(bins) == 3 and sorted(i for b in bins for i in b) == [0, 1, 2, 3]
+    assert [0] in bins and [1] in bins  # the heaviest bin (9 tokens) was halved
+    bins = split_to_count([[0, 1], [2, 3]], lengths, 6)
+    assert sorted(bins) == [[], [], [0], [1], [2], [3]]  # no more to split: two dummies
+
+
+def test_in_row_order_puts_rows_back_and_drops_dummies():
+    bins = [[2, 0], [], [1]]
+    outputs = [torch.tensor([[20.0], [0.0]]), torch.tensor([[99.0]]), torch.tensor([[10.0]])]
+    assert in_row_order(outputs, bins, 3).flatten().tolist() == [0.0, 10.0, 20.0]
+
+
+# ------------------------------------------------------------------ one process, the plain model
+
+def test_packed_and_trimmed_actor_log_probs_entropy_and_gradients_match(model_dir):
+    from spmdsplit.models import load_causal_lm
+    from spmdsplit.roles.common import forward_response
+
+    model = load_causal_lm(model_dir, torch.float32, torch.device("cpu"), seed=3)
+    batch = ragged_batch(model.config.vocab_size)
+    weights = torch.randn(len(batch), R, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = unpadded_reference(model, batch, logprob_head())
+    grads = {}
+    for packed in (False, True):
+        model.zero_grad()
+        log_prob, entropy = forward_response(model, batch, logprob_head(), packed, response_only=True)
+        torch.testing.assert_close(log_prob, expected[0], **TOLERANCE, msg=f"log-probs, packed={packed}")
+        torch.testing.assert_close(entropy, expected[1], **TOLERANCE, msg=f"entropy, packed={packed}")
+        ((log_prob + 0.1 * entropy) * weights).sum().backward()
+        grads[packed] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert max(g.abs().max() for g in grads[False].values()) > 1e-3
+    for name, grad in grads[False].items():
+        torch.testing.assert_close(grads[True][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_packed_critic_values_match(model_dir, attention):
+    from spmdsplit.models import ModelSource
+    from spmdsplit.roles.common import forward_response
+    from spmdsplit.roles.critic import value_head
+
+    model = ModelSource("value", model_dir, torch.float32, 3, attn_implementation=attention).read("cpu")
+    assert model.config._attn_implementation == attention
+    batch = ragged_batch(model.config.vocab_size)
+    with torch.no_grad():
+        expected, _ = unpadded_reference(model, batch, value_head)
+        padded = forward_response(model, batch, value_head)
+        packed = forward_response(model, batch, value_head, remove_padding=True)
+    assert expected.abs().max() > 1e-3
+    torch.testing.assert_close(padded, expected, **TOLERANCE)
+    torch.testing.assert_close(packed, expected, **TOLERANCE)
+
+
+def test_packed_reward_model_scores_match(model_dir):
+    from spmdsplit.models import load_tokenizer
+    from spmdsplit.roles.reward_model import RewardModel
+    from tests.helpers import PlainEngine, load_reward_model
+
+    model = load_reward_model(model_dir, torch.float32, torch.device("cpu"), seed=11)
+    with torch.no_grad():
+        model.score.weight.normal_(0, 1.0, generator=torch.Generator().manual_seed(0))  # scores of size ~1
+    tokenizer = load_tokenizer(model_dir)
+    batch = ragged_batch(model.config.vocab_size)
+    scores = {}
+    for packed, budget in ((False, None), (True, None), (True, 12)):
+        rm = RewardModel(PlainEngine(model), tokenizer, tokenizer, micro_batch_size=3, device="cpu",
+                         max_tokens=budget, remove_padding=packed)
+        lengths = [len(ids) for ids in rm.encode([p + a for p, a in zip(*rm.texts(batch))], 100)]
+        assert len(set(lengths)) > 2
+        scores[packed, budget] = rm.compute(batch)[1]
+    assert scores[False, None].abs().max() > 1e-2
+    torch.testing.assert_close(scores[True, None], scores[False, None], **TOLERANCE)
+    torch.testing.assert_close(scores[True, 12], scores[False, None], **TOLERANCE)
+
+
+# ------------------------------------------------------------------ two ranks, both engines
+
+def _actor_on_pool(rank, world_size, model_dir, engine_name, packed, dynamic):
+    """An actor pool of two: old log-probs of unequal shares (rank 0: 6 rows, rank 1: 2, so with a
+    small token budget rank 1 runs dummy micro-batches), then one update of equal shares; the
+    per-row log-probs in the batch's order, and the updated weights."""
+    from spmdsplit.config import ActorConfig, OptimConfig
+    from spmdsplit.engines.deepspeed import DeepSpeedEngine
+    from spmdsplit.engines.fsdp import FSDPEngine
+    from spmdsplit.models import load_causal_lm
+    from spmdsplit.roles.actor import Actor
+
+    device = torch.device("cpu")
+    cfg = ActorConfig(optim=OptimConfig(lr=1e-2, grad_clip=1e9), ppo_mini_batch_size=8,
+                      ppo_micro_batch_size_per_gpu=2, log_prob_micro_batch_size_per_gpu=2, entropy_coeff=0.01,
+                      shuffle=False, use_dynamic_bsz=dynamic, ppo_max_token_len_per_gpu=11,
+                      log_prob_max_token_len_per_gpu=9)
+    model = load_causal_lm(model_dir, torch.float32, device, seed=3)
+    if engine_name == "fsdp":
+        engine = FSDPEngine(model, DeviceMesh.from_group(dist.group.WORLD, "cpu"), cfg.optim)
+    else:
+        engine = DeepSpeedEngine(model, dist.group.WORLD, 3, cfg.optim)
+    actor = Actor(engine, cfg, temperature=0.7, device=device, remove_padding=packed)
+    batch = ragged_batch(model.config.vocab_size)
+    shares = [(0, 6), (6, 8)][rank]
+    log_probs = actor.compute_log_prob(batch.slice(*shares))
+    metrics = actor.update_policy(batch.slice(4 * rank, 4 * rank + 4), seed=1)
+    return log_probs, metrics, {k: v.clone() for k, v in engine.full_state_dict().items()}
+
+
+def _check_same(results, expected):
+    (lp0, metrics, state), (lp1, _, _) = results
+    (e0, e_metrics, e_state), (e1, _, _) = expected
+    torch.testing.assert_close(torch.cat([lp0, lp1]), torch.cat([e0, e1]), **TOLERANCE)
+    for name, value in e_state.items():
+        torch.testing.assert_close(state[name], value, rtol=0, atol=5e-5, msg=name)
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+        assert metrics[key] == pytest.approx(e_metrics[key], rel=1e-5), key
+
+
+def test_fsdp_actor_packed_with_token_budgets_matches_padded(model_dir):
+    plain = run_ranks(_actor_on_pool, 2, model_dir, "fsdp", False, False)
+    _check_same(run_ranks(_actor_on_pool, 2, model_dir, "fsdp", True, True), plain)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")
+def test_deepspeed_zero3_actor_packed_with_token_budgets_matches_padded(model_dir):
+    plain = run_ranks(_actor_on_pool, 2, model_dir, "deepspeed", False, False, timeout=300)
+    _check_same(run_ranks(_actor_on_pool, 2, model_dir, "deepspeed", True, True, timeout=300), plain)
+
+
+def test_fixed_bins_are_consecutive_runs():
+    assert fixed_bins(5, 2) == [[0, 1], [2, 3], [4]]
+    batch = ragged_batch(20)
+    micros = list(micro_batches(batch, [[1, 0], []]))
+    assert [dummy for _, dummy in micros] == [False, True]
+    assert torch.equal(micros[0][0]["input_ids"], batch["input_ids"][[1, 0]])
+    assert micros[1][0]["attention_mask"].sum() == 2 and micros[1][0]["response_mask"].sum() == 1

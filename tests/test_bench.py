@@ -164,9 +164,12 @@ def test_token_budgets_hold_a_fixed_micro_batchs_tokens():
     assert budgets["actor.ppo_max_token_len_per_gpu"] == 4 * (64 + 256)
     assert budgets["critic.forward_max_token_len_per_gpu"] == 16 * (64 + 256)
     assert set(budgets) == set(bench_tokens.BUDGETS)
-    tokens, fixed = bench_tokens.mode_overrides("tokens", shapes), bench_tokens.mode_overrides("fixed", shapes)
+    assert set(bench_tokens.token_budgets(shapes, 1024).values()) == {1024}
+    tokens, fixed = bench_tokens.mode_overrides("tokens", budgets), bench_tokens.mode_overrides("fixed", budgets)
     assert {"actor.use_dynamic_bsz=true", "model.use_remove_padding=true", "trainer.balance_batch=true",
             "actor.ppo_max_token_len_per_gpu=1280"} <= set(tokens)
+    assert {"actor.use_dynamic_bsz=true", "model.use_remove_padding=false", "trainer.balance_batch=true",
+            "critic.forward_max_token_len_per_gpu=5120"} <= set(bench_tokens.mode_overrides("budgets", budgets))
     # fixed spells every switch out: balance_batch is on by default
     assert {"actor.use_dynamic_bsz=false", "critic.use_dynamic_bsz=false", "model.use_remove_padding=false",
             "trainer.balance_batch=false"} <= set(fixed)
@@ -190,41 +193,50 @@ def test_padding_share_from_logged_lengths_and_each_modes_rule():
     scalars = {"prompt_length/mean": {1: 10.0, 2: 20.0, 3: 30.0}, "response_length/mean": {1: 30.0, 2: 20.0, 3: 10.0},
                "prompt_length/max": {1: 20.0, 2: 30.0, 3: 40.0}, "response_length/max": {1: 50.0, 2: 50.0, 3: 60.0},
                "timing_s/step": {1: 9.0, 2: 2.0, 3: 4.0}}
-    fixed = bench_tokens.step_tokens(scalars, rows=4, mode="fixed")
+    fixed = bench_tokens.step_tokens(scalars, rows=4, packed=False)
     assert fixed[2] == {"valid": 160.0, "processed": 4 * (30 + 50)}
     assert bench_tokens.padding_share(fixed, warmup=1) == pytest.approx(1 - (160 + 160) / (320 + 400))
-    tokens = bench_tokens.step_tokens(scalars, rows=4, mode="tokens")
+    tokens = bench_tokens.step_tokens(scalars, rows=4, packed=True)
     assert bench_tokens.padding_share(tokens, warmup=1) == 0.0
     assert bench_tokens.tokens_per_second(fixed, scalars["timing_s/step"], warmup=1) == pytest.approx((80 + 40) / 2)
     assert bench_tokens.padding_share({}, warmup=0) is None
 
 
-def test_fixed_micro_batches_are_trimmed_to_their_widest_row():
+def test_micro_batches_as_the_runtime_plans_them_and_what_they_process():
     rows = [(10, 5), (2, 1), (4, 20), (4, 0), (1, 1)]
-    # one pass of micro-batches of 2: [(10,5),(2,1)] -> 2 x 15, [(4,20),(4,0)] -> 2 x 24, [(1,1)] -> 2
-    assert bench_tokens.fixed_pass_tokens(rows, 2) == (48, 30 + 48 + 2)
+    # fixed micro-batches of 2 rows, each trimmed to its widest row:
+    # [(10,5),(2,1)] -> 2 x 15, [(4,20),(4,0)] -> 2 x 24, [(1,1)] -> 2
+    assert bench_tokens.pass_tokens([rows], 2, None, None, packed=False) == (48, 30 + 48 + 2)
     # mini-batches of 3 rows first: [(10,5),(2,1)], [(4,20)] | [(4,0),(1,1)]
-    assert bench_tokens.fixed_pass_tokens(rows, 2, mini_rows=3) == (48, 30 + 24 + 2 * (4 + 1))
-    assert bench_tokens.fixed_pass_tokens([], 2) == (0, 0)
+    assert bench_tokens.pass_tokens([rows], 2, 3, None, packed=False) == (48, 30 + 24 + 2 * (4 + 1))
+    # a budget of 25 tokens, first fit decreasing: [24 (4,20)], [15 (10,5), 4 (4,0), 3 (2,1), 2 (1,1)]
+    assert bench_tokens.pass_tokens([rows], 2, None, 25, packed=False) == (48, 24 + 4 * (10 + 5))
+    assert bench_tokens.pass_tokens([rows], 2, None, 25, packed=True) == (48, 48)
+    # two ranks agree on the larger count: the second's one bin is split, then a dummy (2 tokens) is added
+    assert bench_tokens.pass_tokens([rows, [(1, 1)]], 2, None, 25, packed=True) == (50, 48 + 2 + 2)
+    assert bench_tokens.pass_tokens([[]], 2, None, None, packed=False) == (0, 0)
 
 
 def test_padding_per_pass_from_the_length_dump():
-    passes = {"old_log_prob": (4, None), "update_actor": (1, 2)}
+    passes = {"old_log_prob": (4, None, None), "update_actor": (1, 2, None)}
     # one rank, 4 rows per step, 2 steps: step 1 is the warm-up
     per_rank = [[(1, 1)] * 4 + [(3, 1), (1, 3), (2, 2), (2, 2)]]
-    got = bench_tokens.dump_pass_tokens(per_rank, rows_per_rank=4, passes=passes, warmup=1)
+    got = bench_tokens.dump_pass_tokens(per_rank, rows_per_rank=4, passes=passes, packed=False, warmup=1)
     assert got == {"old_log_prob": {"valid": 16, "processed": 4 * 6}, "update_actor": {"valid": 16, "processed": 16}}
-    shares = bench_tokens.padding_shares("fixed", {}, per_rank, passes, rows=4, warmup=1)
+    shares = bench_tokens.padding_shares({}, per_rank, passes, packed=False, rows=4, warmup=1)
     assert shares["padding_by_pass"] == {"old_log_prob": pytest.approx(1 / 3), "update_actor": 0.0}
     assert shares["padding_share"] == pytest.approx(1 - 32 / 40) and shares["padding_how"] == "exact"
-    tokens = bench_tokens.padding_shares("tokens", {2: {"valid": 5, "processed": 5}}, [], passes, rows=4, warmup=1)
-    assert tokens == {"padding_share": 0.0, "padding_by_pass": {"old_log_prob": 0.0, "update_actor": 0.0},
-                      "padding_how": "exact"}
-    bound = bench_tokens.padding_shares("fixed", {2: {"valid": 5, "processed": 10}}, [], passes, rows=4, warmup=1)
+    packed = bench_tokens.padding_shares({}, per_rank, passes, packed=True, rows=4, warmup=1)
+    assert packed["padding_share"] == 0.0 and packed["padding_how"] == "exact"
+    rule = bench_tokens.padding_shares({2: {"valid": 5, "processed": 5}}, [], passes, packed=True, rows=4, warmup=1)
+    assert rule == {"padding_share": 0.0, "padding_by_pass": {}, "padding_how": "rule"}
+    bound = bench_tokens.padding_shares({2: {"valid": 5, "processed": 10}}, [], passes, packed=False, rows=4, warmup=1)
     assert bound["padding_share"] == 0.5 and bound["padding_how"] == "upper bound"
     shapes = {**bench_tokens.LONG_TAIL}
-    assert bench_tokens.pass_shapes(shapes, 2) == {"old_log_prob": (16, None), "ref": (16, None), "values": (16, None),
-                                                   "update_actor": (4, 8), "update_critic": (4, 8)}
+    assert bench_tokens.pass_shapes(shapes, 2, None) == {
+        "old_log_prob": (16, None, None), "ref": (16, None, None), "values": (16, None, None),
+        "update_actor": (4, 8, None), "update_critic": (4, 8, None)}
+    assert bench_tokens.pass_shapes(shapes, 2, bench_tokens.token_budgets(shapes, 1024))["update_critic"] == (4, 8, 1024)
 
 
 def test_train_phases_sum_and_compare_fixed_with_tokens():
@@ -271,24 +283,29 @@ def test_targets_and_the_report_from_hand_made_runs():
     runs = [fake_run("long-tail", "fixed", "2+2", 1.0), fake_run("long-tail", "tokens", "2+2", 0.5, {"actor max/min tokens per rank, after": 1.2,
                                                                   "actor max/min tokens per rank, before": 2.0}),
             fake_run("default", "fixed", "2+2", 1.0), fake_run("default", "tokens", "2+2", 1.04)]
-    comparisons = {"long-tail 2+2": bench_tokens.compare(runs[0], runs[1]), "default 2+2": bench_tokens.compare(runs[2], runs[3])}
+    comparisons = {"long-tail 2+2 tokens": bench_tokens.compare(runs[0], runs[1]),
+                   "default 2+2 tokens": bench_tokens.compare(runs[2], runs[3]),
+                   "default 2+2 budgets": bench_tokens.compare(runs[2], runs[3])}  # no target for budgets
     got = {t["target"]: (t["value"], t["met"]) for t in bench_tokens.targets(comparisons, runs)}
     assert got["long tail, 2+2: five phases fixed / tokens >= 1.8"] == (pytest.approx(2.0), True)
     assert got["default, 2+2: five phases tokens / fixed <= 1.05"] == (pytest.approx(1.04), True)
     assert got["long-tail 2+2: actor max/min tokens per rank, after <= 1.1"] == (1.2, False)
     assert len(got) == 3  # "before" is no target
     report = {"meta": {"device": "cpu", "torch": "x", "date": "d", "steps": 5, "warmup": 1, "wall_s": 120.0,
-                       "overrides": []}, "runs": runs, "comparisons": comparisons,
+                       "overrides": [], "budgets": {"long-tail": bench_tokens.token_budgets(bench_tokens.LONG_TAIL, 1024)}},
+              "runs": runs, "comparisons": comparisons,
               "targets": bench_tokens.targets(comparisons, runs)}
     md = bench_tokens.render_markdown(report)
     tables = [block.splitlines() for block in md.split("\n\n") if block.startswith("|")]
     for table in tables:  # every row as many cells as its header
         assert len({line.count("|") for line in table}) == 1, table
     assert "| long-tail | 2+2 | fixed | 1.000 | 1.000 | 1.000 | 1.000 | 1.000 | 5.000 | 6.000 | 1000 | 70.0% | 30 |" in md
-    assert "| long-tail | 2+2 | 2.00x | 2.00x | 2.00x | 2.00x | 2.00x | 2.00x | 2.00x | 2.00x |" in md
+    assert "| long-tail | 2+2 | tokens | 2.00x | 2.00x | 2.00x | 2.00x | 2.00x | 2.00x | 2.00x | 2.00x |" in md
+    assert "| default | 2+2 | budgets | critic/score/mean | 0.0200 | 0.0200 | yes |" in md
+    assert "long-tail: actor.ppo_max_token_len 1024, critic.ppo_max_token_len 1024," in md
     assert "| long tail, 2+2: five phases fixed / tokens >= 1.8 | 2.00 | yes |" in md
     assert "| long-tail | 2+2 | tokens | actor max/min tokens per rank, after | 1.200 |" in md
-    assert "| long-tail | 2+2 | 50.0% | 50.0% | 50.0% | 50.0% | 50.0% |" in md  # fixed mode's padding per pass
+    assert "| long-tail | 2+2 | fixed | 50.0% | 50.0% | 50.0% | 50.0% | 50.0% |" in md  # padding per pass
     assert md.count("Response lengths, long-tail") == 2 and "mean 102.3, median 50.0, max 256" in md
 
 

@@ -371,8 +371,11 @@ def parse_args(argv):
     p.add_argument("--layouts", nargs="+", choices=("1+1", "2+2"), default=["1+1", "2+2"], help="--long-tail: split layouts")
     p.add_argument("--workloads", nargs="+", choices=("long-tail", "default"), default=["long-tail", "default"],
                    help="--long-tail: which workloads")
-    p.add_argument("--token-modes", nargs="+", choices=("fixed", "tokens"), default=["fixed", "tokens"],
-                   help="--long-tail: which modes")
+    p.add_argument("--token-modes", nargs="+", choices=("fixed", "budgets", "tokens"), default=["fixed", "tokens"],
+                   help="--long-tail: which modes (budgets: token budgets and balancing without packing)")
+    p.add_argument("--max-token-len", type=int,
+                   help="--long-tail: the long tail's token budget for every pass (default 1024; the default "
+                        "workload's budgets are its fixed micro-batches' tokens)")
     p.add_argument("--out", default="outputs/bench", help="where bench.json, bench.md and the PNGs go")
     p.add_argument("overrides", nargs="*", help="key=value train overrides for every mode")
     args = p.parse_args(argv)

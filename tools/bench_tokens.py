@@ -1,28 +1,26 @@
-"""`python -m tools.bench --long-tail [--layouts 1+1 2+2] [--workloads long-tail default] [--steps S]`
+"""`python -m tools.bench --long-tail [--layouts 1+1 2+2] [--workloads long-tail default]
+[--token-modes fixed budgets tokens] [--max-token-len N] [--steps S]`
 
-Training on tokens, not padding (issue 20): the same workload run with today's `fixed`
-micro-batches (rows padded to data.max_prompt_length + data.max_response_length, no row
-balancing) and in `tokens` mode (verl's `use_dynamic_bsz` token budgets, `use_remove_padding`
-and `trainer.balance_batch`), at each layout, one real `torchrun -m spmdsplit.train` job each,
-with per-phase times, step time, tokens/s, the padding share and the final metrics side by side.
+Training on tokens, not padding (issue 20): the same workload run with `fixed` micro-batches
+(rows per micro-batch, each micro-batch padded to its widest row, no row balancing) and in
+`tokens` mode (verl's `use_dynamic_bsz` token budgets, `use_remove_padding` and
+`trainer.balance_batch`), on request also `budgets` (token budgets and balancing, no packing), at
+each layout, one real `torchrun -m spmdsplit.train` job each, with per-phase times, step time,
+tokens/s, the padding share and the final metrics side by side.
 
 Two workloads:
   * `long-tail`: a random Qwen2 (tools.models, no download) that draws its EOS at ~2 % per
     token, so response lengths spread geometrically up to data.max_response_length=256 (mean
     ~50, a tail to 256), from prompts of 4-64 tokens (a parquet the bench writes). A custom reward
-    function (the built-in positional match) also appends each response's length to a file of
-    the job's, so the length histogram is read from what the job generated, not re-sampled.
-  * `default`: the embedded default job (lengths barely spread): tokens mode must cost nothing there.
+    function (the built-in positional match) also appends each row's prompt and response lengths
+    to a file of the job's, so the length histogram and the padding are read from what the job
+    generated, not re-sampled. Token budgets: LONG_TAIL_MAX_TOKEN_LEN for every pass.
+  * `default`: the embedded default job (lengths barely spread): tokens mode must cost nothing
+    there. Token budgets: each fixed micro-batch's rows x (max prompt + max response).
 
-Token budgets: each mode's micro-batch holds at most the tokens of a fixed micro-batch of the
-same workload (`ppo_max_token_len_per_gpu` = ppo_micro_batch_size_per_gpu x (max prompt + max
-response), and likewise for log-probs and values), so neither mode may hold more activations at once.
-
-Padding share = 1 - valid tokens / tokens the forward passes processed, computed from what the
-job logged (TensorBoard prompt_length/mean and response_length/mean, the length dump) and each
-mode's rule: fixed processes each rank's rows at data.max_prompt_length + the rank's longest
-response (the rollout engine cuts responses to their longest); tokens mode with remove-padding
-processes the valid tokens alone.
+Padding share = 1 - valid tokens / tokens the forward passes processed, per pass from the length
+dump and the runtime's own micro-batch plan (spmdsplit/roles/micro_batches.py): a padded
+micro-batch processes its rows x its widest row, a packed one its valid tokens.
 """
 
 from __future__ import annotations
@@ -39,8 +37,10 @@ from tools.jobs import run_job
 from tools.models import build_random_qwen2
 from tools.report import fmt
 
-# ~0.4M parameters, heads of 64: small enough for 2 CPU cores at 320-token rows.
-LONG_TAIL_MODEL = dict(hidden=128, layers=2, heads=2, kv_heads=1, mlp=384, max_positions=512)
+# ~3.0M parameters, heads of 64: enough compute per token that the passes' cost follows their
+# tokens (at 0.4M, hidden 128 and 2 layers, fixed costs per micro-batch hid most of it: tokens mode
+# gained 1.0-1.6x at 1+1 where this model gains 1.5-1.9x), small enough for 2 CPU cores.
+LONG_TAIL_MODEL = dict(hidden=256, layers=4, heads=4, kv_heads=1, mlp=768, max_positions=512)
 LONG_TAIL_EOS_RATE = 0.02
 LONG_TAIL_PROMPTS = (4, 64)  # tokens per prompt, uniform: digits then "="
 LONG_TAIL = {"data.max_prompt_length": 64, "data.max_response_length": 256, "data.train_batch_size": 32,
@@ -56,7 +56,16 @@ DEFAULT = {"data.max_prompt_length": 8, "data.max_response_length": 6, "data.tra
            "actor.ppo_micro_batch_size_per_gpu": 16, "critic.ppo_micro_batch_size_per_gpu": 16,
            "actor.log_prob_micro_batch_size_per_gpu": 32, "ref.log_prob_micro_batch_size_per_gpu": 32,
            "critic.forward_micro_batch_size_per_gpu": 32}
-TOKEN_MODES = ("fixed", "tokens")
+# mode -> (use_dynamic_bsz, use_remove_padding, balance_batch). `budgets` (on request) tells
+# which of the two changes pays on this machine: token budgets alone, each micro-batch still
+# padded to (trimmed at) its widest row, no packing.
+MODES = {"fixed": (False, False, False), "budgets": (True, False, True), "tokens": (True, True, True)}
+# The long tail's budget for every pass (--max-token-len changes it). On CPU the packed pass's
+# block-causal mask makes attention grow with the budget squared, so it is well below a fixed
+# micro-batch's tokens (1280 for updates, 5120 for log-probs) yet holds any one row (<= 320). A 1+1
+# sweep of tokens mode on this workload (5 steps, one run each, shared 2-core machine, 2026-11-25),
+# the five phases: 256 -> 4.91 s, 512 -> 5.30 s, 1024 -> 6.27 s, 2048 -> 7.41 s; fixed: 9.29 s.
+LONG_TAIL_MAX_TOKEN_LEN = 512
 WORKLOADS = ("long-tail", "default")
 LAYOUTS = {"1+1": 2, "2+2": 4}
 TRAIN_PHASES = ("old_log_prob", "ref", "values", "update_actor", "update_critic")
@@ -89,21 +98,23 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 # ------------------------------------------------------------------ pure pieces
 
-def token_budgets(shapes: dict) -> dict[str, int]:
-    """Each verl token budget = its fixed micro-batch's rows x the padded row length: a tokens-mode
-    micro-batch then never holds more tokens than a fixed one (same peak activations)."""
+def token_budgets(shapes: dict, max_token_len: int | None = None) -> dict[str, int]:
+    """Each verl token budget: `max_token_len` for all, or by default its fixed micro-batch's rows x
+    the padded row length, so that a tokens-mode micro-batch never holds more tokens than a fixed one
+    (same peak activations)."""
     row = int(shapes["data.max_prompt_length"]) + int(shapes["data.max_response_length"])
-    return {budget: int(shapes[rows]) * row for budget, rows in BUDGETS.items()}
+    return {budget: max_token_len or int(shapes[rows]) * row for budget, rows in BUDGETS.items()}
 
 
-def mode_overrides(mode: str, shapes: dict) -> list[str]:
-    """fixed: today's micro-batches of rows, padded, unbalanced (every switch spelled out, since
-    balance_batch defaults to true); tokens: token budgets, padding removed, rows balanced."""
-    on = "true" if mode == "tokens" else "false"
-    switches = [f"actor.use_dynamic_bsz={on}", f"critic.use_dynamic_bsz={on}", f"model.use_remove_padding={on}",
-                f"trainer.balance_batch={on}"]
-    budgets = [f"{k}={v}" for k, v in token_budgets(shapes).items()] if mode == "tokens" else []
-    return ["placement.mode=split", "placement.overlap=true", *switches, *budgets]
+def mode_overrides(mode: str, budgets: dict[str, int]) -> list[str]:
+    """fixed: today's micro-batches of rows, padded, unbalanced; tokens: token budgets, padding
+    removed, rows balanced; budgets: token budgets and balancing, padding kept. Every switch spelled
+    out (balance_batch defaults to true), the budgets where they are used."""
+    dynamic, packed, balance = ("true" if on else "false" for on in MODES[mode])
+    switches = [f"actor.use_dynamic_bsz={dynamic}", f"critic.use_dynamic_bsz={dynamic}",
+                f"model.use_remove_padding={packed}", f"trainer.balance_batch={balance}"]
+    chosen = [f"{k}={v}" for k, v in budgets.items()] if dynamic == "true" else []
+    return ["placement.mode=split", "placement.overlap=true", *switches, *chosen]
 
 
 def response_tokens(chars: int, max_response: int) -> int:
@@ -134,18 +145,18 @@ def text_histogram(bins: list[tuple[int, int, int]], bar: int = 40) -> list[str]
     return [f"{lo:>4}-{hi:<4} {'#' * round(bar * c / most):<{bar}} {c} ({c / total:.0%})" for lo, hi, c in bins]
 
 
-def step_tokens(scalars: dict[str, dict[int, float]], rows: int, mode: str) -> dict[int, dict[str, float]]:
+def step_tokens(scalars: dict[str, dict[int, float]], rows: int, packed: bool) -> dict[int, dict[str, float]]:
     """step -> {valid, processed} tokens of one pass over the step's rows. valid = rows x (mean
-    prompt + mean response length), from the job's TensorBoard. processed: tokens mode
-    (remove-padding), the valid tokens alone; fixed, rows x (the step's longest prompt + longest
-    response), an upper bound: each fixed micro-batch is trimmed to its own widest row, which the
+    prompt + mean response length), from the job's TensorBoard. processed: `packed`
+    (remove-padding), the valid tokens alone; padded, rows x (the step's longest prompt + longest
+    response), an upper bound: each micro-batch is trimmed to its own widest row, which the
     logged maxima cannot show (`dump_pass_tokens` counts it exactly from the length dump)."""
     prompts, responses = scalars.get("prompt_length/mean", {}), scalars.get("response_length/mean", {})
     prompt_max, response_max = scalars.get("prompt_length/max", {}), scalars.get("response_length/max", {})
     out = {}
     for step in sorted(set(prompts) & set(responses)):
         valid = rows * (prompts[step] + responses[step])
-        if mode == "tokens":
+        if packed:
             processed = valid
         elif step in prompt_max and step in response_max:
             processed = rows * (prompt_max[step] + max(response_max[step], 1))
@@ -155,37 +166,54 @@ def step_tokens(scalars: dict[str, dict[int, float]], rows: int, mode: str) -> d
     return out
 
 
-def fixed_pass_tokens(rows: list[tuple[int, int]], micro_rows: int, mini_rows: int | None = None) -> tuple[int, int]:
-    """(valid, processed) tokens of one fixed-micro-batch pass over a rank's rows, each a (prompt,
-    response) length in the rank's order: mini-batches of `mini_rows` consecutive rows (None: one,
-    the log-prob passes), each cut into micro-batches of `micro_rows` consecutive rows, each
-    trimmed to its widest row, i.e. its longest prompt + its longest response (the padded passes
-    of spmdsplit/roles/common.py; consecutive because the bench turns the update's shuffle off)."""
+def pass_tokens(ranks: list[list[tuple[int, int]]], micro_rows: int, mini_rows: int | None, budget: int | None,
+                packed: bool) -> tuple[int, int]:
+    """(valid, processed) tokens of one training pass over a step's rows on a pool: `ranks` holds
+    each rank's rows as (prompt, response) lengths in the rank's order. Micro-batches as the runtime
+    plans them (spmdsplit/roles/micro_batches.py, its own functions): mini-batches of `mini_rows`
+    consecutive rows per rank (None: one, the log-prob passes); in each, `micro_rows` consecutive
+    rows per micro-batch, or with a token `budget` first-fit-decreasing bins; the pool's ranks agree
+    on the largest count, splitting bins or adding dummies (2 tokens). A micro-batch processes its
+    valid tokens when `packed` (use_remove_padding), else its rows x its widest row, the longest
+    prompt + the longest response (the padded pass trims the columns no row uses)."""
+    from spmdsplit.roles.micro_batches import fixed_bins, split_to_count, token_budget_bins
+
     valid = processed = 0
-    step = mini_rows or len(rows) or 1
-    for m in range(0, len(rows), step):
-        mini = rows[m:m + step]
-        for i in range(0, len(mini), micro_rows):
-            micro = mini[i:i + micro_rows]
-            valid += sum(p + r for p, r in micro)
-            processed += len(micro) * (max(p for p, _ in micro) + max(max(r for _, r in micro), 1))
+    longest = max((len(r) for r in ranks), default=0)
+    size = mini_rows or longest or 1
+    for first in range(0, longest, size):
+        minis = [r[first:first + size] for r in ranks]
+        lengths = [[p + q for p, q in mini] for mini in minis]
+        bins = [token_budget_bins(n, budget) if budget else fixed_bins(len(n), micro_rows) for n in lengths]
+        count = max(len(b) for b in bins)
+        for mini, n, rank_bins in zip(minis, lengths, bins):
+            for rows in split_to_count(rank_bins, n, count):
+                if not rows:  # a dummy: the prompt's last token and the response's first
+                    processed += 2
+                    continue
+                micro = [mini[i] for i in rows]
+                valid += sum(p + q for p, q in micro)
+                processed += sum(p + q for p, q in micro) if packed else \
+                    len(micro) * (max(p for p, _ in micro) + max(max(q for _, q in micro), 1))
     return valid, processed
 
 
 def dump_pass_tokens(per_rank: list[list[tuple[int, int]]], rows_per_rank: int, passes: dict[str, tuple],
-                     warmup: int) -> dict[str, dict[str, int]]:
-    """pass -> {valid, processed} tokens of fixed mode over the steps after the warm-up, summed over
-    ranks, from the length dump: one list per critic rank of (prompt, response) lengths,
-    rows_per_rank rows of step 1, then of step 2, ... With pools of one size and no balancing each
-    critic rank holds, in the same order, exactly the rows one actor rank generated and trains on,
-    so its list is that actor rank's too. `passes`: name -> (micro_rows, mini_rows per rank or None)."""
+                     packed: bool, warmup: int) -> dict[str, dict[str, int]]:
+    """pass -> {valid, processed} tokens over the steps after the warm-up, from the length dump: one
+    list per critic rank of (prompt, response) lengths, rows_per_rank rows of step 1, then of step
+    2, ... With pools of one size each critic rank holds, in the same order, exactly the rows one
+    actor rank trains on (balanced or not: both pools take contiguous slices of one order), so the
+    critic ranks' lists are the actor ranks' too. `passes`: name -> (micro_rows, mini_rows per rank
+    or None, token budget or None)."""
     out = {name: {"valid": 0, "processed": 0} for name in passes}
-    for rows in per_rank:
-        for first in range(warmup * rows_per_rank, len(rows) - rows_per_rank + 1, rows_per_rank):
-            for name, (micro, mini) in passes.items():
-                valid, processed = fixed_pass_tokens(rows[first:first + rows_per_rank], micro, mini)
-                out[name]["valid"] += valid
-                out[name]["processed"] += processed
+    steps = min((len(rows) for rows in per_rank), default=0) // rows_per_rank
+    for step in range(warmup, steps):
+        ranks = [rows[step * rows_per_rank:(step + 1) * rows_per_rank] for rows in per_rank]
+        for name, (micro, mini, budget) in passes.items():
+            valid, processed = pass_tokens(ranks, micro, mini, budget, packed)
+            out[name]["valid"] += valid
+            out[name]["processed"] += processed
     return out
 
 
@@ -193,27 +221,30 @@ def share(valid: float, processed: float) -> float | None:
     return 1 - valid / processed if processed else None
 
 
-def pass_shapes(shapes: dict, pool: int) -> dict[str, tuple[int, int | None]]:
-    """Each training pass's (micro-batch rows, mini-batch rows per rank or None) in fixed mode, on
-    pools of `pool` ranks each."""
+def pass_shapes(shapes: dict, pool: int, budgets: dict[str, int] | None) -> dict[str, tuple[int, int | None, int | None]]:
+    """Each training pass's (micro-batch rows, mini-batch rows per rank or None, token budget or
+    None) on pools of `pool` ranks each; `budgets`: token_budgets' (None: fixed micro-batches)."""
     get = lambda key: int(shapes[key])  # noqa: E731
-    return {"old_log_prob": (get("actor.log_prob_micro_batch_size_per_gpu"), None),
-            "ref": (get("ref.log_prob_micro_batch_size_per_gpu"), None),
-            "values": (get("critic.forward_micro_batch_size_per_gpu"), None),
-            "update_actor": (get("actor.ppo_micro_batch_size_per_gpu"), get("actor.ppo_mini_batch_size") // pool),
-            "update_critic": (get("critic.ppo_micro_batch_size_per_gpu"), get("critic.ppo_mini_batch_size") // pool)}
+    budget = (budgets or {}).get
+    return {"old_log_prob": (get("actor.log_prob_micro_batch_size_per_gpu"), None,
+                             budget("actor.log_prob_max_token_len_per_gpu")),
+            "ref": (get("ref.log_prob_micro_batch_size_per_gpu"), None, budget("ref.log_prob_max_token_len_per_gpu")),
+            "values": (get("critic.forward_micro_batch_size_per_gpu"), None, budget("critic.forward_max_token_len_per_gpu")),
+            "update_actor": (get("actor.ppo_micro_batch_size_per_gpu"), get("actor.ppo_mini_batch_size") // pool,
+                             budget("actor.ppo_max_token_len_per_gpu")),
+            "update_critic": (get("critic.ppo_micro_batch_size_per_gpu"), get("critic.ppo_mini_batch_size") // pool,
+                              budget("critic.ppo_max_token_len_per_gpu"))}
 
 
-def padding_shares(mode: str, tokens: dict, per_rank: list, passes: dict, rows: int, warmup: int) -> dict:
-    """The padding share of one job: over the five passes together and per pass, and how it was
-    got ("exact": counted from the length dump, or the mode's rule; "upper bound": fixed mode
-    without a dump, from the logged maxima)."""
-    if mode == "tokens":  # remove-padding: every pass processes the valid tokens alone
-        return {"padding_share": padding_share(tokens, warmup), "padding_by_pass": {p: 0.0 for p in passes},
-                "padding_how": "exact"}
+def padding_shares(tokens: dict, per_rank: list, passes: dict, packed: bool, rows: int, warmup: int) -> dict:
+    """The padding share of one job, over the five passes together and per pass, and how it was
+    got: "exact", counted from the length dump with the runtime's micro-batch plan; without a dump
+    (the default workload) "upper bound" for padded passes (rows x the step's longest prompt +
+    longest response) and "rule" for packed ones (the valid tokens)."""
     if not per_rank:
-        return {"padding_share": padding_share(tokens, warmup), "padding_by_pass": {}, "padding_how": "upper bound"}
-    counted = dump_pass_tokens(per_rank, rows // len(per_rank), passes, warmup)
+        return {"padding_share": padding_share(tokens, warmup), "padding_by_pass": {},
+                "padding_how": "rule" if packed else "upper bound"}
+    counted = dump_pass_tokens(per_rank, rows // len(per_rank), passes, packed, warmup)
     total_valid, total_processed = (sum(c[k] for c in counted.values()) for k in ("valid", "processed"))
     return {"padding_share": share(total_valid, total_processed),
             "padding_by_pass": {p: share(c["valid"], c["processed"]) for p, c in counted.items()}, "padding_how": "exact"}
@@ -268,10 +299,11 @@ def agree(a: float | None, b: float | None, rtol: float = 0.05, atol: float = 0.
 
 
 def compare(fixed: dict, tokens: dict) -> dict:
-    """fixed / tokens per training phase, for their sum and for the step; tokens/s both ways."""
+    """fixed / another mode (`tokens`) per training phase, for their sum and for the step; tokens/s
+    both ways; the final metrics side by side."""
     phases = {p: bench.ratio(fixed["train_phases"].get(p), tokens["train_phases"].get(p))
               for p in (*TRAIN_PHASES, "sum")}
-    metrics = {k: {"fixed": fixed["final"].get(k), "tokens": tokens["final"].get(k),
+    metrics = {k: {"fixed": fixed["final"].get(k), "mode": tokens["final"].get(k),
                    "agree": agree(tokens["final"].get(k), fixed["final"].get(k))}
                for k in FINAL_METRICS if k in fixed["final"] or k in tokens["final"]}
     return {"phase_ratio": phases, "step_ratio": bench.ratio(fixed["step_time_s"], tokens["step_time_s"]),
@@ -284,7 +316,9 @@ def targets(comparisons: dict, runs: list[dict]) -> list[dict]:
     above 1.1x another's tokens (balance_metrics' "after")."""
     out = []
     for key, c in comparisons.items():
-        workload, layout = key.split(" ")
+        workload, layout, mode = key.split(" ")
+        if mode != "tokens":
+            continue
         if workload == "long-tail" and layout == "2+2":
             out.append({"target": "long tail, 2+2: five phases fixed / tokens >= 1.8", "value": c["phase_ratio"]["sum"],
                         "met": None if c["phase_ratio"]["sum"] is None else c["phase_ratio"]["sum"] >= 1.8})
@@ -294,7 +328,7 @@ def targets(comparisons: dict, runs: list[dict]) -> list[dict]:
                         "met": None if slower is None else slower <= 1.05})
     for r in runs:
         for tag, v in r["balance"].items():
-            if r["mode"] == "tokens" and tag.endswith("after"):
+            if r["mode"] == "tokens" and tag.endswith("after") and r["layout"] != "1+1":  # 1+1: nothing to balance
                 out.append({"target": f"{r['workload']} {r['layout']}: {tag} <= 1.1", "value": v, "met": v <= 1.1})
     return out
 
@@ -356,10 +390,11 @@ def read_lengths(dump: str, max_response: int) -> list[list[tuple[int, int]]]:
 
 # ------------------------------------------------------------------ running
 
-def run_one(workload: str, mode: str, layout: str, base: list[str], shapes: dict, args, device: str) -> dict:
+def run_one(workload: str, mode: str, layout: str, base: list[str], shapes: dict, budgets: dict, args,
+            device: str) -> dict:
     name = f"{workload}-{mode}-{layout}"
     job_dir = os.path.join(args.out, name)
-    extra = mode_overrides(mode, shapes)
+    extra = mode_overrides(mode, budgets)
     dump_overrides, dump = length_dump(job_dir) if workload == "long-tail" else ([], None)
     print(f"tools.bench: {name}: {' '.join(extra)}", file=sys.stderr, flush=True)
     start = time.time()
@@ -368,8 +403,10 @@ def run_one(workload: str, mode: str, layout: str, base: list[str], shapes: dict
     rows, max_response = int(shapes["data.train_batch_size"]), int(shapes["data.max_response_length"])
     per_rank = read_lengths(dump, max_response) if dump else []
     lengths = [r for rank in per_rank for _, r in rank]
-    tokens = step_tokens(scalars, rows, mode)
-    padding = padding_shares(mode, tokens, per_rank, pass_shapes(shapes, LAYOUTS[layout] // 2), rows, args.warmup)
+    dynamic, packed, _ = MODES[mode]
+    tokens = step_tokens(scalars, rows, packed)
+    passes = pass_shapes(shapes, LAYOUTS[layout] // 2, budgets if dynamic else None)
+    padding = padding_shares(tokens, per_rank, passes, packed, rows, args.warmup)
     return {"workload": workload, "mode": mode, "layout": layout, "overrides": extra, "wall_s": time.time() - start,
             "step_time_s": m["step_time_s"], "steps_used": m["steps_used"], "train_phases": train_phase_seconds(m["phases"]),
             "phases": m["phases"], **padding,
@@ -390,24 +427,29 @@ def run(args) -> dict:
     os.makedirs(args.out, exist_ok=True)
     common = [*args.overrides, f"trainer.total_steps={args.steps}", f"trainer.device={device}"]
     runs = []
+    budgets_by_workload = {}
     for workload in args.workloads:
         if workload == "long-tail":
             shapes = {**LONG_TAIL, **dict(o.split("=", 1) for o in args.overrides if "=" in o)}
             base = [f"{k}={v}" for k, v in LONG_TAIL.items()] + long_tail_inputs(args.out, 4096) + common
-        else:
+            budgets = token_budgets(shapes, args.max_token_len or LONG_TAIL_MAX_TOKEN_LEN)
+        else:  # budgets of its fixed micro-batches' tokens: the no-regression check
             shapes = {**DEFAULT, **dict(o.split("=", 1) for o in args.overrides if "=" in o)}
             base = list(common)
+            budgets = token_budgets(shapes)
+        budgets_by_workload[workload] = budgets
         for layout in args.layouts:
             for mode in args.token_modes:
-                runs.append(run_one(workload, mode, layout, base, shapes, args, device))
+                runs.append(run_one(workload, mode, layout, base, shapes, budgets, args, device))
     pairs = {}
     for r in runs:
         pairs.setdefault(f"{r['workload']} {r['layout']}", {})[r["mode"]] = r
-    comparisons = {k: compare(v["fixed"], v["tokens"]) for k, v in pairs.items() if {"fixed", "tokens"} <= set(v)}
+    comparisons = {f"{k} {mode}": compare(v["fixed"], v[mode]) for k, v in pairs.items() for mode in MODES
+                   if mode != "fixed" and {"fixed", mode} <= set(v)}
     meta = {"device": device, "torch": torch.__version__, "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "steps": args.steps, "warmup": args.warmup, "overrides": args.overrides, "layouts": args.layouts,
             "long_tail_model": LONG_TAIL_MODEL, "eos_rate": LONG_TAIL_EOS_RATE, "prompt_tokens": LONG_TAIL_PROMPTS,
-            "wall_s": sum(r["wall_s"] for r in runs)}
+            "wall_s": sum(r["wall_s"] for r in runs), "budgets": budgets_by_workload}
     return {"schema": "spmdsplit.bench_tokens/1", "meta": meta, "runs": runs, "comparisons": comparisons,
             "targets": targets(comparisons, runs)}
 
@@ -427,30 +469,31 @@ def render_markdown(report: dict) -> str:
                      + f" | {fmt(ph.get('sum'))} | {fmt(r['step_time_s'])} | {fmt(r['tokens_per_s'], '{:.0f}')} | "
                      f"{'<= ' if r['padding_how'] == 'upper bound' else ''}{fmt(r['padding_share'], '{:.1%}')} | "
                      f"{r['wall_s']:.0f} |")
-    by_pass = [r for r in report["runs"] if r["mode"] == "fixed" and r["padding_by_pass"]]
+    by_pass = [r for r in report["runs"] if r["padding_by_pass"] and not MODES[r["mode"]][1]]
     if by_pass:
-        lines += ["", "Padding share of each pass in fixed mode (counted from the length dump; tokens mode: 0):", "",
-                  "| workload | layout | " + " | ".join(TRAIN_PHASES) + " |", "|---" * (len(TRAIN_PHASES) + 2) + "|"]
-        lines += [f"| {r['workload']} | {r['layout']} | " + " | ".join(fmt(r["padding_by_pass"].get(p), "{:.1%}")
-                                                                    for p in TRAIN_PHASES) + " |" for r in by_pass]
-    lines += ["", "fixed / tokens (above 1: tokens mode faster; targets: the five phases >= 1.8x on the long tail "
-              "at 2+2, >= 1/1.05 on the default):", "",
-              "| workload | layout | " + " | ".join(TRAIN_PHASES) + " | sum of five | step | tokens/s (tokens / fixed) |",
-              "|---" * (len(TRAIN_PHASES) + 5) + "|"]
+        lines += ["", "Padding share of each pass where micro-batches are padded (counted from the length dump; "
+                  "tokens mode packs: 0):", "",
+                  "| workload | layout | mode | " + " | ".join(TRAIN_PHASES) + " |", "|---" * (len(TRAIN_PHASES) + 3) + "|"]
+        lines += [f"| {r['workload']} | {r['layout']} | {r['mode']} | "
+                  + " | ".join(fmt(r["padding_by_pass"].get(p), "{:.1%}") for p in TRAIN_PHASES) + " |" for r in by_pass]
+    lines += ["", "fixed / the mode (above 1: the mode is faster; targets for tokens: the five phases >= 1.8x on the "
+              "long tail at 2+2, >= 1/1.05 on the default):", "",
+              "| workload | layout | mode | " + " | ".join(TRAIN_PHASES) + " | sum of five | step | tokens/s (mode / fixed) |",
+              "|---" * (len(TRAIN_PHASES) + 6) + "|"]
     for key, c in report["comparisons"].items():
-        workload, layout = key.split(" ")
-        lines.append(f"| {workload} | {layout} | " + " | ".join(fmt(c["phase_ratio"][p], "{:.2f}x") for p in TRAIN_PHASES)
+        workload, layout, mode = key.split(" ")
+        lines.append(f"| {workload} | {layout} | {mode} | " + " | ".join(fmt(c["phase_ratio"][p], "{:.2f}x") for p in TRAIN_PHASES)
                      + f" | {fmt(c['phase_ratio']['sum'], '{:.2f}x')} | {fmt(c['step_ratio'], '{:.2f}x')} | "
                      f"{fmt(c['tokens_per_s_ratio'], '{:.2f}x')} |")
     lines += ["", "| target | measured | met |", "|---|---|---|"]
     lines += [f"| {t['target']} | {fmt(t['value'], '{:.2f}')} | {'n/a' if t['met'] is None else 'yes' if t['met'] else 'NO'} |"
               for t in report["targets"]]
-    lines += ["", "Final metrics (last step), fixed vs tokens; `agree`: |tokens - fixed| <= 0.01 + 5% |fixed|:", "",
-              "| workload | layout | metric | fixed | tokens | agree |", "|---|---|---|---|---|---|"]
+    lines += ["", "Final metrics (last step), fixed vs the mode; `agree`: |mode - fixed| <= 0.01 + 5% |fixed|:", "",
+              "| workload | layout | mode | metric | fixed | mode | agree |", "|---|---|---|---|---|---|---|"]
     for key, c in report["comparisons"].items():
-        workload, layout = key.split(" ")
+        workload, layout, mode = key.split(" ")
         for metric, v in c["final"].items():
-            lines.append(f"| {workload} | {layout} | {metric} | {fmt(v['fixed'], '{:.4f}')} | {fmt(v['tokens'], '{:.4f}')} "
+            lines.append(f"| {workload} | {layout} | {mode} | {metric} | {fmt(v['fixed'], '{:.4f}')} | {fmt(v['mode'], '{:.4f}')} "
                          f"| {'n/a' if v['agree'] is None else 'yes' if v['agree'] else 'NO'} |")
     balance = [(r, k, v) for r in report["runs"] for k, v in r["balance"].items()]
     if balance:
@@ -470,5 +513,7 @@ def render_markdown(report: dict) -> str:
               "as the padded passes trim them), counted per pass from the length dump on the long tail (whose updates "
               "do not shuffle, so micro-batches are consecutive rows), bounded by rows x (the step's longest prompt + "
               "longest response) on the default (`<=`); in tokens mode the valid tokens (remove-padding packs them). "
-              "Token budgets: see `overrides` in bench_tokens.json.", ""]
+              "Token budgets (tokens and budgets modes): "
+              + "; ".join(f"{w}: " + ", ".join(f"{k.split('.')[0]}.{k.split('.')[1].replace('_per_gpu', '')} {v}"
+                                               for k, v in b.items()) for w, b in meta.get("budgets", {}).items()) + ".", ""]
     return "\n".join(lines)

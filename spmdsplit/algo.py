@@ -350,7 +350,7 @@ def agg_loss(loss_mat: Tensor, loss_mask: Tensor, loss_agg_mode: str, num_tokens
 def compute_policy_loss(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
                         cliprange: float = 0.2, cliprange_low: float | None = None,
                         cliprange_high: float | None = None, clip_ratio_c: float = 3.0,
-                        loss_agg_mode: str = "token-mean", num_tokens=None, num_seqs=None):
+                        loss_agg_mode: str = "token-mean", num_tokens=None, num_seqs=None, horizon=None):
     """PPO clipped surrogate (Schulman et al. 2017) with asymmetric clip and dual clip (Ye et al. 2020).
 
     loss_t = max(-A r, -A clip(r, 1 - low, 1 + high)); for A < 0 it is further capped at -A * c, because
@@ -369,7 +369,8 @@ def compute_policy_loss(old_log_prob: Tensor, log_prob: Tensor, advantages: Tens
     dual_cap = -advantages * clip_ratio_c
     negative = advantages < 0
     pg_losses = torch.where(negative, torch.minimum(ppo_losses, dual_cap), ppo_losses)
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
+                       horizon=horizon)
     with torch.no_grad():
         pg_clipfrac = masked_mean((loss_clipped > loss_unclipped).float(), response_mask)
         ppo_kl = masked_mean(-log_ratio, response_mask)
@@ -378,13 +379,15 @@ def compute_policy_loss(old_log_prob: Tensor, log_prob: Tensor, advantages: Tens
 
 
 def compute_value_loss(vpreds: Tensor, returns: Tensor, values: Tensor, response_mask: Tensor,
-                       cliprange_value: float, loss_agg_mode: str = "token-mean", num_tokens=None, num_seqs=None):
+                       cliprange_value: float, loss_agg_mode: str = "token-mean", num_tokens=None, num_seqs=None,
+                       horizon=None):
     """Clipped value loss: 0.5 * max((V - R)^2, (clip(V, V_old +- eps) - R)^2), as in PPO2 baselines."""
     vpred_clipped = torch.maximum(torch.minimum(vpreds, values + cliprange_value), values - cliprange_value)
     loss_unclipped = (vpreds - returns) ** 2
     loss_clipped = (vpred_clipped - returns) ** 2
     vf_losses = 0.5 * torch.maximum(loss_unclipped, loss_clipped)
-    vf_loss = agg_loss(vf_losses, response_mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+    vf_loss = agg_loss(vf_losses, response_mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
+                       horizon=horizon)
     with torch.no_grad():
         vf_clipfrac = masked_mean((loss_clipped > loss_unclipped).float(), response_mask)
     return vf_loss, vf_clipfrac

@@ -208,3 +208,43 @@ def test_fixed_bins_are_consecutive_runs():
     assert [dummy for _, dummy in micros] == [False, True]
     assert torch.equal(micros[0][0]["input_ids"], batch["input_ids"][[1, 0]])
     assert micros[1][0]["attention_mask"].sum() == 2 and micros[1][0]["response_mask"].sum() == 1
+
+
+# ------------------------------------------------------------------ Dr. GRPO's horizon
+
+def _dr_grpo_updates(rank, world_size, model_dir, extra_columns):
+    """One actor and one critic update, loss_agg_mode=seq-mean-token-sum-norm, on the ragged batch
+    with `extra_columns` all-padding response columns added (a rollout cut to another width): the
+    weights after both updates."""
+    from spmdsplit.config import ActorConfig, CriticConfig, OptimConfig
+    from spmdsplit.engines.fsdp import FSDPEngine
+    from spmdsplit.models import load_causal_lm
+    from spmdsplit.roles.actor import Actor
+    from spmdsplit.roles.critic import Critic
+    from tests.helpers import load_value_model
+
+    device, mesh = torch.device("cpu"), DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    optim = OptimConfig(lr=1e-2, grad_clip=1e9)
+    mode = dict(loss_agg_mode="seq-mean-token-sum-norm", ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=4,
+                shuffle=False)
+    policy = load_causal_lm(model_dir, torch.float32, device, seed=3)
+    batch = ragged_batch(policy.config.vocab_size)
+    if extra_columns:
+        wide = {k: torch.nn.functional.pad(v, (0, extra_columns)) for k, v in batch.tensors.items() if k != "prompts"}
+        batch = Batch({**wide, "prompts": batch["prompts"]})
+    actor = Actor(FSDPEngine(policy, mesh, optim), ActorConfig(optim=optim, **mode), 1.0, device, loss_horizon=16)
+    critic = Critic(FSDPEngine(load_value_model(model_dir, torch.float32, device, seed=3), mesh, optim),
+                    CriticConfig(optim=optim, **mode), device, loss_horizon=16)
+    actor.update_policy(batch, seed=1)
+    critic.update_critic(batch, seed=1)
+    return {f"{role}.{k}": v.clone() for role, engine in (("actor", actor.engine), ("critic", critic.engine))
+            for k, v in engine.iter_full_weights()}
+
+
+def test_dr_grpo_loss_does_not_depend_on_the_width_rows_were_cut_to(model_dir):
+    """Rollouts are cut to their longest response, so a rank's rows have any width: the Dr. GRPO
+    loss divides by a constant horizon (data.max_response_length, passed by the roles), not by it."""
+    (cut,) = run_ranks(_dr_grpo_updates, 1, model_dir, 0)
+    (wide,) = run_ranks(_dr_grpo_updates, 1, model_dir, 5)
+    for name, value in cut.items():
+        torch.testing.assert_close(wide[name], value, rtol=0, atol=1e-6, msg=name)

@@ -156,15 +156,13 @@ def test_greedy_is_deterministic_and_matches_a_teacher_forced_forward(model, tok
     assert torch.equal(predicted[valid], a["responses"][valid])
 
 
-def test_rows_that_all_stop_at_once_give_one_column_and_full_width_keeps_the_maximum(model_path, tokenizer):
-    """The rollout is cut to its longest response (issue 20): here one column, the EOS. With
-    `full_width` (the Dr. GRPO loss, whose horizon is the width) it keeps max_response_length."""
+def test_rows_that_all_stop_at_once_give_one_column(model_path, tokenizer):
+    """The rollout is cut to its longest response (issue 20): here one column, the EOS."""
     model = load_causal_lm(model_path, torch.float32, CPU, seed=0)
     rollout = HFRollout(model, tokenizer, RolloutConfig(do_sample=False), 7)
-    full = HFRollout(model, tokenizer, RolloutConfig(do_sample=False), 7, full_width=True)
     _, prompts = prompts_batch(tokenizer, n=4, seed=1)
     before = rollout.generate(prompts)
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    eos = tokenizer.eos_token_id
     assert before["responses"].shape[1] > 1, "the random model already emits only EOS"
 
     rollout.load_weights(forcing_state_dict(model, eos))
@@ -172,10 +170,7 @@ def test_rows_that_all_stop_at_once_give_one_column_and_full_width_keeps_the_max
     check_rollout_layout(out, prompts, tokenizer, 7)
     assert out["responses"].tolist() == [[eos]] * 4
     assert out["response_mask"].tolist() == [[1]] * 4
-    out = full.generate(prompts)
-    assert out["responses"].tolist() == [[eos] + [pad] * 6] * 4
-    assert out["response_mask"].tolist() == [[1] + [0] * 6] * 4
-    assert out["input_ids"].shape == (4, P + 7)
+    assert out["input_ids"].shape == (4, P + 1)
 
 
 def forcing_state_dict(model, token_id):

@@ -11,12 +11,17 @@ from spmdsplit.roles.micro_batches import in_row_order, micro_batches, plan_micr
 
 
 class Actor:
-    """remove_padding: each micro-batch's valid tokens packed into one sequence (model.use_remove_padding)."""
+    """remove_padding: each micro-batch's valid tokens packed into one sequence (model.use_remove_padding).
+    loss_horizon: the response width `seq-mean-token-sum-norm` (Dr. GRPO) divides by, a constant
+    (data.max_response_length): rollouts are cut to their longest response, so the width of the
+    rows a rank holds says nothing (None: that width, for callers without a horizon)."""
 
-    def __init__(self, engine, cfg, temperature: float, device, rollout_n: int = 1, remove_padding: bool = False):
+    def __init__(self, engine, cfg, temperature: float, device, rollout_n: int = 1, remove_padding: bool = False,
+                 loss_horizon: int | None = None):
         self.engine, self.cfg, self.temperature, self.device = engine, cfg, temperature, device
         self.rollout_n = rollout_n
         self.remove_padding = remove_padding
+        self.loss_horizon = loss_horizon
 
     def _log_probs(self, micro: Batch, entropy: str):
         """(log-probs, entropy or None) of the response tokens; entropy: none | grad | detached
@@ -37,22 +42,24 @@ class Actor:
     def update_policy(self, batch: Batch, seed: int) -> dict[str, float]:
         cfg = self.cfg
         self.engine.model.train()
+        counts = {"horizon": self.loss_horizon}
 
         def micro_loss(micro: Batch, num_tokens, num_seqs):
             mask = micro["response_mask"]
+            counts.update(num_tokens=num_tokens, num_seqs=num_seqs)
             # verl's rule: no entropy graph when its coefficient is 0 (it is still logged).
             log_prob, entropy = self._log_probs(micro, "grad" if cfg.entropy_coeff else "detached")
             pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = algo.compute_policy_loss(
                 micro["old_log_probs"], log_prob, micro["advantages"], mask,
                 cliprange=cfg.clip_ratio, cliprange_low=cfg.clip_ratio_low, cliprange_high=cfg.clip_ratio_high,
-                clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
+                clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode, **counts,
             )
-            entropy_share = algo.agg_loss(entropy, mask, cfg.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+            entropy_share = algo.agg_loss(entropy, mask, cfg.loss_agg_mode, **counts)
             loss = pg_loss - cfg.entropy_coeff * entropy_share
             shares = {"actor/pg_loss": pg_loss.item()}
             if cfg.use_kl_loss:
                 kl = algo.kl_penalty(log_prob, micro["ref_log_prob"], cfg.kl_loss_type)
-                kl_share = algo.agg_loss(kl, mask, cfg.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+                kl_share = algo.agg_loss(kl, mask, cfg.loss_agg_mode, **counts)
                 loss = loss + cfg.kl_loss_coef * kl_share
                 shares["actor/kl_loss"] = kl_share.item()
             n = mask.sum().item()

@@ -54,7 +54,7 @@ def build_actor_pool(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> ActorP
     attention, packed = cfg.model.attn_implementation, cfg.model.use_remove_padding
     policy = ModelSource("causal_lm", path, torch.float32, seed, remote, attention)
     actor = Actor(build_engine(cfg, "actor", policy, mesh, device, mixed), cfg.actor, temperature, device,
-                  rollout_n=cfg.rollout.n, remove_padding=packed)
+                  rollout_n=cfg.rollout.n, remove_padding=packed, loss_horizon=cfg.data.max_response_length)
     reference = ModelSource("causal_lm", path, dtype, seed, remote, attention)
     ref = Actor(build_engine(cfg, "ref", reference, mesh, device), ref_config(cfg), temperature, device,
                 remove_padding=packed)
@@ -90,7 +90,8 @@ def build_critic_pool(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> Criti
         value_model = ModelSource("value", cfg.critic.model_path or cfg.model.path, torch.float32, seed, remote,
                                   attention)
         critic = Critic(build_engine(cfg, "critic", value_model, pools.critic_mesh, device, mixed), cfg.critic,
-                        device, rollout_n=cfg.rollout.n, remove_padding=packed)
+                        device, rollout_n=cfg.rollout.n, remove_padding=packed,
+                        loss_horizon=cfg.data.max_response_length)
     custom = cfg.reward.custom_fn
     custom_fn = load_custom_reward_fn(custom.path, custom.name) if custom.path else None
     reward = RuleReward(tokenizer, eos_ids, custom_fn=custom_fn)

@@ -16,12 +16,14 @@ def value_head(outputs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 class Critic:
-    """remove_padding: each micro-batch's valid tokens packed into one sequence (model.use_remove_padding)."""
+    """remove_padding and loss_horizon: as the Actor's."""
 
-    def __init__(self, engine, cfg, device, rollout_n: int = 1, remove_padding: bool = False):
+    def __init__(self, engine, cfg, device, rollout_n: int = 1, remove_padding: bool = False,
+                 loss_horizon: int | None = None):
         self.engine, self.cfg, self.device = engine, cfg, device
         self.rollout_n = rollout_n
         self.remove_padding = remove_padding
+        self.loss_horizon = loss_horizon
 
     def _values(self, micro: Batch) -> torch.Tensor:
         # 0 past the end of a response: forward_response leaves no value there.
@@ -43,7 +45,7 @@ class Critic:
             vpreds = self._values(micro)
             vf_loss, vf_clipfrac = algo.compute_value_loss(
                 vpreds, micro["returns"], micro["values"], mask, cfg.cliprange_value,
-                loss_agg_mode=cfg.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
+                loss_agg_mode=cfg.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, horizon=self.loss_horizon,
             )
             n = mask.sum().item()
             pieces = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from spmdsplit.rollout.base import Rollout, keeps_full_width, row_seeds  # noqa: F401 - the package's public names
+from spmdsplit.rollout.base import Rollout, row_seeds  # noqa: F401 - the package's public names
 
 
 def build_rollout(cfg, model_path: str, tokenizer, eos_ids: list[int], device: torch.device, dtype: torch.dtype,
@@ -22,4 +22,4 @@ def build_rollout(cfg, model_path: str, tokenizer, eos_ids: list[int], device: t
 
     model = load_causal_lm(model_path, dtype, device, seed, cfg.model.trust_remote_code)
     return HFRollout(model, tokenizer, cfg.rollout, cfg.data.max_response_length, eos_ids,
-                     val_cfg=cfg.rollout.val_kwargs, full_width=keeps_full_width(cfg))
+                     val_cfg=cfg.rollout.val_kwargs)

@@ -47,7 +47,7 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def rollout_batch(prompts: Batch, responses: torch.Tensor, pad_token_id: int, eos_token_ids: list[int],
-                  extras: dict[str, torch.Tensor] | None = None, full_width: int | None = None) -> Batch:
+                  extras: dict[str, torch.Tensor] | None = None) -> Batch:
     """The rollout's columns from the prompts and the generated tokens [B, R']: everything after a
     row's first EOS becomes padding, and positions count the real tokens of prompt + response.
     `extras`: the engine's own [B, R'] columns (vLLM's `rollout_log_probs`), zeroed past each
@@ -56,12 +56,11 @@ def rollout_batch(prompts: Batch, responses: torch.Tensor, pad_token_id: int, eo
     The responses are cut to R = the longest response of the batch (at least one column): the
     columns past it are padding in every row, and every exchange and every forward after this
     would carry them for nothing. Rows of different calls then have different R, and the places
-    where rollout parts meet pad them to the widest (Batch.concat's `pad_to_widest`).
-    `full_width`: pad or keep every row at this R instead (data.max_response_length), for the
-    loss that divides by the response width (`keeps_full_width`)."""
+    where rollout parts meet pad them to the widest (Batch.concat's `pad_to_widest`). Nothing
+    downstream reads the width as a length: Dr. GRPO's horizon is data.max_response_length (roles)."""
     response_mask = response_mask_until_eos(responses, eos_token_ids)
     responses = responses.masked_fill(response_mask == 0, pad_token_id)
-    width = full_width or max(int(response_mask.sum(1).max().item()) if len(responses) else 0, 1)
+    width = max(int(response_mask.sum(1).max().item()) if len(responses) else 0, 1)
     columns = {"responses": responses, "response_mask": response_mask,
                **{name: extra * response_mask for name, extra in (extras or {}).items()}}
     for name, column in columns.items():
@@ -80,14 +79,6 @@ def rollout_batch(prompts: Batch, responses: torch.Tensor, pad_token_id: int, eo
         },
         dict(prompts.non_tensors),
     )
-
-
-def keeps_full_width(cfg) -> bool:
-    """Whether rollouts keep every row at data.max_response_length instead of their longest
-    response: `seq-mean-token-sum-norm` (Dr. GRPO) divides each loss by the response width as its
-    constant horizon (algo.agg_loss), which must not change with the rows a rank happens to hold.
-    (Passing the horizon to agg_loss from the roles would let those runs be cut too.)"""
-    return "seq-mean-token-sum-norm" in (cfg.actor.loss_agg_mode, cfg.critic.loss_agg_mode)
 
 
 _MASK64 = (1 << 64) - 1

@@ -20,9 +20,8 @@ from spmdsplit.rollout.base import position_ids_from_mask, response_mask_until_e
 
 class HFRollout:
     def __init__(self, model, tokenizer, cfg, max_response_length: int, eos_token_ids: list[int] | None = None,
-                 val_cfg=None, full_width: bool = False):
+                 val_cfg=None):
         self.model = model.eval()
-        self.full_width = max_response_length if full_width else None  # rollout_batch: None = cut to the longest
         self.tokenizer = tokenizer
         self.max_response_length = max_response_length
         self.pad_token_id = tokenizer.pad_token_id
@@ -84,8 +83,7 @@ class HFRollout:
     @torch.no_grad()
     def generate(self, prompts: Batch, validate: bool = False) -> Batch:
         """`prompts` holds left-padded `input_ids`/`attention_mask` [B, P]; returns the rollout with
-        right-padded `responses` [B, R] (R = the longest response, or max_response_length with
-        `full_width`) and verl's column names."""
+        right-padded `responses` [B, R] (R = the longest response) and verl's column names."""
         prompt_ids, prompt_mask = prompts["input_ids"], prompts["attention_mask"]
         out = self.model.generate(
             input_ids=prompt_ids,
@@ -95,4 +93,4 @@ class HFRollout:
             use_cache=True,
         )
         responses = out[:, prompt_ids.shape[1] :]
-        return rollout_batch(prompts, responses, self.pad_token_id, self.eos_token_id, full_width=self.full_width)
+        return rollout_batch(prompts, responses, self.pad_token_id, self.eos_token_id)

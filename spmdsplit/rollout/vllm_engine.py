@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from spmdsplit.batch import Batch
 from spmdsplit.config import ConfigError, check_rollout_placement
-from spmdsplit.rollout.base import keeps_full_width, rollout_batch
+from spmdsplit.rollout.base import rollout_batch
 
 # vllm/v1/attention/backends/cpu_attn.py: CPUAttentionBackend.get_supported_head_sizes() (0.32).
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -137,7 +137,6 @@ class VLLMRollout:
         from vllm import LLM
 
         self.max_response_length = cfg.data.max_response_length
-        self.full_width = self.max_response_length if keeps_full_width(cfg) else None  # rollout_batch's
         self.dtype = dtype  # what the actor streams its weights in
         self.pad_token_id = tokenizer.pad_token_id
         self.eos_token_ids = list(eos_token_ids)
@@ -252,7 +251,7 @@ class VLLMRollout:
             responses[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
             log_probs[i, : len(tokens)] = torch.tensor([lp[t].logprob for t, lp in zip(tokens, sample.logprobs)])
         return rollout_batch(prompts, responses.to(ids.device), self.pad_token_id, self.eos_token_ids,
-                             extras={"rollout_log_probs": log_probs.to(ids.device)}, full_width=self.full_width)
+                             extras={"rollout_log_probs": log_probs.to(ids.device)})
 
 
 def shutdown_vllm_distributed() -> None:

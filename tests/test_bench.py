@@ -291,7 +291,7 @@ def test_targets_and_the_report_from_hand_made_runs():
     assert got["default, 2+2: five phases tokens / fixed <= 1.05"] == (pytest.approx(1.04), True)
     assert got["long-tail 2+2: actor max/min tokens per rank, after <= 1.1"] == (1.2, False)
     assert len(got) == 3  # "before" is no target
-    report = {"meta": {"device": "cpu", "torch": "x", "date": "d", "steps": 5, "warmup": 1, "wall_s": 120.0,
+    report = {"meta": {"device": "cpu", "torch": "x", "date": "d", "steps": 5, "default_steps": 20, "warmup": 1, "wall_s": 120.0,
                        "overrides": [], "budgets": {"long-tail": bench_tokens.token_budgets(bench_tokens.LONG_TAIL, 1024)}},
               "runs": runs, "comparisons": comparisons,
               "targets": bench_tokens.targets(comparisons, runs)}
@@ -306,7 +306,9 @@ def test_targets_and_the_report_from_hand_made_runs():
     assert "| long tail, 2+2: five phases fixed / tokens >= 1.8 | 2.00 | yes |" in md
     assert "| long-tail | 2+2 | tokens | actor max/min tokens per rank, after | 1.200 |" in md
     assert "| long-tail | 2+2 | fixed | 50.0% | 50.0% | 50.0% | 50.0% | 50.0% |" in md  # padding per pass
-    assert md.count("Response lengths, long-tail") == 2 and "mean 102.3, median 50.0, max 256" in md
+    assert md.count("Response lengths, long-tail") == 1 and "mean 102.3, median 50.0, max 256" in md
+    assert "Response lengths, long-tail 2+2, fixed = tokens (every response" in md  # the same rollouts: shown once
+    assert "5 steps per long-tail job, 20 per default job" in md
 
 
 def test_long_tail_prompts_and_the_length_dump(tmp_path):

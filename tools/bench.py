@@ -373,14 +373,15 @@ def parse_args(argv):
                    help="--long-tail: which workloads")
     p.add_argument("--token-modes", nargs="+", choices=("fixed", "budgets", "tokens"), default=["fixed", "tokens"],
                    help="--long-tail: which modes (budgets: token budgets and balancing without packing)")
+    p.add_argument("--default-steps", type=int, default=20, help="--long-tail: steps of each default-workload job")
     p.add_argument("--max-token-len", type=int,
                    help="--long-tail: the long tail's token budget for every pass (default 1024; the default "
                         "workload's budgets are its fixed micro-batches' tokens)")
     p.add_argument("--out", default="outputs/bench", help="where bench.json, bench.md and the PNGs go")
     p.add_argument("overrides", nargs="*", help="key=value train overrides for every mode")
     args = p.parse_args(argv)
-    few = args.short or args.long_tail  # --long-tail: 8 jobs on 2 cores, each step seconds long
-    args.steps = args.steps or (4 if args.short else 8 if args.long_tail else 20)
+    few = args.short or args.long_tail  # --long-tail: 8-12 jobs on 2 cores, each step seconds long
+    args.steps = args.steps or (4 if args.short else 6 if args.long_tail else 20)
     args.warmup = (1 if few else 2) if args.warmup is None else args.warmup
     if args.modes is None and args.gen_heavy:
         args.modes = list(ROLLOUT_MODES)

@@ -425,17 +425,19 @@ def run(args) -> dict:
 
     device = bench.pick_device(args.overrides, max(LAYOUTS[lay] for lay in args.layouts))
     os.makedirs(args.out, exist_ok=True)
-    common = [*args.overrides, f"trainer.total_steps={args.steps}", f"trainer.device={device}"]
+    common = [*args.overrides, f"trainer.device={device}"]
     runs = []
     budgets_by_workload = {}
     for workload in args.workloads:
         if workload == "long-tail":
             shapes = {**LONG_TAIL, **dict(o.split("=", 1) for o in args.overrides if "=" in o)}
             base = [f"{k}={v}" for k, v in LONG_TAIL.items()] + long_tail_inputs(args.out, 4096) + common
+            base.append(f"trainer.total_steps={args.steps}")
             budgets = token_budgets(shapes, args.max_token_len or LONG_TAIL_MAX_TOKEN_LEN)
         else:  # budgets of its fixed micro-batches' tokens: the no-regression check
             shapes = {**DEFAULT, **dict(o.split("=", 1) for o in args.overrides if "=" in o)}
-            base = list(common)
+            # its steps take 0.2-0.7 s: more of them, for medians that a busy machine moves less
+            base = common + [f"trainer.total_steps={args.default_steps}"]
             budgets = token_budgets(shapes)
         budgets_by_workload[workload] = budgets
         for layout in args.layouts:
@@ -447,7 +449,7 @@ def run(args) -> dict:
     comparisons = {f"{k} {mode}": compare(v["fixed"], v[mode]) for k, v in pairs.items() for mode in MODES
                    if mode != "fixed" and {"fixed", mode} <= set(v)}
     meta = {"device": device, "torch": torch.__version__, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "steps": args.steps, "warmup": args.warmup, "overrides": args.overrides, "layouts": args.layouts,
+            "steps": args.steps, "default_steps": args.default_steps, "warmup": args.warmup, "overrides": args.overrides, "layouts": args.layouts,
             "long_tail_model": LONG_TAIL_MODEL, "eos_rate": LONG_TAIL_EOS_RATE, "prompt_tokens": LONG_TAIL_PROMPTS,
             "wall_s": sum(r["wall_s"] for r in runs), "budgets": budgets_by_workload}
     return {"schema": "spmdsplit.bench_tokens/1", "meta": meta, "runs": runs, "comparisons": comparisons,
@@ -459,7 +461,8 @@ def run(args) -> dict:
 def render_markdown(report: dict) -> str:
     meta = report["meta"]
     lines = [f"# Tokens, not padding: {meta['device']}, torch {meta['torch']}, {meta['date']}", "",
-             f"{meta['steps']} steps per job, medians over steps > {meta['warmup']}; all jobs "
+             f"{meta['steps']} steps per long-tail job, {meta.get('default_steps')} per default job, medians over "
+             f"steps > {meta['warmup']}; all jobs "
              f"{meta['wall_s']:.0f} s of wall time. Extra overrides: `{' '.join(meta['overrides']) or '(none)'}`.", "",
              "| workload | layout | mode | " + " | ".join(TRAIN_PHASES) + " | sum of five (s) | step (s) | "
              "valid tokens/s | padding share | wall (s) |", "|---" * (len(TRAIN_PHASES) + 8) + "|"]
@@ -500,10 +503,15 @@ def render_markdown(report: dict) -> str:
         lines += ["", "Balance metrics (median after warm-up):", "", "| workload | layout | mode | metric | value |",
                   "|---|---|---|---|---|"]
         lines += [f"| {r['workload']} | {r['layout']} | {r['mode']} | {k} | {v:.3f} |" for r, k, v in balance]
+    shown: dict[tuple, list[str]] = {}  # one histogram per distinct set of rollouts: modes share a layout's
     for r in report["runs"]:
         if r["histogram"]:
+            shown.setdefault((r["workload"], r["layout"], str(r["histogram"])), []).append(r["mode"])
+    for r in report["runs"]:
+        modes = shown.pop((r["workload"], r["layout"], str(r["histogram"])), None) if r["histogram"] else None
+        if modes:
             s, tb = r["response_lengths"], r["response_length_tb"]
-            lines += ["", f"Response lengths, {r['workload']} {r['mode']} {r['layout']} (every response of every step, "
+            lines += ["", f"Response lengths, {r['workload']} {r['layout']}, {' = '.join(modes)} (every response of every step, "
                       f"from the job's length dump): {s['count']} responses, mean {s['mean']:.1f}, median {s['median']:.1f}, "
                       f"max {s['max']}, min {s['min']} (TensorBoard, median over steps: mean {fmt(tb['mean'], '{:.1f}')}, "
                       f"max {fmt(tb['max'], '{:.0f}')})", "", "```"] + text_histogram(r["histogram"]) + ["```"]

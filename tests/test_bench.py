@@ -280,8 +280,8 @@ def fake_run(workload, mode, layout, phase_s, balance=None):
 
 
 def test_targets_and_the_report_from_hand_made_runs():
-    runs = [fake_run("long-tail", "fixed", "2+2", 1.0), fake_run("long-tail", "tokens", "2+2", 0.5, {"actor max/min tokens per rank, after": 1.2,
-                                                                  "actor max/min tokens per rank, before": 2.0}),
+    balance = {"actor max/min tokens per rank, after": 1.2, "actor max/min tokens per rank, before": 2.0}
+    runs = [fake_run("long-tail", "fixed", "2+2", 1.0), fake_run("long-tail", "tokens", "2+2", 0.5, balance),
             fake_run("default", "fixed", "2+2", 1.0), fake_run("default", "tokens", "2+2", 1.04)]
     comparisons = {"long-tail 2+2 tokens": bench_tokens.compare(runs[0], runs[1]),
                    "default 2+2 tokens": bench_tokens.compare(runs[2], runs[3]),
@@ -438,3 +438,26 @@ def test_gpu_check_runs_and_reports_against_the_memory_model(tmp_path):
     row = report["rollouts"]["hf"]
     assert row["step_s"] > 0 and row["peak_kind"] == "RSS" and row["peak_mb"] > 0 and row["predicted_mb"] > 0
     assert "| hf | " in result.stdout
+
+
+@pytest.mark.slow
+def test_long_tail_bench_runs_fixed_and_tokens_and_reads_what_they_left(tmp_path):
+    """`tools.bench --long-tail` end to end at its smallest (1+1, long tail, 3 steps): checked by
+    shape and by what must hold whatever the machine (same rollouts in both modes, no padding in
+    tokens mode, some in fixed), never by timings."""
+    run_module("tools.bench", "--long-tail", "--layouts", "1+1", "--workloads", "long-tail", "--steps", "3",
+               "--out", str(tmp_path), timeout=900)
+    report = json.loads((tmp_path / "bench_tokens.json").read_text())
+    fixed, tokens = report["runs"]
+    assert (fixed["mode"], tokens["mode"]) == ("fixed", "tokens")
+    assert "model.use_remove_padding=true" in tokens["overrides"] and "trainer.balance_batch=false" in fixed["overrides"]
+    for r in (fixed, tokens):
+        assert r["steps_used"] == 2 and all(r["train_phases"][p] > 0 for p in bench_tokens.TRAIN_PHASES)
+        assert r["response_lengths"]["count"] == 3 * 32 and r["response_lengths"]["max"] <= 256
+        # the dump and TensorBoard saw the same responses
+        assert r["response_lengths"]["mean"] == pytest.approx(r["response_length_tb"]["mean"], rel=0.3)
+    assert fixed["response_lengths"] == tokens["response_lengths"]  # the same rollouts
+    assert 0.2 < fixed["padding_share"] < 0.9 and fixed["padding_how"] == "exact" and tokens["padding_share"] == 0.0
+    assert set(tokens["balance"]) >= {"actor max/min tokens per rank, after"} and not fixed["balance"]
+    assert report["comparisons"]["long-tail 1+1 tokens"]["final"]["critic/score/mean"]["agree"]
+    assert "| long-tail | 1+1 | tokens |" in (tmp_path / "bench_tokens.md").read_text()

@@ -449,7 +449,8 @@ def run(args) -> dict:
     comparisons = {f"{k} {mode}": compare(v["fixed"], v[mode]) for k, v in pairs.items() for mode in MODES
                    if mode != "fixed" and {"fixed", mode} <= set(v)}
     meta = {"device": device, "torch": torch.__version__, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "steps": args.steps, "default_steps": args.default_steps, "warmup": args.warmup, "overrides": args.overrides, "layouts": args.layouts,
+            "steps": args.steps, "default_steps": args.default_steps, "warmup": args.warmup,
+            "overrides": args.overrides, "layouts": args.layouts,
             "long_tail_model": LONG_TAIL_MODEL, "eos_rate": LONG_TAIL_EOS_RATE, "prompt_tokens": LONG_TAIL_PROMPTS,
             "wall_s": sum(r["wall_s"] for r in runs), "budgets": budgets_by_workload}
     return {"schema": "spmdsplit.bench_tokens/1", "meta": meta, "runs": runs, "comparisons": comparisons,

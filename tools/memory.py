@@ -204,7 +204,8 @@ def generate(s: Shape, rows: int, w: Workload) -> tuple[str, float]:
 def actor_rank(s: Shape, pool: int, w: Workload) -> dict[str, float]:
     """Bytes on one actor-pool rank: what it keeps, and the largest transient of any phase."""
     rows = w.prompts_per_step // pool
-    log_prob_rows, update_rows = micro_rows(w.log_prob_micro, w.log_prob_max_token_len, w), micro_rows(w.micro, w.ppo_max_token_len, w)
+    log_prob_rows = micro_rows(w.log_prob_micro, w.log_prob_max_token_len, w)
+    update_rows = micro_rows(w.micro, w.ppo_max_token_len, w)
     keep = {"policy (weights+AdamW)": trained_state(s.params, pool, w),
             "reference": w.dtype_bytes * s.params / pool,
             "rollout weights": w.dtype_bytes * s.params if w.rollout == "hf" else 0.0,
@@ -222,7 +223,8 @@ def actor_rank(s: Shape, pool: int, w: Workload) -> dict[str, float]:
 
 def critic_rank(s: Shape, pool: int, w: Workload) -> dict[str, float]:
     p = s.critic_params
-    forward_rows, update_rows = micro_rows(w.log_prob_micro, w.forward_max_token_len, w), micro_rows(w.micro, w.ppo_max_token_len, w)
+    forward_rows = micro_rows(w.log_prob_micro, w.forward_max_token_len, w)
+    update_rows = micro_rows(w.micro, w.ppo_max_token_len, w)
     keep = {"critic (weights+AdamW)": trained_state(p, pool, w),
             "process": w.base_mb * MB if w.cpu else 0.0}
     phases = {"load": 4 * p if w.cpu and pool > 1 else 0.0,

@@ -20,6 +20,12 @@ def load_reward_model(path: str, dtype: torch.dtype, device: torch.device, seed:
     return ModelSource("reward", path, dtype, seed, trust_remote_code).read(device)
 
 
+def full_weights(engine) -> dict[str, torch.Tensor]:
+    """Every weight of an engine, whole, as a copy: what a test compares updates by (the runtime
+    streams them, `iter_full_weights`, and never holds them all)."""
+    return {name: tensor.clone() for name, tensor in engine.iter_full_weights()}
+
+
 class PlainEngine:
     """The engine's interface without FSDP, for single-process tests."""
 

@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from spmdsplit.checkpoint import (
     LATEST, CheckpointError, find_resume, find_resume_after_restart, partial_dir, publish, step_dir,
 )
+from tests.helpers import full_weights
 from tests.multiproc import run_ranks
 
 
@@ -106,12 +107,12 @@ def _train_save_load(rank, world_size, model_dir, ckpt):
         train_step(engine)
     engine.save_checkpoint(ckpt)
     after_save = train_step(engine)
-    expected = {k: v.clone() for k, v in engine.full_state_dict().items()}
+    expected = full_weights(engine)
 
     restored = fresh_engine()
     restored.load_checkpoint(ckpt)
     again = train_step(restored)
-    got = restored.full_state_dict()
+    got = full_weights(restored)
     return after_save, again, all(torch.equal(expected[k], got[k]) for k in expected)
 
 

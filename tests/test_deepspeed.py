@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from tests.helpers import full_weights
 from tests.multiproc import run_ranks
 from tests.test_update_invariance import ROWS, after_each_backward, make_batch
 
@@ -75,7 +76,7 @@ def _update_beside_unsharded(rank, world_size, model_dir, role, stage):
     update = worker.update_policy if role == "actor" else worker.update_critic
     metrics = update(mine, seed=1)
     metrics2 = update(mine, seed=2)  # a second update: Adam's state and the LR warmup carry over
-    state = {k: v.clone() for k, v in worker.engine.full_state_dict().items()}
+    state = full_weights(worker.engine)
     return state, metrics, metrics2, whole_after_micro
 
 
@@ -153,12 +154,12 @@ def _save_load_beside_training(rank, world_size, model_dir, stage, out_dir, othe
     worker.engine.save_checkpoint(checkpoint)
     save_span = (save_start, time.time())
     after = worker.update_policy(mine, seed=2)
-    expected = {k: v.clone() for k, v in worker.engine.full_state_dict().items()}
+    expected = full_weights(worker.engine)
 
     fresh, _ = _role("actor", model_dir, engine, micro=1)  # initial weights, new optimizer and schedule
     fresh.engine.load_checkpoint(checkpoint)
     resumed = fresh.update_policy(mine, seed=2)
-    got = fresh.engine.full_state_dict()
+    got = full_weights(fresh.engine)
     # Another ZeRO stage cannot read these files: a clear error, not DeepSpeed's KeyError halfway.
     other, _ = _role("actor", model_dir, lambda m, o: DeepSpeedEngine(m, ds_pool, 5 - stage, o), micro=1)
     with pytest.raises(ValueError, match=f"saved by DeepSpeed ZeRO-{stage} on a pool of 2"):
@@ -422,7 +423,7 @@ def _non_finite_step(rank, world_size, model_dir):
         model = load_causal_lm(model_dir, torch.float32, torch.device("cpu"), seed=3)
         batch = make_batch(model.config.vocab_size)
         engine = DeepSpeedEngine(model, pool, stage, OptimConfig(lr=1e-2))
-        before = engine.full_state_dict()
+        before = full_weights(engine)
 
         def loss(scale):
             logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -430,10 +431,10 @@ def _non_finite_step(rank, world_size, model_dir):
 
         engine.backward(loss(float("nan")))
         skipped = engine.step()
-        after_skip = engine.full_state_dict()
+        after_skip = full_weights(engine)
         engine.backward(loss(1.0))
         taken = engine.step()
-        moved = engine.full_state_dict()
+        moved = full_weights(engine)
         out[stage] = {
             "skipped_norm": skipped["grad_norm"], "taken_norm": taken["grad_norm"],
             "unchanged": all(torch.equal(before[k], after_skip[k]) for k in before),

@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from spmdsplit.batch import Batch
 from spmdsplit.roles.micro_batches import (fixed_bins, in_row_order, micro_batches, split_to_count,
                                            token_budget_bins)
+from tests.helpers import full_weights
 from tests.multiproc import run_ranks
 
 P, R = 7, 6
@@ -177,7 +178,7 @@ def _actor_on_pool(rank, world_size, model_dir, engine_name, packed, dynamic):
     shares = [(0, 6), (6, 8)][rank]
     log_probs = actor.compute_log_prob(batch.slice(*shares))
     metrics = actor.update_policy(batch.slice(4 * rank, 4 * rank + 4), seed=1)
-    return log_probs, metrics, {k: v.clone() for k, v in engine.full_state_dict().items()}
+    return log_probs, metrics, full_weights(engine)
 
 
 def _check_same(results, expected):
@@ -237,8 +238,8 @@ def _dr_grpo_updates(rank, world_size, model_dir, extra_columns):
                     CriticConfig(optim=optim, **mode), device, loss_horizon=16)
     actor.update_policy(batch, seed=1)
     critic.update_critic(batch, seed=1)
-    return {f"{role}.{k}": v.clone() for role, engine in (("actor", actor.engine), ("critic", critic.engine))
-            for k, v in engine.iter_full_weights()}
+    return {f"{role}.{k}": v for role, engine in (("actor", actor.engine), ("critic", critic.engine))
+            for k, v in full_weights(engine).items()}
 
 
 def test_dr_grpo_loss_does_not_depend_on_the_width_rows_were_cut_to(model_dir):

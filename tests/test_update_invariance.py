@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from tests.helpers import full_weights
 from tests.multiproc import run_ranks
 
 ROWS, PROMPT, RESPONSE = 8, 4, 5
@@ -58,7 +59,7 @@ def _update(rank, world_size, model_dir, role, micro, loss_agg_mode="token-mean"
     start, end = row_ranges(ROWS, world_size)[rank]
     mine = batch.slice(start, end)
     metrics = worker.update_policy(mine, seed=1) if role == "actor" else worker.update_critic(mine, seed=1)
-    state = {k: v.clone() for k, v in worker.engine.full_state_dict().items()}
+    state = full_weights(worker.engine)
     return state, metrics
 
 
@@ -204,7 +205,7 @@ def _update_watching_gradients(rank, world_size, model_dir, no_sync_accumulation
     whole_after_micro = after_each_backward(engine, _whole_gradients)
     start, end = row_ranges(ROWS, world_size)[rank]
     metrics = Actor(engine, cfg, temperature=1.0, device=device).update_policy(make_batch(model.config.vocab_size).slice(start, end), seed=1)
-    state = {k: v.clone() for k, v in engine.full_state_dict().items()}
+    state = full_weights(engine)
     return whole_after_micro, metrics, state
 
 

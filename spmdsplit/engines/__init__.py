@@ -1,7 +1,7 @@
 """Training engines over one pool's group: FSDP2 (`fsdp.py`) and DeepSpeed ZeRO (`deepspeed.py`).
 
 Both offer the same small interface the roles use (`model`, `group`, `dp_size`, `compute_dtype`,
-`__call__`, `backward`, `grad_sync`, `step`, `iter_full_weights`, `full_state_dict`, `save_hf`,
+`__call__`, `backward`, `grad_sync`, `step`, `iter_full_weights`, `save_hf`,
 `save_checkpoint`, `load_checkpoint`) and build themselves from a `ModelSource`
 (`from_source`); `build_engine` picks one per role from the config. DeepSpeed is imported only
 when chosen.

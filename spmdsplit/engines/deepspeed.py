@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO 1/2/3 over one pool's group: the second training engine, beside FSDP2.
 
-Same small interface as `FSDPEngine` (`model`, `group`, `dp_size`, `__call__`, `backward`, `step`,
-`full_state_dict`, `save_hf`, `save_checkpoint`, `load_checkpoint`), so the roles do not know
+Same small interface as `FSDPEngine` (`model`, `group`, `dp_size`, `__call__`, `backward`, `step`, `iter_full_weights`,
+`save_hf`, `save_checkpoint`, `load_checkpoint`), so the roles do not know
 which engine they hold.
 
 Confinement to the pool. DeepSpeed is handed an `mpu` whose data-parallel group is the pool's
@@ -104,7 +104,7 @@ def ds_config(zero_stage: int, optim, param_dtype, dp_size: int) -> dict[str, An
         config["gradient_clipping"] = float(optim.grad_clip)
     if zero_stage == 3:
         # Every parameter is partitioned and gathered when used, however small: the model's layout
-        # is then the same on every pool size, and full_state_dict gathers everything the same way.
+        # is then the same on every pool size, and iter_full_weights gathers everything the same way.
         config["zero_optimization"].update(stage3_param_persistence_threshold=0)
     return config
 
@@ -192,26 +192,6 @@ class DeepSpeedEngine(HFExport):
         grad_norm = self.ds.get_global_grad_norm()
         grad_norm = float(grad_norm.item() if torch.is_tensor(grad_norm) else grad_norm)
         return {"grad_norm": grad_norm, "lr": lr}
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded weights on every rank of the pool. ZeRO-3 gathers them over the pool (every
-        parameter's `ds_process_group` is the pool's group); ZeRO 0/1/2 hold them whole already.
-        Tied weights stay one tensor under both names."""
-        with self._pool_scope():
-            if self.zero_stage != 3:
-                return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-            import deepspeed
-
-            params = list(self.model.parameters())
-            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-                clones: dict[int, torch.Tensor] = {}
-                state = {}
-                for name, tensor in self.model.state_dict(keep_vars=True).items():
-                    key = id(tensor)
-                    if key not in clones:
-                        clones[key] = tensor.detach().clone()
-                    state[name] = clones[key]
-            return state
 
     @torch.no_grad()
     def iter_full_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:

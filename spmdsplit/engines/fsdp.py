@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -155,11 +155,6 @@ class FSDPEngine(HFExport):
         # A non-finite norm means a bad batch: skipping the step keeps the weights usable.
         self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": grad_norm.item(), "lr": lr}
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded weights on every rank of the pool (a pool-scoped all-gather). For tests and
-        small models only: the weight sync and the HF export use `iter_full_weights`."""
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
 
     @torch.no_grad()
     def iter_full_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:

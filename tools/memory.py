@@ -31,7 +31,9 @@ and, on a pool's first rank, the whole model it reads to hand out shards.
 
 Not modelled: allocator fragmentation and caching, NCCL buffers, the CUDA context (reserved as
 `--reserve-gb` when checking what fits), attention score matrices (sdpa/flash keep none), a
-reward model, vLLM's own share beyond `gpu_memory_utilization` (it keeps within it).
+reward model, vLLM's own share beyond `gpu_memory_utilization` (it keeps within it), and the
+[T, T] block-causal mask of a packed micro-batch under sdpa/eager (compute dtype x T^2: 0.5 GB
+at a bf16 budget of 16384 tokens; none under flash_attention_2, the packed path for GPUs).
 """
 
 from __future__ import annotations

@@ -66,7 +66,6 @@ MODES = {"fixed": (False, False, False), "budgets": (True, False, True), "tokens
 # sweep of tokens mode on this workload (5 steps, one run each, shared 2-core machine, 2026-11-25),
 # the five phases: 256 -> 4.91 s, 512 -> 5.30 s, 1024 -> 6.27 s, 2048 -> 7.41 s; fixed: 9.29 s.
 LONG_TAIL_MAX_TOKEN_LEN = 512
-WORKLOADS = ("long-tail", "default")
 LAYOUTS = {"1+1": 2, "2+2": 4}
 TRAIN_PHASES = ("old_log_prob", "ref", "values", "update_actor", "update_critic")
 FINAL_METRICS = ("critic/score/mean", "actor/pg_loss", "critic/vf_loss", "actor/entropy", "actor/ppo_kl",

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from tests.helpers import full_weights
+from tests.helpers import PlainEngine, full_weights
 from tests.multiproc import run_ranks
 from tests.test_update_invariance import ROWS, after_each_backward, make_batch
 
@@ -282,13 +282,8 @@ def _inference_beside_plain(rank, world_size, model_dir):
     cfg = ActorConfig(log_prob_micro_batch_size_per_gpu=2)
     batch = make_batch(load_causal_lm(model_dir, torch.float32, cpu, seed=3).config.vocab_size)
     if rank == 2:
-        model = load_causal_lm(model_dir, torch.float32, cpu, seed=3).eval()
-
-        class Plain:  # the engine interface, unwrapped
-            def __call__(self, **kw):
-                return model(**kw)
-
-        log_probs = Actor(Plain(), cfg, 1.0, cpu).compute_log_prob(batch)
+        model = load_causal_lm(model_dir, torch.float32, cpu, seed=3)
+        log_probs = Actor(PlainEngine(model), cfg, 1.0, cpu).compute_log_prob(batch)
         rm = load_reward_model(model_dir, torch.float32, cpu, seed=5).eval()
         with torch.no_grad():
             scores = rm(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits

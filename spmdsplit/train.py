@@ -12,6 +12,7 @@ or data, 75 (EXIT_STOPPED) stopped early on SIGUSR2/SIGTERM after writing a chec
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import sys
 import warnings
@@ -142,6 +143,9 @@ def quiet_libraries(rank: int) -> None:
 
 @record  # torchrun then shows this rank's traceback in its failure summary
 def main(argv=None) -> int:
+    # A rank that dies in native code (a segfault in a kernel or a collective) prints every
+    # thread's Python stack before it goes: torchrun alone would report only "exitcode: -11".
+    faulthandler.enable()
     args = parse_args(sys.argv[1:] if argv is None else argv)
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
     try:

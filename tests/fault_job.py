@@ -2,7 +2,8 @@
 
 Run as a torchrun script: `FAULT=3:update_critic:2 torchrun ... tests/fault_job.py key=value ...`
 makes rank 3 raise on entering its `update_critic` phase of step 2; `FAULT=0,1:val_gen:2:sleep=8`
-makes ranks 0 and 1 sleep 8 s there instead. Phases are the timer's names (`timing_s/<phase>`),
+makes ranks 0 and 1 sleep 8 s there instead; `FAULT=1:update_actor:2:segv` makes rank 1 die of a
+segmentation fault there (a crash in native code, where no Python handler runs). Phases are the timer's names (`timing_s/<phase>`),
 so every phase of every pool can be hit the same way. The moment of the raise is written to
 $FAULT_TIME_FILE, so a test can time the job's end from the error, not from the start.
 """
@@ -29,6 +30,10 @@ def phase(self, name, step, **args):
             else:
                 with open(os.environ["FAULT_TIME_FILE"], "w") as f:
                     f.write(str(time.time()))
+                if action == ["segv"]:
+                    import ctypes
+
+                    ctypes.string_at(0)  # reads address 0: SIGSEGV
                 raise RuntimeError(f"injected failure on rank {self.rank} in {name} at step {step}")
         yield event_args
 

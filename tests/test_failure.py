@@ -3,6 +3,7 @@ with where it happened; a pool that is only busy for longer than `trainer.dist_t
 taken for dead. Real torchrun jobs, faults injected on entering a phase (tests/fault_job.py)."""
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -54,6 +55,19 @@ def test_a_rank_that_raises_ends_the_job_within_30s_with_its_error(tmp_path, npr
     assert "Traceback" in result.stderr
     assert f"stopping: rank {rank} ({pool}), phase {phase}, step {step} failed" in result.stderr or nproc == 1
     assert "step 3:" not in result.stdout  # nobody went on as if nothing happened
+
+
+def test_a_rank_that_segfaults_ends_the_job_with_its_python_stack(tmp_path):
+    """A crash in native code runs no Python handler: the rank's faulthandler prints where it was
+    (train.main enables it), and torchrun ends the others."""
+    result, ended = run_job(tmp_path, 4, "1:update_actor:2:segv")
+    assert result.returncode != 0
+    raised_at = float((tmp_path / "raised_at").read_text())
+    assert ended - raised_at < 30, f"the job took {ended - raised_at:.0f}s to end after rank 1 crashed"
+    assert "Fatal Python error: Segmentation fault" in result.stderr, result.stderr[-3000:]
+    # The crashed rank's stack says where it was: entering update_actor in the actor pool's update.
+    assert re.search(r'actor_pool\.py", line \d+ in update\n', result.stderr), result.stderr[-3000:]
+    assert "step 3:" not in result.stdout
 
 
 def test_a_custom_reward_function_that_raises_ends_the_job(tmp_path):

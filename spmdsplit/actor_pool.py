@@ -12,6 +12,7 @@ from spmdsplit.balance import balanced_group_order, seqlen_metrics, slice_sums
 from spmdsplit.batch import Batch
 from spmdsplit.data.prompts import PromptDataset, collate_prompts
 from spmdsplit.exchange import PendingSend, row_ranges
+from spmdsplit.groups import critic_pool_generates
 from spmdsplit.messages import PoolChannel, check_rows
 from spmdsplit.metrics import PhaseTimer, rollout_probs_diff_metrics
 from spmdsplit.placement import Pools
@@ -174,11 +175,6 @@ class ActorPool:
         # Validation rows are not balanced: scoring them is cheap next to a training step.
         self.channel.send_val_rollout(step, Batch.concat(parts, pad_to_widest=True), len(rows) * n).wait()
         return len(rows) * n
-
-
-def critic_pool_generates(cfg, placement) -> bool:
-    """rollout.ranks=all with pools of their own: the critic pool's ranks generate their share too."""
-    return cfg.rollout.ranks == "all" and not placement.colocated
 
 
 def generating_ranks(cfg, pools: Pools) -> list[int]:

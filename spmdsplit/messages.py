@@ -1,6 +1,6 @@
 """The conversation between the actor pool (A) and the critic pool (C): every message, in order.
 
-Two links, each a process group over the whole world, created by every rank at start-up:
+Two links, each a process group over the whole world (spmdsplit/groups.py creates them):
 
   bulk    the backend's group (NCCL on GPUs, gloo on CPU): rows of the global batch, raw tensors
   control a gloo group, beside NCCL on GPUs as on CPU: small pickled objects, critic pool's first
@@ -54,8 +54,6 @@ the ranks of the one pool).
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import torch
 import torch.distributed as dist
 
@@ -88,15 +86,12 @@ def check_rows(received: Batch, held: Batch, what: str) -> None:
 
 class PoolChannel:
     """Every message between the pools goes through here, under the names of the table above.
-    Every rank builds it at the same point (it creates two groups over the world)."""
+    `bulk_group`, `control_group`: the two links' groups over the world (spmdsplit/groups.py)."""
 
     def __init__(self, placement: Placement, device: torch.device, rows_per_step: int, chunks: int,
-                 wait_timeout_s: float):
-        world = list(range(placement.world_size))
-        timeout = timedelta(seconds=wait_timeout_s)
-        self.bulk = Link([GENERATED, BALANCE, ROLLOUT, LOG_PROBS, ADVANTAGES, VAL_ROLLOUT],
-                         dist.new_group(world, timeout=timeout), device, "bulk")
-        self.control_group = dist.new_group(world, backend="gloo", timeout=timeout)
+                 bulk_group, control_group):
+        self.bulk = Link([GENERATED, BALANCE, ROLLOUT, LOG_PROBS, ADVANTAGES, VAL_ROLLOUT], bulk_group, device, "bulk")
+        self.control_group = control_group
         self.control = Link([CRITIC_METRICS, VAL_METRICS, CHECKPOINT_WRITTEN], self.control_group, "cpu", "control")
         self.A, self.C = list(placement.actor_ranks), list(placement.critic_ranks)
         self.rows_per_step, self.chunk_rows = rows_per_step, rows_per_step // chunks

@@ -51,12 +51,11 @@ def install_handlers() -> None:
 
 
 class StopVote:
-    """Every rank must create it, in the same place in the sequence of group creations."""
-
-    def __init__(self, timeout=None):
-        # CPU tensors, also beside an NCCL world; `timeout` as long as a wait for the other pool,
-        # since a rank reads the vote only once every rank has started the step.
-        self.group = dist.new_group(backend="gloo", timeout=timeout)
+    def __init__(self, group):
+        """`group`: a gloo group over the world (`stop` in spmdsplit/groups.py): CPU tensors, also
+        beside an NCCL world, and a timeout as long as a wait for the other pool, since a rank
+        reads the vote only once every rank has started the step."""
+        self.group = group
         self.pending = None
 
     def cast(self) -> None:

@@ -40,7 +40,8 @@ from spmdsplit.models import load_tokenizer
 from spmdsplit.metrics import missing_logger
 from spmdsplit.rewards.custom import load_custom_reward_fn
 from spmdsplit.config import ConfigError, check_against_pools, config_warnings, load_config, to_yaml
-from spmdsplit.placement import PlacementError, build_pools, launch_shape_from_env, plan_placement
+from spmdsplit.groups import create_process_groups
+from spmdsplit.placement import PlacementError, launch_shape_from_env, plan_placement
 from spmdsplit.rollout.vllm_engine import check_vllm
 
 
@@ -177,14 +178,14 @@ def main(argv=None) -> int:
     # From here on an error ends the whole job at once: spmdsplit/failure.py.
     failure.start_watch(rank, role)
     try:
-        pools = build_pools(placement, device, timedelta(seconds=cfg.trainer.dist_timeout_s))
+        groups = create_process_groups(cfg, placement, device)  # every group of the job, in one order
         if rank == 0:
             print(f"spmdsplit: {placement.describe()}; device={device.type}, backend={backend}", flush=True)
             for _, data_report in data.values():
                 print(f"spmdsplit: {format_report(data_report, cfg.data.max_prompt_length)}", flush=True)
         from spmdsplit.trainer import Trainer
 
-        trainer = Trainer(cfg, pools, {split: rows for split, (rows, _) in data.items()}, resume_from)
+        trainer = Trainer(cfg, groups, {split: rows for split, (rows, _) in data.items()}, resume_from)
         completed = trainer.fit()
         if rank == 0 and trainer.logger.history and completed:
             report(trainer.logger.history, cfg)

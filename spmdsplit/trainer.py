@@ -18,31 +18,32 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from spmdsplit import checkpoint
-from spmdsplit.actor_pool import ActorPool, critic_pool_generates, usable_val_rows
+from spmdsplit.actor_pool import ActorPool, usable_val_rows
 from spmdsplit.batch import Batch
 from spmdsplit.critic_pool import CriticPool, Generator
 from spmdsplit.data.prompts import PromptDataset
+from spmdsplit.groups import ProcessGroups, critic_pool_generates
 from spmdsplit.messages import PoolChannel
 from spmdsplit.metrics import MetricsLogger, PhaseTimer, write_timeline
 from spmdsplit.models import eos_token_ids, load_tokenizer
-from spmdsplit.placement import Pools
 from spmdsplit.preempt import StopVote
-from spmdsplit.roles.build import build_actor_pool, build_critic_pool, build_rollout_engine, compute_dtypes
+from spmdsplit.roles.build import build_actor_pool, build_critic_pool, build_rollout_engine
 from spmdsplit.weight_sync import WeightBroadcast
 
 
 class Trainer:
-    def __init__(self, cfg, pools: Pools, rows: dict[str, list[dict]], resume_from: str | None = None):
-        """`rows`: the prompt rows of each split ("train", and "val" when validating);
-        `resume_from`: a complete checkpoint folder to continue from (checkpoint.find_resume)."""
-        self.cfg, self.pools = cfg, pools
+    def __init__(self, cfg, groups: ProcessGroups, rows: dict[str, list[dict]], resume_from: str | None = None):
+        """`groups`: every process group of the job (spmdsplit/groups.py); `rows`: the prompt rows
+        of each split ("train", and "val" when validating); `resume_from`: a complete checkpoint
+        folder to continue from (checkpoint.find_resume)."""
+        self.cfg, self.pools = cfg, groups.pools
+        pools = groups.pools
         self.device, self.rank, self.placement = pools.device, pools.rank, pools.placement
         self.actor_ranks = list(self.placement.actor_ranks)
         self.critic_ranks = list(self.placement.critic_ranks)
@@ -50,33 +51,20 @@ class Trainer:
         self.batch_size = cfg.data.train_batch_size  # prompts per step
         self.val_rows = rows.get("val", [])
         self.timer = PhaseTimer(self.rank, self.device)
-        # Groups every rank creates, in this order: the links between the pools, the stop vote,
-        # (blocking mode only) the hand-off barrier, (rollout.ranks=all only) the weight broadcast,
-        # (rollout.name=vllm only) vLLM's.
         self.channel = PoolChannel(self.placement, self.device, self.batch_size * cfg.rollout.n,
-                                   cfg.rollout.stream_chunks, cfg.trainer.pool_wait_timeout_s)
+                                   cfg.rollout.stream_chunks, groups.bulk, groups.control)
         val_responses = (len(usable_val_rows(self.val_rows, self.placement)) * cfg.rollout.val_kwargs.n
                          if self.val_rows else 0)
         self.channel.connect(generated=critic_pool_generates(cfg, self.placement), num_val_rows=val_responses,
                              balanced=cfg.trainer.balance_batch)
-        self.stop_vote = StopVote(timedelta(seconds=cfg.trainer.pool_wait_timeout_s))
-        # verl's blocking calls, for comparison; meaningless when the roles share ranks anyway.
-        blocking = not cfg.placement.overlap and not self.placement.colocated
-        handoff_group = dist.new_group(list(range(self.placement.world_size)),
-                                       timeout=timedelta(seconds=cfg.trainer.pool_wait_timeout_s)) if blocking else None
+        self.stop_vote = StopVote(groups.stop)
         # The hand-off barrier is over the world on purpose: it is the thing being measured.
-        handoff = (lambda: dist.barrier(group=handoff_group)) if blocking else (lambda: None)
+        handoff = (lambda: dist.barrier(group=groups.handoff)) if groups.handoff else (lambda: None)
 
         # rollout.ranks=all: the critic pool generates too, its engines fed by a broadcast.
         weights = None
         if critic_pool_generates(cfg, self.placement):
-            weights = WeightBroadcast(self.actor_ranks, self.critic_ranks, self.device, cfg.rollout.weight_bucket_mb,
-                                      timedelta(seconds=cfg.trainer.pool_wait_timeout_s))
-
-        if cfg.rollout.name == "vllm":  # vLLM's own groups, over the world: every rank, engine or not
-            from spmdsplit.rollout.vllm_engine import init_vllm_distributed
-
-            init_vllm_distributed(cfg, cfg.model.path, self.device, compute_dtypes(cfg, self.device)[0])
+            weights = WeightBroadcast(self.actor_ranks[0], groups.weights, self.device, cfg.rollout.weight_bucket_mb)
 
         self.tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)  # "" resolved by train.py
         eos_ids = eos_token_ids(cfg.model.path, self.tokenizer)

@@ -3,7 +3,7 @@
 The actor pool streams its weights into its own rollout engines every step (one tensor at a time,
 gathered from the shards: `engine.iter_full_weights`). Its first rank also packs what it streams
 into buckets of `rollout.weight_bucket_mb` and broadcasts each over a group of itself and the
-critic pool, made at start-up by every rank; the critic ranks unpack each bucket into their own
+critic pool (`weights` in spmdsplit/groups.py); the critic ranks unpack each bucket into their own
 engine as it arrives. So no rank ever holds more than one bucket beyond its engine, and the
 broadcast runs while the actor pool's own engines load.
 
@@ -25,10 +25,9 @@ _ALIGN = 16
 
 
 class WeightBroadcast:
-    def __init__(self, actor_ranks, critic_ranks, device: torch.device, bucket_mb: float, timeout=None):
-        self.src = actor_ranks[0]
-        self.ranks = sorted({self.src, *critic_ranks})
-        self.group = dist.new_group(self.ranks, timeout=timeout)  # every rank of the world calls this
+    def __init__(self, src: int, group, device: torch.device, bucket_mb: float):
+        """`group`: the actor pool's first rank `src` and the critic pool (spmdsplit/groups.py)."""
+        self.src, self.group = src, group
         self.device = device
         self.bucket_bytes = max(1, int(bucket_mb * 2**20))
         self.layout: list[list[tuple]] | None = None  # each bucket's specs, known to both sides after the first sync

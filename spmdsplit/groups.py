@@ -1,0 +1,91 @@
+"""Every process group of a job, created by one function in one visible order.
+
+`torch.distributed.new_group` is collective over the whole world: every rank must call it for
+every group, member or not, in the same order, or the groups' names (a per-process counter)
+drift apart and the job hangs at its first collective. The order is therefore part of the
+protocol between ranks, and it is written here, once:
+
+  1. the pools' groups (spmdsplit/placement.py build_pools): actor pool, critic pool
+     (one shared group when colocated); each pool trains with FSDP2/ZeRO over its own
+  2. `bulk`     over the world, the backend's (NCCL on GPUs): rows between the pools
+  3. `control`  over the world, gloo: small pickled objects (metrics, checkpoint hand-off)
+  4. `stop`     over the world, gloo: the stop vote at each step (spmdsplit/preempt.py)
+  5. `handoff`  over the world, only with placement.overlap=false in split placement: the
+                barrier that makes the pools take turns (the thing that mode measures)
+  6. `weights`  the actor pool's first rank + the critic pool, only with rollout.ranks=all:
+                the weight broadcast to the critic pool's engines (spmdsplit/weight_sync.py)
+  7. vLLM's own groups over the world (tensor-, pipeline-, data-parallel, ..., for the device
+     and for gloo), only with rollout.name=vllm: vLLM creates them itself, engine or not
+
+Whether a group exists depends only on the config and the placement, which every rank has
+alike, so every rank makes the same calls. The one exception is DeepSpeed's one-rank model-
+parallel group (spmdsplit/engines/deepspeed.py), which uses `use_local_synchronization`:
+named from its ranks, not from the counter, and created by its own rank alone.
+
+The pools meet only through 2-3 (spmdsplit/messages.py lists every message) and 6; nothing in a
+pool's work runs a collective on the world.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from spmdsplit.placement import Placement, Pools, build_pools
+
+
+@dataclass
+class ProcessGroups:
+    pools: Pools
+    bulk: ProcessGroup
+    control: ProcessGroup
+    stop: ProcessGroup
+    handoff: ProcessGroup | None
+    weights: ProcessGroup | None
+
+
+def blocking_handoff(cfg, placement: Placement) -> bool:
+    """verl's blocking calls (placement.overlap=false), for comparison; meaningless when the
+    roles share ranks anyway."""
+    return not cfg.placement.overlap and not placement.colocated
+
+
+def critic_pool_generates(cfg, placement: Placement) -> bool:
+    """rollout.ranks=all with pools of their own: the critic pool's ranks generate their share too."""
+    return cfg.rollout.ranks == "all" and not placement.colocated
+
+
+def weight_broadcast_ranks(placement: Placement) -> list[int]:
+    """The actor pool's first rank (the source) and the critic pool's ranks."""
+    return sorted({placement.actor_ranks[0], *placement.critic_ranks})
+
+
+def create_process_groups(cfg, placement: Placement, device: torch.device) -> ProcessGroups:
+    """Every rank, right after init_process_group and before anything else talks: the groups of
+    the module docstring, in its order. A collective inside a pool waits trainer.dist_timeout_s;
+    the links between pools wait trainer.pool_wait_timeout_s (a busy pool is not a dead one)."""
+    in_pool = timedelta(seconds=cfg.trainer.dist_timeout_s)
+    between = timedelta(seconds=cfg.trainer.pool_wait_timeout_s)
+    world = list(range(placement.world_size))
+    pools = build_pools(placement, device, in_pool)  # 1
+    bulk = dist.new_group(world, timeout=between)  # 2
+    control = dist.new_group(world, backend="gloo", timeout=between)  # 3
+    stop = dist.new_group(world, backend="gloo", timeout=between)  # 4
+    handoff = dist.new_group(world, timeout=between) if blocking_handoff(cfg, placement) else None  # 5
+    weights = None
+    if critic_pool_generates(cfg, placement):  # 6
+        weights = _member_or_none(dist.new_group(weight_broadcast_ranks(placement), timeout=between))
+    if cfg.rollout.name == "vllm":  # 7
+        from spmdsplit.roles.build import compute_dtypes
+        from spmdsplit.rollout.vllm_engine import init_vllm_distributed
+
+        init_vllm_distributed(cfg, cfg.model.path, device, compute_dtypes(cfg, device)[0])
+    return ProcessGroups(pools, bulk, control, stop, handoff, weights)
+
+
+def _member_or_none(group) -> ProcessGroup | None:
+    return None if group is None or group is dist.GroupMember.NON_GROUP_MEMBER else group

@@ -1,0 +1,90 @@
+"""Every process group of a job comes from spmdsplit/groups.py create_process_groups, in one order.
+
+On 4 real gloo ranks, for each layout and option that adds a group: every rank makes the same
+new_group calls in the same order (the rule whose breach hangs a job at its first collective),
+the calls are the ones the module's docstring lists, and every group then works for its members
+(a group whose name drifted between ranks would hang here, which run_ranks turns into a failure).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tests.multiproc import run_ranks
+
+# overrides, and how many groups: actor pool, critic pool, bulk, control, stop (colocate: one
+# pool group), + handoff with placement.overlap=false, + weights with rollout.ranks=all.
+LAYOUTS = {
+    "split": (["placement.mode=split"], 5),
+    "colocate": (["placement.mode=colocate"], 4),
+    "custom 3+1, blocking": (["placement.mode=custom", "placement.pools=[3,1]", "placement.overlap=false"], 6),
+    "split, rollout.ranks=all": (["placement.mode=split", "rollout.ranks=all"], 6),
+}
+
+
+def _create(rank, world, overrides):
+    from spmdsplit.config import load_config
+    from spmdsplit.groups import create_process_groups
+    from spmdsplit.placement import plan_placement
+
+    cfg = load_config(None, overrides)
+    placement = plan_placement(cfg.placement.mode, list(cfg.placement.pools) or None, cfg.placement.pool_unit,
+                               world, world, 1)
+    calls = []
+    real = dist.new_group
+
+    def recording(*args, **kwargs):
+        ranks = kwargs.get("ranks", args[0] if args else None)
+        calls.append((tuple(ranks) if ranks is not None else "world", kwargs.get("backend")))
+        return real(*args, **kwargs)
+
+    dist.new_group = recording
+    try:
+        groups = create_process_groups(cfg, placement, torch.device("cpu"))
+    finally:
+        dist.new_group = real
+    # Every group works for its members, in the order created.
+    one = torch.ones(1)
+    for group in (groups.pools.actor_group, groups.pools.critic_group, groups.bulk, groups.control, groups.stop,
+                  groups.handoff):
+        if group is not None:
+            dist.all_reduce(one.clone(), group=group)
+    if groups.weights is not None:
+        t = torch.tensor([float(rank)])
+        dist.broadcast(t, src=placement.actor_ranks[0], group=groups.weights)
+        assert t.item() == placement.actor_ranks[0]
+    elif "rollout.ranks=all" in overrides:
+        assert rank not in placement.critic_ranks and rank != placement.actor_ranks[0]
+    return calls
+
+
+def _create_every_layout(rank, world):
+    return {layout: _create(rank, world, overrides) for layout, (overrides, _) in LAYOUTS.items()}
+
+
+def test_every_rank_creates_the_same_groups_in_the_same_order():
+    # One world for every layout (one spawn of 4 ranks is most of the cost), groups made layout
+    # after layout as every rank goes through the same sequence.
+    per_rank = run_ranks(_create_every_layout, 4, timeout=180)
+    for layout, (_, expected) in LAYOUTS.items():
+        calls = [mine[layout] for mine in per_rank]
+        assert all(c == calls[0] for c in calls), (layout, calls)
+        assert len(calls[0]) == expected, (layout, calls[0])
+        # The links between pools and the stop vote span the world; control and stop are gloo.
+        pools = 1 if layout == "colocate" else 2
+        world = tuple(range(4))
+        assert calls[0][pools:pools + 3] == [(world, None), (world, "gloo"), (world, "gloo")], layout
+
+
+def test_no_group_is_created_anywhere_else():
+    """The order lives in one function only if nothing else in the runtime package calls
+    new_group: build_pools (its step 1) and DeepSpeed's one-rank group (named from its ranks,
+    `use_local_synchronization`) are the only other callers."""
+    import pathlib
+
+    import spmdsplit
+
+    root = pathlib.Path(spmdsplit.__file__).parent
+    callers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py") if "new_group(" in p.read_text())
+    assert callers == ["engines/deepspeed.py", "groups.py", "placement.py"], callers

@@ -8,13 +8,14 @@ import math
 import torch
 import torch.distributed as dist
 
+from spmdsplit import algo
 from spmdsplit.balance import balanced_group_order, seqlen_metrics, slice_sums
 from spmdsplit.batch import Batch
 from spmdsplit.data.prompts import PromptDataset, collate_prompts
 from spmdsplit.exchange import PendingSend, row_ranges
 from spmdsplit.groups import critic_pool_generates
 from spmdsplit.messages import PoolChannel, check_rows
-from spmdsplit.metrics import PhaseTimer, rollout_probs_diff_metrics
+from spmdsplit.metrics import PhaseTimer, rollout_correction_metrics, rollout_probs_diff_metrics
 from spmdsplit.placement import Pools
 from spmdsplit.roles.build import ActorPoolRoles
 from spmdsplit.rollout import row_seeds
@@ -61,11 +62,18 @@ class ActorPool:
             self.sends.add(channel.send_rollout(step, 0, parts[0]))
         # Each chunk is as wide as its longest response (rollout/base.py): pad them to one width.
         rollout = Batch.concat(parts, pad_to_widest=True)
-        with phase("old_log_prob", step):
-            rollout["old_log_probs"] = self.actor.compute_log_prob(rollout)
-        if "rollout_log_probs" in rollout:  # the engine's own log-probs: a check, as in verl
-            self.rollout_metrics = rollout_probs_diff_metrics(rollout["rollout_log_probs"], rollout["old_log_probs"],
-                                                      rollout["response_mask"], self.pools.actor_group, self.pools.device)
+        self.rollout_metrics = {}
+        corr = self.cfg.algorithm.rollout_correction
+        if (corr.rollout_is or corr.bypass_mode) and "rollout_log_probs" not in rollout:
+            raise RuntimeError("algorithm.rollout_correction needs the engine's rollout_log_probs, and this "
+                               f"rollout.name={self.cfg.rollout.name} engine returned none")
+        if corr.bypass_mode:
+            # verl's bypass mode: the engine's log-probs are PPO's old policy; no recomputation.
+            rollout["old_log_probs"] = rollout["rollout_log_probs"]
+        else:
+            with phase("old_log_prob", step):
+                rollout["old_log_probs"] = self.actor.compute_log_prob(rollout)
+            self.correct_for_the_engine(rollout)
         with phase("ref", step):
             rollout["ref_log_prob"] = self.ref.compute_log_prob(rollout)
         self.handoff()  # blocking mode: the critic pool starts its values only now
@@ -95,6 +103,22 @@ class ActorPool:
         if self.tokens_per_rank:
             metrics.update(self.balance_metrics())
         return metrics
+
+    def correct_for_the_engine(self, rollout: Batch) -> None:
+        """The engine's own log-probs against the actor's (every engine returns them): verl's
+        training/rollout_probs_diff_* and rollout_corr/* metrics, and, with
+        algorithm.rollout_correction.rollout_is, the truncated importance weights the policy loss
+        takes (a column of the rows, so they follow them into every micro-batch)."""
+        if "rollout_log_probs" not in rollout:
+            return
+        corr, group, device = self.cfg.algorithm.rollout_correction, self.pools.actor_group, self.pools.device
+        engine, actor, mask = rollout["rollout_log_probs"], rollout["old_log_probs"], rollout["response_mask"]
+        self.rollout_metrics = rollout_probs_diff_metrics(engine, actor, mask, group, device)
+        self.rollout_metrics.update(rollout_correction_metrics(actor, engine, mask, corr.rollout_is,
+                                                               corr.rollout_is_threshold, group, device))
+        if corr.rollout_is:
+            rollout["rollout_is_weights"] = algo.compute_rollout_is_weights(actor, engine, mask, corr.rollout_is,
+                                                                            corr.rollout_is_threshold)
 
     def balance(self, step: int, chunk: int, part: Batch) -> Batch:
         """trainer.balance_batch: this rank's rows of the chunk, exchanged within the actor pool

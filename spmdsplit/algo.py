@@ -19,11 +19,13 @@ from __future__ import annotations
 
 from typing import Callable, Hashable, Sequence
 
+import math
+
 import torch
 import torch.utils.checkpoint
 from torch import Tensor
 
-from spmdsplit.config import LOSS_AGG_MODES  # declared once, with the keys that choose one
+from spmdsplit.config import LOSS_AGG_MODES, ROLLOUT_IS_LEVELS  # declared once, with the keys that choose them
 
 ReduceSum = Callable[[Tensor], Tensor]
 
@@ -34,6 +36,7 @@ __all__ = [
     "compute_reinforce_plus_plus_baseline_outcome_advantage", "compute_remax_outcome_advantage",
     "kl_penalty", "FixedKLController", "AdaptiveKLController", "get_kl_controller", "apply_kl_penalty",
     "LOSS_AGG_MODES", "agg_loss", "compute_policy_loss", "compute_value_loss",
+    "ROLLOUT_IS_LEVELS", "compute_rollout_is_weights", "rollout_correction_stats", "finish_rollout_correction_metrics",
     "logprobs_from_logits", "logprobs_and_entropy", "entropy_from_logits", "compute_explained_variance",
 ]
 
@@ -350,11 +353,15 @@ def agg_loss(loss_mat: Tensor, loss_mask: Tensor, loss_agg_mode: str, num_tokens
 def compute_policy_loss(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
                         cliprange: float = 0.2, cliprange_low: float | None = None,
                         cliprange_high: float | None = None, clip_ratio_c: float = 3.0,
-                        loss_agg_mode: str = "token-mean", num_tokens=None, num_seqs=None, horizon=None):
+                        loss_agg_mode: str = "token-mean", num_tokens=None, num_seqs=None, horizon=None,
+                        rollout_is_weights: Tensor | None = None):
     """PPO clipped surrogate (Schulman et al. 2017) with asymmetric clip and dual clip (Ye et al. 2020).
 
     loss_t = max(-A r, -A clip(r, 1 - low, 1 + high)); for A < 0 it is further capped at -A * c, because
     for a very large ratio with a negative advantage the plain PPO loss is unbounded.
+    ``rollout_is_weights`` (detached, see :func:`compute_rollout_is_weights`) multiply each token's
+    loss after the clipping, as in verl, to correct for the engine having sampled from another
+    policy than the one ``old_log_prob`` scores; the clip metrics do not see them.
     Returns (pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower); the last three are local, detached metrics.
     """
     if clip_ratio_c <= 1.0:
@@ -369,6 +376,8 @@ def compute_policy_loss(old_log_prob: Tensor, log_prob: Tensor, advantages: Tens
     dual_cap = -advantages * clip_ratio_c
     negative = advantages < 0
     pg_losses = torch.where(negative, torch.minimum(ppo_losses, dual_cap), ppo_losses)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
     pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
                        horizon=horizon)
     with torch.no_grad():
@@ -376,6 +385,133 @@ def compute_policy_loss(old_log_prob: Tensor, log_prob: Tensor, advantages: Tens
         ppo_kl = masked_mean(-log_ratio, response_mask)
         pg_clipfrac_lower = masked_mean(((ppo_losses > dual_cap) & negative).float(), response_mask)
     return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
+
+
+# ----------------------------------------------------------------------------- rollout correction
+#
+# verl's algorithm.rollout_correction (verl/trainer/ppo/rollout_corr_helper.py): the engine samples
+# from pi_rollout (another dtype, kernels, or weights) while PPO's old_log_prob scores pi_old, the
+# actor's recomputation. A truncated importance weight pi_old / pi_rollout per token (or per row)
+# multiplies the policy loss. Log-ratios are clamped to +-20 before exp, as verl, so an outlier
+# cannot overflow; the truncation at the threshold is what bounds the variance.
+
+IS_SAFETY_BOUND = 20.0
+
+
+def _rollout_log_ratio(old_log_prob: Tensor, rollout_log_prob: Tensor, response_mask: Tensor) -> Tensor:
+    """log(pi_old / pi_rollout) per token, 0 past each response (padding may hold anything)."""
+    log_ratio = old_log_prob.float() - rollout_log_prob.float()
+    return torch.where(response_mask.bool(), log_ratio, torch.zeros_like(log_ratio))
+
+
+def _is_log_weights(log_ratio: Tensor, rollout_is: str) -> Tensor:
+    """Untruncated log-weights per token: the token's log-ratio, or its row's sum (the product of
+    the row's ratios) on every token of the row."""
+    if rollout_is not in ROLLOUT_IS_LEVELS:
+        raise ValueError(f"unknown rollout_is {rollout_is!r}; valid: {', '.join(ROLLOUT_IS_LEVELS)}")
+    if rollout_is == "token":
+        return log_ratio
+    return log_ratio.sum(dim=-1, keepdim=True).expand_as(log_ratio)
+
+
+@torch.no_grad()
+def compute_rollout_is_weights(old_log_prob: Tensor, rollout_log_prob: Tensor, response_mask: Tensor,
+                               rollout_is: str = "token", rollout_is_threshold: float = 2.0) -> Tensor:
+    """Truncated importance weights min(pi_old / pi_rollout, threshold), [batch, len] float32, 0 on
+    padding, detached (they change the measure the loss averages over, not the objective).
+
+    token:    w_t = pi_old(y_t) / pi_rollout(y_t)           (biased, low variance)
+    sequence: w_t = prod_s pi_old(y_s) / pi_rollout(y_s)    (the row's, on each of its tokens)
+    """
+    if rollout_is_threshold <= 0:
+        raise ValueError(f"rollout_is_threshold must be positive, got {rollout_is_threshold}")
+    log_ratio = _rollout_log_ratio(old_log_prob, rollout_log_prob, response_mask)
+    weights = _is_log_weights(log_ratio, rollout_is).clamp(-IS_SAFETY_BOUND, IS_SAFETY_BOUND).exp()
+    weights = torch.where(response_mask.bool(), weights, torch.zeros_like(weights))
+    return weights.clamp(max=rollout_is_threshold)
+
+
+@torch.no_grad()
+def rollout_correction_stats(old_log_prob: Tensor, rollout_log_prob: Tensor, response_mask: Tensor,
+                             rollout_is: str | None = None, rollout_is_threshold: float = 2.0):
+    """This rank's share of verl's rollout_corr/* metrics, for a pool-wide reduction: (means
+    {name: (local sum, local weight)}, maxes {name: local max}, mins {name: local min}). Means
+    are over valid tokens or over rows with a valid token; :func:`finish_rollout_correction_metrics`
+    turns the reduced numbers into the metrics. The IS ones (rollout_is_*) only when ``rollout_is``
+    is chosen; they describe the weights before truncation, as verl's do.
+    """
+    mask = response_mask.bool()
+    rows = mask.any(dim=-1)
+    tokens, num_rows = float(mask.sum()), float(rows.sum())
+    log_ratio = _rollout_log_ratio(old_log_prob, rollout_log_prob, response_mask)
+    old, rollout = old_log_prob.double(), rollout_log_prob.double()
+    per_row = response_mask.sum(dim=-1).clamp_min(1).double()
+    old_row_mean = masked_sum(old, mask, axis=-1) / per_row
+    rollout_row_mean = masked_sum(rollout, mask, axis=-1) / per_row
+    log_ppl_diff = (rollout_row_mean - old_row_mean)[rows]
+    row_log_ratio = log_ratio.double().sum(dim=-1)[rows].clamp(-IS_SAFETY_BOUND, IS_SAFETY_BOUND)
+
+    def token_sum(values):
+        return float(masked_sum(values.double(), mask))
+
+    def row_sum(values):
+        return float(values.double().sum())
+
+    bounded_ratio = log_ratio.double().clamp(-IS_SAFETY_BOUND, IS_SAFETY_BOUND)
+    means = {
+        "kl": (token_sum(rollout - old), tokens),
+        "k3_kl": (token_sum(log_ratio.double().exp() - log_ratio.double() - 1), tokens),
+        "training_ppl": (row_sum((-old_row_mean[rows]).exp()), num_rows),
+        "training_log_ppl": (row_sum(-old_row_mean[rows]), num_rows),
+        "rollout_ppl": (row_sum((-rollout_row_mean[rows]).exp()), num_rows),
+        "rollout_log_ppl": (row_sum(-rollout_row_mean[rows]), num_rows),
+        "log_ppl_diff": (row_sum(log_ppl_diff), num_rows),
+        "log_ppl_abs_diff": (row_sum(log_ppl_diff.abs()), num_rows),
+        "ppl_ratio": (row_sum(log_ppl_diff.exp()), num_rows),
+        "chi2_token": (token_sum((2 * bounded_ratio).exp()), tokens),  # E[rho^2]; finish subtracts 1
+        "chi2_seq": (row_sum((2 * row_log_ratio).exp()), num_rows),
+    }
+    empty = num_rows == 0
+    maxes = {"log_ppl_diff_max": float("-inf") if empty else float(log_ppl_diff.max())}
+    mins = {"log_ppl_diff_min": float("inf") if empty else float(log_ppl_diff.min())}
+    if rollout_is is not None:
+        upper, lower = rollout_is_threshold, 1.0 / rollout_is_threshold
+        log_weights = _is_log_weights(log_ratio, rollout_is).double()
+        weights = log_weights.clamp(-IS_SAFETY_BOUND, IS_SAFETY_BOUND).exp()
+        clamped = weights.clamp(lower, upper)  # verl's std and effective sample size use these
+        if rollout_is == "token":  # fractions of tokens, extremes of token weights
+            high, low, count = token_sum((weights > upper).double()), token_sum((weights < lower).double()), tokens
+            largest, smallest = weights[mask], weights[mask]
+        else:  # fractions of rows, extremes of row weights (the log-space test, as verl)
+            high = row_sum((log_weights[:, 0][rows] > math.log(upper)).double())
+            low = row_sum((log_weights[:, 0][rows] < math.log(lower)).double())
+            count = num_rows
+            largest, smallest = weights[:, 0][rows], log_weights[:, 0][rows].exp()
+        means.update({
+            "rollout_is_mean": (token_sum(weights), tokens),
+            "rollout_is_ratio_fraction_high": (high, count),
+            "rollout_is_ratio_fraction_low": (low, count),
+            "rollout_is_clamped_mean": (token_sum(clamped), tokens),
+            "rollout_is_clamped_sq_mean": (token_sum(clamped.square()), tokens),
+        })
+        maxes["rollout_is_max"] = float(largest.max()) if largest.numel() else float("-inf")
+        mins["rollout_is_min"] = float(smallest.min()) if smallest.numel() else float("inf")
+    return means, maxes, mins
+
+
+def finish_rollout_correction_metrics(means: dict[str, float], maxes: dict[str, float],
+                                      mins: dict[str, float]) -> dict[str, float]:
+    """verl's rollout_corr/* from the pool-reduced means, maxes and mins of
+    :func:`rollout_correction_stats`."""
+    out = {**means, **maxes, **mins}
+    out["chi2_token"] -= 1.0
+    out["chi2_seq"] -= 1.0
+    if "rollout_is_clamped_mean" in out:
+        mean, sq_mean = out.pop("rollout_is_clamped_mean"), out.pop("rollout_is_clamped_sq_mean")
+        out["rollout_is_std"] = math.sqrt(max(sq_mean - mean * mean, 0.0))
+        # 1 / E[(w / E[w])^2], with verl's 1e-8 guard on E[w]
+        out["rollout_is_eff_sample_size"] = (mean + 1e-8) ** 2 / sq_mean
+    return {f"rollout_corr/{name}": value for name, value in out.items()}
 
 
 def compute_value_loss(vpreds: Tensor, returns: Tensor, values: Tensor, response_mask: Tensor,

@@ -78,6 +78,8 @@ ENGINES = ("fsdp", "deepspeed")  # spmdsplit/engines/
 KL_ESTIMATORS = ("kl", "abs", "mse", "low_var_kl")  # the KL penalty in the reward, and the actor's KL loss
 # spmdsplit/algo.py agg_loss implements these (and imports them from here).
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+# spmdsplit/algo.py compute_rollout_is_weights: one weight per token, or the row's on each of its tokens.
+ROLLOUT_IS_LEVELS = ("token", "sequence")
 
 
 def inference_zero_stage(trained: str):
@@ -336,6 +338,20 @@ class KLCtrlConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """verl's algorithm.rollout_correction: the engine's `rollout_log_probs` against the actor's
+    recomputed `old_log_probs` (docs/algorithms.md, "Rollout correction")."""
+    # null: no weights (the rollout_corr/ mismatch metrics are still logged) | token | sequence
+    rollout_is: Optional[str] = choice(None, *ROLLOUT_IS_LEVELS)
+    rollout_is_threshold: float = positive(2.0)  # weights are truncated at this (TIS)
+    # true: the engine's log-probs stand in for old_log_probs (no recomputation; PPO's ratio is
+    # then against the rollout policy itself, so no weights are applied under loss_type=ppo_clip)
+    bypass_mode: bool = False
+    loss_type: str = choice("ppo_clip", why_not={"reinforce": "verl's bypass-mode REINFORCE loss is not implemented "
+                                                 "here; use {key}=ppo_clip"})
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = choice("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
     gamma: float = 1.0
@@ -344,6 +360,7 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False
     kl_penalty: str = choice(*KL_ESTIMATORS)
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass

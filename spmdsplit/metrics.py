@@ -144,6 +144,18 @@ def rollout_probs_diff_metrics(rollout_log_probs: torch.Tensor, old_log_probs: t
     return {**means, **maxes}
 
 
+def rollout_correction_metrics(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
+                               response_mask: torch.Tensor, rollout_is: str | None, rollout_is_threshold: float,
+                               group, device) -> dict[str, float]:
+    """verl's rollout_corr/* over the pool's rows (the math: algo.rollout_correction_stats)."""
+    means, maxes, mins = algo.rollout_correction_stats(old_log_probs, rollout_log_probs, response_mask,
+                                                       rollout_is, rollout_is_threshold)
+    reduced = pool_reduce_metrics({k: s for k, (s, _) in means.items()}, {k: w for k, (_, w) in means.items()},
+                                  group, device)
+    maxes, mins = pool_max_min(maxes, mins, group, device)
+    return algo.finish_rollout_correction_metrics(reduced, maxes, mins)
+
+
 # The module each optional sink of trainer.logger imports (only when chosen).
 OPTIONAL_LOGGER_MODULES = {"wandb": "wandb", "mlflow": "mlflow"}
 

@@ -74,6 +74,8 @@ def test_wrong_type_names_the_key(override, key):
         ("data.task=sort", "data.task", ["repeat", "count", "copy", "reverse"]),
         ("algorithm.kl_ctrl.type=pid", "algorithm.kl_ctrl.type", ["fixed", "adaptive"]),
         ("model.dtype=fp16", "model.dtype", ["auto", "float32", "bfloat16"]),
+        ("algorithm.rollout_correction.rollout_is=seq", "algorithm.rollout_correction.rollout_is",
+         ["None", "token", "sequence"]),
     ],
 )
 def test_bad_choice_lists_the_allowed_values(override, key, allowed):
@@ -81,6 +83,15 @@ def test_bad_choice_lists_the_allowed_values(override, key, allowed):
     assert key in msg and override.split("=")[1] in msg
     for value in allowed:
         assert value in msg, value
+
+
+def test_rollout_correction_keys_are_verls_and_checked_on_one_line():
+    cfg = load_config(None, ["algorithm.rollout_correction.rollout_is=sequence"]).algorithm.rollout_correction
+    assert (cfg.rollout_is, cfg.rollout_is_threshold, cfg.bypass_mode, cfg.loss_type) == ("sequence", 2.0, False, "ppo_clip")
+    assert load_config(None, []).algorithm.rollout_correction.rollout_is is None  # verl's default: off
+    for override in ("algorithm.rollout_correction.rollout_is_threshold=0", "algorithm.rollout_correction.loss_type=reinforce"):
+        msg = error_of(override)
+        assert msg.startswith(override.split("=")[0] + "=") and "\n" not in msg, msg
 
 
 def test_an_unknown_logger_is_one_line_naming_trainer_logger():

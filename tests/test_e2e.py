@@ -151,13 +151,38 @@ def test_streaming_rollout_chunks_give_the_same_step(tmp_path):
 def test_grpo_groups_responses_and_trains_no_critic(tmp_path):
     """GRPO: rollout.n responses per prompt, advantages from each group's scores, no value model."""
     out, _ = run_short(tmp_path, 2, "placement.mode=colocate", "algorithm.adv_estimator=grpo", "rollout.n=4",
-                       "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=4")
+                       "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=4",
+                       "algorithm.rollout_correction.rollout_is=token")  # and rollout correction, colocated
     logged = scalars(str(out / "tb"))
     assert "actor/pg_loss" in logged and "critic/advantages/mean" in logged
+    assert [s for s, _ in logged["rollout_corr/rollout_is_mean"]] == [1, 2, 3, 4]
     assert not any(k.startswith("critic/values") or k in ("critic/vf_loss", "timing_s/update_critic") for k in logged)
     events = timeline_events(str(out / "timeline.json"))
     assert not [e for e in events if e["name"] in ("values", "update_critic")]
     assert len([e for e in events if e["name"] == "update_actor"]) == 2 * 4  # 2 ranks x 4 steps
+
+
+def test_rollout_correction_weights_reach_the_update_and_bypass_skips_the_recomputation(tmp_path):
+    """algorithm.rollout_correction on the HF engine, greedy so both runs roll out the same rows.
+    In fp32 the engine's log-probs are the actor's (rollout_probs_diff ~0), so every token weight
+    is ~1 and a threshold of 0.5 truncates them all to 0.5: step 1's token-mean policy loss must be
+    half that of bypass mode, whose old policy is the engine's (no weights, no old_log_prob). Half
+    to 1e-3, not exactly: the second mini-batch follows an update, and Adam's step for a gradient of
+    half the size is the same but for its epsilon."""
+    greedy = ["rollout.do_sample=false", "trainer.total_steps=1"]
+    weighted, _ = run_short(tmp_path / "weighted", 2, *greedy, "algorithm.rollout_correction.rollout_is=token",
+                            "algorithm.rollout_correction.rollout_is_threshold=0.5")
+    bypass, _ = run_short(tmp_path / "bypass", 2, *greedy, "algorithm.rollout_correction.bypass_mode=true")
+    w, b = scalars(str(weighted / "tb")), scalars(str(bypass / "tb"))
+    assert w["training/rollout_probs_diff_max"][0][1] < 1e-5
+    for name in ("rollout_is_mean", "rollout_is_max", "rollout_is_min"):
+        assert w[f"rollout_corr/{name}"][0][1] == pytest.approx(1.0, abs=1e-5), name
+    assert w["rollout_corr/rollout_is_ratio_fraction_high"][0][1] == 1.0  # every weight above 0.5: all truncated
+    assert abs(w["rollout_corr/kl"][0][1]) < 1e-6 and "rollout_corr/chi2_seq" in w
+    assert w["actor/pg_loss"][0][1] == pytest.approx(0.5 * b["actor/pg_loss"][0][1], rel=1e-3)
+    assert not any(k.startswith(("rollout_corr/", "training/rollout_probs_diff")) for k in b)
+    events = timeline_events(str(bypass / "timeline.json"))
+    assert not [e for e in events if e["name"] == "old_log_prob"] and [e for e in events if e["name"] == "ref"]
 
 
 def test_critic_warmup_holds_the_actor_back(tmp_path):

@@ -288,3 +288,54 @@ def test_eos_token_ids_include_the_checkpoints_generation_config(model_path, tok
     _, prompts = prompts_batch(tokenizer, n=2, seed=1)
     out = rollout.generate(prompts)
     assert out["response_mask"].tolist() == [[1]] * 2
+
+
+# --------------------------------------------------------------------------- rollout_log_probs
+
+def teacher_forced_log_probs(model, out, temperature: float, top_k: int = 0) -> torch.Tensor:
+    """What the actor computes (roles/actor.py), log_softmax(logits / T) of the response tokens,
+    here with top-k applied before the softmax when asked: the distribution the engine sampled from."""
+    from spmdsplit import algo
+    from spmdsplit.roles.common import forward_response
+
+    def head(logits, tokens):
+        z = logits.float() / temperature
+        if top_k:
+            kth = z.topk(top_k, dim=-1).values[..., -1:]
+            z = z.masked_fill(z < kth, float("-inf"))
+        return algo.logprobs_from_logits(z, tokens)
+
+    with torch.no_grad():
+        return forward_response(model, out, head)
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.5])
+def test_hf_rollout_log_probs_are_the_actors_in_fp32(model, tokenizer, temperature):
+    """The HF engine returns what vLLM's does: the sampled tokens' log-probs after temperature,
+    0 past each response. Its copy holds the actor's weights, so in fp32 they are the actor's."""
+    _, prompts = prompts_batch(tokenizer, n=32, seed=3)
+    torch.manual_seed(1)
+    out = HFRollout(model, tokenizer, RolloutConfig(do_sample=True, temperature=temperature), R).generate(prompts)
+    engine, mask = out["rollout_log_probs"], out["response_mask"]
+    assert engine.dtype == torch.float32 and engine.shape == out["responses"].shape
+    assert torch.equal(engine == 0, mask == 0)
+    assert mask.sum() > 32 and (mask.sum(-1) < out["responses"].shape[1]).any()  # rows that ended early too
+    assert (engine - teacher_forced_log_probs(model, out, temperature)).abs().max() < 1e-5
+
+
+def test_hf_rollout_log_probs_are_of_the_truncated_distribution_under_top_k(model, tokenizer):
+    """As vLLM's processed log-probs: the distribution the token was drawn from, after top-k."""
+    _, prompts = prompts_batch(tokenizer, n=16, seed=4)
+    torch.manual_seed(2)
+    out = HFRollout(model, tokenizer, RolloutConfig(do_sample=True, temperature=1.5, top_k=3), R).generate(prompts)
+    mask = out["response_mask"].bool()
+    truncated = teacher_forced_log_probs(model, out, 1.5, top_k=3)
+    full = teacher_forced_log_probs(model, out, 1.5)
+    assert (out["rollout_log_probs"] - truncated)[mask].abs().max() < 1e-5
+    assert (truncated - full)[mask].min() > 1e-3  # renormalised over 3 tokens: higher than under the full one
+
+
+def test_greedy_rollout_log_probs_are_of_the_raw_logits(model, tokenizer):
+    _, prompts = prompts_batch(tokenizer, n=8, seed=5)
+    out = HFRollout(model, tokenizer, RolloutConfig(do_sample=False), R).generate(prompts)
+    assert (out["rollout_log_probs"] - teacher_forced_log_probs(model, out, 1.0)).abs().max() < 1e-5

@@ -8,7 +8,8 @@ from tests.runjob import scalars, timeline_events, torchrun
 
 COMMON = ["rollout.do_sample=false", "trainer.total_steps=3", "data.train_batch_size=16", "actor.ppo_mini_batch_size=16",
           "critic.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size_per_gpu=4", "critic.ppo_micro_batch_size_per_gpu=4",
-          "trainer.output_dir=", "trainer.progress_bar=false", "rollout.weight_bucket_mb=0.05"]
+          "trainer.output_dir=", "trainer.progress_bar=false", "rollout.weight_bucket_mb=0.05",
+          "algorithm.rollout_correction.rollout_is=sequence"]
 
 
 def test_every_rank_generates_and_the_steps_equal_actor_only_generation(tmp_path):
@@ -29,6 +30,10 @@ def test_every_rank_generates_and_the_steps_equal_actor_only_generation(tmp_path
         runs[ranks] = (scalars(str(out / "tb")), timeline_events(str(out / "timeline.json")))
     (actor_only, _), (everyone, events) = runs["actor"], runs["all"]
     assert [s for s, _ in everyone["critic/score/mean"]] == [1, 2, 3]
+    # The critic ranks' rows bring their engine's log-probs along (GENERATED): fp32 engines with
+    # the broadcast weights agree with the actor, so the sequence weights are all but 1.
+    assert all(v < 1e-5 for _, v in everyone["training/rollout_probs_diff_max"])
+    assert all(v == pytest.approx(1.0, abs=1e-4) for _, v in everyone["rollout_corr/rollout_is_min"])
     assert everyone["critic/score/mean"] == actor_only["critic/score/mean"]
     for key in ("actor/pg_loss", "critic/vf_loss"):
         for (_, x), (_, y) in zip(actor_only[key], everyone[key]):

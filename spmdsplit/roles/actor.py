@@ -53,6 +53,8 @@ class Actor:
                 micro["old_log_probs"], log_prob, micro["advantages"], mask,
                 cliprange=cfg.clip_ratio, cliprange_low=cfg.clip_ratio_low, cliprange_high=cfg.clip_ratio_high,
                 clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode, **counts,
+                # algorithm.rollout_correction.rollout_is (actor_pool.correct_for_the_engine)
+                rollout_is_weights=micro["rollout_is_weights"] if "rollout_is_weights" in micro else None,
             )
             entropy_share = algo.agg_loss(entropy, mask, cfg.loss_agg_mode, **counts)
             loss = pg_loss - cfg.entropy_coeff * entropy_share

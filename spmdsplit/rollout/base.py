@@ -22,7 +22,8 @@ class Rollout(Protocol):
         optional int64 `sample_seed` [B]); returns `prompts`, `responses` [B, R] (right-padded; R = the
         longest response of this call, see `rollout_batch`), `response_mask`, `input_ids`,
         `attention_mask`, `position_ids` [B, P+R], the prompt batch's non-tensor columns, and engine
-        extras [B, R] (vLLM: `rollout_log_probs`)."""
+        extras [B, R] (both engines: `rollout_log_probs`, the sampled tokens' log-probs under the
+        distribution sampled from)."""
 
     def wake_up(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The start of a step's generation: the policy's new weights, as a stream of (Hugging Face
@@ -50,7 +51,7 @@ def rollout_batch(prompts: Batch, responses: torch.Tensor, pad_token_id: int, eo
                   extras: dict[str, torch.Tensor] | None = None) -> Batch:
     """The rollout's columns from the prompts and the generated tokens [B, R']: everything after a
     row's first EOS becomes padding, and positions count the real tokens of prompt + response.
-    `extras`: the engine's own [B, R'] columns (vLLM's `rollout_log_probs`), zeroed past each
+    `extras`: the engine's own [B, R'] columns (`rollout_log_probs`), zeroed past each
     response like the rest.
 
     The responses are cut to R = the longest response of the batch (at least one column): the

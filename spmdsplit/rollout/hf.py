@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from spmdsplit.batch import Batch
 from spmdsplit.rollout.base import position_ids_from_mask, response_mask_until_eos, rollout_batch  # noqa: F401
@@ -32,18 +33,30 @@ class HFRollout:
         self.model.generation_config = GenerationConfig(
             bos_token_id=tokenizer.bos_token_id, eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id
         )
-        self.generation_config = self._generation_config(cfg)
-        self.val_generation_config = self._generation_config(val_cfg or cfg)
+        self.sampling = self._generation_config(cfg)
+        self.val_sampling = self._generation_config(val_cfg or cfg)
 
-    def _generation_config(self, cfg) -> GenerationConfig:
-        sampling = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k if cfg.top_k > 0 else 0)
-        return GenerationConfig(
+    def _generation_config(self, cfg) -> tuple[GenerationConfig, list]:
+        """The generation config and the sampling warpers. The warpers are given to `generate` as
+        logits processors rather than set in the config: transformers would then append its own
+        after every given processor, and `SampledLogProbs` must see the distribution that is
+        finally sampled from. Same warpers, same order (temperature, top-k, top-p)."""
+        warpers = []
+        if cfg.do_sample:
+            if cfg.temperature != 1.0:
+                warpers.append(TemperatureLogitsWarper(cfg.temperature))
+            if cfg.top_k > 0:
+                warpers.append(TopKLogitsWarper(top_k=cfg.top_k))
+            if cfg.top_p < 1.0:
+                warpers.append(TopPLogitsWarper(top_p=cfg.top_p))
+        config = GenerationConfig(
             do_sample=cfg.do_sample,
-            **(sampling if cfg.do_sample else {}),
+            **(dict(temperature=1.0, top_p=1.0, top_k=0) if cfg.do_sample else {}),
             max_new_tokens=self.max_response_length,
             eos_token_id=self.eos_token_id,
             pad_token_id=self.pad_token_id,
         )
+        return config, warpers
 
     @property
     def dtype(self) -> torch.dtype:
@@ -85,12 +98,47 @@ class HFRollout:
         """`prompts` holds left-padded `input_ids`/`attention_mask` [B, P]; returns the rollout with
         right-padded `responses` [B, R] (R = the longest response) and verl's column names."""
         prompt_ids, prompt_mask = prompts["input_ids"], prompts["attention_mask"]
+        config, warpers = self.val_sampling if validate else self.sampling
+        log_probs = SampledLogProbs()
         out = self.model.generate(
             input_ids=prompt_ids,
             attention_mask=prompt_mask,
-            generation_config=self.val_generation_config if validate else self.generation_config,
+            generation_config=config,
+            logits_processor=LogitsProcessorList([*warpers, log_probs]),
             synced_gpus=False,  # never the world all-reduce; this copy is not sharded
             use_cache=True,
         )
         responses = out[:, prompt_ids.shape[1] :]
-        return rollout_batch(prompts, responses, self.pad_token_id, self.eos_token_id)
+        return rollout_batch(prompts, responses, self.pad_token_id, self.eos_token_id,
+                             extras={"rollout_log_probs": log_probs.finish(responses)})
+
+
+class SampledLogProbs(LogitsProcessor):
+    """The last logits processor of a `generate`: it sees each step's final scores, the
+    distribution the step samples from (after temperature, top-k, top-p), and keeps the log-prob of
+    the token drawn from it, as vLLM's `processed_logprobs` do. The token is known only at the next
+    step (the last column of `input_ids`), so one step's log-softmax [B, V] is held until then and
+    `finish` takes the last token's from the generated responses."""
+
+    def __init__(self):
+        self.held: torch.Tensor | None = None  # the previous step's log-softmax
+        self.columns: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.held is not None:
+            self._take(input_ids[:, -1])
+        self.held = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def _take(self, tokens: torch.Tensor) -> None:
+        self.columns.append(self.held.gather(-1, tokens.unsqueeze(-1)).squeeze(-1))
+
+    def finish(self, responses: torch.Tensor) -> torch.Tensor:
+        """[B, R] float32, one column per generated token (rows that ended early: whatever their
+        padding scored, which `rollout_batch` zeroes)."""
+        if self.held is not None:
+            self._take(responses[:, len(self.columns)])
+            self.held = None
+        if not self.columns:
+            return responses.new_zeros(responses.shape, dtype=torch.float32)
+        return torch.stack(self.columns, dim=1)

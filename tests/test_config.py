@@ -478,12 +478,15 @@ def test_config_file_that_yaml_cannot_parse_names_the_file_and_line(tmp_path):
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("placement.pools={a: 1}", "placement.pools: expected a list, got a mapping"),  # was a merge TypeError
+        ("placement.roles=[a]", "placement.roles: expected a mapping, got a list"),
+        ("placement.roles={rollout: [a]}", "placement.roles.rollout: expected a string, got a list"),
         ("actor.optim.lr={x: 1}", "actor.optim.lr: expected a number, got a mapping"),
         ("actor.optim.lr=[1,2]", "actor.optim.lr: expected a number, got a list"),
         ("actor.optim.betas={a: 1}", "actor.optim.betas: expected a list, got a mapping"),
         ("actor.optim.betas=3", "actor.optim.betas: expected a list, got 3"),
-        ("placement.pools=[{a: 1}]", "placement.pools[0]: expected an integer, got a mapping"),
+        ("placement.pools=[{a: 1}]", "placement.pools=[{'a': 1}]: expected a list of sizes [actor, critic], e.g. "
+         "placement.pools=[6,2], or a mapping pool name -> size, e.g. placement.pools='{gen: 1, train: 1}'"),  # typed Any
+        ("placement.pools={a: x}", "placement.pools.a='x': expected a whole number (a pool's size)"),
         ("placement.mode={a: 1}", "placement.mode: expected a string, got a mapping"),
         ("actor.clip_ratio_low={a: 1}", "actor.clip_ratio_low: expected a number, got a mapping"),  # Optional[float]
         ("actor=[1,2]", "actor: expected a section (a mapping of its keys), got a list"),  # was key '?'
@@ -499,7 +502,14 @@ def test_a_value_of_the_wrong_shape_is_one_line_naming_the_full_key(override, me
 
 def test_overrides_of_different_shapes_for_one_key_are_each_checked():
     # Merged together first, these two would end in a TypeError from the merge.
-    assert error_of("placement.pools=[3,1]", "placement.pools={a: 1}") == "placement.pools: expected a list, got a mapping"
+    assert error_of("actor.optim.betas=[3,1]", "actor.optim.betas={a: 1}") == "actor.optim.betas: expected a list, got a mapping"
+
+
+def test_placement_pools_is_a_list_or_a_mapping_and_a_later_one_replaces_it():
+    # OmegaConf cannot merge a mapping into a list: load_config folds placement.pools itself.
+    assert list(load_config(None, ["placement.pools={gen: 1, train: 1}", "placement.pools=[3,1]"]).placement.pools) == [3, 1]
+    cfg = load_config(None, ["placement.pools=[3,1]", "placement.pools={gen: 1, train: 1}", "placement.pools.gen=2"])
+    assert dict(cfg.placement.pools) == {"gen": 2, "train": 1}  # a later mapping adds to an earlier one
 
 
 def test_a_config_file_with_the_wrong_shape_names_the_full_key(tmp_path):

@@ -4,11 +4,12 @@ import pathlib
 
 import pytest
 
-from spmdsplit.config import check_against_pools, load_config
-from spmdsplit.placement import plan_placement
+from spmdsplit.config import check_against_placement, config_warnings, load_config
+from spmdsplit.placement import plan_from_config
 
 CONFIGS = pathlib.Path(__file__).parent.parent / "configs"
-# preset -> (world_size, ranks per node, nodes) it is written for, and the pools expected there
+# preset -> (world_size, ranks per node, nodes) it is written for, and the pools expected there:
+# actor, critic and, when the rollout group has a pool of its own, rollout (else the actor's)
 LAUNCHES = {
     "default.yaml": ((4, 4, 1), [0, 1], [2, 3]),
     "colocate.yaml": ((4, 4, 1), [0, 1, 2, 3], [0, 1, 2, 3]),
@@ -17,6 +18,9 @@ LAUNCHES = {
     "custom_3+5_per_node.yaml": ((16, 8, 2), [0, 1, 2, 8, 9, 10], [3, 4, 5, 6, 7, 11, 12, 13, 14, 15]),
     "nodes_8+8.yaml": ((16, 8, 2), list(range(8)), list(range(8, 16))),
     "gpu_qwen2.5_0.5b.yaml": ((8, 8, 1), [0, 1, 2, 3], [4, 5, 6, 7]),
+    "rollout_actor+critic.yaml": ((2, 2, 1), [0], [0], [1]),
+    "rollout_actor_critic.yaml": ((3, 3, 1), [0], [2], [1]),
+    "grpo_rollout_actor.yaml": ((2, 2, 1), [0], [0], [1]),
 }
 
 
@@ -26,12 +30,16 @@ def test_every_preset_is_listed():
 
 @pytest.mark.parametrize("name", sorted(LAUNCHES))
 def test_preset_fits_its_launch(name):
-    (world, local, nnodes), actor, critic = LAUNCHES[name]
+    (world, local, nnodes), actor, critic, *rollout = LAUNCHES[name]
     cfg = load_config(str(CONFIGS / name))
-    p = cfg.placement
-    placement = plan_placement(p.mode, list(p.pools) or None, p.pool_unit, world, local, nnodes)
+    placement = plan_from_config(cfg.placement, world, local, nnodes)
     assert list(placement.actor_ranks) == actor and list(placement.critic_ranks) == critic
-    check_against_pools(cfg, len(placement.actor_ranks), len(placement.critic_ranks))
+    assert list(placement.rollout_ranks) == (rollout[0] if rollout else actor)
+    check_against_placement(cfg, placement)
+    assert config_warnings(cfg) == []  # e.g. staleness without a correction
+    if rollout:  # the role-group presets' headers name the launch shape they are written for
+        header = (CONFIGS / name).read_text()
+        assert f"--nproc-per-node {local}" in header, f"{name}: its header does not name {local} ranks per node"
 
 
 def test_default_preset_is_the_schema_default():

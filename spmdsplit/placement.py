@@ -616,9 +616,13 @@ class Pools:
 
     def group(self, pool: str) -> ProcessGroup | None:
         self.placement.ranks_of(pool)  # validates the name
+        if pool == "rollout":  # the rollout group's ranks: its own pool, or the actor's
+            return self.rollout_group if self.placement.rollout_apart else self.actor_group
         return self.actor_group if pool == "actor" else self.critic_group
 
     def mesh(self, pool: str) -> DeviceMesh | None:
+        if pool == "rollout":
+            raise ValueError("the rollout group has no FSDP mesh (its engines hold whole copies); use group('rollout')")
         self.placement.ranks_of(pool)
         return self.actor_mesh if pool == "actor" else self.critic_mesh
 

@@ -274,8 +274,8 @@ class Rendezvous:
         self.sock.listen(8)
         self.port = self.sock.getsockname()[1]
 
-    def env(self):
-        return {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+    def env(self, rank: int = 1):
+        return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.port)}
 
     def connected(self) -> bool:
@@ -286,11 +286,19 @@ class Rendezvous:
         self.sock.close()
 
 
+BAD_MAP = ["placement.mode=custom", "placement.pools={gen: 1, train: 1}",
+           "placement.roles={rollout: gen, actor: train, critic: gen}"]
 CLI_RUNS = {
     "print_config": (["--print-config", "trainer.total_steps=7"], False),  # a plain `python -m`, one rank
     "typo": (["trainer.totl_steps=3"], True),  # as rank 1 of a 2-rank torchrun
     "missing_model": (["model.path=/nonexistent/dir"], True),
     "missing_logger": (["trainer.logger=[console,mlflow]"], True),
+}
+# Started as a second batch (so that the batch above still starts in CLI_TIMEOUT on 2 busy cores):
+# a role map plan_placement refuses, as each rank of a 2-rank torchrun (an int: as that rank).
+CLI_PLACEMENT_RUNS = {
+    **{f"bad_map_rank{rank}": (BAD_MAP, rank) for rank in (1, 0)},
+    "staleness_with_the_actor": (["rollout.staleness=1"], True),
 }
 # Runs that must see a package as not installed: a sitecustomize on PYTHONPATH hides it
 # (importlib.util.find_spec answers None for a name that sys.modules maps to None).
@@ -299,15 +307,25 @@ CLI_HIDDEN = {"missing_logger": "mlflow"}
 
 @pytest.fixture(scope="module")
 def cli(tmp_path_factory):
-    """Runs every `python -m spmdsplit.train` case of this module at once (they are import-bound)
+    """Runs every `python -m spmdsplit.train` case of CLI_RUNS at once (they are import-bound)
     and returns name -> (returncode, stdout, stderr, seconds, tried_to_join_a_process_group)."""
+    return _run_cli(CLI_RUNS, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def cli_placement(tmp_path_factory):
+    return _run_cli(CLI_PLACEMENT_RUNS, tmp_path_factory)
+
+
+def _run_cli(runs, tmp_path_factory):
     base = {k: v for k, v in os.environ.items()
             if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE",
                          "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
     procs = {}
-    for name, (args, as_rank1) in CLI_RUNS.items():
-        rdv = Rendezvous() if as_rank1 else None
-        env = {**base, "OMP_NUM_THREADS": "1", **(rdv.env() if rdv else {})}
+    for name, (args, as_rank1) in runs.items():
+        rdv = Rendezvous() if as_rank1 is not False else None
+        rank = 1 if as_rank1 is True else as_rank1  # True: rank 1; an int: that rank
+        env = {**base, "OMP_NUM_THREADS": "1", **(rdv.env(rank) if rdv else {})}
         if name in CLI_HIDDEN:
             hide = tmp_path_factory.mktemp(f"hide-{name}")
             (hide / "sitecustomize.py").write_text(f"import sys\nsys.modules[{CLI_HIDDEN[name]!r}] = None\n")
@@ -351,6 +369,29 @@ def test_typo_exits_2_naming_the_key_before_any_process_group(cli):
     assert "Traceback" not in err
     assert not joined, "the job tried to join a process group before checking its config"
     assert took < CLI_TIMEOUT
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_refused_role_map_exits_2_in_one_line_on_every_rank_before_any_process_group(cli_placement, rank):
+    rc, out, err, took, joined = cli_placement[f"bad_map_rank{rank}"]
+    assert rc == 2, (out, err)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines == [f"spmdsplit [rank {rank}]: error: placement.roles.rollout=gen: the rollout group sits either "
+                     "with the actor (placement.roles.rollout=train) or on a pool of its own, not with the critic "
+                     "alone (the engines take their weights from the actor); the maps that work: "
+                     "rollout+actor+critic (= placement.mode=colocate); rollout+actor | critic (= placement.mode=split); "
+                     "rollout | actor+critic (GRPO: rollout | actor, the reward computed with the actor); "
+                     "rollout | actor | critic"], err
+    assert not joined, "the job tried to join a process group before checking its placement"
+    assert took < CLI_TIMEOUT
+
+
+def test_staleness_without_a_rollout_pool_of_its_own_exits_2_naming_it(cli_placement):
+    rc, out, err, took, joined = cli_placement["staleness_with_the_actor"]
+    assert rc == 2, (out, err)
+    assert "error: rollout.staleness=1 needs a rollout pool of its own" in err
+    assert "Traceback" not in err
+    assert not joined
 
 
 def test_missing_model_path_exits_2_naming_it(cli):
@@ -560,3 +601,89 @@ def test_the_reference_follows_the_actors_token_budget_unless_set():
     ref = ref_config(cfg)
     assert not ref.use_dynamic_bsz and ref.log_prob_max_token_len_per_gpu == 50
     assert ref.log_prob_micro_batch_size_per_gpu == 4 and cfg.actor.use_dynamic_bsz
+
+
+# --------------------------------------------------------------------------- role groups (issue 19)
+
+GEN_TRAIN = ["placement.mode=custom", "placement.pools={gen: 1, train: 1}"]
+
+
+def _placed(overrides, shape=(2, 2, 1)):
+    from spmdsplit.config import check_against_placement
+    from spmdsplit.placement import plan_from_config
+
+    cfg = load_config(None, overrides)
+    placement = plan_from_config(cfg.placement, *shape)
+    check_against_placement(cfg, placement)
+    return cfg, placement
+
+
+def test_named_pools_and_roles_load_and_plan():
+    _, p = _placed(GEN_TRAIN + ["placement.roles={rollout: gen, actor: train, critic: train}"])
+    assert p.rollout_ranks == (1,) and p.actor_ranks == p.critic_ranks == (0,)
+
+
+def test_staleness_is_declared_non_negative():
+    assert load_config().rollout.staleness == 0
+    assert error_of("rollout.staleness=-1") == "rollout.staleness=-1: expected >= 0 (0 = on-policy)"
+
+
+@pytest.mark.parametrize("overrides, shape, message", [
+    (["rollout.staleness=1"], (4, 4, 1), "rollout.staleness=1 needs a rollout pool of its own"),
+    (["rollout.staleness=2", "placement.mode=colocate"], (2, 2, 1), "rollout.staleness=2 needs a rollout pool of its own"),
+    (GEN_TRAIN + ["placement.roles={rollout: gen, actor: train}", "rollout.ranks=all"], (2, 2, 1),
+     "rollout.ranks=all with a rollout pool of its own"),
+    (GEN_TRAIN + ["placement.roles={rollout: gen, actor: train}", "rollout.stream_chunks=2"], (2, 2, 1),
+     "rollout.stream_chunks=2 with a rollout pool of its own"),
+    (["placement.mode=custom", "placement.pools={gen: 3, train: 1}", "placement.roles={rollout: gen, actor: train}",
+      "data.train_batch_size=16", "actor.ppo_mini_batch_size=16", "critic.ppo_mini_batch_size=16"], (4, 4, 1),
+     "data.train_batch_size=16 is not divisible by the rollout pool size 3"),
+])
+def test_checks_that_need_the_placement_name_the_key(overrides, shape, message):
+    with pytest.raises(ConfigError) as e:
+        _placed(overrides, shape)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_staleness_without_a_correction_warns():
+    from spmdsplit.config import config_warnings
+
+    stale = GEN_TRAIN + ["placement.roles={rollout: gen, actor: train}", "rollout.staleness=1"]
+    assert any(w.startswith("rollout.staleness=1 with algorithm.rollout_correction.rollout_is=null")
+               for w in config_warnings(load_config(None, stale)))
+    for fix in ("algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.bypass_mode=true"):
+        assert config_warnings(load_config(None, stale + [fix])) == []
+
+
+GRPO = ["algorithm.adv_estimator=grpo", "rollout.n=2"]
+
+
+@pytest.mark.parametrize("overrides", [
+    ["placement.mode=colocate"],
+    GEN_TRAIN + ["placement.roles={rollout: gen, actor: train}"],  # rollout | actor: the reward on the actor's pool
+    GEN_TRAIN + ["placement.roles={rollout: gen, actor: train, critic: train}"],
+])
+def test_grpo_without_a_reward_model_where_the_critic_group_sits_with_the_actor(overrides):
+    load_config(None, GRPO + overrides)
+
+
+@pytest.mark.parametrize("overrides", [
+    [],  # today's split
+    ["placement.mode=custom", "placement.pools=[1,1]"],
+    GEN_TRAIN + ["placement.roles={actor: gen, critic: train}"],
+    ["placement.mode=custom", "placement.pools={gen: 1, policy: 1, value: 1}",
+     "placement.roles={rollout: gen, actor: policy, critic: value}"],
+])
+def test_grpo_without_a_reward_model_refused_where_the_critic_group_has_a_pool_of_its_own(overrides):
+    assert error_of(*GRPO, *overrides).startswith("algorithm.adv_estimator=grpo trains no critic")
+
+
+def test_vllm_tensor_parallel_groups_lie_inside_one_of_three_pools():
+    from spmdsplit.config import check_rollout_placement
+
+    cfg = load_config()
+    cfg.rollout.name, cfg.rollout.tensor_model_parallel_size = "vllm", 2  # set after loading: no vLLM needed
+    check_rollout_placement(cfg, [0, 1], [4, 5], 6, [2, 3])  # actor [0,1], rollout [2,3], critic [4,5]
+    with pytest.raises(ConfigError, match=r"straddles the rollout pool \[1, 2\] and the actor pool \[0\] and "
+                                          r"the critic pool \[3\]; use a size that divides every pool"):
+        check_rollout_placement(cfg, [0], [3], 4, [1, 2])

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -256,6 +258,100 @@ def test_launch_shape_from_process_env(monkeypatch):
     assert launch_shape_from_env() == (8, 4, 2)
 
 
+# --------------------------------------------------------------------------- role groups on named pools
+
+
+def named(pools, roles, *, lws, nnodes=1, unit="ranks_per_node"):
+    return plan_placement("custom", pools, unit, lws * nnodes, lws, nnodes, roles)
+
+
+def test_named_pools_all_on_one_pool_is_colocate():
+    p = named({"all": 4}, {"rollout": "all", "actor": "all", "critic": "all"}, lws=4)
+    assert p.actor_ranks == p.critic_ranks == p.rollout_ranks == (0, 1, 2, 3)
+    assert p.colocated and not p.rollout_apart
+    assert p.describe() == "custom: actor and critic pools share ranks [0-3] (1 node x 4, roles take turns)"
+
+
+def test_named_pools_rollout_with_the_actor_is_todays_split():
+    p = named({"train": 2, "value": 2}, {"actor": "train", "critic": "value"}, lws=4)  # rollout defaults to the actor's
+    q = plan("split", lws=4)
+    assert (p.actor_ranks, p.critic_ranks, p.rollout_ranks) == (q.actor_ranks, q.critic_ranks, q.rollout_ranks)
+    assert p.describe() == "custom: actor pool ranks [0, 1] | critic pool ranks [2, 3] (1 node x 2+2)"
+
+
+def test_named_pools_rollout_apart_from_actor_and_critic():
+    p = named({"gen": 1, "train": 1}, {"rollout": "gen", "actor": "train", "critic": "train"}, lws=2)
+    assert p.actor_ranks == p.critic_ranks == (0,) and p.rollout_ranks == (1,)
+    assert p.rollout_apart and p.colocated
+    assert p.roles_of(0) == {"actor", "critic"} and p.roles_of(1) == {"rollout"}
+    assert p.describe() == "custom: rollout pool ranks [1] | actor+critic pool ranks [0] (1 node x 1+1)"
+
+
+def test_named_pools_grpo_rollout_actor_puts_the_critic_group_with_the_actor():
+    p = named({"gen": 2, "train": 6}, {"rollout": "gen", "actor": "train"}, lws=8, nnodes=2)
+    assert p.actor_ranks == p.critic_ranks == (0, 1, 2, 3, 4, 5, 8, 9, 10, 11, 12, 13)
+    assert p.rollout_ranks == (6, 7, 14, 15)
+    assert p.describe() == (
+        "custom: rollout pool ranks [6, 7, 14, 15] | actor+critic pool ranks [0-5, 8-13] (2 nodes x 2+6)"
+    )
+
+
+def test_named_pools_three_pools_actor_first_then_the_mappings_order():
+    p = named({"gen": 1, "policy": 1, "value": 1}, {"rollout": "gen", "actor": "policy", "critic": "value"}, lws=3)
+    assert (p.actor_ranks, p.rollout_ranks, p.critic_ranks) == ((0,), (1,), (2,))
+    assert p.describe() == (
+        "custom: rollout pool ranks [1] | actor pool ranks [0] | critic pool ranks [2] (1 node x 1+1+1)"
+    )
+
+
+def test_named_pools_whole_nodes():
+    p = named({"gen": 1, "policy": 2, "value": 1}, {"rollout": "gen", "actor": "policy", "critic": "value"},
+              lws=4, nnodes=4, unit="nodes")
+    assert p.actor_ranks == tuple(range(8)) and p.rollout_ranks == tuple(range(8, 12))
+    assert p.critic_ranks == tuple(range(12, 16))
+    assert p.describe().endswith("(1+2+1 nodes x 4)")
+
+
+@pytest.mark.parametrize(
+    "pools, roles, lws, message",
+    [
+        ({"gen": 1, "train": 1}, {"rollout": "gen", "critic": "gen", "actor": "train"}, 2,
+         "placement.roles.rollout=gen: the rollout group sits either with the actor"),
+        ({"gen": 1, "train": 1, "x": 1}, {"rollout": "gen", "actor": "train"}, 3,
+         "placement.pools.x=1: no role group is placed on pool x"),
+        ({"gen": 1, "train": 1}, {"rollout": "gen", "actor": "tr"}, 2,
+         "placement.roles.actor=tr: no pool of that name in placement.pools={gen: 1, train: 1}; use one of gen, train"),
+        ({"gen": 1, "train": 1}, {"rolout": "gen", "actor": "train"}, 2,
+         "placement.roles.rolout=gen: unknown role group; the role groups are rollout, actor, critic"),
+        ({"gen": 0, "train": 2}, {"rollout": "gen", "actor": "train"}, 2,
+         "placement.pools.gen=0: each pool needs at least 1 rank per node"),
+        ({"gen": 1, "train": 2}, {"rollout": "gen", "actor": "train"}, 2,
+         "placement.pools={gen: 1, train: 2} adds up to 3, but with placement.pool_unit=ranks_per_node it must add "
+         "up to the ranks per node (2, LOCAL_WORLD_SIZE), e.g. placement.pools={gen: 1, train: 1}"),
+        ({"gen": 1, "train": 1}, {"rollout": "gen"}, 2, "does not place the actor; add placement.roles.actor="),
+        ({"gen": 1, "train": 1}, None, 2, "placement.pools={gen: 1, train: 1} names pools: place the role groups"),
+    ],
+)
+def test_named_pools_refusals_name_the_key(pools, roles, lws, message):
+    with pytest.raises(PlacementError) as e:
+        named(pools, roles, lws=lws)
+    assert str(e.value).startswith(message) or message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "mode, pools, message",
+    [
+        ("split", None, "placement.roles={actor: x} is only used with placement.mode=custom"),
+        ("colocate", None, "placement.roles={actor: x} is only used with placement.mode=custom"),
+        ("custom", [1, 1], "placement.roles={actor: x} needs placement.pools as a mapping pool name -> size"),
+    ],
+)
+def test_roles_need_custom_and_named_pools(mode, pools, message):
+    with pytest.raises(PlacementError, match="^" + re.escape(message)):
+        plan_placement(mode, pools, "ranks_per_node", 2, 2, 1, {"actor": "x"})
+
+
 # --------------------------------------------------------------------------- real groups (gloo)
 
 
@@ -279,11 +375,22 @@ def _pool_report(pools: Pools, pool: str):
     }
 
 
+def _rollout_report(pools: Pools):
+    group = pools.rollout_group
+    if group is None:
+        return None
+    t = torch.tensor([float(pools.rank)])
+    dist.all_reduce(t, group=group)
+    return {"sum": t.item(), "group_ranks": dist.get_process_group_ranks(group)}
+
+
 def _probe(pools: Pools):
     return {
         "rank": pools.rank,
         "is_actor": pools.is_actor,
         "is_critic": pools.is_critic,
+        "in_rollout_pool": pools.in_rollout_pool,
+        "rollout": _rollout_report(pools),
         "actor": _pool_report(pools, "actor"),
         "critic": _pool_report(pools, "critic"),
         "same_group": pools.actor_group is pools.critic_group and pools.actor_group is not None,
@@ -296,9 +403,9 @@ def _build_scenarios(rank, world_size, scenarios):
     rank in the same order, as build_pools requires) and probes each. Starting processes
     costs seconds here, so one world serves several scenarios."""
     out = {"env_shape": launch_shape_from_env()}
-    for name, mode, pools_cfg, unit, shape in scenarios:
+    for name, mode, pools_cfg, unit, shape, *roles in scenarios:
         shape = shape or out["env_shape"]  # None: plan from torchrun's env, as a real run does
-        pools = build_pools(plan_placement(mode, pools_cfg, unit, *shape), torch.device("cpu"))
+        pools = build_pools(plan_placement(mode, pools_cfg, unit, *shape, *roles), torch.device("cpu"))
         assert pools.rank == rank
         out[name] = _probe(pools)
     # The world group still works after all the pool groups: nobody was left in a creation.
@@ -331,6 +438,12 @@ def four_ranks():
         ("split", "split", None, "ranks_per_node", (4, 4, 1)),
         ("custom_3_1", "custom", [3, 1], "ranks_per_node", (4, 4, 1)),
         ("per_node_1_1", "custom", [1, 1], "ranks_per_node", None),
+        # a rollout pool apart, after pools with none: every rank makes the same calls in order
+        ("gen_train_per_node", "custom", {"gen": 1, "train": 1}, "ranks_per_node", None,
+         {"rollout": "gen", "actor": "train"}),
+        ("three_pools", "custom", {"gen": 1, "policy": 2, "value": 1}, "ranks_per_node", (4, 4, 1),
+         {"rollout": "gen", "actor": "policy", "critic": "value"}),
+        ("colocate_again", "colocate", None, "ranks_per_node", (4, 4, 1)),
     ]
     results = run_ranks(_build_scenarios, 4, scenarios, timeout=60, local_world_size=2)
     assert all(r["world_sum"] == 4.0 for r in results)
@@ -358,6 +471,37 @@ def test_build_pools_custom_per_node_on_two_simulated_nodes(four_ranks):
     results = four_ranks["per_node_1_1"]
     _check_pool(results, "actor", [0, 2])
     _check_pool(results, "critic", [1, 3])
+
+
+def _check_rollout_pool(results, ranks):
+    for rank, res in enumerate(results):
+        assert res["in_rollout_pool"] == (rank in ranks)
+        if rank in ranks:
+            assert res["rollout"] == {"sum": float(sum(ranks)), "group_ranks": list(ranks)}
+        else:
+            assert res["rollout"] is None
+
+
+def test_build_pools_rollout_pool_apart_per_node(four_ranks):
+    # 2 nodes x 2 ranks, {gen: 1, train: 1} per node: train (actor+critic) [0, 2], gen [1, 3].
+    results = four_ranks["gen_train_per_node"]
+    _check_pool(results, "actor", [0, 2])
+    _check_pool(results, "critic", [0, 2])
+    assert all(r["same_group"] for r in results[::2])
+    _check_rollout_pool(results, [1, 3])
+    assert [r["is_actor"] or r["is_critic"] for r in results] == [True, False, True, False]
+
+
+def test_build_pools_three_pools(four_ranks):
+    results = four_ranks["three_pools"]
+    _check_pool(results, "actor", [0, 1])
+    _check_pool(results, "critic", [3])
+    _check_rollout_pool(results, [2])
+
+
+def test_build_pools_no_rollout_group_when_it_sits_with_the_actor(four_ranks):
+    for name in ("split", "custom_3_1", "per_node_1_1", "colocate_again"):
+        assert all(r["rollout"] is None and not r["in_rollout_pool"] for r in four_ranks[name])
 
 
 def _wrong_world_then_colocate(rank, world_size):

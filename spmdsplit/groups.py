@@ -6,14 +6,17 @@ drift apart and the job hangs at its first collective. The order is therefore pa
 protocol between ranks, and it is written here, once:
 
   1. the pools' groups (spmdsplit/placement.py build_pools): actor pool, critic pool
-     (one shared group when colocated); each pool trains with FSDP2/ZeRO over its own
+     (one shared group when colocated), rollout pool (only when it has ranks of its own);
+     each trained pool trains with FSDP2/ZeRO over its own
   2. `bulk`     over the world, the backend's (NCCL on GPUs): rows between the pools
   3. `control`  over the world, gloo: small pickled objects (metrics, checkpoint hand-off)
   4. `stop`     over the world, gloo: the stop vote at each step (spmdsplit/preempt.py)
   5. `handoff`  over the world, only with placement.overlap=false in split placement: the
                 barrier that makes the pools take turns (the thing that mode measures)
-  6. `weights`  the actor pool's first rank + the critic pool, only with rollout.ranks=all:
-                the weight broadcast to the critic pool's engines (spmdsplit/weight_sync.py)
+  6. `weights`  one group per weight source, each with the ranks whose engines it feeds
+                (spmdsplit/weight_sync.py): with a rollout pool of its own, every actor rank +
+                the rollout pool, in actor-rank order; with rollout.ranks=all, the actor pool's
+                first rank + the critic pool
   7. vLLM's own groups over the world (tensor-, pipeline-, data-parallel, ..., for the device
      and for gloo), only with rollout.name=vllm: vLLM creates them itself, engine or not
 
@@ -45,7 +48,8 @@ class ProcessGroups:
     control: ProcessGroup
     stop: ProcessGroup
     handoff: ProcessGroup | None
-    weights: ProcessGroup | None
+    weight_sources: list[int]  # empty: no engine outside the actor pool
+    weights: list[ProcessGroup | None]  # weights[j]: weight_sources[j] + the receiving ranks
 
 
 def blocking_handoff(cfg, placement: Placement) -> bool:
@@ -59,9 +63,13 @@ def critic_pool_generates(cfg, placement: Placement) -> bool:
     return cfg.rollout.ranks == "all" and not placement.colocated
 
 
-def weight_broadcast_ranks(placement: Placement) -> list[int]:
-    """The actor pool's first rank (the source) and the critic pool's ranks."""
-    return sorted({placement.actor_ranks[0], *placement.critic_ranks})
+def weight_sources_and_receivers(cfg, placement: Placement) -> tuple[list[int], list[int]]:
+    """Who sends the policy's weights to engines outside the actor pool, and who receives them."""
+    if placement.rollout_apart:
+        return list(placement.actor_ranks), list(placement.rollout_ranks)
+    if critic_pool_generates(cfg, placement):
+        return [placement.actor_ranks[0]], list(placement.critic_ranks)
+    return [], []
 
 
 def create_process_groups(cfg, placement: Placement, device: torch.device) -> ProcessGroups:
@@ -76,15 +84,14 @@ def create_process_groups(cfg, placement: Placement, device: torch.device) -> Pr
     control = dist.new_group(world, backend="gloo", timeout=between)  # 3
     stop = dist.new_group(world, backend="gloo", timeout=between)  # 4
     handoff = dist.new_group(world, timeout=between) if blocking_handoff(cfg, placement) else None  # 5
-    weights = None
-    if critic_pool_generates(cfg, placement):  # 6
-        weights = _member_or_none(dist.new_group(weight_broadcast_ranks(placement), timeout=between))
+    sources, receivers = weight_sources_and_receivers(cfg, placement)
+    weights = [_member_or_none(dist.new_group(sorted({src, *receivers}), timeout=between)) for src in sources]  # 6
     if cfg.rollout.name == "vllm":  # 7
         from spmdsplit.roles.build import compute_dtypes
         from spmdsplit.rollout.vllm_engine import init_vllm_distributed
 
         init_vllm_distributed(cfg, cfg.model.path, device, compute_dtypes(cfg, device)[0])
-    return ProcessGroups(pools, bulk, control, stop, handoff, weights)
+    return ProcessGroups(pools, bulk, control, stop, handoff, sources, weights)
 
 
 def _member_or_none(group) -> ProcessGroup | None:

@@ -1,16 +1,21 @@
-"""rollout.ranks=all: the critic pool's rollout engines get the policy's weights from the actor pool.
+"""The policy's weights from the actor pool to rollout engines on other ranks, bucket by bucket.
 
-The actor pool streams its weights into its own rollout engines every step (one tensor at a time,
-gathered from the shards: `engine.iter_full_weights`). Its first rank also packs what it streams
-into buckets of `rollout.weight_bucket_mb` and broadcasts each over a group of itself and the
-critic pool (`weights` in spmdsplit/groups.py); the critic ranks unpack each bucket into their own
-engine as it arrives. So no rank ever holds more than one bucket beyond its engine, and the
-broadcast runs while the actor pool's own engines load.
+Two users: `rollout.ranks=all` (the critic pool's engines generate too) and a rollout pool of its
+own (placement.roles). The actor pool streams its weights one tensor at a time, gathered from the
+shards (`engine.iter_full_weights`), so every actor rank sees the whole stream. The stream is cut
+into buckets of `rollout.weight_bucket_mb`, and bucket i is broadcast by source i mod S over that
+source's group with the receiving ranks (spmdsplit/groups.py makes one group per source, at
+start-up, on every rank): with a rollout pool apart every actor rank is a source, so the send is
+spread over the actor pool's links instead of funnelled through one rank; with rollout.ranks=all
+the actor pool's first rank is the only one (it also feeds its own engine as the stream passes).
+The receivers unpack each bucket into their engine as it arrives, so no rank holds more than one
+bucket beyond its engine.
 
-The bucket layout (which tensors, their dtype, shape and offset) is the same every step, so it
-travels once: at the first sync each bucket is preceded by a small pickled list of (name, dtype,
-shape, offset, nbytes), an empty list ends the stream, and both sides keep the layout. Every later
-sync is the buckets' bytes alone; the sender checks that its stream still fits the layout.
+The bucket layout (which tensors, their dtype, shape and offset) is the same every sync, so it
+travels once: at the first sync each bucket's owner broadcasts a small pickled list of (name,
+dtype, shape, offset, nbytes) before its bytes, and an empty list from the next bucket's owner
+ends the stream; every source computes the same layout from the same stream, and every later sync
+is the buckets' bytes alone, each source checking that its stream still fits the layout.
 """
 
 from __future__ import annotations
@@ -25,16 +30,21 @@ _ALIGN = 16
 
 
 class WeightBroadcast:
-    def __init__(self, src: int, group, device: torch.device, bucket_mb: float):
-        """`group`: the actor pool's first rank `src` and the critic pool (spmdsplit/groups.py)."""
-        self.src, self.group = src, group
+    def __init__(self, sources: list[int], groups: list, device: torch.device, bucket_mb: float):
+        """`groups[j]`: source `sources[j]` and the receiving ranks (None where this rank is not in it)."""
+        self.sources, self.groups = list(sources), list(groups)
         self.device = device
         self.bucket_bytes = max(1, int(bucket_mb * 2**20))
-        self.layout: list[list[tuple]] | None = None  # each bucket's specs, known to both sides after the first sync
+        self.layout: list[list[tuple]] | None = None  # each bucket's specs, known to every side after the first sync
+
+    def owner(self, index: int) -> tuple[int, object]:
+        """The source that broadcasts bucket `index`, and its group."""
+        j = index % len(self.sources)
+        return self.sources[j], self.groups[j]
 
     def send(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """On the actor pool's first rank: passes `weights` through (to its own engine) and
-        broadcasts them, bucket by bucket, on the way."""
+        """On a source rank: passes `weights` through (to its own engine, if it has one) and
+        broadcasts the buckets it owns on the way."""
         first = self.layout is None
         layout = [] if first else self.layout
         bucket: list[tuple[str, torch.Tensor]] = []
@@ -44,24 +54,31 @@ class WeightBroadcast:
             bucket.append((name, tensor))
             size += _padded(tensor)
             if (size >= self.bucket_bytes) if first else (index < len(layout) and len(bucket) == len(layout[index])):
-                self._send_bucket(bucket, layout, None if first else index)
+                self._send_bucket(bucket, layout, index, first)
                 bucket, size, index = [], 0, index + 1
         if first:
             if bucket:
-                self._send_bucket(bucket, layout, None)
-            self._broadcast_specs([])  # the end of the first stream
+                self._send_bucket(bucket, layout, index, first)
+                index += 1
+            if self._mine(index):
+                self._broadcast_specs(index, [])  # the end of the first stream
             self.layout = layout
         elif bucket or index != len(layout):
             raise RuntimeError(f"weight broadcast: the policy streamed {index} whole buckets and {len(bucket)} more "
                                f"tensors, where the layout of the first sync has {len(layout)} buckets")
 
+    def push(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """On a source rank with no engine of its own: the whole stream, sent."""
+        for _ in self.send(weights):
+            pass
+
     def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """On a critic rank: the weights, as they arrive (views into the current bucket)."""
+        """On a receiving rank: the weights, as they arrive (views into the current bucket)."""
         first = self.layout is None
         layout = [] if first else self.layout
         for index in itertools.count():
             if first:
-                specs = self._broadcast_specs(None)
+                specs = self._broadcast_specs(index, None)
                 if not specs:
                     break
                 layout.append(specs)
@@ -70,33 +87,42 @@ class WeightBroadcast:
             specs = layout[index]
             buffer = torch.empty(sum(nbytes_padded for *_, nbytes_padded in specs), dtype=torch.uint8,
                                  device=self.device)
-            dist.broadcast(buffer, src=self.src, group=self.group)
+            src, group = self.owner(index)
+            dist.broadcast(buffer, src=src, group=group)
             for name, dtype, shape, offset, nbytes, _ in specs:
                 yield name, buffer[offset: offset + nbytes].view(dtype).view(shape)
         self.layout = layout
 
-    def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], layout: list, index: int | None) -> None:
-        """Broadcasts one bucket's bytes; at the first sync (`index` None) its specs go first and
-        join `layout`, later they must equal `layout[index]`."""
+    def _mine(self, index: int) -> bool:
+        return dist.get_rank() == self.owner(index)[0]
+
+    def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], layout: list, index: int, first: bool) -> None:
+        """Bucket `index`: at the first sync its specs join `layout` (and go out first, from its
+        owner), later they must equal `layout[index]`; its owner broadcasts its bytes."""
         specs, offset = [], 0
         for name, tensor in bucket:
             nbytes = tensor.numel() * tensor.element_size()
             specs.append((name, tensor.dtype, tuple(tensor.shape), offset, nbytes, _padded(tensor)))
             offset += _padded(tensor)
-        if index is None:
-            self._broadcast_specs(specs)
+        if first:
             layout.append(specs)
         elif specs != layout[index]:
             raise RuntimeError(f"weight broadcast: bucket {index} holds {[s[:3] for s in specs][:3]}..., the layout "
                                f"of the first sync {[s[:3] for s in layout[index]][:3]}...")
+        if not self._mine(index):
+            return  # another source sends this one
+        if first:
+            self._broadcast_specs(index, specs)
         buffer = torch.empty(offset, dtype=torch.uint8, device=self.device)
         for (_, _, _, off, nbytes, _), (_, tensor) in zip(specs, bucket):
             buffer[off: off + nbytes].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
-        dist.broadcast(buffer, src=self.src, group=self.group)
+        src, group = self.owner(index)
+        dist.broadcast(buffer, src=src, group=group)
 
-    def _broadcast_specs(self, specs):
+    def _broadcast_specs(self, index: int, specs):
+        src, group = self.owner(index)
         box = [specs]
-        dist.broadcast_object_list(box, src=self.src, group=self.group,
+        dist.broadcast_object_list(box, src=src, group=group,
                                    device=self.device if self.device.type == "cuda" else None)
         return box[0]
 

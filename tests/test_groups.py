@@ -50,12 +50,11 @@ def _create(rank, world, overrides):
                   groups.handoff):
         if group is not None:
             dist.all_reduce(one.clone(), group=group)
-    if groups.weights is not None:
-        t = torch.tensor([float(rank)])
-        dist.broadcast(t, src=placement.actor_ranks[0], group=groups.weights)
-        assert t.item() == placement.actor_ranks[0]
-    elif "rollout.ranks=all" in overrides:
-        assert rank not in placement.critic_ranks and rank != placement.actor_ranks[0]
+    for src, group in zip(groups.weight_sources, groups.weights):
+        if group is not None:
+            t = torch.tensor([float(rank)])
+            dist.broadcast(t, src=src, group=group)
+            assert t.item() == src
     return calls
 
 

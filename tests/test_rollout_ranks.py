@@ -63,7 +63,7 @@ def broadcast_three_syncs(rank, world_size):
         return plain(*args, **kwargs)
 
     dist.broadcast_object_list = counted
-    sync = WeightBroadcast(0, dist.new_group([0, 1]), torch.device("cpu"), bucket_mb=0.00004)  # 41 B: buckets of 1, 3, 1
+    sync = WeightBroadcast([0], [dist.new_group([0, 1])], torch.device("cpu"), bucket_mb=0.00004)  # 41 B: buckets of 1, 3, 1
     shapes = [(3, 4), (5,), (2, 2), (7,), (1, 3)]
     got = []
     for version in range(3):

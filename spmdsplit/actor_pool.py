@@ -17,8 +17,9 @@ from spmdsplit.groups import critic_pool_generates
 from spmdsplit.messages import PoolChannel, check_rows
 from spmdsplit.metrics import PhaseTimer, rollout_correction_metrics, rollout_probs_diff_metrics
 from spmdsplit.placement import Pools
-from spmdsplit.roles.build import ActorPoolRoles
+from spmdsplit.roles.build import ActorPoolRoles, compute_dtypes
 from spmdsplit.rollout import row_seeds
+from spmdsplit.staleness import check_weights_version, weights_needed
 from spmdsplit.weight_sync import WeightBroadcast
 
 
@@ -28,38 +29,18 @@ class ActorPool:
         self.cfg, self.pools, self.channel, self.timer = cfg, pools, channel, timer
         self.actor, self.ref, self.rollout = roles.actor, roles.ref, roles.rollout
         self.dataset, self.tokenizer, self.handoff = dataset, tokenizer, handoff
-        self.weights = weights  # rollout.ranks=all: the broadcast to the critic pool's engines
+        self.weights = weights  # the broadcast to engines elsewhere (a rollout pool, rollout.ranks=all's)
         self.chunks = cfg.rollout.stream_chunks
         self.sends = PendingSend()  # this step's sends to the critic pool, waited for at its end
         self.rollout_metrics: dict[str, float] = {}
         self.tokens_per_rank: dict[str, list[list[int]]] = {}  # pool -> [before, after] balancing, per rank
 
     def roll_out(self, step: int) -> Batch:
-        """gen (chunk by chunk, each sent on at once) -> old_log_prob -> ref [-> log-probs sent]."""
+        """gen (chunk by chunk, each sent on at once), or the rows from a rollout pool of its own
+        -> old_log_prob -> ref [-> log-probs sent]."""
         phase, channel = self.timer.phase, self.channel
-        shares = engine_shares(self.cfg, self.dataset, self.tokenizer, step, generating_ranks(self.cfg, self.pools))
-        with phase("sync_weights", step) as event:
-            self.wake_rollout()
-            event.update(self.timer.device_in_use())  # the engine's share included (tools/gpu_check.py)
-        parts = []
         self.tokens_per_rank = {}  # this step's, for the balance metrics
-        for c in range(self.chunks):
-            with phase("gen", step, chunk=c):
-                parts.append(self.generate(shares.chunk(c, self.chunks)))
-            if c == self.chunks - 1:
-                # Before the last rows go out: vLLM's sleep synchronises the device, which on
-                # NCCL would wait for the critic pool to take a pending send.
-                with phase("rollout_sleep", step):
-                    self.rollout.sleep()
-            if not self.weights:
-                parts[-1] = self.balance(step, c, parts[-1])
-                self.sends.add(channel.send_rollout(step, c, parts[-1]))
-        if self.weights:  # rollout.ranks=all: the critic pool generated the rest of the rows
-            self.sends.add(channel.send_generated(step, parts[0]))
-            with phase("exchange/generated", step) as stats:
-                parts = [channel.recv_generated(step, stats)]
-            parts = [self.balance(step, 0, parts[0])]  # once the actor pool holds every row
-            self.sends.add(channel.send_rollout(step, 0, parts[0]))
+        parts = self.receive_generated(step) if self.pools.placement.rollout_apart else self.generate_step(step)
         # Each chunk is as wide as its longest response (rollout/base.py): pad them to one width.
         rollout = Batch.concat(parts, pad_to_widest=True)
         self.rollout_metrics = {}
@@ -82,6 +63,42 @@ class ActorPool:
                 self.sends.add(channel.send_log_probs(step, c, part))
         return rollout
 
+    def generate_step(self, step: int) -> list[Batch]:
+        """The rollout group on this pool: the engines wake with the policy's weights and generate
+        the step's prompts chunk by chunk, each sent on to the critic pool at once."""
+        phase, channel = self.timer.phase, self.channel
+        shares = engine_shares(self.cfg, self.dataset, self.tokenizer, step, generating_ranks(self.cfg, self.pools))
+        with phase("sync_weights", step) as event:
+            self.wake_rollout()
+            event.update(self.timer.device_in_use())  # the engine's share included (tools/gpu_check.py)
+        parts = []
+        for c in range(self.chunks):
+            with phase("gen", step, chunk=c):
+                parts.append(self.generate(shares.chunk(c, self.chunks)))
+            if c == self.chunks - 1:
+                # Before the last rows go out: vLLM's sleep synchronises the device, which on
+                # NCCL would wait for the critic pool to take a pending send.
+                with phase("rollout_sleep", step):
+                    self.rollout.sleep()
+            if not self.weights:
+                parts[-1] = self.balance(step, c, parts[-1])
+                self.sends.add(channel.send_rollout(step, c, parts[-1]))
+        if self.weights:  # rollout.ranks=all: the critic pool generated the rest of the rows
+            self.sends.add(channel.send_generated(step, parts[0]))
+            return self.receive_generated(step)
+        return parts
+
+    def receive_generated(self, step: int) -> list[Batch]:
+        """Rows generated elsewhere (a rollout pool, or rollout.ranks=all's critic pool), balanced
+        once this pool holds all of them, then sent on to the critic pool."""
+        with self.timer.phase("exchange/generated", step) as stats:
+            rows = self.channel.recv_generated(step, stats)
+        if "weights_version" in rows:
+            check_weights_version(rows, step, self.cfg.rollout.staleness)
+        rows = self.balance(step, 0, rows)
+        self.sends.add(self.channel.send_rollout(step, 0, rows))
+        return [rows]
+
     def update(self, step: int, rollout: Batch) -> dict[str, float]:
         """Advantages in -> update_actor. Returns the actor's metrics."""
         advantages = []
@@ -99,6 +116,9 @@ class ActorPool:
                 metrics = self.actor.update_policy(rollout, seed=self.cfg.trainer.seed * 7919 + step)
         self.sends.wait()
         self.sends = PendingSend()
+        if self.pools.placement.rollout_apart and weights_needed(self.cfg, step):
+            with self.timer.phase("sync_weights", step):  # the weights of this update, to the rollout pool
+                self.push_weights()
         metrics.update(self.rollout_metrics)
         if self.tokens_per_rank:
             metrics.update(self.balance_metrics())
@@ -159,51 +179,67 @@ class ActorPool:
     def generate(self, shares: "EngineShares", validate: bool = False) -> Batch:
         return shares.generate(self.rollout, self.pools.device, validate)
 
+    def push_weights(self) -> None:
+        """A rollout pool of its own: every actor rank gathers the whole stream from the shards
+        and broadcasts its share of the buckets (spmdsplit/weight_sync.py)."""
+        self.weights.push(self.actor.engine.iter_full_weights(compute_dtypes(self.cfg, self.pools.device)[0]))
+
     def wake_rollout(self, broadcast: bool = True) -> None:
         """The rollout engine wakes with the policy's current weights, streamed from the shards
         (and, with rollout.ranks=all, broadcast on to the critic pool's engines by the first rank)."""
         weights = self.actor.engine.iter_full_weights(self.rollout.dtype)
-        if broadcast and self.weights and self.pools.rank == self.weights.src:
+        if broadcast and self.weights and self.pools.rank in self.weights.sources:
             weights = self.weights.send(weights)
         self.rollout.wake_up(weights)
 
     def generate_validation(self, step: int, val_rows: list[dict]) -> int:
-        """Responses to the validation set (rollout.val_kwargs, greedy by default), sent to the
-        critic pool to score. The set is cut to a multiple of both pool sizes so every rank holds
-        equal rows; returns the number of responses."""
-        cfg, placement = self.cfg, self.pools.placement
-        n = cfg.rollout.val_kwargs.n
-        rows = usable_val_rows(val_rows, placement)
+        """Responses to the validation set, with the policy's current weights, to the critic pool."""
         with self.timer.phase("sync_weights", step):
             self.wake_rollout(broadcast=False)  # only the actor pool generates validation responses
-        ranges = row_ranges(len(rows), len(placement.actor_ranks))  # equal: usable_val_rows cut them so
-        peers = engine_peers(cfg, self.pools.rank)
-        per_batch = max(1, cfg.data.train_batch_size // len(placement.actor_ranks))  # training-sized batches
-
-        def val_prompts(rank: int, offset: int) -> Batch:
-            start, end = ranges[placement.actor_ranks.index(rank)]
-            first = start + offset
-            prompts = collate_prompts(rows[first:min(end, first + per_batch)], self.tokenizer,
-                                      cfg.data.max_prompt_length, step, first, truncation=cfg.data.truncation)
-            prompts = prompts.repeat_interleave(n)
-            prompts["row_index"] = torch.arange(first * n, first * n + len(prompts), dtype=torch.int64)
-            return prompts
-
-        parts = []
-        with self.timer.phase("val_gen", step):
-            for offset in range(0, len(rows) // len(placement.actor_ranks), per_batch):
-                shares = EngineShares([val_prompts(rank, offset) for rank in peers], peers.index(self.pools.rank))
-                parts.append(self.generate(shares, validate=True))
+        num_rows = generate_validation_rows(self.cfg, self.pools, self.rollout, self.channel, self.timer,
+                                            self.tokenizer, step, val_rows)
         with self.timer.phase("rollout_sleep", step):
             self.rollout.sleep()  # one wake for every batch of the set
-        # Validation rows are not balanced: scoring them is cheap next to a training step.
-        self.channel.send_val_rollout(step, Batch.concat(parts, pad_to_widest=True), len(rows) * n).wait()
-        return len(rows) * n
+        return num_rows
+
+
+def generate_validation_rows(cfg, pools: Pools, rollout_engine, channel: PoolChannel, timer: PhaseTimer, tokenizer,
+                             step: int, val_rows: list[dict]) -> int:
+    """On the ranks of the rollout group, its engines awake: responses to the validation set
+    (rollout.val_kwargs, greedy by default), sent to the critic group to score. The set is cut to
+    a multiple of both pool sizes so every rank holds equal rows; returns the number of responses."""
+    placement = pools.placement
+    n = cfg.rollout.val_kwargs.n
+    rows = usable_val_rows(val_rows, placement)
+    ranks = list(placement.rollout_ranks)
+    ranges = row_ranges(len(rows), len(ranks))  # equal: usable_val_rows cut them so
+    peers = engine_peers(cfg, pools.rank)
+    per_batch = max(1, cfg.data.train_batch_size // len(ranks))  # training-sized batches
+
+    def val_prompts(rank: int, offset: int) -> Batch:
+        start, end = ranges[ranks.index(rank)]
+        first = start + offset
+        prompts = collate_prompts(rows[first:min(end, first + per_batch)], tokenizer,
+                                  cfg.data.max_prompt_length, step, first, truncation=cfg.data.truncation)
+        prompts = prompts.repeat_interleave(n)
+        prompts["row_index"] = torch.arange(first * n, first * n + len(prompts), dtype=torch.int64)
+        return prompts
+
+    parts = []
+    with timer.phase("val_gen", step):
+        for offset in range(0, len(rows) // len(ranks), per_batch):
+            shares = EngineShares([val_prompts(rank, offset) for rank in peers], peers.index(pools.rank))
+            parts.append(shares.generate(rollout_engine, pools.device, validate=True))
+    # Validation rows are not balanced: scoring them is cheap next to a training step.
+    channel.send_val_rollout(step, Batch.concat(parts, pad_to_widest=True), len(rows) * n).wait()
+    return len(rows) * n
 
 
 def generating_ranks(cfg, pools: Pools) -> list[int]:
     """The ranks that generate a training step's rollout, in the order of its global batch."""
     placement = pools.placement
+    if placement.rollout_apart:
+        return list(placement.rollout_ranks)
     if critic_pool_generates(cfg, placement):
         return list(placement.actor_ranks) + list(placement.critic_ranks)
     return list(placement.actor_ranks)
@@ -270,7 +306,7 @@ def generate_rows(rollout_engine, prompts: Batch, device, validate: bool = False
 
 
 def usable_val_rows(val_rows: list[dict], placement) -> list[dict]:
-    unit = math.lcm(len(placement.actor_ranks), len(placement.critic_ranks))
+    unit = math.lcm(len(placement.rollout_ranks), len(placement.critic_ranks))
     rows = val_rows[: len(val_rows) // unit * unit]
     if not rows:
         raise ValueError(f"validation needs at least {unit} rows (one per rank of each pool), got {len(val_rows)}")

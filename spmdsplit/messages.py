@@ -1,10 +1,12 @@
-"""The conversation between the actor pool (A) and the critic pool (C): every message, in order.
+"""The conversation between the pools: every message, in order. A is the actor pool, C the pool of
+the critic group (A itself when they share ranks), R a rollout pool of its own (placement.roles;
+without one, the rollout group sits on A and R means A).
 
 Two links, each a process group over the whole world (spmdsplit/groups.py creates them):
 
   bulk    the backend's group (NCCL on GPUs, gloo on CPU): rows of the global batch, raw tensors
-  control a gloo group, beside NCCL on GPUs as on CPU: small pickled objects, critic pool's first
-          rank C[0] -> world rank 0 (which logs)
+  control a gloo group, beside NCCL on GPUs as on CPU: small pickled objects, the first rank of
+          the critic pool C[0] and of a rollout pool R[0] -> world rank 0 (which logs)
 
 Both wait `trainer.pool_wait_timeout_s`, not `trainer.dist_timeout_s`: a pool that is only busy
 (generating a large validation set, a long update) is not dead. A dead rank is found by the
@@ -14,19 +16,31 @@ At start-up every pair of ranks that a bulk message below joins exchanges one sm
 this order (`PoolChannel.connect`): NCCL connects a pair at its first message and blocks until
 both are there, which must not happen inside the first step.
 
-Per training step k, with N = rollout.stream_chunks:
+Per training step k, with N = rollout.stream_chunks and s = rollout.staleness:
 
   link     from -> to   message                        when
-  (group)  A[0] -> C    the policy's weights           only with rollout.ranks=all: a broadcast
-                                                       (spmdsplit/weight_sync.py), then every rank
-                                                       generates its share of the step's prompts
+  (group)  A -> R       the policy's weights           only with a rollout pool of its own
+                        (version v = k-1)              (spmdsplit/weight_sync.py: bucket i from
+                                                       actor rank i mod |A|), after update k-1 and
+                                                       before R posts GENERATED k, whenever R will
+                                                       generate again or validate (R receives it at
+                                                       validation k-1 if there is one, else at k);
+                                                       at start-up A sends the version it holds
+  bulk     R -> A       GENERATED k                    only with a rollout pool of its own: batch k,
+                                                       generated with the weights of version
+                                                       max(0, k-1-s) during step k-s (each row says
+                                                       its version; A checks it), posted at step k
+                                                       right after that step's weights arrived
+  (group)  A[0] -> C    the policy's weights           only with rollout.ranks=all: a broadcast,
+                                                       then every rank generates its share of the
+                                                       step's prompts
   bulk     A, C -> A    GENERATED k                    only with rollout.ranks=all: the generated
                                                        rows into the actor pool's partition
   bulk     A -> A       BALANCE k, chunk c             only with trainer.balance_batch: once the
                                                        actor pool holds chunk c (after GENERATED
-                                                       with rollout.ranks=all), its rows move
-                                                       between the actor pool's ranks into the
-                                                       balanced order (spmdsplit/balance.py),
+                                                       with rollout.ranks=all or a rollout pool),
+                                                       its rows move between the actor pool's ranks
+                                                       into the balanced order (spmdsplit/balance.py),
                                                        after one all_gather of token counts over
                                                        the actor pool's group; then
   bulk     A -> C       ROLLOUT k, chunk c             each chunk as soon as it is generated
@@ -36,11 +50,15 @@ Per training step k, with N = rollout.stream_chunks:
   bulk     C -> A       ADVANTAGES k, chunk 0 .. N-1   after GAE, before update_critic
   control  C[0] -> 0    CRITIC_METRICS k               after update_critic; rank 0 takes it
                                                        during step k+1, so it never waits for it
+  control  R[0] -> 0    ROLLOUT_METRICS k              only with a rollout pool of its own, after
+                                                       its step k; rank 0 takes it during step k+1
 Validation at step k (after the step, before any checkpoint):
-  bulk     A -> C       VAL_ROLLOUT k
+  bulk     R -> C       VAL_ROLLOUT k                  (R is A without a rollout pool of its own)
   control  C[0] -> 0    VAL_METRICS k                  rank 0 first takes CRITIC_METRICS <= k
 Checkpoint at step k:
   control  C[0] -> 0    CHECKPOINT_WRITTEN k           rank 0 first takes CRITIC_METRICS <= k
+  control  R[0] -> 0    CHECKPOINT_WRITTEN k           only with a rollout pool of its own (whose
+                                                       part holds the batches it generated ahead)
 
 Between two ranks each link is one ordered stream: NCCL matches point-to-point messages in the
 order they were posted and ignores tags, so the receiver posts its receives in exactly the order
@@ -65,6 +83,7 @@ from spmdsplit.placement import Placement
 GENERATED, BALANCE, ROLLOUT, LOG_PROBS, ADVANTAGES = "GENERATED", "BALANCE", "ROLLOUT", "LOG_PROBS", "ADVANTAGES"
 VAL_ROLLOUT = "VAL_ROLLOUT"
 CRITIC_METRICS, VAL_METRICS, CHECKPOINT_WRITTEN = "CRITIC_METRICS", "VAL_METRICS", "CHECKPOINT_WRITTEN"
+ROLLOUT_METRICS = "ROLLOUT_METRICS"
 
 # What the critic pool needs of a rollout (the rest stays with the actor pool). Everything a
 # reward function is called with travels: `extra_info` too (verl's scorers for code and tool
@@ -92,32 +111,38 @@ class PoolChannel:
                  bulk_group, control_group):
         self.bulk = Link([GENERATED, BALANCE, ROLLOUT, LOG_PROBS, ADVANTAGES, VAL_ROLLOUT], bulk_group, device, "bulk")
         self.control_group = control_group
-        self.control = Link([CRITIC_METRICS, VAL_METRICS, CHECKPOINT_WRITTEN], self.control_group, "cpu", "control")
-        self.A, self.C = list(placement.actor_ranks), list(placement.critic_ranks)
+        self.control = Link([CRITIC_METRICS, VAL_METRICS, CHECKPOINT_WRITTEN, ROLLOUT_METRICS], self.control_group,
+                            "cpu", "control")
+        self.A, self.C, self.R = list(placement.actor_ranks), list(placement.critic_ranks), list(placement.rollout_ranks)
+        # Who sends GENERATED: a rollout pool of its own, or with rollout.ranks=all every rank
+        # (set by connect); without either there is no such message.
+        self.G = self.R if placement.rollout_apart else self.A + self.C
         self.rows_per_step, self.chunk_rows = rows_per_step, rows_per_step // chunks
         self.metrics_in_flight = PendingSend()
+        self.rollout_metrics_in_flight = PendingSend()
 
     def connect(self, generated: bool, num_val_rows: int, balanced: bool = False) -> None:
         """Every rank, once, at start-up: each pair of ranks that the bulk messages below will
         join exchanges a first message now, in the order of the schedule (Link.connect says why).
-        `generated`: rollout.ranks=all; `num_val_rows`: validation responses per run (0: none);
+        `generated`: rollout.ranks=all or a rollout pool of its own; `num_val_rows`: validation responses per run (0: none);
         `balanced`: trainer.balance_batch (which actor ranks trade rows depends on the lengths)."""
-        pairs = row_pairs(self.A + self.C, self.A, self.rows_per_step) if generated else []
+        pairs = row_pairs(self.G, self.A, self.rows_per_step) if generated else []
         pairs += all_pairs(self.A) if balanced else []  # BALANCE
         pairs += row_pairs(self.A, self.C, self.chunk_rows)  # ROLLOUT, LOG_PROBS
         pairs += row_pairs(self.C, self.A, self.chunk_rows)  # ADVANTAGES
         if num_val_rows:
-            pairs += row_pairs(self.A, self.C, num_val_rows)  # VAL_ROLLOUT
+            pairs += row_pairs(self.R, self.C, num_val_rows)  # VAL_ROLLOUT
         self.bulk.connect(pairs)
 
-    # ---- rollout.ranks=all: rows generated on every rank (actor pool first, then critic pool)
-    #      move into the actor pool's partition of the same global order
+    # ---- rows generated outside the actor pool's own engines (a rollout pool of its own, or
+    #      rollout.ranks=all: actor pool first, then critic pool) move into the actor pool's
+    #      partition of the same global order
 
     def send_generated(self, step: int, generated: Batch) -> PendingSend:
-        return send_rows(self.bulk, Message(GENERATED, step), generated, self.A + self.C, self.A, self.rows_per_step)
+        return send_rows(self.bulk, Message(GENERATED, step), generated, self.G, self.A, self.rows_per_step)
 
     def recv_generated(self, step: int, stats: dict | None = None) -> Batch:
-        return recv_rows(self.bulk, Message(GENERATED, step), self.A + self.C, self.A, self.rows_per_step, stats)
+        return recv_rows(self.bulk, Message(GENERATED, step), self.G, self.A, self.rows_per_step, stats)
 
     # ---- trainer.balance_batch: the actor pool's rows of a chunk (of the step, with
     #      rollout.ranks=all) into the balanced order, among the actor pool's ranks
@@ -149,10 +174,10 @@ class PoolChannel:
     # ---- validation
 
     def send_val_rollout(self, step: int, batch: Batch, num_rows: int) -> PendingSend:
-        return send_rows(self.bulk, Message(VAL_ROLLOUT, step), batch.select(ROLLOUT_KEYS), self.A, self.C, num_rows)
+        return send_rows(self.bulk, Message(VAL_ROLLOUT, step), batch.select(ROLLOUT_KEYS), self.R, self.C, num_rows)
 
     def recv_val_rollout(self, step: int, num_rows: int) -> Batch:
-        return recv_rows(self.bulk, Message(VAL_ROLLOUT, step), self.A, self.C, num_rows)
+        return recv_rows(self.bulk, Message(VAL_ROLLOUT, step), self.R, self.C, num_rows)
 
     # ---- control: the critic pool's first rank tells world rank 0
 
@@ -165,6 +190,14 @@ class PoolChannel:
     def recv_critic_metrics(self, step: int) -> dict:
         return self.control.recv_object(self.C[0], Message(CRITIC_METRICS, step))
 
+    def send_rollout_metrics(self, step: int, metrics: dict) -> None:
+        # Not waited for, not even the previous one: rank 0 takes step k's during step k+1, after
+        # its update, whose weights this pool may take only after sending (validation).
+        self.rollout_metrics_in_flight.add(self.control.send_object(metrics, 0, Message(ROLLOUT_METRICS, step)))
+
+    def recv_rollout_metrics(self, step: int) -> dict:
+        return self.control.recv_object(self.R[0], Message(ROLLOUT_METRICS, step))
+
     def send_val_metrics(self, step: int, metrics: dict) -> None:
         self.control.send_object(metrics, 0, Message(VAL_METRICS, step)).wait()
 
@@ -174,8 +207,10 @@ class PoolChannel:
     def send_checkpoint_written(self, step: int) -> None:
         self.control.send_object(step, 0, Message(CHECKPOINT_WRITTEN, step)).wait()
 
-    def recv_checkpoint_written(self, step: int) -> None:
-        self.control.recv_object(self.C[0], Message(CHECKPOINT_WRITTEN, step))
+    def recv_checkpoint_written(self, step: int, src: int) -> None:
+        """From `src`: the critic pool's first rank, or a rollout pool's."""
+        self.control.recv_object(src, Message(CHECKPOINT_WRITTEN, step))
 
     def close(self) -> None:
         self.metrics_in_flight.wait()
+        self.rollout_metrics_in_flight.wait()

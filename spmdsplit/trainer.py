@@ -34,6 +34,7 @@ from spmdsplit.metrics import MetricsLogger, PhaseTimer, write_timeline
 from spmdsplit.models import eos_token_ids, load_tokenizer
 from spmdsplit.preempt import StopVote
 from spmdsplit.roles.build import build_actor_pool, build_critic_pool, build_rollout_engine
+from spmdsplit.rollout_pool import RolloutPool
 from spmdsplit.weight_sync import WeightBroadcast
 
 
@@ -55,35 +56,43 @@ class Trainer:
                                    cfg.rollout.stream_chunks, groups.bulk, groups.control)
         val_responses = (len(usable_val_rows(self.val_rows, self.placement)) * cfg.rollout.val_kwargs.n
                          if self.val_rows else 0)
-        self.channel.connect(generated=critic_pool_generates(cfg, self.placement), num_val_rows=val_responses,
+        self.channel.connect(generated=critic_pool_generates(cfg, self.placement) or self.placement.rollout_apart,
+                             num_val_rows=val_responses,
                              balanced=cfg.trainer.balance_batch)
         self.stop_vote = StopVote(groups.stop)
         # The hand-off barrier is over the world on purpose: it is the thing being measured.
         handoff = (lambda: dist.barrier(group=groups.handoff)) if groups.handoff else (lambda: None)
 
-        # rollout.ranks=all: the critic pool generates too, its engines fed by a broadcast.
+        # Engines outside the actor pool (a rollout pool of its own, or rollout.ranks=all's on the
+        # critic pool) get the policy's weights by a bucketed broadcast.
         weights = None
-        if critic_pool_generates(cfg, self.placement):
-            weights = WeightBroadcast(self.actor_ranks[0], groups.weights, self.device, cfg.rollout.weight_bucket_mb)
+        if groups.weight_sources:
+            weights = WeightBroadcast(groups.weight_sources, groups.weights, self.device, cfg.rollout.weight_bucket_mb)
 
         self.tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)  # "" resolved by train.py
         eos_ids = eos_token_ids(cfg.model.path, self.tokenizer)
         self.dataset = PromptDataset(rows["train"], self.batch_size, cfg.data.shuffle, cfg.data.seed)
-        self.actor_pool = self.critic_pool = None
+        self.actor_pool = self.critic_pool = self.rollout_pool = None
+        if pools.in_rollout_pool:
+            self.rollout_pool = RolloutPool(cfg, pools, build_rollout_engine(cfg, pools, self.tokenizer, eos_ids),
+                                            weights, self.channel, self.timer, self.dataset, self.tokenizer)
         if pools.is_actor:
             self.actor_pool = ActorPool(cfg, pools, build_actor_pool(cfg, pools, self.tokenizer, eos_ids),
                                         self.channel, self.timer, self.dataset, self.tokenizer, handoff, weights)
         if pools.is_critic:
             generator = None
-            if weights is not None:
+            if critic_pool_generates(cfg, self.placement):
                 generator = Generator(cfg, pools, build_rollout_engine(cfg, pools, self.tokenizer, eos_ids), weights,
                                       self.channel, self.timer, self.dataset, self.tokenizer)
             self.critic_pool = CriticPool(cfg, pools, build_critic_pool(cfg, pools, self.tokenizer, eos_ids),
                                           self.channel, self.timer, handoff, generator)
         self.seed_sampling()
         self.start_step = 1
-        self.unlogged: dict[int, dict] = {}  # rank 0: step -> {"actor": ..., "critic": ...} until both are in
-        self.critic_metrics_received = 0
+        # Rank 0: step -> {"actor": ..., "critic": ...[, "rollout": ...]} until every pool's part is in.
+        self.unlogged: dict[int, dict] = {}
+        self.sides = ("actor", "critic", "rollout") if self.placement.rollout_apart else ("actor", "critic")
+        self.metrics_received = dict.fromkeys(self.sides[1:], 0)  # the other pools' parts, taken up to this step
+        self.ahead: dict = {}  # a rollout pool's rank: the batches a resumed checkpoint kept
         self.tracking_runs: dict[str, str] = {}  # wandb / MLflow runs a resumed job goes on in
         if resume_from:
             self.load_checkpoint(resume_from)
@@ -102,6 +111,11 @@ class Trainer:
         """Runs the remaining steps; False when it stopped early on request (after checkpointing)."""
         trainer = self.cfg.trainer
         last = trainer.total_steps
+        if self.placement.rollout_apart:  # the rollout pool's engines start with the actor's weights
+            if self.actor_pool:
+                self.actor_pool.push_weights()
+            if self.rollout_pool:
+                self.rollout_pool.start(self.start_step, self.ahead)
         if trainer.val_before_train and self.start_step == 1:
             self.validate(0)
         for step in range(self.start_step, trainer.total_steps + 1):
@@ -117,12 +131,16 @@ class Trainer:
                 break
         completed = last == trainer.total_steps
         if self.rank == 0:
-            self.receive_critic_metrics(upto=last)
+            self.receive_pool_metrics(upto=last)
         self.finish(completed)
         return completed
 
     def train_step(self, step: int) -> None:
         step_start = time.time()
+        if self.rollout_pool:
+            self.rollout_pool.step(step)
+            if self.rank == self.placement.rollout_ranks[0]:
+                self.channel.send_rollout_metrics(step, self.timer.pop_timings())
         if self.actor_pool:
             rollout = self.actor_pool.roll_out(step)
         if self.critic_pool:
@@ -136,15 +154,19 @@ class Trainer:
             if self.rank == 0:
                 # The critic pool sent step k-1's metrics before step k's advantages (step k's
                 # own when rank 0 is its first rank too): taking them now never waits.
-                self.receive_critic_metrics(upto=step if self.critic_ranks[0] == 0 else step - 1)
+                self.receive_pool_metrics(upto=step - 1)
+                if self.critic_ranks[0] == 0:
+                    self.receive_pool_metrics(upto=step, sides=("critic",))
                 timings = {**self.timer.pop_timings(), "timing_s/step": time.time() - step_start}
                 self.record(step, "actor", {**actor_metrics, **timings, **self.throughput(rollout, timings)})
 
     def validate(self, step: int) -> None:
         """Responses to the validation set from the actor pool, scored by the critic pool's reward;
         rank 0 logs verl's val-core/<data_source>/reward/mean@n."""
-        if self.actor_pool:
-            num_rows = self.actor_pool.generate_validation(step, self.val_rows)
+        if self.rollout_pool:
+            self.rollout_pool.validate(step, self.val_rows)
+        elif self.actor_pool and not self.placement.rollout_apart:
+            self.actor_pool.generate_validation(step, self.val_rows)
         if self.critic_pool:
             rows = usable_val_rows(self.val_rows, self.placement)
             num_rows = len(rows) * self.cfg.rollout.val_kwargs.n
@@ -152,7 +174,7 @@ class Trainer:
             if self.rank == self.critic_ranks[0]:
                 self.channel.send_val_metrics(step, metrics)
         if self.rank == 0:
-            self.receive_critic_metrics(upto=step)  # sent before the validation metrics
+            self.receive_pool_metrics(upto=step, sides=("critic",))  # sent before the validation metrics
             self.logger.log_scalars(step, self.channel.recv_val_metrics(step))
 
     # ------------------------------------------------------------------ rank 0's bookkeeping
@@ -162,26 +184,31 @@ class Trainer:
         tokens = rollout["attention_mask"].sum().item() * len(self.actor_ranks)  # rank 0's shard x shards
         return {"perf/time_per_step": step_time, "perf/throughput": tokens / step_time / self.placement.world_size}
 
-    def receive_critic_metrics(self, upto: int) -> None:
-        """Rank 0 logs step k once the critic pool's metrics of step k arrived, which in split
+    def receive_pool_metrics(self, upto: int, sides: tuple[str, ...] | None = None) -> None:
+        """Rank 0 logs step k once the other pools' metrics of step k arrived, which in split
         placement is during step k+1: waiting for them at the end of step k would stop the actor
-        pool from starting the next rollout while the critic still updates."""
-        while self.critic_metrics_received < upto:
-            step = self.critic_metrics_received + 1
-            self.record(step, "critic", self.channel.recv_critic_metrics(step))
-            self.critic_metrics_received = step
+        pool from starting the next rollout while the critic still updates (or the rollout pool
+        still generates ahead)."""
+        for side in sides or self.sides[1:]:
+            while self.metrics_received[side] < upto:
+                step = self.metrics_received[side] + 1
+                recv = self.channel.recv_critic_metrics if side == "critic" else self.channel.recv_rollout_metrics
+                self.record(step, side, recv(step))
+                self.metrics_received[side] = step
 
     def record(self, step: int, side: str, metrics: dict) -> None:
         parts = self.unlogged.setdefault(step, {})
         parts[side] = metrics
-        if len(parts) == 2:
-            self.logger.log(step, {**parts["critic"], **parts["actor"]})
+        if len(parts) == len(self.sides):
+            self.logger.log(step, {k: v for side in reversed(self.sides) for k, v in parts[side].items()})
             del self.unlogged[step]
 
     def finish(self, completed: bool) -> None:
         cfg = self.cfg
         self.timer.record_peak_memory()
         self.channel.close()
+        if self.rollout_pool:
+            self.rollout_pool.finish()
         if self.actor_pool and cfg.trainer.output_dir and completed:  # a stopped run's weights are in its checkpoint
             self.actor_pool.actor.engine.save_hf(cfg.trainer.output_dir, self.tokenizer,
                                                  is_writer=self.rank == self.actor_ranks[0])
@@ -201,9 +228,16 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
 
     def my_pools(self) -> list[str]:
-        return [pool for pool, member in (("actor", self.pools.is_actor), ("critic", self.pools.is_critic)) if member]
+        P = self.pools
+        return [pool for pool, member in (("actor", P.is_actor), ("critic", P.is_critic),
+                                          ("rollout", P.in_rollout_pool)) if member]
+
+    def pool_group(self, pool: str):
+        return self.pools.rollout_group if pool == "rollout" else self.pools.group(pool)
 
     def trained_engine(self, pool: str):
+        if pool == "rollout":
+            return None
         if pool == "actor":
             return self.actor_pool.actor.engine
         critic = self.critic_pool.critic
@@ -216,18 +250,22 @@ class Trainer:
             # the rest is there to notice a different dataset on resume.
             state["data"] = {"prompts_consumed": step * self.batch_size, "dataset_rows": len(self.dataset.rows),
                              "seed": self.cfg.data.seed, "shuffle": self.cfg.data.shuffle}
-        else:
+        elif pool == "critic":
             state["kl_ctrl"] = self.critic_pool.kl_ctrl.state_dict()
+        else:  # the batches generated ahead (rollout.staleness), each rank its own rows of them
+            state["ahead"] = {batch: rows.to("cpu") for batch, rows in self.rollout_pool.ahead.items()}
         return state
 
     def save_checkpoint(self, step: int) -> None:
-        """Each pool writes its half inside its own group; world rank 0 publishes the whole once
-        the critic pool's first rank says its half is on disk (see spmdsplit/checkpoint.py)."""
-        cfg, P, C = self.cfg, self.pools, self.critic_ranks
+        """Each pool writes its part inside its own group; world rank 0 publishes the whole once
+        the critic pool's first rank (and a rollout pool's) says its part is on disk (see
+        spmdsplit/checkpoint.py)."""
+        cfg, C = self.cfg, self.critic_ranks
+        R = list(self.placement.rollout_ranks) if self.placement.rollout_apart else []
         root = cfg.trainer.default_local_dir
         partial = checkpoint.partial_dir(root, step)
         for pool in self.my_pools():
-            group, leader = P.group(pool), self.placement.ranks_of(pool)[0]
+            group, leader = self.pool_group(pool), self.placement.ranks_of(pool)[0]
             folder = os.path.join(partial, pool)
             with self.timer.phase(f"save_checkpoint/{pool}", step):
                 if self.rank == leader:  # a crash may have left a half of this step behind
@@ -239,14 +277,15 @@ class Trainer:
                 if engine is not None:
                     engine.save_checkpoint(os.path.join(folder, "engine"))
                 dist.barrier(group=group)  # every rank's files are written
-        if self.rank == C[0] and C[0] != 0:
+        if (self.rank == C[0] and C[0] != 0) or (R and self.rank == R[0]):
             self.channel.send_checkpoint_written(step)
         if self.rank == 0:
-            self.receive_critic_metrics(upto=step)  # a resumed run logs from step + 1 on
-            if C[0] != 0:
-                self.channel.recv_checkpoint_written(step)
+            self.receive_pool_metrics(upto=step)  # a resumed run logs from step + 1 on
+            for leader in ([C[0]] if C[0] != 0 else []) + R[:1]:
+                self.channel.recv_checkpoint_written(step, leader)
             meta = {"step": step, "world_size": self.placement.world_size, "actor_ranks": self.actor_ranks,
-                    "critic_ranks": self.critic_ranks, "time": time.time(),
+                    "critic_ranks": self.critic_ranks, "rollout_ranks": list(self.placement.rollout_ranks),
+                    "time": time.time(),
                     "config": OmegaConf.to_container(cfg, resolve=True), "tracking_runs": self.logger.run_ids()}
             path = checkpoint.publish(root, step, meta, cfg.trainer.max_ckpt_to_keep)
             print(f"spmdsplit: checkpoint of step {step} written to {path}", flush=True)
@@ -254,13 +293,16 @@ class Trainer:
     def load_checkpoint(self, path: str) -> None:
         meta = checkpoint.read_meta(path)
         step = meta["step"]
-        same_layout = meta["actor_ranks"] == self.actor_ranks and meta["critic_ranks"] == self.critic_ranks
+        same_layout = (meta["actor_ranks"] == self.actor_ranks and meta["critic_ranks"] == self.critic_ranks
+                       and meta.get("rollout_ranks", meta["actor_ranks"]) == list(self.placement.rollout_ranks))
         for pool in self.my_pools():
             folder = os.path.join(path, pool)
             engine = self.trained_engine(pool)
             if engine is not None:
                 engine.load_checkpoint(os.path.join(folder, "engine"))  # DCP reshards if the pool size changed
             mine = os.path.join(folder, f"rank_{self.rank}.pt")
+            if pool == "rollout" and not os.path.isdir(folder):
+                continue  # written without a rollout pool of its own: nothing generated ahead
             state = checkpoint.load_rank_state(mine if same_layout else os.path.join(folder, f"rank_{meta[f'{pool}_ranks'][0]}.pt"))
             if same_layout:
                 checkpoint.set_rng_state(state["rng"], self.device)
@@ -268,6 +310,10 @@ class Trainer:
                 self.seed_sampling(after_step=step)
             if pool == "critic":
                 self.critic_pool.kl_ctrl.load_state_dict(state["kl_ctrl"])
+            elif pool == "rollout":
+                # Another rollout pool size cuts the batches into other shares: they are generated
+                # again, with the checkpoint's weights (within the staleness bound, not the same rows).
+                self.ahead = {b: rows.to(self.device) for b, rows in state["ahead"].items()} if same_layout else {}
             elif state["data"]["dataset_rows"] != len(self.dataset.rows) and self.rank == 0:
                 print(f"spmdsplit: warning: the checkpoint was trained on {state['data']['dataset_rows']} prompts, "
                       f"the data now has {len(self.dataset.rows)}: the data order differs from the stopped run", flush=True)
@@ -276,5 +322,5 @@ class Trainer:
                                            "sampling is reseeded, so the run will not repeat the stopped one exactly)")
             print(f"spmdsplit: resuming from {path} at step {step + 1}{note}", flush=True)
         self.start_step = step + 1
-        self.critic_metrics_received = step
+        self.metrics_received = dict.fromkeys(self.sides[1:], step)
         self.tracking_runs = meta.get("tracking_runs", {})

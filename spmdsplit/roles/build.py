@@ -28,7 +28,7 @@ from spmdsplit.rollout import Rollout, build_rollout
 class ActorPoolRoles:
     actor: Actor
     ref: Actor
-    rollout: Rollout
+    rollout: Rollout | None  # None with a rollout pool of its own
 
 
 @dataclass
@@ -58,7 +58,9 @@ def build_actor_pool(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> ActorP
     reference = ModelSource("causal_lm", path, dtype, seed, remote, attention)
     ref = Actor(build_engine(cfg, "ref", reference, mesh, device), ref_config(cfg), temperature, device,
                 remove_padding=packed)
-    return ActorPoolRoles(actor, ref, build_rollout_engine(cfg, pools, tokenizer, eos_ids))
+    # A rollout pool of its own holds the engines; this pool then only trains and scores.
+    rollout = None if pools.placement.rollout_apart else build_rollout_engine(cfg, pools, tokenizer, eos_ids)
+    return ActorPoolRoles(actor, ref, rollout)
 
 
 def ref_config(cfg):

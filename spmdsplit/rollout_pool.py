@@ -1,0 +1,80 @@
+"""The rollout pool's program, when the rollout group has ranks of its own (placement.roles): it
+generates every step's prompts with the newest weights the staleness allows and hands the rows to
+the actor pool; it generates the validation responses for the critic group. Messages and their
+order: spmdsplit/messages.py.
+
+With `rollout.staleness=s`, batch k is generated with the weights after update k-1-s (version
+max(0, k-1-s)). Step k here: post batch k (generated earlier when s >= 1), generate the batches
+up to k+s that are not generated yet, then take the weights of update k from the actor pool. So
+with s >= 1 batch k+s is generated while the other pools train on batch k, and the only wait is
+for the weights: the actor pool sends them after its update, which the next batch needs anyway.
+The batches generated ahead stay here until their step (a checkpoint keeps them: exact resume).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spmdsplit.actor_pool import engine_shares, generate_validation_rows, generating_ranks
+from spmdsplit.batch import Batch
+from spmdsplit.data.prompts import PromptDataset
+from spmdsplit.exchange import PendingSend
+from spmdsplit.messages import PoolChannel
+from spmdsplit.metrics import PhaseTimer
+from spmdsplit.placement import Pools
+from spmdsplit.staleness import validates_after, weights_needed
+from spmdsplit.weight_sync import WeightBroadcast
+
+
+class RolloutPool:
+    def __init__(self, cfg, pools: Pools, rollout, weights: WeightBroadcast, channel: PoolChannel, timer: PhaseTimer,
+                 dataset: PromptDataset, tokenizer):
+        self.cfg, self.pools, self.rollout, self.weights = cfg, pools, rollout, weights
+        self.channel, self.timer, self.dataset, self.tokenizer = channel, timer, dataset, tokenizer
+        self.staleness, self.total_steps = cfg.rollout.staleness, cfg.trainer.total_steps
+        self.version = -1  # the update whose weights the engine holds (0: the initial weights)
+        self.ahead: dict[int, Batch] = {}  # batches generated, not yet handed over (at most s)
+        self.sends = PendingSend()
+
+    def start(self, step: int, ahead: dict[int, Batch] | None = None) -> None:
+        """Before the first step (1, or the one after a checkpoint): the weights the actor pool
+        holds, and the batches the checkpoint kept."""
+        self.ahead = dict(ahead or {})
+        self.take_weights(step - 1, step)
+
+    def step(self, step: int) -> None:
+        """Batch `step` out, the batches up to step+s generated, the weights of update `step` in."""
+        batch = self.ahead.pop(step) if step in self.ahead else self.generate(step)
+        self.sends.add(self.channel.send_generated(step, batch))
+        last_ahead = max(self.ahead, default=step)
+        for ahead in range(last_ahead + 1, min(step + self.staleness, self.total_steps) + 1):
+            self.ahead[ahead] = self.generate(ahead)
+        if weights_needed(self.cfg, step) and not validates_after(self.cfg, step):  # else validate takes them
+            self.take_weights(step, step)
+        self.sends.wait()
+
+    def validate(self, step: int, val_rows: list[dict]) -> None:
+        """The validation responses, with the weights of update `step`, to the critic group."""
+        if self.version < step:
+            self.take_weights(step, step)
+        generate_validation_rows(self.cfg, self.pools, self.rollout, self.channel, self.timer, self.tokenizer, step,
+                                 val_rows)
+
+    def generate(self, batch: int) -> Batch:
+        """This rank's share of batch `batch`'s prompts, with the weights it holds now."""
+        shares = engine_shares(self.cfg, self.dataset, self.tokenizer, batch, generating_ranks(self.cfg, self.pools))
+        with self.timer.phase("gen", batch):
+            rows = shares.generate(self.rollout, self.pools.device)
+        rows["weights_version"] = torch.full((len(rows),), self.version, dtype=torch.int64, device=self.pools.device)
+        return rows
+
+    def take_weights(self, version: int, step: int) -> None:
+        with self.timer.phase("sync_weights", step):
+            if self.version >= 0:
+                self.rollout.sleep()  # the engine wakes with the new weights
+            self.rollout.wake_up(self.weights.receive())
+        self.version = version
+
+    def finish(self) -> None:
+        if self.version >= 0:
+            self.rollout.sleep()

@@ -38,6 +38,10 @@ FAULTS = [
     (4, "2:adv:2", "critic pool", []),
     (4, "3:val_reward:2", "critic pool", ["trainer.val_freq=2"]),
     (2, "1:update_critic:2", "actor+critic pool", ["placement.mode=colocate"]),
+    # A rollout pool of its own, one step ahead: it fails while the others train.
+    (3, "1:gen:3", "rollout pool", ["placement.mode=custom", "placement.pools={gen: 1, policy: 1, value: 1}",
+                                    "placement.roles={rollout: gen, actor: policy, critic: value}",
+                                    "rollout.staleness=1"]),
 ]
 
 

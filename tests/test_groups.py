@@ -14,23 +14,28 @@ import torch.distributed as dist
 from tests.multiproc import run_ranks
 
 # overrides, and how many groups: actor pool, critic pool, bulk, control, stop (colocate: one
-# pool group), + handoff with placement.overlap=false, + weights with rollout.ranks=all.
+# pool group), + handoff with placement.overlap=false, + one weight group per source: the actor
+# pool's first rank with rollout.ranks=all, every actor rank with a rollout pool of its own
+# (which also has a group of its own).
 LAYOUTS = {
     "split": (["placement.mode=split"], 5),
     "colocate": (["placement.mode=colocate"], 4),
     "custom 3+1, blocking": (["placement.mode=custom", "placement.pools=[3,1]", "placement.overlap=false"], 6),
     "split, rollout.ranks=all": (["placement.mode=split", "rollout.ranks=all"], 6),
+    "rollout | actor+critic": (["placement.mode=custom", "placement.pools={gen: 1, train: 3}",
+                                "placement.roles={rollout: gen, actor: train, critic: train}"], 2 + 3 + 3),
+    "rollout | actor | critic": (["placement.mode=custom", "placement.pools={gen: 1, policy: 2, value: 1}",
+                                  "placement.roles={rollout: gen, actor: policy, critic: value}"], 3 + 3 + 2),
 }
 
 
 def _create(rank, world, overrides):
     from spmdsplit.config import load_config
     from spmdsplit.groups import create_process_groups
-    from spmdsplit.placement import plan_placement
+    from spmdsplit.placement import plan_from_config
 
     cfg = load_config(None, overrides)
-    placement = plan_placement(cfg.placement.mode, list(cfg.placement.pools) or None, cfg.placement.pool_unit,
-                               world, world, 1)
+    placement = plan_from_config(cfg.placement, world, world, 1)
     calls = []
     real = dist.new_group
 
@@ -46,8 +51,8 @@ def _create(rank, world, overrides):
         dist.new_group = real
     # Every group works for its members, in the order created.
     one = torch.ones(1)
-    for group in (groups.pools.actor_group, groups.pools.critic_group, groups.bulk, groups.control, groups.stop,
-                  groups.handoff):
+    for group in (groups.pools.actor_group, groups.pools.critic_group, groups.pools.rollout_group, groups.bulk,
+                  groups.control, groups.stop, groups.handoff):
         if group is not None:
             dist.all_reduce(one.clone(), group=group)
     for src, group in zip(groups.weight_sources, groups.weights):
@@ -71,7 +76,7 @@ def test_every_rank_creates_the_same_groups_in_the_same_order():
         assert all(c == calls[0] for c in calls), (layout, calls)
         assert len(calls[0]) == expected, (layout, calls[0])
         # The links between pools and the stop vote span the world; control and stop are gloo.
-        pools = 1 if layout == "colocate" else 2
+        pools = {"colocate": 1, "rollout | actor+critic": 2, "rollout | actor | critic": 3}.get(layout, 2)
         world = tuple(range(4))
         assert calls[0][pools:pools + 3] == [(world, None), (world, "gloo"), (world, "gloo")], layout
 

@@ -99,3 +99,20 @@ def test_the_default_job_learns_with_vllm(tmp_path):
     # is another seed of the default, which must solve the task as every seed of it did (docs/embedded.md).
     first, last = sum(scores[:5]) / 5, sum(scores[-5:]) / 5
     assert first < 0.1 and last >= 0.9, f"score {first:.3f} -> {last:.3f}: {scores[-10:]}"
+
+
+def test_vllm_tensor_parallel_on_a_rollout_pool_of_its_own_one_step_ahead(tmp_path):
+    """rollout | actor+critic on 2+2, one vLLM engine of tensor parallel 2 on the rollout pool,
+    fed by both actor ranks (each broadcasts its share of the buckets), one step ahead. Batch 1
+    comes from the initial weights, which the actor still holds: the engine's log-probs equal the
+    actor's; from batch 2 on they are one update behind and must differ. Validation runs on the
+    rollout pool's engine too."""
+    logged, events = run(tmp_path, 4, "placement.mode=custom", "placement.pools={gen: 2, train: 2}",
+                         "placement.roles={rollout: gen, actor: train, critic: train}",
+                         "rollout.tensor_model_parallel_size=2", "rollout.staleness=1",
+                         "algorithm.rollout_correction.rollout_is=token", "trainer.val_freq=3")
+    diff = dict(logged["training/rollout_probs_diff_max"])
+    assert diff[1] < 1e-5 and diff[2] > 1e-4 and diff[3] > 1e-4, diff
+    assert [s for s, _ in logged["val-core/synthetic/repeat/reward/mean@1"]] == [3]
+    gen_ranks = {e["pid"] for e in events if e["name"] == "gen"}
+    assert gen_ranks == {2, 3}

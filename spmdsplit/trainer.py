@@ -1,11 +1,12 @@
-"""The PPO loop: wires the actor pool's program (spmdsplit/actor_pool.py) and the critic pool's
-(spmdsplit/critic_pool.py), logs, validates and checkpoints.
+"""The PPO loop: wires the role groups' programs (spmdsplit/rollout_pool.py for a rollout pool of
+its own, spmdsplit/actor_pool.py, spmdsplit/critic_pool.py), logs, validates and checkpoints.
 
     actor pool : gen ──rollout──► old_log_prob, ref ──(log-probs)──►   ◄──advantages── update_actor ──► gen(k+1)
     critic pool:     ──rollout──► values, reward ───(log-probs)──► adv ──advantages──► update_critic ───────────►
 
-Each rank runs only its pool's program; in colocate placement every rank runs both, one after
-another (the actor pool's roll-out, the critic pool's step, the actor pool's update). The pools
+Each rank runs the programs of the role groups on its pool, in order: a rollout pool's step, the
+actor's roll-out, the critic's step, the actor's update (colocate runs all but the first; a rollout
+pool of its own runs only the first, ahead of the others by rollout.staleness). The pools
 meet only at the point-to-point messages listed in spmdsplit/messages.py, so old/ref log-probs
 run beside values/rewards, update_actor beside update_critic, and the critic update may run on
 while the actor pool starts the next rollout. Sends are non-blocking: a pool never waits for its
@@ -161,8 +162,9 @@ class Trainer:
                 self.record(step, "actor", {**actor_metrics, **timings, **self.throughput(rollout, timings)})
 
     def validate(self, step: int) -> None:
-        """Responses to the validation set from the actor pool, scored by the critic pool's reward;
-        rank 0 logs verl's val-core/<data_source>/reward/mean@n."""
+        """Responses to the validation set from the rollout group's engines (a rollout pool's, with
+        the newest weights, or the actor pool's), scored by the critic group's reward; rank 0 logs
+        verl's val-core/<data_source>/reward/mean@n."""
         if self.rollout_pool:
             self.rollout_pool.validate(step, self.val_rows)
         elif self.actor_pool and not self.placement.rollout_apart:

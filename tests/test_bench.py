@@ -123,9 +123,14 @@ def test_async_weight_sync_and_busy_split_the_push_into_transfer_and_wait():
     # train ends 1 s before the rollout pool is done generating: the push waits 1 s, moves 0.1 s
     assert sync["push"][3] == pytest.approx(1.1) and sync["transfer"][3] == pytest.approx(0.1)
     assert sync["take"][3] == pytest.approx(0.1)
-    busy = bench_async.busy_per_step(events, pools)
+    busy = bench_async.busy_per_step(events, pools, staleness=1)
     assert busy["actor+critic"][3] == pytest.approx(1.1)  # train + transfer, no wait
-    assert busy["rollout"][4] == pytest.approx(2.0)  # gen of batch 4 (during step 3), its take left out
+    assert busy["rollout"][3] == pytest.approx(2.0)  # gen of batch 4 (during step 3), its take left out
+    assert set(busy["rollout"]) == {1, 2, 3, 4, 5}  # batch 2 counts in step 1, batch 6 in step 5
+    assert bench_async.steady_steps(8, warmup=2, staleness=2) == range(3, 7)  # steps 7-8 only drain
+    ends = bench_async.step_ends(events)  # steps 3-4: 2.1 s each; train 1 s + transfer 0.1 s, gen 2 s
+    shares = bench_async.busy_share_in_window(events, pools, ends[2], ends[4])
+    assert shares == {"actor+critic": pytest.approx(1.1 / 2.1, rel=1e-4), "rollout": pytest.approx(2.0 / 2.1, rel=1e-4)}
     # without a rollout pool apart, sync_weights is a local load: all of it transfer, all of it busy
     local = [ev("sync_weights", 0, 1, 0, 300_000), ev("gen", 0, 1, 300_000, 1_000_000),
              ev("exchange/advantages", 0, 1, 1_300_000, 500_000)]
@@ -138,10 +143,10 @@ def test_async_analysis_targets_and_report_from_hand_made_runs():
     modes = {}
     for name, s, (gen, train) in (("colocate", 0, (1.0, 1.0)), ("split", 0, (1.0, 1.0)),
                                   ("rollout|train s=0", 0, (1.0, 1.0)), ("rollout|train s=1", 1, (1.0, 1.0))):
-        modes[name] = {"ranks": 2, **bench_async.analyze(async_trace(s, gen, train), scalars, 2, 8)}
+        modes[name] = {"ranks": 2, **bench_async.analyze(async_trace(s, gen, train), scalars, 2, 8, staleness=s)}
     s0, s1 = modes["rollout|train s=0"], modes["rollout|train s=1"]
     assert s0["step_time_s"] == pytest.approx(2.1) and s1["step_time_s"] == pytest.approx(1.1)
-    assert s1["tokens_per_s"] == pytest.approx(192 * 8 / 1.1) and s1["steps_used"] == 3
+    assert s1["tokens_per_s"] == pytest.approx(192 * 8 / 1.1) and s1["steps_used"] == 2 and s0["steps_used"] == 3
     assert bench_async.ideal_pipelining(s0) == {"gen_s": pytest.approx(1.0), "train_s": pytest.approx(1.1),
                                                 "ideal": pytest.approx(2.1 / 1.1)}
     rows = {r["target"]: r for r in bench_async.targets(modes)}
@@ -161,6 +166,7 @@ def test_async_analysis_targets_and_report_from_hand_made_runs():
 def test_async_rollout_flag_defaults_and_refuses_unknown_modes():
     args = bench.parse_args(["--async-rollout"])
     assert (args.steps, args.warmup) == (12, 2) and args.async_modes == list(bench_async.MODES)
+    assert bench_async.staleness_of(bench_async.MODES["rollout|train s=2"][1]) == 2
     assert bench_async.MODES["rollout|train s=1"][0] == 2 and bench_async.MODES["rollout|actor|critic s=1"][0] == 3
     with pytest.raises(SystemExit):
         bench.parse_args(["--async-rollout", "--async-modes", "rollout s=9"])

@@ -15,7 +15,8 @@ then the targets of issue 19 item 6, met or missed. All numbers come from pure f
 timeline's events (tests feed them hand-made ones):
 
   * step time: median over steps > warmup of the wall time between consecutive ends of rank 0's
-    step (the end of its last event of step k). Rank 0 is the actor pool's first rank in every
+    step (the end of its last event of step k), over the steps after the warmup and, at
+    staleness s, before the last s (which only drain: nothing left to generate). Rank 0 is the actor pool's first rank in every
     layout; with a rollout pool apart, timing_s/step (also reported) starts when rank 0 starts
     waiting for the rows, which is the same period in steady state but not per step.
   * generated tokens/s: response tokens per step (response_length/mean x data.train_batch_size)
@@ -24,10 +25,12 @@ timeline's events (tests feed them hand-made ones):
     weights; the broadcast blocks until the rollout pool takes them, so it holds a wait); the
     *transfer* is the time both sides are inside sync_weights of the same step at once; on the
     rollout pool, `sync_weights` is taking the weights, the wait included.
-  * busy share of a pool: median over steps of its busiest rank's time inside phases, the waits
-    left out (exchange/*, the rollout pool's sync_weights, and of the actor pool's sync_weights
-    all but the transfer), over the step time. The rollout pool's gen events carry the batch
-    number (k+s during step k); each step generates one batch, so the medians agree.
+  * busy share of a pool: its busiest rank's time inside phases, the waits left out (exchange/*,
+    the rollout pool's sync_weights, and of the actor pool's sync_weights all but the transfer),
+    over the wall-clock window of the steady steps (rank 0's end of the step before the first to
+    its end of the last): per-step ratios would not do, since a rollout pool running ahead works
+    for rank 0's step k partly during step k-1 or k+1. busy_s keeps the per-step medians. The rollout pool's gen events carry the batch
+    number (k+s during step k) and count in the step that generates them.
 """
 
 from __future__ import annotations
@@ -119,10 +122,11 @@ def weight_sync(events: list[dict], pools: dict[int, str]) -> dict[str, dict[int
             "take": bench._busiest_per_step(take)}
 
 
-def busy_per_step(events: list[dict], pools: dict[int, str]) -> dict[str, dict[int, float]]:
+def busy_per_step(events: list[dict], pools: dict[int, str], staleness: int = 0) -> dict[str, dict[int, float]]:
     """pool -> step -> seconds its busiest rank spends inside phases, waits left out: exchange/*,
     the rollout pool's sync_weights (taking the weights), and of the actor pool's sync_weights
-    the part when no rollout-pool rank receives (see weight_sync)."""
+    the part when no rollout-pool rank receives (see weight_sync). The rollout pool's gen of batch
+    b counts in the step that generates it: max(1, b - staleness)."""
     has_rollout_pool = any(is_rollout_pool(p) for p in pools.values())
     receivers = [e for e in events if e["name"] == "sync_weights" and is_rollout_pool(pools.get(e["pid"], "?"))]
     sums: dict[str, dict[tuple[int, int], float]] = {}
@@ -134,28 +138,69 @@ def busy_per_step(events: list[dict], pools: dict[int, str]) -> dict[str, dict[i
         if name == "sync_weights" and has_rollout_pool:
             sec = min(sec, sum(_overlap(e, r) for r in receivers if r["args"]["step"] == e["args"]["step"]))
         slot = sums.setdefault(pool, {})
-        key = (e["args"]["step"], e["pid"])
+        step = max(1, e["args"]["step"] - staleness) if name == "gen" and is_rollout_pool(pool) else e["args"]["step"]
+        key = (step, e["pid"])
         slot[key] = slot.get(key, 0.0) + sec
     return {pool: bench._busiest_per_step(s) for pool, s in sums.items()}
 
 
-def analyze(trace: dict, scalars: dict[str, dict[int, float]], warmup: int, batch: int) -> dict:
-    """One mode's numbers from its timeline and TensorBoard scalars."""
+def busy_share_in_window(events: list[dict], pools: dict[int, str], start: float, end: float) -> dict[str, float]:
+    """pool -> share of the wall-clock window [start, end] (seconds) its busiest rank spends inside
+    phases, the waits left out as in busy_per_step. A window, not per-step ratios: a rollout pool
+    running ahead works for rank 0's step k partly inside step k-1 or k+1 (its batches are posted
+    at its own step's start), so one step's busy time can exceed that step's wall time."""
+    has_rollout_pool = any(is_rollout_pool(p) for p in pools.values())
+    receivers = [e for e in events if e["name"] == "sync_weights" and is_rollout_pool(pools.get(e["pid"], "?"))]
+    per_rank: dict[int, float] = {}
+    for e in events:
+        pool, name = pools.get(e["pid"], "?"), e["name"]
+        if name.startswith("exchange/") or (name == "sync_weights" and is_rollout_pool(pool)):
+            continue
+        window = {"ts": start * 1e6, "dur": (end - start) * 1e6}
+        sec = _overlap(e, window)
+        if name == "sync_weights" and has_rollout_pool:  # only while a receiver takes them
+            both = [(max(e["ts"], r["ts"]), min(e["ts"] + e["dur"], r["ts"] + r["dur"]))
+                    for r in receivers if r["args"]["step"] == e["args"]["step"]]
+            sec = sum(_overlap(window, {"ts": lo, "dur": hi - lo}) for lo, hi in both if hi > lo)
+        per_rank[e["pid"]] = per_rank.get(e["pid"], 0.0) + sec
+    out: dict[str, float] = {}
+    for rank, sec in per_rank.items():
+        pool = pools.get(rank, "?")
+        out[pool] = max(out.get(pool, 0.0), sec / (end - start))
+    return out
+
+
+def steady_steps(total_steps: int, warmup: int, staleness: int) -> range:
+    """The steps the medians use: after the warmup, and before the last `staleness` steps, in
+    which a rollout pool running ahead has nothing left to generate (the run drains)."""
+    return range(warmup + 1, total_steps - staleness + 1)
+
+
+def analyze(trace: dict, scalars: dict[str, dict[int, float]], warmup: int, batch: int, staleness: int = 0) -> dict:
+    """One mode's numbers from its timeline and TensorBoard scalars, medians over steady_steps."""
     events, pools = bench.complete_events(trace), bench.pools_by_rank(trace)
-    after = bench.median_after_warmup
-    step = after(step_periods(events), warmup)
-    length = after(scalars.get("response_length/mean", {}), warmup)
-    sync = {k: after(v, warmup) for k, v in weight_sync(events, pools).items()}
-    busy = {pool: after(v, warmup) for pool, v in busy_per_step(events, pools).items()}
+    periods = step_periods(events)
+    steady = set(steady_steps(max(periods, default=0), warmup, staleness))
+
+    def after(by_step):
+        return bench.median(v for k, v in by_step.items() if k in steady)
+
+    step = after(periods)
+    length = after(scalars.get("response_length/mean", {}))
+    sync = {k: after(v) for k, v in weight_sync(events, pools).items()}
+    busy = {pool: after(v) for pool, v in busy_per_step(events, pools, staleness).items()}
+    ends = step_ends(events)
+    first, last = min(steady, default=0) - 1, max(steady, default=0)
+    busy_share = busy_share_in_window(events, pools, ends[first], ends[last]) if first in ends and last in ends else {}
     return {
-        "step_time_s": step, "timing_s_step": after(scalars.get("timing_s/step", {}), warmup),
-        "steps_used": sum(1 for s in step_periods(events) if s > warmup),
+        "step_time_s": step, "timing_s_step": after(scalars.get("timing_s/step", {})),
+        "steps_used": sum(1 for k in periods if k in steady), "staleness": staleness,
         "pools": {str(r): p for r, p in sorted(pools.items())},
         "response_tokens_per_step": length * batch if length is not None else None,
         "tokens_per_s": bench.ratio(length * batch, step) if length is not None else None,
         "sync": {"push_s": sync["push"], "transfer_s": sync["transfer"], "take_s": sync["take"],
                  "push_share": bench.ratio(sync["push"], step), "transfer_share": bench.ratio(sync["transfer"], step)},
-        "busy_s": busy, "busy_share": {p: bench.ratio(v, step) for p, v in busy.items()},
+        "busy_s": busy, "busy_share": busy_share,
         "phases": bench.pool_phase_medians(events, pools, warmup),
     }
 
@@ -196,7 +241,8 @@ def targets(modes: dict[str, dict]) -> list[dict]:
     row("weight sync on the actor pool / step at s=1 (transfer only)", s1["sync"]["transfer_share"] if s1 else None,
         TARGETS["sync_share"], False, "both sides inside sync_weights / step")
     for pool, value in sorted((s1 or {}).get("busy_share", {}).items()):
-        row(f"s=1: {pool} pool busy", value, TARGETS["busy"], True, "busiest rank's phases, waits left out / step")
+        row(f"s=1: {pool} pool busy", value, TARGETS["busy"], True,
+            "busiest rank's phases, waits left out / wall time of the steady steps")
     return rows
 
 
@@ -206,7 +252,8 @@ def render_markdown(report: dict) -> str:
     lines = [f"# spmdsplit bench --async-rollout: {meta['device']}, torch {meta['torch']}, {meta['date']}", "",
              f"Model: random Qwen2 {meta['model']} ({meta['params'] / 1e6:.2f}M parameters, responses never stop "
              f"early). Workload (every mode): `{' '.join(meta['workload'])}`; {meta['steps']} steps, medians over "
-             f"steps > {meta['warmup']}.", "",
+             f"steps > {meta['warmup']} and, at staleness s, <= {meta['steps']} - s (the last s steps generate "
+             "nothing: the run drains).", "",
              "| mode | ranks | step (s) | timing_s/step (s) | vs best sync | gen tokens/s | weight sync: push on actor "
              "pool (s) | transfer (s) | take on rollout pool (s) | busy share per pool |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -234,11 +281,16 @@ def render_markdown(report: dict) -> str:
               "*push* = the actor pool's sync_weights (with a rollout pool apart it blocks until the rollout pool "
               "takes the weights), *transfer* = the part of it when the rollout pool is inside sync_weights of the "
               "same step too, *take* = the rollout pool's sync_weights, waiting included; *busy* = the busiest "
-              "rank's time inside phases (exchange/*, take and push-minus-transfer left out) / step.", ""]
+              "rank's time inside phases (exchange/*, take and push-minus-transfer left out) / the wall time of "
+              "the steady steps (see tools/bench_async.py's docstring).", ""]
     return "\n".join(lines)
 
 
 # ------------------------------------------------------------------ running the jobs
+
+def staleness_of(overrides: list[str]) -> int:
+    return int(next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("rollout.staleness=")), 0))
+
 
 def run(args) -> dict:
     import torch
@@ -258,7 +310,8 @@ def run(args) -> dict:
         slug = name.replace("|", "_").replace(" ", "_").replace("=", "")
         trace, scalars = run_job(nproc, workload + extra, os.path.join(args.out, slug))
         modes[name] = {"ranks": nproc, "overrides": extra, "wall_s": time.time() - start,
-                       **analyze(trace, scalars, args.warmup, BATCH), "timeline_png": f"timeline_{slug}.png"}
+                       **analyze(trace, scalars, args.warmup, BATCH, staleness_of(extra)),
+                       "timeline_png": f"timeline_{slug}.png"}
         bench.plot_timeline(trace, f"{name}: steps {window[0]}-{window[1]} (cpu, {nproc} ranks)",
                             os.path.join(args.out, modes[name]["timeline_png"]), window)
     meta = {"device": "cpu", "torch": torch.__version__, "date": datetime.datetime.now().isoformat(timespec="seconds"),

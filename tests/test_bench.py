@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tools import bench, bench_tokens, jobs, plan
+from tools import bench, bench_async, bench_tokens, jobs, plan
 
 SHORT = ["data.train_batch_size=16", "actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=8",
          "actor.ppo_micro_batch_size_per_gpu=4", "critic.ppo_micro_batch_size_per_gpu=4"]
@@ -85,6 +85,91 @@ def test_peak_memory_and_overlap_summary():
     summary = bench.overlap_summary(modes)
     assert summary["ideal"] == 2.0 and summary["measured"] == pytest.approx(1.6)
     assert bench.overlap_summary({"split": modes["split"]}) == {}
+
+
+def async_trace(s: int, gen: float, train: float, steps: int = 5):
+    """rollout | train at staleness s, hand-made: rank 1 (rollout) generates batch k+s during step k
+    (gen seconds) then takes update k's weights; rank 0 (actor+critic) waits for the rows, trains
+    (train seconds, two phases), then pushes the weights, which waits until rank 1 takes them."""
+    us = 1_000_000
+    events, t_gen, t_train = [], 0.0, 0.0
+    for k in range(1, steps + 1):
+        t_gen += gen  # batch k+s generated
+        events.append(ev("gen", 1, k + s, ts=round((t_gen - gen) * us), dur=round(gen * us)))
+        start = max(t_train, t_gen if s == 0 else t_train)
+        events.append(ev("exchange/generated", 0, k, ts=round(t_train * us), dur=round((start - t_train) * us)))
+        events.append(ev("update_critic", 0, k, ts=round(start * us), dur=round(train / 2 * us)))
+        events.append(ev("update_actor", 0, k, ts=round((start + train / 2) * us), dur=round(train / 2 * us)))
+        end_train = start + train
+        take = max(end_train, t_gen)  # both inside sync_weights for 0.1 s
+        events.append(ev("sync_weights", 0, k, ts=round(end_train * us), dur=round((take + 0.1 - end_train) * us)))
+        events.append(ev("sync_weights", 1, k, ts=round(t_gen * us), dur=round((take + 0.1 - t_gen) * us)))
+        t_train = t_gen = take + 0.1
+    return {"traceEvents": [meta(0, "actor+critic"), meta(1, "rollout")] + events}
+
+
+def test_async_step_periods_from_rank_0s_step_ends():
+    events = [ev("update_actor", 0, 1, ts=0, dur=1_000_000), ev("sync_weights", 0, 1, ts=1_000_000, dur=500_000),
+              ev("update_actor", 0, 2, ts=2_000_000, dur=1_500_000), ev("update_actor", 0, 3, ts=4_000_000, dur=1_000_000),
+              ev("gen", 1, 9, ts=0, dur=99_000_000)]  # other ranks do not count
+    assert bench_async.step_ends(events) == {1: 1.5, 2: 3.5, 3: 5.0}
+    assert bench_async.step_periods(events) == {2: pytest.approx(2.0), 3: pytest.approx(1.5)}
+
+
+def test_async_weight_sync_and_busy_split_the_push_into_transfer_and_wait():
+    trace = async_trace(s=1, gen=2.0, train=1.0)
+    events, pools = bench.complete_events(trace), jobs.pools_by_rank(trace)
+    sync = bench_async.weight_sync(events, pools)
+    # train ends 1 s before the rollout pool is done generating: the push waits 1 s, moves 0.1 s
+    assert sync["push"][3] == pytest.approx(1.1) and sync["transfer"][3] == pytest.approx(0.1)
+    assert sync["take"][3] == pytest.approx(0.1)
+    busy = bench_async.busy_per_step(events, pools, staleness=1)
+    assert busy["actor+critic"][3] == pytest.approx(1.1)  # train + transfer, no wait
+    assert busy["rollout"][3] == pytest.approx(2.0)  # gen of batch 4 (during step 3), its take left out
+    assert set(busy["rollout"]) == {1, 2, 3, 4, 5}  # batch 2 counts in step 1, batch 6 in step 5
+    assert bench_async.steady_steps(8, warmup=2, staleness=2) == range(3, 7)  # steps 7-8 only drain
+    ends = bench_async.step_ends(events)  # steps 3-4: 2.1 s each; train 1 s + transfer 0.1 s, gen 2 s
+    shares = bench_async.busy_share_in_window(events, pools, ends[2], ends[4])
+    assert shares == {"actor+critic": pytest.approx(1.1 / 2.1, rel=1e-4), "rollout": pytest.approx(2.0 / 2.1, rel=1e-4)}
+    # without a rollout pool apart, sync_weights is a local load: all of it transfer, all of it busy
+    local = [ev("sync_weights", 0, 1, 0, 300_000), ev("gen", 0, 1, 300_000, 1_000_000),
+             ev("exchange/advantages", 0, 1, 1_300_000, 500_000)]
+    assert bench_async.weight_sync(local, {0: "actor", 1: "critic"})["transfer"] == {1: pytest.approx(0.3)}
+    assert bench_async.busy_per_step(local, {0: "actor"}) == {"actor": {1: pytest.approx(1.3)}}
+
+
+def test_async_analysis_targets_and_report_from_hand_made_runs():
+    scalars = {"response_length/mean": {k: 192.0 for k in range(1, 6)}, "timing_s/step": {k: 2.1 for k in range(1, 6)}}
+    modes = {}
+    for name, s, (gen, train) in (("colocate", 0, (1.0, 1.0)), ("split", 0, (1.0, 1.0)),
+                                  ("rollout|train s=0", 0, (1.0, 1.0)), ("rollout|train s=1", 1, (1.0, 1.0))):
+        modes[name] = {"ranks": 2, **bench_async.analyze(async_trace(s, gen, train), scalars, 2, 8, staleness=s)}
+    s0, s1 = modes["rollout|train s=0"], modes["rollout|train s=1"]
+    assert s0["step_time_s"] == pytest.approx(2.1) and s1["step_time_s"] == pytest.approx(1.1)
+    assert s1["tokens_per_s"] == pytest.approx(192 * 8 / 1.1) and s1["steps_used"] == 2 and s0["steps_used"] == 3
+    assert bench_async.ideal_pipelining(s0) == {"gen_s": pytest.approx(1.0), "train_s": pytest.approx(1.1),
+                                                "ideal": pytest.approx(2.1 / 1.1)}
+    rows = {r["target"]: r for r in bench_async.targets(modes)}
+    speed = rows["rollout|train s=1 step rate vs best synchronous"]
+    assert speed["value"] == pytest.approx(2.1 / 1.1) and speed["met"]
+    assert rows["s=1 vs s=0: share of the ideal pipelining gain"]["value"] == pytest.approx(1.0)
+    assert rows["weight sync on the actor pool / step at s=1 (transfer only)"]["value"] == pytest.approx(0.1 / 1.1, rel=1e-4)
+    assert rows["s=1: actor+critic pool busy"]["met"] and rows["s=1: rollout pool busy"]["met"]
+    markdown = bench_async.render_markdown({"meta": {"device": "cpu", "torch": "x", "date": "d", "model": {},
+                                                     "params": 330_000, "workload": ["a=1"], "steps": 5, "warmup": 2},
+                                            "modes": modes, "targets": bench_async.targets(modes)})
+    assert "| rollout|train s=1 | 2 | 1.100 | 2.100 | 1.91x |" in markdown
+    assert "| s=1 vs s=0: share of the ideal pipelining gain | 100% | >= 80% | met |" in markdown
+    assert bench_async.targets({})[0]["met"] is None  # a missing mode is n/a, not a failure
+
+
+def test_async_rollout_flag_defaults_and_refuses_unknown_modes():
+    args = bench.parse_args(["--async-rollout"])
+    assert (args.steps, args.warmup) == (12, 2) and args.async_modes == list(bench_async.MODES)
+    assert bench_async.staleness_of(bench_async.MODES["rollout|train s=2"][1]) == 2
+    assert bench_async.MODES["rollout|train s=1"][0] == 2 and bench_async.MODES["rollout|actor|critic s=1"][0] == 3
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--async-rollout", "--async-modes", "rollout s=9"])
 
 
 @pytest.mark.parametrize("first, other", [("tools.bench", "tools.bench_memory"), ("tools.bench_memory", "tools.bench")])

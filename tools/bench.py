@@ -8,6 +8,8 @@ exchange bytes and transfer times, peak memory). Writes `bench.json`, `bench.md`
 `timeline_<mode>.png` per mode into `--out`, and prints the Markdown.
 
 `--long-tail` compares fixed micro-batches with token budgets instead (tools/bench_tokens.py).
+`--async-rollout` compares colocate, split and a rollout pool of its own at staleness 0, 1, 2 on
+the same 2 ranks, on a generation-heavy workload (tools/bench_async.py).
 
 The first `--warmup` steps are left out of every median. The analysis functions are pure (trace
 events and scalars in, numbers out) so that tests can feed them hand-made events.
@@ -377,16 +379,26 @@ def parse_args(argv):
     p.add_argument("--max-token-len", type=int,
                    help="--long-tail: the long tail's token budget for every pass (default 1024; the default "
                         "workload's budgets are its fixed micro-batches' tokens)")
+    p.add_argument("--async-rollout", action="store_true",
+                   help="colocate, split and rollout | train at rollout.staleness 0, 1, 2 on the same 2 ranks, plus "
+                        "three pools on 3 (tools/bench_async.py); writes bench_async.json/.md")
+    p.add_argument("--async-modes", nargs="+", help="--async-rollout: a subset of its modes (names as in its table)")
     p.add_argument("--out", default="outputs/bench", help="where bench.json, bench.md and the PNGs go")
     p.add_argument("overrides", nargs="*", help="key=value train overrides for every mode")
     args = p.parse_args(argv)
     few = args.short or args.long_tail  # --long-tail: 8-12 jobs on 2 cores, each step seconds long
-    args.steps = args.steps or (4 if args.short else 6 if args.long_tail else 20)
+    args.steps = args.steps or (4 if args.short else 6 if args.long_tail else 12 if args.async_rollout else 20)
     args.warmup = (1 if few else 2) if args.warmup is None else args.warmup
     if args.modes is None and args.gen_heavy:
         args.modes = list(ROLLOUT_MODES)
     if args.modes is None:
         args.modes = ["colocate", "split-blocking", "split"] + (["split-stream"] if args.stream_chunks > 1 else [])
+    if args.async_rollout:
+        from tools import bench_async
+
+        args.async_modes = args.async_modes or list(bench_async.MODES)
+        for m in set(args.async_modes) - set(bench_async.MODES):
+            p.error(f"--async-modes {m!r}: expected one of {', '.join(map(repr, bench_async.MODES))}")
     for o in args.overrides:
         if o.startswith(("trainer.log_dir=", "trainer.timeline=")):
             p.error(f"{o}: the bench sets trainer.log_dir and trainer.timeline itself (see --out)")
@@ -432,6 +444,10 @@ def main(argv=None) -> int:
         from tools import bench_tokens  # it builds on this module's analysis: imported only here
 
         run, render, name = bench_tokens.run, bench_tokens.render_markdown, "bench_tokens"
+    elif args.async_rollout:
+        from tools import bench_async  # likewise
+
+        run, render, name = bench_async.run, bench_async.render_markdown, "bench_async"
     else:
         run, render, name = run_bench, render_markdown, "bench"
     try:

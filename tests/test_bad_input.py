@@ -22,11 +22,12 @@ CASES = [
     (2, ["model.path=/no/such/model"], "model.path"),
     (2, ["algorithm.adv_estimator=grpo", "rollout.n=4"], "the critic pool would only run a rule reward"),
     (2, ["placement.pools={actor:[1],critic:[2]}"], "placement.pools='{actor:[1],critic:[2]}': cannot be parsed"),
-    (2, ["placement.pools={actor: 1}"], "placement.pools: expected a list, got a mapping"),  # was a merge traceback
+    # A value of the wrong shape (placement.pools takes a list or a mapping now, so the example is roles).
+    (2, ["placement.roles=[gen,train]"], "placement.roles: expected a mapping, got a list"),
 ]
 IDS = ["odd-split", "pools-dont-add-up", "batch-not-divisible", "unknown-key", "wrong-type", "missing-model",
        "critic-free-split-with-nothing-to-do",
-       "override-yaml-cannot-parse", "mapping-where-a-list-is"]
+       "override-yaml-cannot-parse", "list-where-a-mapping-is"]
 
 
 def launch_ranks_by_hand(nproc: int, overrides: list[str]) -> list[subprocess.CompletedProcess]:

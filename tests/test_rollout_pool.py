@@ -151,17 +151,3 @@ def test_rows_of_the_wrong_weights_version_are_refused_in_one_line():
     with pytest.raises(RuntimeError, match="allows updates 4..4"):
         check_weights_version(Batch({"weights_version": torch.tensor([5])}), step=5, staleness=0)
 
-
-@pytest.mark.slow
-def test_the_default_learns_one_step_off_policy_on_a_rollout_pool_of_its_own(tmp_path):
-    """The embedded default on rollout | actor+critic (configs/rollout_actor+critic.yaml) at
-    staleness 1 with token-level importance weights: it must still solve its task."""
-    from tests.test_e2e import first_and_last_scores
-
-    result = torchrun(2, "placement.mode=custom", "placement.pools={gen: 1, train: 1}",
-                      "placement.roles={rollout: gen, actor: train, critic: train}", "rollout.staleness=1",
-                      "algorithm.rollout_correction.rollout_is=token", f"trainer.log_dir={tmp_path}/tb",
-                      "trainer.timeline=", "trainer.output_dir=", timeout=1500)
-    assert result.returncode == 0, result.stderr[-5000:]
-    first, last = first_and_last_scores(str(tmp_path / "tb"))
-    assert first < 0.15 and last >= 0.9, f"score {first:.3f} -> {last:.3f}"

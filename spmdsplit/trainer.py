@@ -36,6 +36,7 @@ from spmdsplit.models import eos_token_ids, load_tokenizer
 from spmdsplit.preempt import StopVote
 from spmdsplit.roles.build import build_actor_pool, build_critic_pool, build_rollout_engine
 from spmdsplit.rollout_pool import RolloutPool
+from spmdsplit.staleness import validates_after
 from spmdsplit.weight_sync import WeightBroadcast
 
 
@@ -117,12 +118,12 @@ class Trainer:
                 self.actor_pool.push_weights()
             if self.rollout_pool:
                 self.rollout_pool.start(self.start_step, self.ahead)
-        if trainer.val_before_train and self.start_step == 1:
+        if validates_after(self.cfg, 0) and self.start_step == 1:
             self.validate(0)
         for step in range(self.start_step, trainer.total_steps + 1):
             self.stop_vote.cast()
             self.train_step(step)
-            if trainer.val_freq > 0 and (step % trainer.val_freq == 0 or step == trainer.total_steps):
+            if validates_after(self.cfg, step):  # the rule the weight schedule follows too
                 self.validate(step)
             stop = self.stop_vote.outcome()
             if stop or (trainer.save_freq > 0 and (step % trainer.save_freq == 0 or step == trainer.total_steps)):

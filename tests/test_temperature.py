@@ -21,6 +21,7 @@ def _log_probs_at_temperature(rank, world_size, model_dir):
     from spmdsplit.models import load_tokenizer
     from spmdsplit.placement import build_pools, plan_placement
     from spmdsplit.roles.build import build_actor_pool
+    from transformers import LogitsProcessorList
 
     cfg = load_config(None, [f"model.path={model_dir}", "placement.mode=colocate", "data.max_response_length=6",
                              f"rollout.temperature={TEMPERATURE}", "trainer.device=cpu"])
@@ -33,9 +34,10 @@ def _log_probs_at_temperature(rank, world_size, model_dir):
     torch.manual_seed(11)
     rollout = roles.rollout.generate(prompts)
     torch.manual_seed(11)  # the same draw again, now asking transformers for what it sampled from
+    config, warpers = roles.rollout.sampling  # the warpers go in as processors, as the engine gives them
     out = roles.rollout.model.generate(
-        input_ids=prompts["input_ids"], attention_mask=prompts["attention_mask"],
-        generation_config=roles.rollout.generation_config, output_scores=True, return_dict_in_generate=True,
+        input_ids=prompts["input_ids"], attention_mask=prompts["attention_mask"], generation_config=config,
+        logits_processor=LogitsProcessorList(warpers), output_scores=True, return_dict_in_generate=True,
     )
     P, steps = prompts["input_ids"].shape[1], len(out.scores)
     mask = rollout["response_mask"][:, :steps].bool()

@@ -69,7 +69,9 @@ def parse_args(argv):
     parser.add_argument("--config", help="a YAML preset (see configs/); keys are overridden by key=value")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.total_steps=10")
-    return parser.parse_args(argv)
+    # Intermixed: overrides may come before and after --config (a launcher script adds its own
+    # key=value in front of the user's line); plain parse_args stops taking them at the option.
+    return parser.parse_intermixed_args(argv)
 
 
 def check_model_path(key: str, path: str, trust_remote_code: bool) -> None:

@@ -289,7 +289,9 @@ class Rendezvous:
 BAD_MAP = ["placement.mode=custom", "placement.pools={gen: 1, train: 1}",
            "placement.roles={rollout: gen, actor: train, critic: gen}"]
 CLI_RUNS = {
-    "print_config": (["--print-config", "trainer.total_steps=7"], False),  # a plain `python -m`, one rank
+    # a plain `python -m`, one rank; overrides on both sides of --config, as a launcher script adds its own
+    "print_config": (["trainer.total_steps=7", "--print-config", "--config", "configs/colocate.yaml",
+                      "trainer.seed=5"], False),
     "typo": (["trainer.totl_steps=3"], True),  # as rank 1 of a 2-rank torchrun
     "missing_model": (["model.path=/nonexistent/dir"], True),
     "missing_logger": (["trainer.logger=[console,mlflow]"], True),
@@ -360,6 +362,7 @@ def test_print_config_without_torchrun(cli):
     assert "  total_steps: 7\n" in out
     printed = OmegaConf.create(out)
     assert printed.trainer.total_steps == 7 and printed.data.max_response_length == 6
+    assert printed.placement.mode == "colocate" and printed.trainer.seed == 5
 
 
 def test_typo_exits_2_naming_the_key_before_any_process_group(cli):

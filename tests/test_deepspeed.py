@@ -53,6 +53,15 @@ def _whole_gradients(model) -> int:
     return sum(p.grad is not None for p in model.parameters())
 
 
+UPDATE_CASES = [("actor", 1), ("actor", 2), ("actor", 3), ("critic", 3)]
+
+
+def _updates_beside_unsharded(rank, world_size, model_dir):
+    """Every case of UPDATE_CASES in one set of processes (start-up and DeepSpeed's import are
+    most of a case's time), each with groups of its own, made in the same order on every rank."""
+    return {case: _update_beside_unsharded(rank, world_size, model_dir, *case) for case in UPDATE_CASES}
+
+
 def _update_beside_unsharded(rank, world_size, model_dir, role, stage):
     """Ranks 0-1: a DeepSpeed ZeRO-`stage` pool, each rank with half the rows, 2 micro-batches of one
     row per mini-batch. Rank 2: its own pool, FSDP2 on one rank = the unsharded update of all rows,
@@ -80,10 +89,15 @@ def _update_beside_unsharded(rank, world_size, model_dir, role, stage):
     return state, metrics, metrics2, whole_after_micro
 
 
+@pytest.fixture(scope="module")
+def updates_beside_unsharded(model_dir):
+    return run_ranks(_updates_beside_unsharded, 3, model_dir, timeout=480)
+
+
 @needs_deepspeed
-@pytest.mark.parametrize("role, stage", [("actor", 1), ("actor", 2), ("actor", 3), ("critic", 3)])
-def test_zero_update_matches_unsharded_update(model_dir, role, stage):
-    ds0, ds1, plain = run_ranks(_update_beside_unsharded, 3, model_dir, role, stage, timeout=240)
+@pytest.mark.parametrize("role, stage", UPDATE_CASES)
+def test_zero_update_matches_unsharded_update(updates_beside_unsharded, model_dir, role, stage):
+    ds0, ds1, plain = (by_case[role, stage] for by_case in updates_beside_unsharded)
     (state, m1, m2, whole_after_micro), (expected, e1, e2, _) = ds0, plain
     # 2 updates x 2 mini-batches x 2 micro-batches; ZeRO-1 keeps whole gradients by design.
     assert len(whole_after_micro) == 8
@@ -342,25 +356,30 @@ def test_engine_choice_and_inference_stage_errors():
         load_config(overrides=[f"{role}.no_sync_accumulation=true"])
 
 
+# DeepSpeed on one pool; on both pools (actor ZeRO-3, critic ZeRO-2) it is the uninterrupted run
+# of the resume test below, which makes the same checks.
 MIXES = {
     "actor-zero3+critic-fsdp": ["actor.engine=deepspeed", "actor.zero_stage=3"],
     "actor-fsdp+critic-zero3": ["critic.engine=deepspeed", "critic.zero_stage=3"],
-    "both-zero2": ["actor.engine=deepspeed", "actor.zero_stage=2", "critic.engine=deepspeed", "critic.zero_stage=2"],
-    "both-zero3": ["actor.engine=deepspeed", "actor.zero_stage=3", "critic.engine=deepspeed", "critic.zero_stage=3"],
 }
 
 
 @needs_deepspeed
 @pytest.mark.parametrize("mix", list(MIXES))
 def test_ppo_job_with_engine_mix_on_2_plus_2(tmp_path, monkeypatch, mix):
-    """The real job under torchrun, 2+2 split, with DeepSpeed on one pool or both: the same metric
+    """The real job under torchrun, 2+2 split, with DeepSpeed on one pool: the same metric
     names as the all-FSDP job, update_actor beside update_critic, and nothing JIT-compiled."""
-    from tests.runjob import overlapping_steps, scalars, timeline_events
-    from tests.test_e2e import VERL_METRICS, run_short
+    from tests.test_e2e import run_short
 
     extensions = tmp_path / "torch_extensions"  # where a JIT build of a DeepSpeed op would land
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(extensions))
     out, result = run_short(tmp_path, 4, "placement.mode=split", "trainer.dist_timeout_s=120", *MIXES[mix])
+    check_a_2_plus_2_job(out, extensions)
+
+
+def check_a_2_plus_2_job(out, extensions):
+    from tests.runjob import overlapping_steps, scalars, timeline_events
+    from tests.test_e2e import VERL_METRICS
 
     logged = scalars(str(out / "tb"))
     missing = [k for k in VERL_METRICS if k not in logged]
@@ -377,16 +396,20 @@ def test_ppo_job_with_engine_mix_on_2_plus_2(tmp_path, monkeypatch, mix):
 
 
 @needs_deepspeed
-def test_trainer_checkpoint_resume_through_deepspeed_repeats_the_uninterrupted_run(tmp_path):
+def test_trainer_checkpoint_resume_through_deepspeed_repeats_the_uninterrupted_run(tmp_path, monkeypatch):
     """The trainer's checkpointing with DeepSpeed on both pools (actor ZeRO-3, critic ZeRO-2, 2+2):
     a job that stops after a checkpoint at step 2 and is started again logs steps 3-4 exactly as
-    the job that ran straight through (weights, Adam moments, LR warmup and RNG all came back)."""
+    the job that ran straight through (weights, Adam moments, LR warmup and RNG all came back).
+    The uninterrupted run is also the engine-mix check with DeepSpeed on both pools."""
     from tests.runjob import torchrun
     from tests.test_e2e import SHORT
     from tests.test_resume import comparable
 
+    extensions = tmp_path / "torch_extensions"  # where a JIT build of a DeepSpeed op would land
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(extensions))
     job = [*SHORT, "actor.engine=deepspeed", "actor.zero_stage=3", "critic.engine=deepspeed", "critic.zero_stage=2",
-           "actor.optim.lr_warmup_steps=3", "trainer.timeline=", "trainer.output_dir=", "trainer.seed=3"]
+           "actor.optim.lr_warmup_steps=3", "trainer.timeline=", "trainer.output_dir=", "trainer.seed=3",
+           "placement.mode=split", "trainer.dist_timeout_s=120"]
 
     def run(out, *extra):
         result = torchrun(4, *job, f"trainer.log_dir={out}/tb", f"trainer.default_local_dir={out}/ckpt", *extra,
@@ -394,7 +417,10 @@ def test_trainer_checkpoint_resume_through_deepspeed_repeats_the_uninterrupted_r
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
         return result.stdout
 
-    run(tmp_path / "straight", "trainer.resume=disable")
+    straight = tmp_path / "straight"
+    run(straight, "trainer.resume=disable", f"trainer.timeline={straight}/timeline.json",
+        f"trainer.output_dir={straight}/actor_hf")
+    check_a_2_plus_2_job(straight, extensions)
     run(tmp_path / "stopped", "trainer.total_steps=2", "trainer.save_freq=2")
     assert "resuming from" in run(tmp_path / "stopped")  # the same folder: resume=auto finds step 2
 

@@ -30,7 +30,7 @@ IDS = ["odd-split", "pools-dont-add-up", "batch-not-divisible", "unknown-key", "
        "override-yaml-cannot-parse", "list-where-a-mapping-is"]
 
 
-def launch_ranks_by_hand(nproc: int, overrides: list[str]) -> list[subprocess.CompletedProcess]:
+def launch_ranks_by_hand(nproc: int, overrides: list[str]) -> list[subprocess.Popen]:
     """Every rank as its own process with torchrun's environment, but no torchrun to kill the
     others when one fails: each rank must reach the check, say why and exit on its own. A rank
     that went on to init_process_group would wait there for the ones that left, and time out."""
@@ -38,24 +38,43 @@ def launch_ranks_by_hand(nproc: int, overrides: list[str]) -> list[subprocess.Co
     for rank in range(nproc):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
                "LOCAL_WORLD_SIZE": str(nproc), "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "TORCH_DIST_INIT_BARRIER": "0"}
+               "MASTER_PORT": str(port), "TORCH_DIST_INIT_BARRIER": "0", "OMP_NUM_THREADS": "1"}
         procs.append(subprocess.Popen([sys.executable, "-m", "spmdsplit.train", "trainer.dist_timeout_s=30", *overrides],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    results = []
-    for rank, p in enumerate(procs):
-        try:
-            out, err = p.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise AssertionError(f"rank {rank} did not exit: it went past the checks and waited") from None
-        results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return procs
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs():
+    """Every case's ranks started at once (they are import-bound), then collected: case id -> each
+    rank's CompletedProcess, or the rank that did not exit."""
+    started = {case_id: launch_ranks_by_hand(nproc, overrides) for case_id, (nproc, overrides, _) in zip(IDS, CASES)}
+    deadline, results = time.monotonic() + 180, {}
+    try:
+        for case_id, procs in started.items():
+            results[case_id] = []
+            for rank, p in enumerate(procs):
+                try:
+                    out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    results[case_id] = f"rank {rank} did not exit: it went past the checks and waited"
+                    break
+                results[case_id].append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    finally:
+        for procs in started.values():
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
     return results
 
 
 @pytest.mark.parametrize("nproc, overrides, expected", CASES, ids=IDS)
-def test_every_rank_fails_on_its_own_naming_the_key(nproc, overrides, expected):
-    for rank, result in enumerate(launch_ranks_by_hand(nproc, overrides)):
+def test_every_rank_fails_on_its_own_naming_the_key(bad_input_runs, request, nproc, overrides, expected):
+    results = bad_input_runs[request.node.callspec.id]
+    assert not isinstance(results, str), results
+    assert len(results) == nproc
+    for rank, result in enumerate(results):
         assert result.returncode == 2, (rank, result.stderr[-3000:])
         assert f"spmdsplit [rank {rank}]: error:" in result.stderr and expected in result.stderr, result.stderr[-3000:]
         # A message, not a crash: no traceback through our code.

@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -9,6 +10,8 @@ import pytest
 from tests.extra_info_check import assert_every_split_scored, write_job_files
 from spmdsplit.metrics import mlflow_metric_name
 from tests.runjob import mlflow_scalars, overlapping_steps, scalars, timeline_events, torchrun, wandb_offline_scalars
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 VERL_METRICS = [
     "critic/score/mean", "critic/rewards/mean", "critic/advantages/mean", "critic/returns/mean",
@@ -93,16 +96,37 @@ def test_split_overlaps_the_pools_and_blocking_mode_does_not(tmp_path):
     assert overlapping_steps(blocking_events, "ref", [0], "values", [1]) == []
 
 
-def test_kl_in_reward_with_adaptive_controller_and_kl_loss(tmp_path):
+def test_kl_in_reward_critic_warmup_and_a_custom_reward_with_extras(tmp_path):
+    """Reward-side options in one short job (split 2+2): the KL penalty in the reward with the
+    adaptive controller and the KL loss; critic warm-up (the actor waits 2 steps); and a custom
+    reward function from a file that returns a dict, whose numeric extras are logged."""
+    reward_file = tmp_path / "my_reward.py"
+    reward_file.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    right = solution_str[:1] == ground_truth[:1]\n"
+        "    return {'score': 0.25 + 0.5 * right, 'acc': float(right), 'pred': solution_str}\n"
+    )
     out, _ = run_short(
-        tmp_path, 2, "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
+        tmp_path, 4, "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
         "algorithm.kl_ctrl.kl_coef=0.05", "actor.use_kl_loss=true", "algorithm.kl_penalty=low_var_kl",
+        "trainer.critic_warmup=2", f"reward.custom_fn.path={reward_file}",
     )
     logged = scalars(str(out / "tb"))
     coeffs = [v for _, v in logged["actor/reward_kl_penalty_coeff"]]
     assert coeffs[0] == pytest.approx(0.05)
     assert coeffs[-1] != coeffs[0], "the adaptive controller never moved"
     assert "actor/kl_loss" in logged and "timing_s/exchange/log_probs" in logged
+
+    assert [s for s, _ in logged["actor/pg_loss"]] == [3, 4]  # the warm-up held the actor back
+    assert [s for s, _ in logged["critic/vf_loss"]] == [1, 2, 3, 4]
+
+    scores = [v for _, v in logged["critic/score/mean"]]
+    assert all(0.25 <= v <= 0.75 for v in scores)
+    # The dict's numeric extras are logged as means over the critic pool's 2 ranks (verl logs them
+    # too); strings are not.
+    accs = [v for _, v in logged["critic/reward_extra/acc/mean"]]
+    assert accs == pytest.approx([(s - 0.25) / 0.5 for s in scores], abs=1e-5)
+    assert {k for k in logged if k.startswith("critic/reward_extra/")} == {"critic/reward_extra/acc/mean"}
 
 
 def first_and_last_scores(log_dir: str, k: int = 5) -> tuple[float, float]:
@@ -111,17 +135,23 @@ def first_and_last_scores(log_dir: str, k: int = 5) -> tuple[float, float]:
 
 
 @pytest.mark.slow
-def test_default_job_learns_the_embedded_task(tmp_path):
-    """The README's main command: 4 ranks, 2+2 split, the default config, from a random start.
-    It must solve the task (the best score is 1.0), not merely improve: the mean score of the
-    last 5 steps reaches 0.9. The quick check that learning happens at all is test_learning.py."""
+def test_default_job_learns_the_embedded_task_one_step_off_policy_on_a_rollout_pool(tmp_path):
+    """The default config (PPO with a critic, GAE, 200 steps, from a random start) as
+    configs/rollout_actor+critic.yaml places it on 2 ranks: generation on a pool of its own, one
+    batch ahead (rollout.staleness=1), the actor and the critic taking turns on the other, token-level
+    importance weights. It must solve the task (the best score is 1.0), not merely improve: the mean
+    score of the last 5 steps reaches 0.9. The default on split 2+2 is the README's main command,
+    run from a fresh clone before every landing (0.975 at the last); the quick check that learning
+    happens at all is test_learning.py."""
     out = tmp_path / "run"
-    result = torchrun(4, f"trainer.log_dir={out}/tb", f"trainer.timeline={out}/tl.json",
-                      f"trainer.output_dir={out}/hf", timeout=1200)
+    result = torchrun(2, "--config", "configs/rollout_actor+critic.yaml", "rollout.staleness=1",
+                      "algorithm.rollout_correction.rollout_is=token", f"trainer.log_dir={out}/tb",
+                      "trainer.timeline=", "trainer.output_dir=", timeout=1500, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-5000:]
+    assert "rollout pool ranks [1] | actor+critic pool ranks [0]" in result.stdout
     first, last = first_and_last_scores(str(out / "tb"))
     assert first < 0.15, f"the random policy already scores {first:.3f}: the task is too easy to show learning"
-    assert last >= 0.9, f"score {first:.3f} -> {last:.3f}: the default did not solve its task"
+    assert last >= 0.9, f"score {first:.3f} -> {last:.3f}: the default one step off did not solve its task"
 
 
 def test_streaming_rollout_chunks_give_the_same_step(tmp_path):
@@ -185,13 +215,6 @@ def test_rollout_correction_weights_reach_the_update_and_bypass_skips_the_recomp
     assert not [e for e in events if e["name"] == "old_log_prob"] and [e for e in events if e["name"] == "ref"]
 
 
-def test_critic_warmup_holds_the_actor_back(tmp_path):
-    out, _ = run_short(tmp_path, 2, "trainer.critic_warmup=2")
-    logged = scalars(str(out / "tb"))
-    assert [s for s, _ in logged["actor/pg_loss"]] == [3, 4]
-    assert [s for s, _ in logged["critic/vf_loss"]] == [1, 2, 3, 4]
-
-
 def test_validation_logs_verl_val_core_metrics(tmp_path, monkeypatch):
     # Every sink of trainer.logger at once, at their defaults beside trainer.log_dir (wandb offline:
     # no network), so one short job checks that all of them hold what TensorBoard holds.
@@ -251,16 +274,21 @@ def test_gsm8k_parquet_files_train_through_the_chat_template(tmp_path):
 
 
 @pytest.mark.slow
-def test_grpo_learns_the_embedded_task(tmp_path):
-    """The GRPO recipe of docs/algorithms.md on the embedded task: it must solve it too (last 5 steps >= 0.9)."""
+def test_grpo_learns_the_embedded_task_one_step_off_policy_on_a_rollout_pool(tmp_path):
+    """The GRPO recipe of docs/algorithms.md as configs/grpo_rollout_actor.yaml places it: the
+    rollout engine on a pool of its own generating one batch ahead (rollout.staleness=1, batch k
+    from the weights of update k-2), the actor and the rule reward on the other, token-level
+    importance weights. It must solve the task (last 5 steps >= 0.9), as on colocate: a rollout
+    pool that loaded the wrong version's weights, rows scored against the wrong version, or a
+    correction that weighs the wrong way would stop it short (seed 1; the recipe's seed table is in
+    docs/algorithms.md)."""
     out = tmp_path / "run"
-    result = torchrun(2, "placement.mode=colocate", "algorithm.adv_estimator=grpo", "rollout.n=4",
-                      "data.train_batch_size=32", "actor.ppo_mini_batch_size=16",
-                      "actor.optim.lr_scheduler_type=constant", "actor.entropy_coeff=0.01", f"trainer.log_dir={out}/tb",
-                      "trainer.timeline=", "trainer.output_dir=", timeout=1200)
+    result = torchrun(2, "--config", "configs/grpo_rollout_actor.yaml", f"trainer.log_dir={out}/tb",
+                      "trainer.timeline=", "trainer.output_dir=", timeout=1500, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-5000:]
+    assert "rollout pool ranks [1] | actor+critic pool ranks [0]" in result.stdout
     first, last = first_and_last_scores(str(out / "tb"))
-    assert last >= 0.9, f"score {first:.3f} -> {last:.3f}: GRPO did not solve the embedded task"
+    assert last >= 0.9, f"score {first:.3f} -> {last:.3f}: GRPO one step off did not solve the embedded task"
 
 
 def test_grpo_with_a_reward_model_on_the_critic_pool(tmp_path):
@@ -276,20 +304,3 @@ def test_grpo_with_a_reward_model_on_the_critic_pool(tmp_path):
     events = timeline_events(str(out / "timeline.json"))
     assert {e["pid"] for e in events if e["name"] == "reward"} == {1}
     assert not [e for e in events if e["name"] in ("values", "update_critic")]
-
-
-def test_custom_reward_function_from_a_file(tmp_path):
-    reward_file = tmp_path / "my_reward.py"
-    reward_file.write_text(
-        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-        "    right = solution_str[:1] == ground_truth[:1]\n"
-        "    return {'score': 0.25 + 0.5 * right, 'acc': float(right), 'pred': solution_str}\n"
-    )
-    out, _ = run_short(tmp_path, 4, f"reward.custom_fn.path={reward_file}")
-    logged = scalars(str(out / "tb"))
-    scores = [v for _, v in logged["critic/score/mean"]]
-    assert all(0.25 <= v <= 0.75 for v in scores)
-    # The dict's numeric extras are logged as pool-wide means (verl logs them too); strings are not.
-    accs = [v for _, v in logged["critic/reward_extra/acc/mean"]]
-    assert accs == pytest.approx([(s - 0.25) / 0.5 for s in scores], abs=1e-5)
-    assert {k for k in logged if k.startswith("critic/reward_extra/")} == {"critic/reward_extra/acc/mean"}

@@ -43,9 +43,8 @@ def run_short(tmp_path, nproc, *overrides):
         (4, ["placement.mode=custom", "placement.pools=[3,1]", "data.train_batch_size=24",
              "actor.ppo_mini_batch_size=12", "critic.ppo_mini_batch_size=12"], [0, 1, 2], [3]),
         (2, ["placement.mode=colocate"], [0, 1], [0, 1]),
-        (4, ["placement.mode=colocate"], [0, 1, 2, 3], [0, 1, 2, 3]),
     ],
-    ids=["split-1+1", "split-2+2", "custom-3+1", "colocate-2", "colocate-4"],
+    ids=["split-1+1", "split-2+2", "custom-3+1", "colocate-2"],
 )
 def test_job_writes_verl_metrics_timeline_and_hf_model(tmp_path, nproc, overrides, actor_ranks, critic_ranks):
     # Scored by a custom function that checks each row gets its own extra_info, with validation on.

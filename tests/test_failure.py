@@ -35,7 +35,6 @@ FAULTS = [
     (4, "1:update_actor:2", "actor pool", []),
     (4, "2:values:2", "critic pool", []),
     (4, "3:update_critic:2", "critic pool", []),
-    (4, "2:adv:2", "critic pool", []),
     (4, "3:val_reward:2", "critic pool", ["trainer.val_freq=2"]),
     (2, "1:update_critic:2", "actor+critic pool", ["placement.mode=colocate"]),
     # A rollout pool of its own, one step ahead: it fails while the others train.

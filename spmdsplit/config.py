@@ -164,11 +164,15 @@ class ModelConfig:
     embedded_dir: str = ""  # where the embedded model is built; "" = $SPMDSPLIT_CACHE or ~/.cache/spmdsplit
     dtype: str = choice("auto", "float32", "bfloat16")  # auto: bf16 on cuda, fp32 on cpu
     trust_remote_code: bool = False
+    # Recompute each decoder block's activations in the backward instead of keeping them: about one
+    # more forward per update (~1/3 more compute) for activation memory that no longer grows with
+    # the layer count (tools/memory.py models both). Off for the CPU toy; on in every GPU preset.
     gradient_checkpointing: bool = False
     # Padding-free forward passes (verl's name) for the actor, reference, critic and reward model:
     # each micro-batch's real tokens packed into one sequence, so no compute goes to padding. With
     # sdpa/eager an explicit [T, T] block-causal mask keeps rows apart (memory grows with the
-    # micro-batch's tokens squared: keep token budgets small on CPU); flash_attention_2 needs none.
+    # micro-batch's tokens squared: keep token budgets small on CPU; on cuda a mask past 1 GiB is
+    # refused, check_packed_attention); flash_attention_2 needs none (the GPU presets use it).
     use_remove_padding: bool = False
     # The attention kernel of every trained and frozen model (not the rollout engines'): sdpa |
     # eager | flash_attention_2 (GPU only; needs the flash_attn package).
@@ -623,6 +627,7 @@ def check_values(cfg: DictConfig) -> None:
             f"set rollout.n >= 2 (got {cfg.rollout.n})"
         )
     check_engines(cfg)
+    check_packed_attention(cfg, cfg.trainer.device)  # auto: again at start-up, once the device is known
     check_rollout(cfg)
     pools = cfg.placement.pools
     if cfg.placement.mode == "custom" and not OmegaConf.is_dict(pools) and len(pools) != 2:
@@ -646,19 +651,14 @@ def critic_pool_apart(cfg: DictConfig) -> bool:
 
 
 def check_engines(cfg: DictConfig) -> None:
-    """FSDP-only options, and DeepSpeed and FlashAttention installed where they are chosen."""
+    """FSDP-only options, and DeepSpeed installed where it is chosen (FlashAttention: at start-up,
+    check_flash_attn_installed, so that a GPU preset still loads on a machine without it)."""
     for role in ("actor", "critic"):
         if cfg[role].no_sync_accumulation and cfg[role].engine == "deepspeed":
             raise ConfigError(
                 f"{role}.no_sync_accumulation=true is an FSDP2 option: DeepSpeed ZeRO-2/3 partition gradients in "
                 "every backward (its no_sync refuses them) and ZeRO-1 keeps a whole gradient per rank anyway, "
                 "all-reduced once at the step; leave it false with engine=deepspeed")
-    if cfg.model.attn_implementation == "flash_attention_2":
-        import importlib.util
-
-        if importlib.util.find_spec("flash_attn") is None:
-            raise ConfigError("model.attn_implementation=flash_attention_2: the flash_attn package is not installed "
-                              "(GPU only: pip install flash-attn); use sdpa")
     chosen = [key for key in ("actor.engine", "critic.engine", "ref.engine", "reward.model.engine")
               if OmegaConf.select(cfg, key) == "deepspeed"]
     if chosen:
@@ -667,6 +667,77 @@ def check_engines(cfg: DictConfig) -> None:
         if importlib.util.find_spec("deepspeed") is None:
             raise ConfigError(f"{chosen[0]}=deepspeed: DeepSpeed is not installed "
                               "(pip install 'spmdsplit[deepspeed]')")
+
+
+def check_flash_attn_installed(cfg: DictConfig) -> None:
+    """model.attn_implementation=flash_attention_2 needs the flash_attn package; checked on every
+    rank at start-up (spmdsplit/train.py prepare), not when a config loads, so that a GPU preset
+    that chooses it still loads (and prints) on a machine without it."""
+    if cfg.model.attn_implementation == "flash_attention_2":
+        import importlib.util
+
+        if importlib.util.find_spec("flash_attn") is None:
+            raise ConfigError("model.attn_implementation=flash_attention_2: the flash_attn package is not installed "
+                              "(GPU only: pip install flash-attn); use sdpa")
+
+
+# A packed micro-batch under sdpa/eager carries a dense [T, T] block-causal mask in the compute
+# dtype (roles/common.py block_causal_mask; its boolean temporaries add T^2 bytes each while it is
+# built). Past this size a GPU job is refused: T^2 x 2 bytes (bf16) passes 1 GiB at T = 23171
+# tokens, so the 32768-token budget of a GPU preset would need 2 GiB (4 GiB in fp32) per forward.
+MAX_DENSE_MASK_BYTES = 2**30
+
+
+def packed_token_budgets(cfg: DictConfig) -> dict[str, int]:
+    """The most tokens one packed micro-batch can hold in each pass, by the key that sets it: the
+    token budget where use_dynamic_bsz is on (a row longer than the budget runs alone, so never
+    less than the longest row), else rows x the longest row. The reward model's rows are in its own
+    tokens and are left out unless it bins by a budget."""
+    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    actor, critic, ref = cfg.actor, cfg.critic, cfg.ref
+    ref_dynamic = actor.use_dynamic_bsz if ref.log_prob_use_dynamic_bsz is None else ref.log_prob_use_dynamic_bsz
+    ref_budget = ref.log_prob_max_token_len_per_gpu or actor.log_prob_max_token_len_per_gpu
+    passes = [  # (dynamic, budget key, budget, rows key, rows)
+        (actor.use_dynamic_bsz, "actor.ppo_max_token_len_per_gpu", actor.ppo_max_token_len_per_gpu,
+         "actor.ppo_micro_batch_size_per_gpu", actor.ppo_micro_batch_size_per_gpu),
+        (actor.use_dynamic_bsz, "actor.log_prob_max_token_len_per_gpu", actor.log_prob_max_token_len_per_gpu,
+         "actor.log_prob_micro_batch_size_per_gpu", actor.log_prob_micro_batch_size_per_gpu),
+        (ref_dynamic, "ref.log_prob_max_token_len_per_gpu", ref_budget,
+         "ref.log_prob_micro_batch_size_per_gpu", ref.log_prob_micro_batch_size_per_gpu),
+        (critic.use_dynamic_bsz, "critic.ppo_max_token_len_per_gpu", critic.ppo_max_token_len_per_gpu,
+         "critic.ppo_micro_batch_size_per_gpu", critic.ppo_micro_batch_size_per_gpu),
+        (critic.use_dynamic_bsz, "critic.forward_max_token_len_per_gpu", critic.forward_max_token_len_per_gpu,
+         "critic.forward_micro_batch_size_per_gpu", critic.forward_micro_batch_size_per_gpu),
+    ]
+    out = {}
+    for dynamic, budget_key, budget, rows_key, rows in passes:
+        if dynamic:
+            out[budget_key] = max(budget, longest)
+        else:
+            out[rows_key] = rows * longest
+    rm = cfg.reward.model
+    if rm.path and rm.use_dynamic_bsz:
+        out["reward.model.forward_max_token_len_per_gpu"] = rm.forward_max_token_len_per_gpu
+    return out
+
+
+def check_packed_attention(cfg: DictConfig, device_type: str) -> None:
+    """On a GPU, packing (model.use_remove_padding) under sdpa/eager only while the largest packed
+    micro-batch's dense mask stays under MAX_DENSE_MASK_BYTES; flash_attention_2 needs no mask.
+    Run where the device is known: with trainer.device=cuda when the config loads, and on every
+    rank at start-up with the device picked (train.py prepare)."""
+    m = cfg.model
+    if device_type != "cuda" or not m.use_remove_padding or m.attn_implementation == "flash_attention_2":
+        return
+    key, tokens = max(packed_token_budgets(cfg).items(), key=lambda item: item[1])
+    dtype_bytes = 4 if m.dtype == "float32" else 2  # auto is bf16 on cuda
+    mask_bytes = tokens * tokens * dtype_bytes
+    if mask_bytes > MAX_DENSE_MASK_BYTES:
+        raise ConfigError(
+            f"model.use_remove_padding=true with model.attn_implementation={m.attn_implementation} on cuda: {key} "
+            f"lets a packed micro-batch hold {tokens} tokens, whose dense [T, T] mask takes {tokens}^2 x "
+            f"{dtype_bytes} B = {mask_bytes / 2**30:.1f} GiB (at most {MAX_DENSE_MASK_BYTES / 2**30:g} GiB); "
+            "set model.attn_implementation=flash_attention_2 (pip install flash-attn), or lower the budget")
 
 
 def check_rollout(cfg: DictConfig) -> None:

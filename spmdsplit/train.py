@@ -39,7 +39,8 @@ from spmdsplit.embedded import ensure_embedded_model
 from spmdsplit.models import load_tokenizer
 from spmdsplit.metrics import missing_logger
 from spmdsplit.rewards.custom import load_custom_reward_fn
-from spmdsplit.config import ConfigError, check_against_placement, config_warnings, load_config, to_yaml
+from spmdsplit.config import (ConfigError, check_against_placement, check_flash_attn_installed, check_packed_attention,
+                              config_warnings, load_config, to_yaml)
 from spmdsplit.groups import create_process_groups
 from spmdsplit.placement import PlacementError, launch_shape_from_env, plan_from_config
 from spmdsplit.rollout.vllm_engine import check_vllm
@@ -120,6 +121,8 @@ def prepare(cfg):
     if cfg.reward.custom_fn.path:
         load_custom_reward_fn(cfg.reward.custom_fn.path, cfg.reward.custom_fn.name)  # fails here, on every rank
     device = pick_device(cfg.trainer.device, int(os.environ.get("LOCAL_RANK", 0)))
+    check_flash_attn_installed(cfg)
+    check_packed_attention(cfg, device.type)  # trainer.device=auto: only now is it known to be cuda
     if not cfg.model.path:
         # Built before the world forms: a file race between ranks, settled by an atomic rename.
         cfg.model.path = ensure_embedded_model(cfg.model.embedded_dir)

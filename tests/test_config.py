@@ -581,9 +581,15 @@ def test_choices_and_ranges_come_from_the_fields():
 def test_flash_attention_without_flash_attn_is_one_line_naming_the_key(monkeypatch):
     import importlib.util
 
+    from spmdsplit.config import check_flash_attn_installed
+
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else real(name, *a))
-    msg = error_of("model.attn_implementation=flash_attention_2")
+    # The config loads (a GPU preset prints anywhere); start-up (train.py prepare) refuses it.
+    cfg = load_config(None, ["model.attn_implementation=flash_attention_2"])
+    with pytest.raises(ConfigError) as e:
+        check_flash_attn_installed(cfg)
+    msg = str(e.value)
     assert msg.startswith("model.attn_implementation=flash_attention_2") and "\n" not in msg
     assert "model.attn_implementation" in error_of("model.attn_implementation=flash")
     load_config(None, ["model.attn_implementation=eager", "model.use_remove_padding=true"])
@@ -690,3 +696,44 @@ def test_vllm_tensor_parallel_groups_lie_inside_one_of_three_pools():
     with pytest.raises(ConfigError, match=r"straddles the rollout pool \[1, 2\] and the actor pool \[0\] and "
                                           r"the critic pool \[3\]; use a size that divides every pool"):
         check_rollout_placement(cfg, [0], [3], 4, [1, 2])
+
+
+# --------------------------------------------------------------------------- packed attention on a GPU
+
+
+def packed_mask_error(device: str, *overrides):
+    from spmdsplit.config import check_packed_attention
+
+    cfg = load_config(None, ["model.use_remove_padding=true", *overrides])
+    try:
+        check_packed_attention(cfg, device)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_sdpa_packing_past_a_1_gib_mask_is_refused_on_cuda_naming_the_budget():
+    # 32768 tokens: 32768^2 x 2 B (bf16) = 2 GiB of mask per packed forward.
+    msg = packed_mask_error("cuda", "critic.use_dynamic_bsz=true", "critic.forward_max_token_len_per_gpu=32768")
+    assert msg.startswith("model.use_remove_padding=true with model.attn_implementation=sdpa on cuda")
+    assert "critic.forward_max_token_len_per_gpu" in msg and "2.0 GiB" in msg and "\n" not in msg
+    assert "model.attn_implementation=flash_attention_2" in msg
+    # fp32 doubles it: 20000 tokens is 0.75 GiB in bf16 (allowed), 1.5 GiB in fp32 (refused).
+    budget = ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=20000"]
+    assert packed_mask_error("cuda", *budget, "model.dtype=bfloat16") is None
+    assert "actor.ppo_max_token_len_per_gpu" in packed_mask_error("cuda", *budget, "model.dtype=float32")
+    # Fixed micro-batches count rows x the longest row: 64 rows x 512 tokens = 32768.
+    msg = packed_mask_error("cuda", "critic.forward_micro_batch_size_per_gpu=64",
+                            "data.max_prompt_length=256", "data.max_response_length=256")
+    assert "critic.forward_micro_batch_size_per_gpu" in msg
+
+
+def test_the_mask_check_spares_cpu_flash_attention_and_unpacked_passes():
+    big = ["critic.use_dynamic_bsz=true", "critic.forward_max_token_len_per_gpu=65536"]
+    assert packed_mask_error("cpu", *big) is None  # CPU's budgets are the user's to keep small
+    assert packed_mask_error("cuda", *big, "model.attn_implementation=flash_attention_2") is None
+    from spmdsplit.config import check_packed_attention
+
+    check_packed_attention(load_config(None, big), "cuda")  # not packed: no mask at all
+    # trainer.device=cuda says so when the config loads; auto waits for start-up (train.py prepare).
+    assert "critic.forward_max_token_len_per_gpu" in error_of("model.use_remove_padding=true", "trainer.device=cuda", *big)

@@ -18,6 +18,7 @@ LAUNCHES = {
     "custom_3+5_per_node.yaml": ((16, 8, 2), [0, 1, 2, 8, 9, 10], [3, 4, 5, 6, 7, 11, 12, 13, 14, 15]),
     "nodes_8+8.yaml": ((16, 8, 2), list(range(8)), list(range(8, 16))),
     "gpu_qwen2.5_0.5b.yaml": ((8, 8, 1), [0, 1, 2, 3], [4, 5, 6, 7]),
+    "gpu_qwen2.5_7b.yaml": ((8, 8, 1), [0, 1, 2, 3], [4, 5, 6, 7]),
     "rollout_actor+critic.yaml": ((2, 2, 1), [0], [0], [1]),
     "rollout_actor_critic.yaml": ((3, 3, 1), [0], [2], [1]),
     "grpo_rollout_actor.yaml": ((2, 2, 1), [0], [0], [1]),
@@ -47,3 +48,33 @@ def test_default_preset_is_the_schema_default():
     from omegaconf import OmegaConf
 
     assert OmegaConf.to_container(load_config(str(CONFIGS / "default.yaml"))) == OmegaConf.to_container(load_config())
+
+
+GPU_PRESETS = ("gpu_qwen2.5_0.5b.yaml", "gpu_qwen2.5_7b.yaml", "nodes_8+8.yaml")
+
+
+@pytest.mark.parametrize("name", GPU_PRESETS)
+def test_gpu_presets_carry_the_gpu_settings(name):
+    """What a first 7B job needs (issue 25 item 6): checkpointed activations, vLLM on its batched
+    sampler with CUDA graphs, and packing only on FlashAttention-2."""
+    from spmdsplit.config import check_packed_attention
+
+    cfg = load_config(str(CONFIGS / name))
+    assert cfg.model.gradient_checkpointing
+    assert not cfg.rollout.per_row_seed and not cfg.rollout.enforce_eager
+    if cfg.model.use_remove_padding:
+        assert cfg.model.attn_implementation == "flash_attention_2"
+    check_packed_attention(cfg, "cuda")
+
+
+@pytest.mark.parametrize("name", sorted(LAUNCHES))
+def test_vllm_memory_share_follows_what_else_holds_the_gpu(name):
+    """A rollout pool of its own holds only its engine: a high share; engines beside training
+    (split, colocate) share the device with the trainer's resident state: at most the default."""
+    (world, local, nnodes), *_ = LAUNCHES[name]
+    cfg = load_config(str(CONFIGS / name))
+    placement = plan_from_config(cfg.placement, world, local, nnodes)
+    if placement.rollout_apart:
+        assert cfg.rollout.gpu_memory_utilization >= 0.85
+    else:
+        assert cfg.rollout.gpu_memory_utilization <= 0.5

@@ -55,6 +55,11 @@ def describe_sample(index: int, response: str, data_source=None, ground_truth=No
     return "\n".join(lines)
 
 
+def host_lists(*tensors: torch.Tensor) -> list[list]:
+    """Each tensor as nested Python lists, copied to the host once (one transfer per tensor)."""
+    return [t.cpu().tolist() for t in tensors]
+
+
 def response_texts(tokenizer, responses: torch.Tensor, lengths: torch.Tensor, eos_token_ids: set[int],
                    skip_special_tokens: bool | Sequence[bool] = False) -> list[str]:
     """Each response's valid tokens, decoded, without the EOS that ends it. `skip_special_tokens`
@@ -62,9 +67,12 @@ def response_texts(tokenizer, responses: torch.Tensor, lengths: torch.Tensor, eo
     managers decode; kept, they show in the text (the reward model reads them)."""
     if isinstance(skip_special_tokens, bool):
         skip_special_tokens = [skip_special_tokens] * responses.shape[0]
+    # One device-to-host copy of each tensor for the whole batch: indexing a GPU tensor row by row
+    # (`int(lengths[i])`, `responses[i].tolist()`) would wait on the device twice per row.
+    rows, row_lengths = host_lists(responses, lengths)
     texts = []
-    for i, skip in enumerate(skip_special_tokens):
-        ids = responses[i, : int(lengths[i])].tolist()
+    for row, length, skip in zip(rows, row_lengths, skip_special_tokens):
+        ids = row[:length]
         # Dropped even when the tokenizer does not count it as special: it ends the response,
         # it is not part of the answer.
         if ids and ids[-1] in eos_token_ids:

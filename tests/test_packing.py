@@ -151,6 +151,89 @@ def test_packed_reward_model_scores_match(model_dir):
     torch.testing.assert_close(scores[True, 12], scores[False, None], **TOLERANCE)
 
 
+# ------------------------------------------------------------------ FlashAttention-2's packed path
+
+def test_flash_varlen_kwargs_are_the_rows_starts_and_the_longest_row():
+    from spmdsplit.roles.common import flash_varlen_kwargs
+
+    kwargs = flash_varlen_kwargs(torch.tensor([3, 1, 5, 2]))
+    assert kwargs["cu_seq_lens_q"].tolist() == [0, 3, 4, 9, 11] and kwargs["cu_seq_lens_q"].dtype == torch.int32
+    assert kwargs["cu_seq_lens_k"] is kwargs["cu_seq_lens_q"]
+    assert kwargs["max_length_q"] == kwargs["max_length_k"] == 5 and type(kwargs["max_length_q"]) is int
+
+
+def varlen_stand_in(calls: list):
+    """A CPU stand-in for transformers' flash_attention_2 function (the real one needs a GPU): like
+    the varlen kernel it attends causally within each row of the packed sequence, and it must be
+    given the rows' boundaries (a KeyError otherwise: it does not derive them from position ids)."""
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        assert attention_mask is None
+        starts = kwargs["cu_seq_lens_q"]
+        calls.append(kwargs)
+        groups = query.shape[1] // key.shape[1]  # grouped-query attention: each KV head serves `groups`
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+        out = torch.zeros_like(query)
+        for start, end in zip(starts[:-1].tolist(), starts[1:].tolist()):
+            rows = slice(start, end)
+            out[:, :, rows] = torch.nn.functional.scaled_dot_product_attention(
+                query[:, :, rows], key[:, :, rows], value[:, :, rows], is_causal=True, scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
+    return attention
+
+
+@pytest.fixture
+def flash_stand_in(monkeypatch):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    calls: list = []
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "flash_attention_2", varlen_stand_in(calls))
+    return calls
+
+
+def test_flash_attention_is_given_the_rows_boundaries_once_per_micro_batch(model_dir, flash_stand_in):
+    """Every layer gets the same cu_seq_lens tensor (computed once, not re-derived per layer) and
+    the packed result equals each row run alone."""
+    import itertools
+
+    from spmdsplit.models import load_causal_lm
+    from spmdsplit.roles.common import forward_response
+
+    model = load_causal_lm(model_dir, torch.float32, torch.device("cpu"), seed=3)
+    batch = ragged_batch(model.config.vocab_size)
+    with torch.no_grad():
+        expected = unpadded_reference(model, batch, logprob_head())
+        model.config._attn_implementation = "flash_attention_2"
+        log_prob, entropy = forward_response(model, batch, logprob_head(), True, response_only=True)
+    torch.testing.assert_close(log_prob, expected[0], **TOLERANCE)
+    torch.testing.assert_close(entropy, expected[1], **TOLERANCE)
+    assert len(flash_stand_in) == model.config.num_hidden_layers
+    lengths = [p + r for p, r in zip(PROMPT_LENGTHS, RESPONSE_LENGTHS)]
+    first = flash_stand_in[0]
+    assert first["cu_seq_lens_q"].tolist() == [0, *itertools.accumulate(lengths)]
+    assert first["max_length_q"] == max(lengths)
+    assert all(call["cu_seq_lens_q"] is first["cu_seq_lens_q"] for call in flash_stand_in)
+
+
+def test_the_packed_reward_model_gives_flash_attention_the_boundaries_too(model_dir, flash_stand_in):
+    from spmdsplit.models import load_tokenizer
+    from spmdsplit.roles.reward_model import RewardModel
+    from tests.helpers import PlainEngine, load_reward_model
+
+    model = load_reward_model(model_dir, torch.float32, torch.device("cpu"), seed=11)
+    with torch.no_grad():
+        model.score.weight.normal_(0, 1.0, generator=torch.Generator().manual_seed(0))
+    tokenizer = load_tokenizer(model_dir)
+    batch = ragged_batch(model.config.vocab_size)
+
+    def scores(packed):
+        return RewardModel(PlainEngine(model), tokenizer, tokenizer, micro_batch_size=3, device="cpu",
+                           remove_padding=packed).compute(batch)[1]
+    padded = scores(False)
+    model.config._attn_implementation = "flash_attention_2"
+    torch.testing.assert_close(scores(True), padded, **TOLERANCE)
+    assert len(flash_stand_in) == 3 * model.config.num_hidden_layers  # 8 rows, 3 a micro-batch
+
+
 # ------------------------------------------------------------------ two ranks, both engines
 
 def _actor_on_pool(rank, world_size, model_dir, engine_name, packed, dynamic):

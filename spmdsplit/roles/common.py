@@ -63,12 +63,13 @@ def _trimmed_forward(model, micro: Batch, head: Head, response_only: bool):
 def _packed_forward(model, micro: Batch, head: Head, response_only: bool):
     """The micro-batch's valid tokens as one sequence [1, T], position ids restarting at each row.
 
-    What keeps the rows apart depends on the attention kernel. FlashAttention-2: transformers 5
-    (modeling_flash_attention_utils.py, `_flash_attention_forward`) sees position ids of a batch
-    of one that do not rise by one throughout (`_is_packed_sequence`) and, with no attention mask,
-    derives cu_seqlens from where they restart (`prepare_fa_kwargs_from_position_ids`) for the
-    variable-length kernel: so the position ids alone, and attention_mask=None. sdpa and eager
-    get an explicit block-causal 4-D float mask, which transformers passes through as is.
+    What keeps the rows apart depends on the attention kernel (`packed_attention_kwargs`).
+    FlashAttention-2: the rows' boundaries, `cu_seq_lens_q/k` and `max_length_q/k`, computed once
+    here and passed down to every layer, and attention_mask=None. (Given only the position ids,
+    transformers 5 would derive them again in every layer: `_flash_attention_forward` checks
+    `_is_packed_sequence` and calls `prepare_fa_kwargs_from_position_ids`, a nonzero and a max on
+    the device each, and the varlen kernel's int max_seqlen then costs a host sync per layer.)
+    sdpa and eager get an explicit block-causal 4-D float mask, which transformers passes through.
     (transformers 5.19 also finds packed rows from restarting position ids by itself, but only
     with no cache: with use_cache on, rows see each other, 0.24 off on the embedded model, and a
     remote-code model may not look at all; the explicit mask holds either way.) It takes
@@ -87,21 +88,32 @@ def _packed_forward(model, micro: Batch, head: Head, response_only: bool):
     rows, cols = mask[:, P:].nonzero(as_tuple=True)
     predictors = packed_index[:, P:][rows, cols] - 1
     extra = {"logits_to_keep": predictors} if response_only else {}
-    out = model(input_ids=input_ids, attention_mask=packed_attention_mask(model, mask.sum(1)),
-                position_ids=position_ids, use_cache=False, **extra)
+    out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                **packed_attention_kwargs(model, mask.sum(1)), **extra)
     logits = out.logits if response_only else out.logits[:, predictors]
     outputs = head(logits, micro["responses"][rows, cols][None])
     # Each [1, N] output to its (row, column) of a zero [b, R] (differentiable).
     return _each(lambda x: x.new_zeros(b, R).index_put((rows, cols), x[0]), outputs)
 
 
-def packed_attention_mask(model, lengths: torch.Tensor) -> torch.Tensor | None:
-    """The attention mask for rows of these lengths packed into one sequence (see
-    `_packed_forward`): None under FlashAttention-2, whose kernel finds the rows from the
-    position ids; a block-causal mask under any other."""
+def packed_attention_kwargs(model, lengths: torch.Tensor) -> dict:
+    """The model's keyword arguments that keep rows of these lengths apart once packed into one
+    sequence (see `_packed_forward`): under FlashAttention-2 no mask and the rows' boundaries
+    (`flash_varlen_kwargs`); under any other kernel a block-causal mask."""
     if str(_config(model)._attn_implementation).startswith("flash_attention"):
-        return None
-    return block_causal_mask(lengths, _compute_dtype(model))
+        return {"attention_mask": None, **flash_varlen_kwargs(lengths)}
+    return {"attention_mask": block_causal_mask(lengths, _compute_dtype(model))}
+
+
+def flash_varlen_kwargs(lengths: torch.Tensor) -> dict:
+    """What transformers' FlashAttention path takes for packed rows of these lengths instead of
+    deriving it from the position ids in every layer: `cu_seq_lens_q/k`, each row's start and the
+    end ([b + 1] int32, on the lengths' device, as the varlen kernel wants), and `max_length_q/k`,
+    the longest row as a Python int (the kernel takes an int; one host read per micro-batch here
+    instead of one per layer). Queries and keys are the same tokens, so q and k share both."""
+    starts = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+    longest = int(lengths.max())
+    return {"cu_seq_lens_q": starts, "cu_seq_lens_k": starts, "max_length_q": longest, "max_length_k": longest}
 
 
 def block_causal_mask(lengths: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -26,9 +26,9 @@ import torch
 from torch import nn
 
 from spmdsplit.batch import Batch
-from spmdsplit.roles.common import packed_attention_mask
+from spmdsplit.roles.common import packed_attention_kwargs
 from spmdsplit.roles.micro_batches import in_row_order, plan_bins
-from spmdsplit.roles.reward import RewardError, describe_sample, on_last_token, response_texts
+from spmdsplit.roles.reward import RewardError, describe_sample, host_lists, on_last_token, response_texts
 
 
 def default_max_length(prompt_len: int, response_len: int) -> int:
@@ -97,8 +97,9 @@ class RewardModel:
         input_ids, attention_mask, responses = batch["input_ids"], batch["attention_mask"], batch["responses"]
         P = input_ids.shape[1] - responses.shape[1]
         prompts = []
-        for i in range(input_ids.shape[0]):
-            ids = input_ids[i, :P][attention_mask[i, :P].bool()].tolist()
+        # The prompt columns copied to the host once, not a row (and a sync) at a time.
+        for ids, keep in zip(*host_lists(input_ids[:, :P], attention_mask[:, :P])):
+            ids = [token for token, kept in zip(ids, keep) if kept]
             prompts.append(self.policy_tokenizer.decode(ids, skip_special_tokens=False))
         answers = response_texts(self.policy_tokenizer, responses, batch["response_mask"].sum(-1), self.eos_token_ids)
         return prompts, answers
@@ -140,12 +141,13 @@ class RewardModel:
     def _forward_packed(self, rows: list[list[int]]) -> torch.Tensor:
         """The rows as one sequence, position ids restarting at each (roles/common.py
         `_packed_forward` says what keeps them apart); each row's score at its last token."""
-        lengths = torch.tensor([len(r) for r in rows], device=self.device)
-        ids = torch.tensor([t for r in rows for t in r], dtype=torch.long, device=self.device)[None]
-        positions = torch.cat([torch.arange(n, device=self.device) for n in lengths.tolist()])[None]
+        # Built on the host from the token lists, then moved: no device reads.
+        lengths = torch.tensor([len(r) for r in rows]).to(self.device)
+        ids = torch.tensor([t for r in rows for t in r], dtype=torch.long).to(self.device)[None]
+        positions = torch.tensor([p for r in rows for p in range(len(r))], dtype=torch.long).to(self.device)[None]
         self._per_token = None
-        self.engine(input_ids=ids, attention_mask=packed_attention_mask(self.engine, lengths),
-                    position_ids=positions, use_cache=False)
+        self.engine(input_ids=ids, position_ids=positions, use_cache=False,
+                    **packed_attention_kwargs(self.engine, lengths))
         per_token, self._per_token = self._per_token, None
         return per_token[0, lengths.cumsum(0) - 1, 0].float()
 

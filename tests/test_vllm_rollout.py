@@ -149,6 +149,8 @@ def engine_checks(engine, tokenizer):
         out = engine.generate(task_prompts(tokenizer, 32, seed=5))
         res["log_probs"][T] = (out["rollout_log_probs"], actor_log_probs(new_model, out, T), out["response_mask"])
 
+    res["flat"] = flat_log_probs_check(engine, tokenizer)
+
     # Per-row seeds: rows 0-11 in one batch, then rows 8-11 and 0-3 among other rows.
     prompts = task_prompts(tokenizer, 12, seed=6)
     prompts["sample_seed"] = row_seeds(1, 3, torch.arange(12))
@@ -163,6 +165,29 @@ def engine_checks(engine, tokenizer):
     engine.sleep()
     res["cycles"] = (engine.wake_ups, engine.sleeps)
     return res
+
+
+def flat_log_probs_check(engine, tokenizer):
+    """One sampled generate with vLLM's raw outputs kept: (the engine's rollout_log_probs and
+    responses, the same read the old way, by walking each token's {token: Logprob} dict, how many
+    per-token dicts the engine's own reading built, and the type vLLM returned)."""
+    from vllm.logprobs import FlatLogprobs
+
+    outputs, built = [], []
+    generate, getitem = engine.llm.generate, FlatLogprobs.__getitem__
+    engine.llm.generate = lambda *a, **k: outputs.append(generate(*a, **k)) or outputs[-1]
+    FlatLogprobs.__getitem__ = lambda self, index: built.append(index) or getitem(self, index)
+    try:
+        out = engine.generate(task_prompts(tokenizer, 32, seed=8))
+    finally:
+        engine.llm.generate, FlatLogprobs.__getitem__ = generate, getitem
+    walked = torch.zeros_like(out["rollout_log_probs"])
+    for i, request in enumerate(outputs[0]):  # the old reading: a dict per generated token
+        sample = request.outputs[0]
+        walked[i, : len(sample.token_ids)] = torch.tensor(
+            [lp[t].logprob for t, lp in zip(sample.token_ids, sample.logprobs)])
+    return (out["rollout_log_probs"], out["responses"], out["response_mask"], walked, len(built),
+            type(outputs[0][0].outputs[0].logprobs).__name__)
 
 
 def widen(rows: torch.Tensor, width: int) -> torch.Tensor:
@@ -219,6 +244,17 @@ def test_rollout_log_probs_match_the_actors(checks, temperature):
     assert (engine_lp - actor_lp).abs().max() < 1e-5
     total, count, largest = rollout_probs_diff(engine_lp, actor_lp, mask)
     assert count == mask.sum() and largest < 1e-5 and total / count < 1e-5
+
+
+@needs_vllm
+def test_log_probs_are_read_flat_and_equal_the_per_token_dict_walk(checks):
+    """Issue 25: the engine walked a {token: Logprob} dict per generated token in Python; it now
+    asks vLLM for flat lists and builds no per-token dict, with the same numbers."""
+    log_probs, responses, mask, walked, dicts_built, kind = checks["flat"]
+    assert kind == "FlatLogprobs" and dicts_built == 0
+    assert mask.sum() > 32 and (log_probs[mask.bool()] < 0).all()
+    assert torch.equal(log_probs, walked)
+    assert torch.equal(log_probs == 0, mask == 0)
 
 
 def test_rollout_probs_diff_sees_one_wrong_token_and_ignores_padding():

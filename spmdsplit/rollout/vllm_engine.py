@@ -20,6 +20,7 @@ project's VLLM_NOTES):
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 from typing import Iterable, Mapping
 
@@ -108,7 +109,24 @@ def PoolExecutor():
 def init_vllm_distributed(cfg, model_path: str, device: torch.device, dtype: torch.dtype) -> None:
     """vLLM's process groups, created by every rank at the same point (right after the pools are
     built), engine or not; torch.distributed must be initialised. Also fixes what vLLM reads from
-    the environment once: in-process engines (no engine-core subprocess)."""
+    the environment once: in-process engines (no engine-core subprocess).
+
+    What a rank without an engine pays (vLLM 0.32, parallel_state.py; docs/rollout.md "vLLM's
+    groups"): vLLM cuts the whole world into tensor-parallel groups of consecutive ranks (and
+    pipeline/context/data-parallel groups of one rank here; expert-parallel only for MoE models),
+    each as a device and a gloo group, every rank making every `new_group` call. The device
+    groups' NCCL communicators are lazy and never built where no collective runs. But for its
+    *own* group of size > 1 each rank's GroupCoordinator eagerly builds a device communicator:
+    on CUDA a PyNccl communicator (ncclCommInitRank and a warm-up all-reduce: NCCL's buffers),
+    vLLM's custom all-reduce (~32 MiB of device memory per rank: 8 MiB meta + 16 MiB IPC buffer
+    + 8 MiB rank data, when the group is 2/4/6/8/16 GPUs of one node with P2P), symmetric-memory /
+    FlashInfer all-reduce workspaces where enabled, and a ~24 MiB shared-memory broadcast queue
+    (host). With tensor_model_parallel_size=1 every group has one rank and none of this exists.
+    Not scoped away: every tensor-parallel group lies inside one pool (check_rollout_placement),
+    so its ranks are all engine ranks or none, and skipping the communicators for the latter
+    would keep the `new_group` order; but vLLM 0.32 has no per-group switch (only process-wide
+    ones, VLLM_DISABLE_PYNCCL read once, disable_custom_all_reduce), and the CUDA path it would
+    change cannot be run here, so it is documented rather than changed untested."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: the engine runs in this rank
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines x every rank bury the step lines
     # On a CPU whose vLLM build has the shared-memory all-reduce (x86 with AVX-512, ...), a
@@ -173,6 +191,10 @@ class VLLMRollout:
             max_tokens=self.max_response_length,  # vLLM's default is 16
             stop_token_ids=self.eos_token_ids,  # the checkpoint's EOS ids; the stopping EOS is kept
             logprobs=0,  # the sampled token's log-prob only
+            # Log-probs as flat lists per request (vllm/logprobs.py FlatLogprobs) rather than a
+            # {token: Logprob} dict per generated token: no objects per token for vLLM to build
+            # and GC to scan, and `sampled_tokens_and_log_probs` reads them without a loop per token.
+            flat_logprobs=True,
             detokenize=False,
         )
 
@@ -243,16 +265,36 @@ class VLLMRollout:
         if not self.awake:
             raise RuntimeError("VLLMRollout.generate: the engine is asleep; wake_up(weights) first")
         outputs = self.llm.generate(requests, params, use_tqdm=False)
-        B, R = len(requests), self.max_response_length
-        responses = torch.full((B, R), self.pad_token_id, dtype=torch.long)
-        log_probs = torch.zeros((B, R), dtype=torch.float32)
-        for i, out in enumerate(outputs):
-            sample = out.outputs[0]
-            tokens = list(sample.token_ids)
-            responses[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-            log_probs[i, : len(tokens)] = torch.tensor([lp[t].logprob for t, lp in zip(tokens, sample.logprobs)])
+        responses, log_probs = sampled_tokens_and_log_probs([out.outputs[0] for out in outputs],
+                                                            self.max_response_length, self.pad_token_id)
         return rollout_batch(prompts, responses.to(ids.device), self.pad_token_id, self.eos_token_ids,
                              extras={"rollout_log_probs": log_probs.to(ids.device)})
+
+
+def sampled_tokens_and_log_probs(samples, width: int, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's completions (`CompletionOutput`, one per row, asked for with logprobs=0 and
+    flat_logprobs=True) as [B, width] token ids (padded) and float32 log-probs of the sampled
+    tokens (0 past each response). Each row's FlatLogprobs holds exactly one entry per generated
+    token (the sampled one; logprobs=0 asks for no others), in plain lists: the whole batch is
+    concatenated into one tensor per column and scattered under a length mask, with no dict or
+    Python loop per token (the loop is per row; the lists are vLLM's, filled as it decodes)."""
+    lengths = torch.tensor([len(sample.token_ids) for sample in samples], dtype=torch.long)
+    flat = [sample.logprobs for sample in samples]
+    if not all(hasattr(lp, "start_indices") and len(lp.logprobs) == n for lp, n in zip(flat, lengths.tolist())):
+        raise RuntimeError("vLLM returned log-probs that are not flat with one entry per sampled token "
+                           "(SamplingParams needs logprobs=0 and flat_logprobs=True)")
+    tokens = torch.tensor(list(itertools.chain.from_iterable(sample.token_ids for sample in samples)), dtype=torch.long)
+    # The flat lists' token ids are the sampled ones, in the same order: a check that costs one tensor.
+    scored = torch.tensor(list(itertools.chain.from_iterable(lp.token_ids for lp in flat)), dtype=torch.long)
+    if not torch.equal(scored, tokens):
+        raise RuntimeError("vLLM's log-probs are not of the sampled tokens")
+    filled = torch.arange(width)[None] < lengths[:, None]  # row-major: the concatenation's order
+    responses = torch.full((len(samples), width), pad_token_id, dtype=torch.long)
+    responses[filled] = tokens
+    log_probs = torch.zeros((len(samples), width), dtype=torch.float32)
+    log_probs[filled] = torch.tensor(list(itertools.chain.from_iterable(lp.logprobs for lp in flat)),
+                                     dtype=torch.float32)
+    return responses, log_probs
 
 
 def shutdown_vllm_distributed() -> None:

@@ -18,7 +18,10 @@ protocol between ranks, and it is written here, once:
                 the rollout pool, in actor-rank order; with rollout.ranks=all, the actor pool's
                 first rank + the critic pool
   7. vLLM's own groups over the world (tensor-, pipeline-, data-parallel, ..., for the device
-     and for gloo), only with rollout.name=vllm: vLLM creates them itself, engine or not
+     and for gloo), only with rollout.name=vllm: vLLM creates them itself, engine or not; with
+     tensor parallel > 1 a rank without an engine also builds, eagerly, vLLM's communicators for
+     its own tensor-parallel group (PyNccl, custom all-reduce buffers), which it never uses:
+     spmdsplit/rollout/vllm_engine.py init_vllm_distributed says what that costs
 
 Whether a group exists depends only on the config and the placement, which every rank has
 alike, so every rank makes the same calls. The one exception is DeepSpeed's one-rank model-

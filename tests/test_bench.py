@@ -523,6 +523,10 @@ def test_gpu_check_runs_and_reports_against_the_memory_model(tmp_path):
     row = report["rollouts"]["hf"]
     assert row["step_s"] > 0 and row["peak_kind"] == "RSS" and row["peak_mb"] > 0 and row["predicted_mb"] > 0
     assert "| hf | " in result.stdout
+    # It runs what the GPU presets changed (issue 25): packed passes, one seed per engine.
+    workload = report["meta"]["workload"]
+    assert {"model.use_remove_padding=true", "model.attn_implementation=sdpa", "rollout.per_row_seed=false",
+            "model.gradient_checkpointing=true"} <= set(workload)
 
 
 @pytest.mark.slow

@@ -1,5 +1,10 @@
 """Ordered point-to-point messages between ranks, and the rows of a global batch moved by them.
 
+**NCCL's contract** (docs/design.md): tags are ignored; between two ranks of a group both
+directions run on one stream, in posting order; a send completes only once the peer has posted the
+matching receive. Every CPU test holds the code to it (tests/nccl_p2p.py), since gloo forgives all
+three. So:
+
 **Correct by order, never by tag.** NCCL ignores point-to-point tags: messages between two ranks
 match in the order they were posted. So nothing here passes a tag (gloo then follows the same
 rule, and every CPU test holds the code to it), and every message starts with a header the
@@ -18,16 +23,18 @@ view carries any dtype (bool, bfloat16) that gloo cannot send natively.
 Rows: the global batch of `num_rows` rows is split contiguously over each rank list with
 `row_ranges`; each source sends each destination exactly the overlap of their ranges, so no rank
 ever holds rows it does not need and nothing is gathered on one rank. `reorder_rows` puts the
-rows held by one rank list into another global order (balancing, spmdsplit/balance.py) the
-same way: each rank sends each other rank only the rows of its new slice.
+rows held by one pool into another global order (balancing, spmdsplit/balance.py): each rank
+sends each other rank only the rows of its new slice, but there any two ranks may send each other
+in the same phase, so it is a collective over the pool's group (all_to_all, NCCL's grouped call),
+never separate sends and receives.
 
 Self-delivery: what a rank sends to itself (it is in both lists, e.g. colocate placement) never
 goes through torch.distributed: the link parks it under its (kind, step, chunk) and the receive on
 the same rank takes it out, so on such a rank the send must come first. Rows sent to self are
 views of the sender's tensors, not copies: colocate moves nothing.
 
-Only point-to-point ops: no collective, since the two pools run different code and would never
-meet in one.
+Between pools only point-to-point ops, each one way in its phase (the schedule in messages.py):
+no collective, since the two pools run different code and would never meet in one.
 """
 
 from __future__ import annotations
@@ -112,18 +119,26 @@ class Link:
         """Every pair of ranks that will exchange messages on this link does so once, now, while
         every rank is at the same point of start-up. NCCL creates the communicator of two ranks at
         their first point-to-point message, and the first of them to get there blocks until the
-        other arrives: left to the first step, that wait would eat the overlap of the pools.
-        `pairs` (any direction) are taken in one order on every rank, each pair once, which cannot
-        deadlock: the earliest pair not yet done always has both its ranks waiting at it. From
-        here on a message to a pair not connected is an error (the schedule missed it)."""
+        other arrives; it sets up each direction's connection at that direction's first use. Left
+        to the first step, either wait would eat the overlap of the pools. So each pair sends one
+        token each way: the lower rank first, then the higher (the rows generated and the
+        advantages flow from higher ranks to lower). `pairs` (any direction) are taken in one
+        order on every rank, each pair once, which cannot deadlock: the earliest pair not yet done
+        always has both its ranks waiting at it, and within a pair the two directions are posted
+        in the same order on both sides. From here on a message to a pair not connected is an
+        error (the schedule missed it)."""
         me = _rank()
         token = torch.zeros(1, device=self.device)
         ordered = list(dict.fromkeys((min(a, b), max(a, b)) for a, b in pairs if a != b))
         for low, high in ordered:
             if me == low:
                 dist.send(token, high, group=self.group)
+                dist.recv(token, high, group=self.group)
             elif me == high:
                 dist.recv(token, low, group=self.group)
+                dist.send(token, low, group=self.group)
+            if me in (low, high):
+                token.sum().item()  # on NCCL: the host waits here, so pairs are done in this order
         self.connected = set(ordered)
 
     def _check_connected(self, peer: int) -> None:
@@ -318,44 +333,82 @@ def recv_rows(link: Link, msg: Message, src_ranks, dst_ranks, num_rows: int, sta
     return pieces[0] if len(pieces) == 1 else Batch.concat(pieces, pad_to_widest=True)
 
 
-def reorder_rows(link: Link, msg: Message, batch: Batch, ranks: Sequence[int], order: Sequence[int]) -> Batch:
-    """For every rank of `ranks` (one pool): the global batch, held in contiguous `row_ranges` by
-    `ranks`, put into a new global order. `order[p]` is the row (its old place) that goes to place
-    p; afterwards each rank holds its `row_ranges` slice of the new order. Every rank must pass the
-    same `order`. Each rank sends every other rank, in rank order, the rows it holds of that rank's
-    new slice (one message, none where it holds none), then receives the same way: both sides see
-    the same order, so it matches by order alone; rows a rank keeps go by self-delivery."""
+def reorder_rows(msg: Message, batch: Batch, ranks: Sequence[int], order: Sequence[int], group, device) -> Batch:
+    """For every rank of `ranks` (one pool, whose process group is `group`): the global batch,
+    held in contiguous `row_ranges` by `ranks`, put into a new global order. `order[p]` is the row
+    (its old place) that goes to place p; afterwards each rank holds its `row_ranges` slice of the
+    new order. Every rank must pass the same `order`.
+
+    A collective, not point-to-point messages: here every rank may send every other rank and
+    receive from it in the same phase, which NCCL cannot run as separate sends and receives (both
+    directions of a pair share one stream, and a send completes only once the peer has posted its
+    receive, so two ranks sending each other first wait forever: docs/design.md). So one
+    all_to_all of sizes, checked (the message's step and chunk, and the order's fingerprint, must
+    agree on every rank), then one all_to_all of the pieces' bytes, each NCCL's grouped call. Rows
+    a rank keeps never leave it (views, as with self-delivery)."""
     ranks, me = list(ranks), _rank()
     if sorted(order) != list(range(len(order))):
         raise ValueError(f"order must be a permutation of range({len(order)})")
     ranges = row_ranges(len(order), len(ranks))
     holder = [r for r, (lo, hi) in enumerate(ranges) for _ in range(lo, hi)]  # old place -> index in ranks
-    old_lo, old_hi = ranges[ranks.index(me)]
+    mine = ranks.index(me)
+    old_lo, old_hi = ranges[mine]
     if len(batch) != old_hi - old_lo:
         raise ValueError(f"rank {me} holds rows {(old_lo, old_hi)} of {len(order)} but got a batch of {len(batch)}")
-    pending = PendingSend()
-    for d, (lo, hi) in zip(ranks, ranges):
+    if len(ranks) == 1:
+        return batch.index(list(order))
+    device = torch.device(device)
+    kept, blobs = None, []
+    for i, (lo, hi) in enumerate(ranges):
         theirs = [order[p] - old_lo for p in range(lo, hi) if old_lo <= order[p] < old_hi]
-        if not theirs:
-            continue
-        piece = batch.index(theirs)
-        if d == me:
-            link.park(msg, piece)
-        else:
-            pending.add(link.isend(msg, *_pack(piece, link.device), d))
-    new_lo, new_hi = ranges[ranks.index(me)]
+        piece = batch.index(theirs) if theirs else None
+        if i == mine:
+            kept, piece = piece, None
+        blobs.append(_blob(piece, device))
+    fingerprint = hash(tuple(order)) & (2**62 - 1)
+    sizes_out = torch.tensor([[msg.step, msg.chunk, fingerprint, b.numel()] for b in blobs], dtype=torch.int64,
+                             device=device)
+    sizes_in = torch.empty_like(sizes_out)
+    dist.all_to_all_single(sizes_in, sizes_out, group=group)
+    sizes_in = sizes_in.tolist()
+    for i, (step, chunk, theirs, _) in enumerate(sizes_in):
+        if (step, chunk) != (msg.step, msg.chunk) or theirs != fingerprint:
+            raise ProtocolError(
+                f"rank {me} balances {msg.describe()} while rank {ranks[i]} of its pool balances "
+                f"{Message(msg.kind, step, chunk).describe()}" + ("" if (step, chunk) != (msg.step, msg.chunk)
+                                                                   else " in another order"))
+    received = torch.empty(sum(n for *_, n in sizes_in), dtype=torch.uint8, device=device)
+    dist.all_to_all_single(received, torch.cat(blobs), output_split_sizes=[n for *_, n in sizes_in],
+                           input_split_sizes=[b.numel() for b in blobs], group=group)
+    new_lo, new_hi = ranges[mine]
     sources = sorted({holder[order[p]] for p in range(new_lo, new_hi)})
-    bodies = link.recv_bodies(link.recv_headers(msg, [ranks[s] for s in sources if ranks[s] != me]))
-    pieces = [link.unpark(msg) if ranks[s] == me else _unpack(*bodies[ranks[s]]) for s in sources]
-    received = Batch.concat(pieces, pad_to_widest=True)
-    # `received` holds the rows source by source, each source's in new order: put them in new order.
+    offsets = [0]
+    for *_, n in sizes_in:
+        offsets.append(offsets[-1] + n)
+    pieces = [kept if s == mine else _unblob(received[offsets[s]:offsets[s + 1]]) for s in sources]
+    arrived = Batch.concat(pieces, pad_to_widest=True)
+    # `arrived` holds the rows source by source, each source's in new order: put them in new order.
     arrival = sorted(range(new_lo, new_hi), key=lambda p: (holder[order[p]], p))
-    place_in_received = {p: i for i, p in enumerate(arrival)}
-    pending.wait()
-    return received.index([place_in_received[p] for p in range(new_lo, new_hi)])
+    place_in_arrived = {p: i for i, p in enumerate(arrival)}
+    return arrived.index([place_in_arrived[p] for p in range(new_lo, new_hi)])
 
 
-def all_pairs(ranks: Sequence[int]) -> list[tuple[int, int]]:
-    """Every pair of `ranks`: those `reorder_rows` may join (which ones depends on the rows)."""
-    ranks = list(ranks)
-    return [(a, b) for i, a in enumerate(ranks) for b in ranks[i + 1:]]
+def _blob(piece: Batch | None, device) -> torch.Tensor:
+    """A piece of rows as one uint8 tensor: [meta length as 8 bytes, meta, padding, payload];
+    nothing for no piece."""
+    if piece is None:
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    meta, payload = _pack(piece, device)
+    head = -(-(8 + len(meta)) // _ALIGN) * _ALIGN
+    blob = torch.zeros(head + (0 if payload is None else payload.numel()), dtype=torch.uint8, device=device)
+    blob[:8].copy_(torch.tensor([len(meta)], dtype=torch.int64).view(torch.uint8))
+    blob[8:8 + len(meta)].copy_(torch.frombuffer(bytearray(meta), dtype=torch.uint8))
+    if payload is not None:
+        blob[head:].copy_(payload)
+    return blob
+
+
+def _unblob(blob: torch.Tensor) -> Batch:
+    meta_len = int(blob[:8].cpu().view(torch.int64).item())
+    head = -(-(8 + meta_len) // _ALIGN) * _ALIGN
+    return _unpack(blob[8:8 + meta_len], blob[head:] if blob.numel() > head else None)

@@ -2,6 +2,14 @@ import os
 
 import pytest
 
+# Every rank a test starts keeps NCCL's point-to-point rules (tests/nccl_p2p.py): worlds of
+# tests/multiproc.py install it themselves, ranks started by torchrun (or by hand) load it from
+# tests/nccl_site/sitecustomize.py, found on PYTHONPATH. Launchers that set PYTHONPATH must
+# prepend to it, not replace it.
+_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "nccl_site")
+os.environ["SPMDSPLIT_P2P_CONTRACT"] = "1"
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_SITE, os.environ.get("PYTHONPATH")]))
+
 
 @pytest.fixture(scope="session", autouse=True)
 def embedded_cache(tmp_path_factory):

@@ -37,6 +37,10 @@ def _worker(rank, world_size, port, fn, args, queue, local_world_size):
     import torch
 
     torch.set_num_threads(1)
+    if os.environ.get("SPMDSPLIT_P2P_CONTRACT") == "1":  # tests/conftest.py: NCCL's rules, not gloo's
+        from tests import nccl_p2p
+
+        nccl_p2p.install()
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
         result = fn(rank, world_size, *args)

@@ -9,7 +9,7 @@ import torch
 
 from spmdsplit.balance import balanced_group_order, karmarkar_karp, seqlen_metrics, slice_sums
 from spmdsplit.batch import Batch
-from spmdsplit.exchange import Link, Message, all_pairs, reorder_rows, row_ranges
+from spmdsplit.exchange import Message, ProtocolError, reorder_rows, row_ranges
 from tests.multiproc import run_ranks
 
 
@@ -130,7 +130,6 @@ def test_with_width_cuts_and_pads_response_columns_and_keeps_row_columns():
 
 # --------------------------------------------------------------------------- the BALANCE exchange
 
-KINDS = ["BALANCE"]
 WIDTH = 6
 
 
@@ -150,8 +149,6 @@ def held_part(full: Batch, lo: int, hi: int) -> Batch:
 
 
 def _reorders(rank, world_size):
-    link = Link(KINDS)
-    link.connect(all_pairs(range(world_size)))
     for step, (num_rows, seed) in enumerate([(12, 0), (9, 1), (12, 2)]):
         full = global_rows(num_rows)
         order = list(range(num_rows))
@@ -159,7 +156,8 @@ def _reorders(rank, world_size):
         if seed == 2:
             order = list(range(num_rows))  # nothing moves: every rank only delivers to itself
         ranges = row_ranges(num_rows, world_size)
-        got = reorder_rows(link, Message("BALANCE", step), held_part(full, *ranges[rank]), range(world_size), order)
+        got = reorder_rows(Message("BALANCE", step), held_part(full, *ranges[rank]), range(world_size), order,
+                           group=None, device="cpu")
         lo, hi = ranges[rank]
         expected = full.index(order[lo:hi])
         assert got["row_index"].tolist() == order[lo:hi]
@@ -177,9 +175,26 @@ def test_reorder_rows_moves_every_row_to_its_new_place():
     assert run_ranks(_reorders, 3, timeout=120) == [True] * 3
 
 
+def _disagree(rank, world_size):
+    """Rank 1 balances another step, then another order: each is refused on every rank."""
+    full, said = global_rows(4), []
+    for step, order in (((1, 2)[rank], [3, 2, 1, 0]), (3, [[3, 2, 1, 0], [2, 3, 1, 0]][rank])):
+        try:
+            reorder_rows(Message("BALANCE", step), full.slice(2 * rank, 2 * rank + 2), range(2), order, None, "cpu")
+        except ProtocolError as e:
+            said.append(str(e))
+    return said
+
+
+def test_ranks_that_disagree_on_the_step_or_the_order_are_told_so():
+    said = run_ranks(_disagree, 2)
+    assert said[0][0] == "rank 0 balances BALANCE of step 1 while rank 1 of its pool balances BALANCE of step 2"
+    assert said[1][1].endswith("in another order") and len(said[1]) == 2
+
+
 def test_reorder_rows_on_one_rank_needs_no_process_group():
     full = global_rows(5)
-    got = reorder_rows(Link(KINDS), Message("BALANCE", 1), full, [0], [4, 2, 0, 1, 3])
+    got = reorder_rows(Message("BALANCE", 1), full, [0], [4, 2, 0, 1, 3], group=None, device="cpu")
     assert got["row_index"].tolist() == [4, 2, 0, 1, 3]
     assert torch.equal(got["responses"], full["responses"][[4, 2, 0, 1, 3]])
 

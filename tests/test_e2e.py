@@ -39,10 +39,13 @@ def run_short(tmp_path, nproc, *overrides):
     "nproc, overrides, actor_ranks, critic_ranks",
     [
         (2, ["placement.mode=split"], [0], [1]),
-        (4, ["placement.mode=split"], [0, 1], [2, 3]),
+        # Balancing on where the actor pool has two ranks or more: its exchange is the one where
+        # any two ranks may send each other, held here to NCCL's contract (tests/nccl_p2p.py).
+        (4, ["placement.mode=split", "trainer.balance_batch=true"], [0, 1], [2, 3]),
         (4, ["placement.mode=custom", "placement.pools=[3,1]", "data.train_batch_size=24",
-             "actor.ppo_mini_batch_size=12", "critic.ppo_mini_batch_size=12"], [0, 1, 2], [3]),
-        (2, ["placement.mode=colocate"], [0, 1], [0, 1]),
+             "actor.ppo_mini_batch_size=12", "critic.ppo_mini_batch_size=12", "trainer.balance_batch=true"],
+         [0, 1, 2], [3]),
+        (2, ["placement.mode=colocate", "trainer.balance_batch=true"], [0, 1], [0, 1]),
     ],
     ids=["split-1+1", "split-2+2", "custom-3+1", "colocate-2"],
 )
@@ -58,6 +61,8 @@ def test_job_writes_verl_metrics_timeline_and_hf_model(tmp_path, nproc, override
     assert [s for s, _ in logged["critic/score/mean"]] == [1, 2, 3, 4]
     assert all(0.0 <= v <= 1.0 for _, v in logged["critic/score/mean"])
     assert all(v > 0 for _, v in logged["timing_s/update_critic"])
+    if len(actor_ranks) > 1:  # the rows were balanced between the actor pool's ranks
+        assert [s for s, _ in logged["global_seqlen/balanced_max"]] == [1, 2, 3, 4]
 
     events = timeline_events(str(out / "timeline.json"))
     assert {e["pid"] for e in events} == set(range(nproc))

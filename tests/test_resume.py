@@ -59,7 +59,7 @@ def start_job(out, *extra, script=None, env=None):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
            *target, "trainer.progress_bar=false", *JOB, f"trainer.log_dir={out}/tb",
            f"trainer.default_local_dir={out}/ckpt", *extra]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": REPO, **(env or {})}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])), **(env or {})}
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 

@@ -9,7 +9,7 @@ from tests.runjob import scalars, timeline_events, torchrun
 COMMON = ["rollout.do_sample=false", "trainer.total_steps=3", "data.train_batch_size=16", "actor.ppo_mini_batch_size=16",
           "critic.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size_per_gpu=4", "critic.ppo_micro_batch_size_per_gpu=4",
           "trainer.output_dir=", "trainer.progress_bar=false", "rollout.weight_bucket_mb=0.05",
-          "algorithm.rollout_correction.rollout_is=sequence"]
+          "algorithm.rollout_correction.rollout_is=sequence", "trainer.balance_batch=true"]
 
 
 def test_every_rank_generates_and_the_steps_equal_actor_only_generation(tmp_path):
@@ -97,3 +97,52 @@ def test_the_weight_broadcast_sends_its_layout_once():
     first, second, third = "".join("o" if x == 1 else "|" for x in sender["objects"]).split("|")[:3]
     assert (len(first), len(second), len(third)) == (sender["buckets"] + 1, 0, 0)
     assert "layout of the first sync" in sender["error"]
+
+
+def broadcast_from_two_sources(rank, world_size):
+    """Actor ranks 0 and 1 each send every other bucket to rank 2 (a rollout pool apart), twice;
+    rank 2 counts its broadcasts still pending when it takes each bucket."""
+    import torch
+    import torch.distributed as dist
+
+    from spmdsplit.weight_sync import WeightBroadcast
+
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 2])]
+    groups = [g if rank in (i, 2) else None for i, g in enumerate(groups)]
+    sync = WeightBroadcast([0, 1], groups, torch.device("cpu"), bucket_mb=0.00004)
+    pending, most = [], [0]
+    plain = dist.broadcast
+
+    def counted(tensor, src, group=None, async_op=False):
+        work = plain(tensor, src, group=group, async_op=async_op)
+        if async_op:
+            pending.append(work)
+            most[0] = max(most[0], sum(not w.is_completed() for w in pending))
+        return work
+
+    dist.broadcast = counted
+    got = []
+    for version in range(2):
+        weights = [(f"w{i}", torch.full((4 + i,), float(version * 10 + i))) for i in range(6)]
+        sync.ready()
+        if rank < 2:
+            sync.push(iter(weights))
+        else:
+            got.append([(n, t.tolist()) for n, t in sync.receive()])
+        if version == 0:
+            pending.clear()
+            most[0] = 0
+    dist.broadcast = plain
+    return {"got": got, "in_flight": sync.in_flight, "most_pending": most[0], "buckets": len(sync.layout)}
+
+
+def test_the_weight_broadcast_keeps_buckets_from_several_sources_in_flight():
+    from tests.multiproc import run_ranks
+
+    results = run_ranks(broadcast_from_two_sources, 3, timeout=120)
+    receiver = results[2]
+    assert receiver["got"][1] == [(f"w{i}", [10.0 + i] * (4 + i)) for i in range(6)]
+    assert receiver["got"][0] == [(f"w{i}", [float(i)] * (4 + i)) for i in range(6)]
+    assert receiver["buckets"] >= 3 and receiver["in_flight"] == 2
+    # The second sync posts the next bucket (from the other source) before taking the current one.
+    assert receiver["most_pending"] == 2

@@ -106,11 +106,12 @@ def test_vllm_tensor_parallel_on_a_rollout_pool_of_its_own_one_step_ahead(tmp_pa
     fed by both actor ranks (each broadcasts its share of the buckets), one step ahead. Batch 1
     comes from the initial weights, which the actor still holds: the engine's log-probs equal the
     actor's; from batch 2 on they are one update behind and must differ. Validation runs on the
-    rollout pool's engine too."""
+    rollout pool's engine too. The rows are balanced between the two train ranks as they come in."""
     logged, events = run(tmp_path, 4, "placement.mode=custom", "placement.pools={gen: 2, train: 2}",
                          "placement.roles={rollout: gen, actor: train, critic: train}",
                          "rollout.tensor_model_parallel_size=2", "rollout.staleness=1",
-                         "algorithm.rollout_correction.rollout_is=token", "trainer.val_freq=3")
+                         "algorithm.rollout_correction.rollout_is=token", "trainer.val_freq=3",
+                         "trainer.balance_batch=true")  # rows from the rollout pool, balanced over two ranks
     diff = dict(logged["training/rollout_probs_diff_max"])
     assert diff[1] < 1e-5 and diff[2] > 1e-4 and diff[3] > 1e-4, diff
     assert [s for s, _ in logged["val-core/synthetic/repeat/reward/mean@1"]] == [3]

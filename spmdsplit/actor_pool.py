@@ -151,13 +151,16 @@ class ActorPool:
         with self.timer.phase("balance", step, chunk=chunk):
             # Every actor rank holds equal whole groups (config.check_against_pools), so one
             # all_gather over the pool gives every rank the chunk's token counts in global order.
-            mine = part["attention_mask"].sum(1).view(-1, n).sum(1).to(self.pools.device)
+            # Over the pool's meeting group (gloo, the long timeout): ranks come here straight
+            # from generating (their long tails differ) or from rows another pool sent.
+            mine = part["attention_mask"].sum(1).view(-1, n).sum(1).cpu()
             gathered = [torch.empty_like(mine) for _ in placement.actor_ranks]
-            dist.all_gather(gathered, mine, group=self.pools.actor_group)
+            dist.all_gather(gathered, mine, group=self.pools.actor_meet)
             group_tokens = torch.cat(gathered).tolist()
             parts = math.lcm(len(placement.actor_ranks), len(placement.critic_ranks))
             groups = balanced_group_order(group_tokens, parts)
-            balanced = self.channel.balance(step, chunk, part, [g * n + i for g in groups for i in range(n)])
+            balanced = self.channel.balance(step, chunk, part, [g * n + i for g in groups for i in range(n)],
+                                            self.pools.actor_group)
         for pool, ranks in (("actor", placement.actor_ranks), ("critic", placement.critic_ranks)):
             before = slice_sums(group_tokens, len(ranks))
             after = slice_sums([group_tokens[g] for g in groups], len(ranks))
@@ -182,15 +185,26 @@ class ActorPool:
     def push_weights(self) -> None:
         """A rollout pool of its own: every actor rank gathers the whole stream from the shards
         and broadcasts its share of the buckets (spmdsplit/weight_sync.py)."""
+        self.wait_for_weight_receivers()
         self.weights.push(self.actor.engine.iter_full_weights(compute_dtypes(self.cfg, self.pools.device)[0]))
 
     def wake_rollout(self, broadcast: bool = True) -> None:
         """The rollout engine wakes with the policy's current weights, streamed from the shards
         (and, with rollout.ranks=all, broadcast on to the critic pool's engines by the first rank)."""
+        if broadcast and self.weights:
+            self.wait_for_weight_receivers()
         weights = self.actor.engine.iter_full_weights(self.rollout.dtype)
         if broadcast and self.weights and self.pools.rank in self.weights.sources:
             weights = self.weights.send(weights)
         self.rollout.wake_up(weights)
+
+    def wait_for_weight_receivers(self) -> None:
+        """The sources meet the engines they feed (busy generating or updating for as long as
+        they are), then the pool meets, all under the long timeout: the stream's gathers from the
+        shards are the pool's collectives, and none may wait for the receivers."""
+        if self.pools.rank in self.weights.sources:
+            self.weights.ready()
+        self.pools.meet("actor")
 
     def generate_validation(self, step: int, val_rows: list[dict]) -> int:
         """Responses to the validation set, with the policy's current weights, to the critic pool."""

@@ -128,6 +128,7 @@ class Generator:
     def generate(self, step: int) -> PendingSend:
         shares = engine_shares(self.cfg, self.dataset, self.tokenizer, step, generating_ranks(self.cfg, self.pools))
         with self.timer.phase("sync_weights", step):
+            self.weights.ready()
             self.rollout.wake_up(self.weights.receive())
         with self.timer.phase("gen", step):
             generated = shares.generate(self.rollout, self.pools.device)

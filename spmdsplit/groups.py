@@ -11,13 +11,17 @@ protocol between ranks, and it is written here, once:
   2. `bulk`     over the world, the backend's (NCCL on GPUs): rows between the pools
   3. `control`  over the world, gloo: small pickled objects (metrics, checkpoint hand-off)
   4. `stop`     over the world, gloo: the stop vote at each step (spmdsplit/preempt.py)
-  5. `handoff`  over the world, only with placement.overlap=false in split placement: the
-                barrier that makes the pools take turns (the thing that mode measures)
-  6. `weights`  one group per weight source, each with the ranks whose engines it feeds
+  5. `meet`     gloo, one per trained pool over its ranks (actor pool, then critic pool; one when
+                they share ranks), with the long timeout: where a pool's ranks wait for each
+                other after waiting on another pool (Pools.meet), before their next collective
+  6. `handoff`  over the actor and critic pools' ranks, only with placement.overlap=false and
+                the two on ranks of their own: the barrier that makes them take turns (the
+                thing that mode measures; a rollout pool apart runs ahead, never calls it)
+  7. `weights`  one group per weight source, each with the ranks whose engines it feeds
                 (spmdsplit/weight_sync.py): with a rollout pool of its own, every actor rank +
                 the rollout pool, in actor-rank order; with rollout.ranks=all, the actor pool's
                 first rank + the critic pool
-  7. vLLM's own groups over the world (tensor-, pipeline-, data-parallel, ..., for the device
+  8. vLLM's own groups over the world (tensor-, pipeline-, data-parallel, ..., for the device
      and for gloo), only with rollout.name=vllm: vLLM creates them itself, engine or not; with
      tensor parallel > 1 a rank without an engine also builds, eagerly, vLLM's communicators for
      its own tensor-parallel group (PyNccl, custom all-reduce buffers), which it never uses:
@@ -28,7 +32,7 @@ alike, so every rank makes the same calls. The one exception is DeepSpeed's one-
 parallel group (spmdsplit/engines/deepspeed.py), which uses `use_local_synchronization`:
 named from its ranks, not from the counter, and created by its own rank alone.
 
-The pools meet only through 2-3 (spmdsplit/messages.py lists every message) and 6; nothing in a
+The pools meet only through 2-3 (spmdsplit/messages.py lists every message) and 7; nothing in a
 pool's work runs a collective on the world.
 """
 
@@ -86,10 +90,16 @@ def create_process_groups(cfg, placement: Placement, device: torch.device) -> Pr
     bulk = dist.new_group(world, timeout=between)  # 2
     control = dist.new_group(world, backend="gloo", timeout=between)  # 3
     stop = dist.new_group(world, backend="gloo", timeout=between)  # 4
-    handoff = dist.new_group(world, timeout=between) if blocking_handoff(cfg, placement) else None  # 5
+    trained = [placement.actor_ranks] if placement.colocated else [placement.actor_ranks, placement.critic_ranks]
+    meets = [_member_or_none(dist.new_group(list(ranks), backend="gloo", timeout=between)) for ranks in trained]  # 5
+    pools.actor_meet, pools.critic_meet = meets[0], meets[-1]
+    handoff = None
+    if blocking_handoff(cfg, placement):  # 6
+        handoff = _member_or_none(dist.new_group(sorted({*placement.actor_ranks, *placement.critic_ranks}),
+                                                 timeout=between))
     sources, receivers = weight_sources_and_receivers(cfg, placement)
-    weights = [_member_or_none(dist.new_group(sorted({src, *receivers}), timeout=between)) for src in sources]  # 6
-    if cfg.rollout.name == "vllm":  # 7
+    weights = [_member_or_none(dist.new_group(sorted({src, *receivers}), timeout=between)) for src in sources]  # 7
+    if cfg.rollout.name == "vllm":  # 8
         from spmdsplit.roles.build import compute_dtypes
         from spmdsplit.rollout.vllm_engine import init_vllm_distributed
 

@@ -36,13 +36,16 @@ Per training step k, with N = rollout.stream_chunks and s = rollout.staleness:
                                                        step's prompts
   bulk     A, C -> A    GENERATED k                    only with rollout.ranks=all: the generated
                                                        rows into the actor pool's partition
-  bulk     A -> A       BALANCE k, chunk c             only with trainer.balance_batch: once the
-                                                       actor pool holds chunk c (after GENERATED
+  (A's     A <-> A      BALANCE k, chunk c             only with trainer.balance_batch: once the
+   group)                                              actor pool holds chunk c (after GENERATED
                                                        with rollout.ranks=all or a rollout pool),
                                                        its rows move between the actor pool's ranks
                                                        into the balanced order (spmdsplit/balance.py),
                                                        after one all_gather of token counts over
-                                                       the actor pool's group; then
+                                                       the pool's meeting group: two all_to_all
+                                                       over the actor pool's group (any two of its
+                                                       ranks may send each other here, which NCCL
+                                                       runs only as a grouped call); then
   bulk     A -> C       ROLLOUT k, chunk c             each chunk as soon as it is generated
                                                        (and balanced), c = 0 .. N-1
   bulk     A -> C       LOG_PROBS k, chunk 0 .. N-1    after all ROLLOUT chunks; only with
@@ -60,9 +63,17 @@ Checkpoint at step k:
   control  R[0] -> 0    CHECKPOINT_WRITTEN k           only with a rollout pool of its own (whose
                                                        part holds the batches it generated ahead)
 
-Between two ranks each link is one ordered stream: NCCL matches point-to-point messages in the
-order they were posted and ignores tags, so the receiver posts its receives in exactly the order
-above, and every header is checked (spmdsplit/exchange.py). Rows that come back (advantages,
+Between two ranks each link is one ordered stream, both directions on it: NCCL matches
+point-to-point messages in the order they were posted and ignores tags, so the receiver posts its
+receives in exactly the order above, and every header is checked (spmdsplit/exchange.py). A send
+completes only once its receive is posted, so no phase above has two ranks send each other on a
+link: each bulk message goes one way, and the one exchange where any rank of a pool sends any
+other (BALANCE) is a collective. Every multi-rank test runs under these rules (tests/nccl_p2p.py).
+
+A receive from another pool ends with the receiving pool meeting (`Pools.meet`, a barrier over a
+gloo group of the pool's ranks with the long timeout) before its next collective: its ranks get
+their rows from different ranks of the other pool, at different times, and the pool's own
+collectives (FSDP, trainer.dist_timeout_s) must not be the ones that wait for the slowest. Rows that come back (advantages,
 log-probs) carry `row_index`, the row's place in the step's global batch as generated (its
 identity: balancing reorders the rows but never renumbers them), and are checked against the
 rows held: a routing slip is an error, never training on the wrong rows. In colocate placement
@@ -76,8 +87,8 @@ import torch
 import torch.distributed as dist
 
 from spmdsplit.batch import Batch
-from spmdsplit.exchange import (Link, Message, PendingSend, ProtocolError, all_pairs, recv_rows, reorder_rows,
-                                row_pairs, send_rows)
+from spmdsplit.exchange import (Link, Message, PendingSend, ProtocolError, recv_rows, reorder_rows, row_pairs,
+                                send_rows)
 from spmdsplit.placement import Placement
 
 GENERATED, BALANCE, ROLLOUT, LOG_PROBS, ADVANTAGES = "GENERATED", "BALANCE", "ROLLOUT", "LOG_PROBS", "ADVANTAGES"
@@ -108,8 +119,8 @@ class PoolChannel:
     `bulk_group`, `control_group`: the two links' groups over the world (spmdsplit/groups.py)."""
 
     def __init__(self, placement: Placement, device: torch.device, rows_per_step: int, chunks: int,
-                 bulk_group, control_group):
-        self.bulk = Link([GENERATED, BALANCE, ROLLOUT, LOG_PROBS, ADVANTAGES, VAL_ROLLOUT], bulk_group, device, "bulk")
+                 bulk_group, control_group, meet=lambda pool: None):
+        self.bulk = Link([GENERATED, ROLLOUT, LOG_PROBS, ADVANTAGES, VAL_ROLLOUT], bulk_group, device, "bulk")
         self.control_group = control_group
         self.control = Link([CRITIC_METRICS, VAL_METRICS, CHECKPOINT_WRITTEN, ROLLOUT_METRICS], self.control_group,
                             "cpu", "control")
@@ -118,21 +129,25 @@ class PoolChannel:
         # (set by connect); without either there is no such message.
         self.G = self.R if placement.rollout_apart else self.A + self.C
         self.rows_per_step, self.chunk_rows = rows_per_step, rows_per_step // chunks
+        self.meet = meet  # Pools.meet: see "A receive from another pool" above
         self.metrics_in_flight = PendingSend()
         self.rollout_metrics_in_flight = PendingSend()
 
-    def connect(self, generated: bool, num_val_rows: int, balanced: bool = False) -> None:
+    def connect(self, generated: bool, num_val_rows: int, balance_group=None) -> None:
         """Every rank, once, at start-up: each pair of ranks that the bulk messages below will
         join exchanges a first message now, in the order of the schedule (Link.connect says why).
-        `generated`: rollout.ranks=all or a rollout pool of its own; `num_val_rows`: validation responses per run (0: none);
-        `balanced`: trainer.balance_batch (which actor ranks trade rows depends on the lengths)."""
+        `generated`: rollout.ranks=all or a rollout pool of its own; `num_val_rows`: validation
+        responses per run (0: none); `balance_group`: with trainer.balance_batch, the actor pool's
+        group on its ranks, whose all_to_all is run once too (NCCL connects its pairs then)."""
         pairs = row_pairs(self.G, self.A, self.rows_per_step) if generated else []
-        pairs += all_pairs(self.A) if balanced else []  # BALANCE
         pairs += row_pairs(self.A, self.C, self.chunk_rows)  # ROLLOUT, LOG_PROBS
         pairs += row_pairs(self.C, self.A, self.chunk_rows)  # ADVANTAGES
         if num_val_rows:
             pairs += row_pairs(self.R, self.C, num_val_rows)  # VAL_ROLLOUT
         self.bulk.connect(pairs)
+        if balance_group is not None and len(self.A) > 1:  # BALANCE
+            token = torch.zeros(len(self.A), device=self.bulk.device)
+            dist.all_to_all_single(torch.empty_like(token), token, group=balance_group)
 
     # ---- rows generated outside the actor pool's own engines (a rollout pool of its own, or
     #      rollout.ranks=all: actor pool first, then critic pool) move into the actor pool's
@@ -142,13 +157,14 @@ class PoolChannel:
         return send_rows(self.bulk, Message(GENERATED, step), generated, self.G, self.A, self.rows_per_step)
 
     def recv_generated(self, step: int, stats: dict | None = None) -> Batch:
-        return recv_rows(self.bulk, Message(GENERATED, step), self.G, self.A, self.rows_per_step, stats)
+        return self._then_meet(recv_rows(self.bulk, Message(GENERATED, step), self.G, self.A, self.rows_per_step, stats),
+                               self.G, self.A, "actor")
 
     # ---- trainer.balance_batch: the actor pool's rows of a chunk (of the step, with
     #      rollout.ranks=all) into the balanced order, among the actor pool's ranks
 
-    def balance(self, step: int, chunk: int, part: Batch, order: list[int]) -> Batch:
-        return reorder_rows(self.bulk, Message(BALANCE, step, chunk), part, self.A, order)
+    def balance(self, step: int, chunk: int, part: Batch, order: list[int], actor_group) -> Batch:
+        return reorder_rows(Message(BALANCE, step, chunk), part, self.A, order, actor_group, self.bulk.device)
 
     # ---- a training step, rows chunk by chunk (chunk c of the global batch is chunk c of every
     #      actor rank, laid end to end, so each chunk is an exchange of its own)
@@ -157,19 +173,22 @@ class PoolChannel:
         return send_rows(self.bulk, Message(ROLLOUT, step, chunk), part.select(ROLLOUT_KEYS), self.A, self.C, self.chunk_rows)
 
     def recv_rollout(self, step: int, chunk: int, stats: dict | None = None) -> Batch:
-        return recv_rows(self.bulk, Message(ROLLOUT, step, chunk), self.A, self.C, self.chunk_rows, stats)
+        return self._then_meet(recv_rows(self.bulk, Message(ROLLOUT, step, chunk), self.A, self.C, self.chunk_rows, stats),
+                               self.A, self.C, "critic")
 
     def send_log_probs(self, step: int, chunk: int, part: Batch) -> PendingSend:
         return send_rows(self.bulk, Message(LOG_PROBS, step, chunk), part.select(LOG_PROB_KEYS), self.A, self.C, self.chunk_rows)
 
     def recv_log_probs(self, step: int, chunk: int, stats: dict | None = None) -> Batch:
-        return recv_rows(self.bulk, Message(LOG_PROBS, step, chunk), self.A, self.C, self.chunk_rows, stats)
+        return self._then_meet(recv_rows(self.bulk, Message(LOG_PROBS, step, chunk), self.A, self.C, self.chunk_rows, stats),
+                               self.A, self.C, "critic")
 
     def send_advantages(self, step: int, chunk: int, part: Batch) -> PendingSend:
         return send_rows(self.bulk, Message(ADVANTAGES, step, chunk), part.select(ADVANTAGE_KEYS), self.C, self.A, self.chunk_rows)
 
     def recv_advantages(self, step: int, chunk: int, stats: dict | None = None) -> Batch:
-        return recv_rows(self.bulk, Message(ADVANTAGES, step, chunk), self.C, self.A, self.chunk_rows, stats)
+        return self._then_meet(recv_rows(self.bulk, Message(ADVANTAGES, step, chunk), self.C, self.A, self.chunk_rows, stats),
+                               self.C, self.A, "actor")
 
     # ---- validation
 
@@ -177,7 +196,14 @@ class PoolChannel:
         return send_rows(self.bulk, Message(VAL_ROLLOUT, step), batch.select(ROLLOUT_KEYS), self.R, self.C, num_rows)
 
     def recv_val_rollout(self, step: int, num_rows: int) -> Batch:
-        return recv_rows(self.bulk, Message(VAL_ROLLOUT, step), self.R, self.C, num_rows)
+        return self._then_meet(recv_rows(self.bulk, Message(VAL_ROLLOUT, step), self.R, self.C, num_rows),
+                               self.R, self.C, "critic")
+
+    def _then_meet(self, rows: Batch, sources: list[int], pool_ranks: list[int], pool: str) -> Batch:
+        """Rows that came from another pool: the receiving pool meets before its next collective."""
+        if set(sources) - set(pool_ranks):
+            self.meet(pool)
+        return rows
 
     # ---- control: the critic pool's first rank tells world rank 0
 

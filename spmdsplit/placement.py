@@ -600,6 +600,10 @@ class Pools:
     # The group over a rollout pool apart (None on non-members, and when the rollout group
     # sits with the actor: then its engines use the actor's group).
     rollout_group: ProcessGroup | None = None
+    # Each trained pool's meeting group (gloo, trainer.pool_wait_timeout_s; spmdsplit/groups.py
+    # makes them): None on non-members.
+    actor_meet: ProcessGroup | None = None
+    critic_meet: ProcessGroup | None = None
 
     @property
     def is_actor(self) -> bool:
@@ -619,6 +623,17 @@ class Pools:
         if pool == "rollout":  # the rollout group's ranks: its own pool, or the actor's
             return self.rollout_group if self.placement.rollout_apart else self.actor_group
         return self.actor_group if pool == "actor" else self.critic_group
+
+    def meet(self, pool: str) -> None:
+        """This rank's `pool` (actor or critic) waits until all its ranks are here, under the long
+        timeout: after a wait on another pool, whose rows (or go-ahead) reach the pool's ranks at
+        different times. Without it the first rank through would wait for the last inside the
+        pool's next collective, under trainer.dist_timeout_s: a long generation elsewhere, or the
+        critic pool's checkpoint of a large model, would trip it (NCCL's watchdog then kills the
+        job). A gloo barrier on the host costs about a millisecond."""
+        group = self.actor_meet if pool == "actor" else self.critic_meet
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.barrier(group=group)
 
     def mesh(self, pool: str) -> DeviceMesh | None:
         if pool == "rollout":

@@ -70,6 +70,7 @@ class RolloutPool:
 
     def take_weights(self, version: int, step: int) -> None:
         with self.timer.phase("sync_weights", step):
+            self.weights.ready()
             if self.version >= 0:
                 self.rollout.sleep()  # the engine wakes with the new weights
             self.rollout.wake_up(self.weights.receive())

@@ -55,14 +55,14 @@ class Trainer:
         self.val_rows = rows.get("val", [])
         self.timer = PhaseTimer(self.rank, self.device)
         self.channel = PoolChannel(self.placement, self.device, self.batch_size * cfg.rollout.n,
-                                   cfg.rollout.stream_chunks, groups.bulk, groups.control)
+                                   cfg.rollout.stream_chunks, groups.bulk, groups.control, pools.meet)
         val_responses = (len(usable_val_rows(self.val_rows, self.placement)) * cfg.rollout.val_kwargs.n
                          if self.val_rows else 0)
         self.channel.connect(generated=critic_pool_generates(cfg, self.placement) or self.placement.rollout_apart,
                              num_val_rows=val_responses,
-                             balanced=cfg.trainer.balance_batch)
+                             balance_group=pools.actor_group if cfg.trainer.balance_batch else None)
         self.stop_vote = StopVote(groups.stop)
-        # The hand-off barrier is over the world on purpose: it is the thing being measured.
+        # The hand-off barrier spans the actor and critic pools on purpose: it is the thing measured.
         handoff = (lambda: dist.barrier(group=groups.handoff)) if groups.handoff else (lambda: None)
 
         # Engines outside the actor pool (a rollout pool of its own, or rollout.ranks=all's on the
@@ -282,9 +282,10 @@ class Trainer:
                 dist.barrier(group=group)  # every rank's files are written
         if (self.rank == C[0] and C[0] != 0) or (R and self.rank == R[0]):
             self.channel.send_checkpoint_written(step)
+        waits_for = ([C[0]] if C[0] != 0 else []) + R[:1]
         if self.rank == 0:
             self.receive_pool_metrics(upto=step)  # a resumed run logs from step + 1 on
-            for leader in ([C[0]] if C[0] != 0 else []) + R[:1]:
+            for leader in waits_for:
                 self.channel.recv_checkpoint_written(step, leader)
             meta = {"step": step, "world_size": self.placement.world_size, "actor_ranks": self.actor_ranks,
                     "critic_ranks": self.critic_ranks, "rollout_ranks": list(self.placement.rollout_ranks),
@@ -292,6 +293,10 @@ class Trainer:
                     "config": OmegaConf.to_container(cfg, resolve=True), "tracking_runs": self.logger.run_ids()}
             path = checkpoint.publish(root, step, meta, cfg.trainer.max_ckpt_to_keep)
             print(f"spmdsplit: checkpoint of step {step} written to {path}", flush=True)
+        if waits_for and self.pools.is_actor:
+            # Rank 0 waited for the other pools' parts (a large critic's save may take minutes);
+            # the actor pool's next collectives need it, so the pool waits for it here instead.
+            self.pools.meet("actor")
 
     def load_checkpoint(self, path: str) -> None:
         meta = checkpoint.read_meta(path)

@@ -11,6 +11,19 @@ the actor pool's first rank is the only one (it also feeds its own engine as the
 The receivers unpack each bucket into their engine as it arrives, so no rank holds more than one
 bucket beyond its engine.
 
+Several buckets are in flight at once: a source broadcasts without waiting (up to `in_flight`
+of its buckets pending), and a receiver posts the next buckets' broadcasts before it hands the
+current one to its engine. Consecutive buckets come from different sources over different groups,
+so with a rollout pool apart every actor rank's link carries a bucket at the same time instead of
+one after another. Each group still sees its buckets in one order on every member (NCCL's rule for
+collectives). Memory: a receiver holds up to `in_flight` + 1 buckets, a source `in_flight`.
+
+Before a sync streams, `ready` has every source meet the receivers (a one-number all_reduce on its
+group, long timeout): the receivers may be busy (generating ahead, updating the critic) for longer
+than a pool's collective may wait, and the actor pool's ranks gather the stream from their shards
+with such collectives between the broadcasts: they must start the stream only once the receivers
+take it.
+
 The bucket layout (which tensors, their dtype, shape and offset) is the same every sync, so it
 travels once: at the first sync each bucket's owner broadcasts a small pickled list of (name,
 dtype, shape, offset, nbytes) before its bytes, and an empty list from the next bucket's owner
@@ -21,6 +34,7 @@ is the buckets' bytes alone, each source checking that its stream still fits the
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from typing import Iterable, Iterator
 
 import torch
@@ -36,6 +50,18 @@ class WeightBroadcast:
         self.device = device
         self.bucket_bytes = max(1, int(bucket_mb * 2**20))
         self.layout: list[list[tuple]] | None = None  # each bucket's specs, known to every side after the first sync
+        self.in_flight = min(4, max(2, len(self.sources)))  # buckets pending at once (module doc)
+        self._pending: deque = deque()  # a source's broadcasts not yet complete: (work, buffer)
+
+    def ready(self) -> None:
+        """Every source and every receiver, before a sync: the source's group (or, on a receiver,
+        each source's group in turn) meets once, so a source starts streaming only when the
+        receivers take the stream. The `.item()` makes the host wait on NCCL too."""
+        mine = [g for g in self.groups if g is not None]
+        for group in mine:
+            token = torch.ones(1, device=self.device)
+            dist.all_reduce(token, group=group)
+            token.item()
 
     def owner(self, index: int) -> tuple[int, object]:
         """The source that broadcasts bucket `index`, and its group."""
@@ -63,7 +89,8 @@ class WeightBroadcast:
             if self._mine(index):
                 self._broadcast_specs(index, [])  # the end of the first stream
             self.layout = layout
-        elif bucket or index != len(layout):
+        self._drain(0)
+        if not first and (bucket or index != len(layout)):
             raise RuntimeError(f"weight broadcast: the policy streamed {index} whole buckets and {len(bucket)} more "
                                f"tensors, where the layout of the first sync has {len(layout)} buckets")
 
@@ -73,25 +100,34 @@ class WeightBroadcast:
             pass
 
     def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """On a receiving rank: the weights, as they arrive (views into the current bucket)."""
-        first = self.layout is None
-        layout = [] if first else self.layout
-        for index in itertools.count():
-            if first:
+        """On a receiving rank: the weights, as they arrive (views into the current bucket). The
+        first sync learns the layout bucket by bucket; later ones keep `in_flight` buckets posted."""
+        if self.layout is None:
+            self.layout = []
+            for index in itertools.count():
                 specs = self._broadcast_specs(index, None)
                 if not specs:
                     break
-                layout.append(specs)
-            elif index == len(layout):
-                break
-            specs = layout[index]
-            buffer = torch.empty(sum(nbytes_padded for *_, nbytes_padded in specs), dtype=torch.uint8,
-                                 device=self.device)
-            src, group = self.owner(index)
-            dist.broadcast(buffer, src=src, group=group)
-            for name, dtype, shape, offset, nbytes, _ in specs:
-                yield name, buffer[offset: offset + nbytes].view(dtype).view(shape)
-        self.layout = layout
+                self.layout.append(specs)
+                yield from _unpacked(specs, self._post(index).wait_for())
+            return
+        posted: deque = deque(self._post(i) for i in range(min(self.in_flight, len(self.layout))))
+        for index, specs in enumerate(self.layout):
+            buffer = posted.popleft().wait_for()
+            if index + len(posted) + 1 < len(self.layout):
+                posted.append(self._post(index + len(posted) + 1))
+            yield from _unpacked(specs, buffer)
+
+    def _post(self, index: int) -> "_Posted":
+        buffer = torch.empty(sum(s[-1] for s in self.layout[index]), dtype=torch.uint8, device=self.device)
+        src, group = self.owner(index)
+        return _Posted(dist.broadcast(buffer, src=src, group=group, async_op=True), buffer)
+
+    def _drain(self, keep: int) -> None:
+        """On a source: wait until at most `keep` of its broadcasts are pending."""
+        while len(self._pending) > keep:
+            work, _ = self._pending.popleft()
+            work.wait()
 
     def _mine(self, index: int) -> bool:
         return dist.get_rank() == self.owner(index)[0]
@@ -117,7 +153,8 @@ class WeightBroadcast:
         for (_, _, _, off, nbytes, _), (_, tensor) in zip(specs, bucket):
             buffer[off: off + nbytes].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
         src, group = self.owner(index)
-        dist.broadcast(buffer, src=src, group=group)
+        self._drain(self.in_flight - 1)
+        self._pending.append((dist.broadcast(buffer, src=src, group=group, async_op=True), buffer))
 
     def _broadcast_specs(self, index: int, specs):
         src, group = self.owner(index)
@@ -129,3 +166,19 @@ class WeightBroadcast:
 
 def _padded(tensor: torch.Tensor) -> int:
     return -(-tensor.numel() * tensor.element_size() // _ALIGN) * _ALIGN
+
+
+class _Posted:
+    """A receiver's bucket broadcast in flight, and its buffer."""
+
+    def __init__(self, work, buffer: torch.Tensor):
+        self.work, self.buffer = work, buffer
+
+    def wait_for(self) -> torch.Tensor:
+        self.work.wait()
+        return self.buffer
+
+
+def _unpacked(specs: list[tuple], buffer: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, dtype, shape, offset, nbytes, _ in specs:
+        yield name, buffer[offset: offset + nbytes].view(dtype).view(shape)

@@ -22,7 +22,7 @@ SHORT = ["trainer.total_steps=6", "trainer.seed=1", "trainer.progress_bar=false"
 def run_job(tmp_path, nproc, fault, *overrides, script=JOB, timeout=240):
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
            script, *SHORT, f"trainer.log_dir={tmp_path}/tb", f"trainer.default_local_dir={tmp_path}/ckpt", *overrides]
-    env = {**os.environ, "FAULT": fault, "FAULT_TIME_FILE": str(tmp_path / "raised_at"), "PYTHONPATH": REPO,
+    env = {**os.environ, "FAULT": fault, "FAULT_TIME_FILE": str(tmp_path / "raised_at"), "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
            "OMP_NUM_THREADS": "1"}
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     return result, time.time()
@@ -94,9 +94,18 @@ def test_a_custom_reward_function_that_raises_ends_the_job(tmp_path):
 
 
 def test_a_busy_pool_is_not_a_dead_one(tmp_path):
-    """The actor pool generates its validation set for longer than trainer.dist_timeout_s; the
-    critic pool waits for it under trainer.pool_wait_timeout_s and the job completes."""
-    result, _ = run_job(tmp_path, 4, "0,1:val_gen:2:sleep=12", "trainer.total_steps=3", "trainer.val_freq=2",
-                        "trainer.dist_timeout_s=6")
+    """Three waits on another pool, each longer than trainer.dist_timeout_s, and the job completes:
+    - the actor pool generates its validation set: the critic pool waits for it under
+      trainer.pool_wait_timeout_s;
+    - one critic rank generates its share (rollout.ranks=all) slowly: actor rank 1 waits for its
+      rows, rank 0 (whose rows came from its own pool) must not wait for rank 1 in the next
+      collective of the actor pool (balancing's gather, the old log-probs' FSDP) under the short
+      timeout;
+    - the critic pool writes its checkpoint slowly: rank 0 waits for it, and actor rank 1 must not
+      wait for rank 0 in step 3's first collective (the weights' gather) under the short timeout."""
+    faults = ";".join(["0,1:val_gen:2:sleep=12", "3:gen:2:sleep=12", "2,3:save_checkpoint/critic:2:sleep=12"])
+    result, _ = run_job(tmp_path, 4, faults, "trainer.total_steps=3", "trainer.val_freq=2", "trainer.save_freq=2",
+                        "rollout.ranks=all", "trainer.dist_timeout_s=6")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "val-core/synthetic/repeat/reward/mean@1" in result.stdout
+    assert "checkpoint of step 2 written" in result.stdout and "step 3:" in result.stdout

@@ -13,19 +13,23 @@ import torch.distributed as dist
 
 from tests.multiproc import run_ranks
 
-# overrides, and how many groups: actor pool, critic pool, bulk, control, stop (colocate: one
-# pool group), + handoff with placement.overlap=false, + one weight group per source: the actor
-# pool's first rank with rollout.ranks=all, every actor rank with a rollout pool of its own
-# (which also has a group of its own).
+# overrides, and how many groups: actor pool, critic pool, bulk, control, stop, a meeting group per
+# trained pool (colocate: one pool group, one meeting group), + handoff with placement.overlap=false,
+# + one weight group per source: the actor pool's first rank with rollout.ranks=all, every actor
+# rank with a rollout pool of its own (which also has a group of its own).
 LAYOUTS = {
-    "split": (["placement.mode=split"], 5),
-    "colocate": (["placement.mode=colocate"], 4),
-    "custom 3+1, blocking": (["placement.mode=custom", "placement.pools=[3,1]", "placement.overlap=false"], 6),
-    "split, rollout.ranks=all": (["placement.mode=split", "rollout.ranks=all"], 6),
+    "split": (["placement.mode=split"], 7),
+    "colocate": (["placement.mode=colocate"], 5),
+    "custom 3+1, blocking": (["placement.mode=custom", "placement.pools=[3,1]", "placement.overlap=false"], 8),
+    "split, rollout.ranks=all": (["placement.mode=split", "rollout.ranks=all"], 8),
     "rollout | actor+critic": (["placement.mode=custom", "placement.pools={gen: 1, train: 3}",
-                                "placement.roles={rollout: gen, actor: train, critic: train}"], 2 + 3 + 3),
+                                "placement.roles={rollout: gen, actor: train, critic: train}"], 2 + 3 + 1 + 3),
     "rollout | actor | critic": (["placement.mode=custom", "placement.pools={gen: 1, policy: 2, value: 1}",
-                                  "placement.roles={rollout: gen, actor: policy, critic: value}"], 3 + 3 + 2),
+                                  "placement.roles={rollout: gen, actor: policy, critic: value}"], 3 + 3 + 2 + 2),
+    # The hand-off spans the actor and critic pools only: the rollout pool runs ahead, never calls it.
+    "rollout | actor | critic, blocking": (["placement.mode=custom", "placement.pools={gen: 1, policy: 2, value: 1}",
+                                            "placement.roles={rollout: gen, actor: policy, critic: value}",
+                                            "placement.overlap=false"], 3 + 3 + 2 + 1 + 2),
 }
 
 
@@ -52,7 +56,7 @@ def _create(rank, world, overrides):
     # Every group works for its members, in the order created.
     one = torch.ones(1)
     for group in (groups.pools.actor_group, groups.pools.critic_group, groups.pools.rollout_group, groups.bulk,
-                  groups.control, groups.stop, groups.handoff):
+                  groups.control, groups.stop, groups.pools.actor_meet, groups.pools.critic_meet, groups.handoff):
         if group is not None:
             dist.all_reduce(one.clone(), group=group)
     for src, group in zip(groups.weight_sources, groups.weights):
@@ -76,9 +80,12 @@ def test_every_rank_creates_the_same_groups_in_the_same_order():
         assert all(c == calls[0] for c in calls), (layout, calls)
         assert len(calls[0]) == expected, (layout, calls[0])
         # The links between pools and the stop vote span the world; control and stop are gloo.
-        pools = {"colocate": 1, "rollout | actor+critic": 2, "rollout | actor | critic": 3}.get(layout, 2)
+        pools = {"colocate": 1, "rollout | actor+critic": 2}.get(layout, 3 if layout.startswith("rollout") else 2)
         world = tuple(range(4))
         assert calls[0][pools:pools + 3] == [(world, None), (world, "gloo"), (world, "gloo")], layout
+        if layout.endswith("blocking"):  # after two meeting groups, the hand-off: the actor and critic pools' ranks
+            handoff = (0, 1, 2, 3) if layout.startswith("custom") else (0, 1, 3)  # gen is rank 2: rank 0 is always the actor pool's
+            assert calls[0][pools + 5] == (handoff, None), calls[0]
 
 
 def test_no_group_is_created_anywhere_else():

@@ -97,9 +97,13 @@ def test_a_stop_and_resume_with_batches_generated_ahead_repeats_the_uninterrupte
 
 
 def test_three_pools_two_steps_ahead_with_validation_and_checkpoints(tmp_path):
-    # configs/rollout_actor_critic.yaml's placement; the critic on DeepSpeed (ZeRO-2), the actor on FSDP2
+    # configs/rollout_actor_critic.yaml's placement; the critic on DeepSpeed (ZeRO-2), the actor on FSDP2;
+    # the actor and critic pools take turns (placement.overlap=false) while the rollout pool runs
+    # ahead: the hand-off barrier spans those two pools only (over the world it hung: the rollout
+    # pool never calls it).
     result = torchrun(3, "placement.mode=custom", "placement.pools={gen: 1, policy: 1, value: 1}",
                       "placement.roles={rollout: gen, actor: policy, critic: value}", "rollout.staleness=2",
+                      "placement.overlap=false",
                       "critic.engine=deepspeed", "critic.zero_stage=2",
                       "algorithm.rollout_correction.rollout_is=sequence", "trainer.total_steps=4",
                       "data.train_batch_size=16", "actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=8",

@@ -13,7 +13,9 @@ batch_isend_irecv) with ones that keep NCCL's rules (torch 2.13's ProcessGroupNC
   rank's operations with that peer one after another.
 - **A send completes only once the peer has started the matching receive** (NCCL's rendezvous):
   the n-th send to a peer waits until the peer's stream has reached its n-th receive from us. A
-  receive announces itself in the store when it reaches the head of its stream.
+  receive announces itself in the store when it reaches the head of its stream; the send's thread
+  waits for that in the store (its own client, without the GIL), so it goes at once, as NCCL's
+  would, even while the rank's main thread is busy generating.
 - **A grouped call's operations progress together** (`batch_isend_irecv`, ncclGroupStart/End):
   its operations with one peer form one unit on that pair's stream, receives announced at once.
 
@@ -33,6 +35,7 @@ import queue
 import sys
 import threading
 import time
+from datetime import timedelta
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
@@ -96,6 +99,7 @@ class _PairStream:
         self.announced = 0  # receives from the peer whose start this stream announced
         self.units: queue.Queue = queue.Queue()
         self.failed: BaseException | None = None
+        self.store = None  # a store client of this stream's own, made by its thread
         threading.Thread(target=self._run, name=f"nccl-p2p {gname}:{peer}", daemon=True).start()
 
     def post(self, ops: list[_Op]) -> None:
@@ -114,6 +118,10 @@ class _PairStream:
         return f"head:{self.gname}:{src}>{dst}"
 
     def _run(self) -> None:
+        # Its own client: a blocking wait on a shared one would hold the client's lock, and the
+        # rank's main thread uses the default store's client in new_group and barriers (which
+        # may themselves wait on a peer that waits for this stream).
+        self.store = self.state.new_store()
         while True:
             ops = self.units.get()
             if self.failed is not None:
@@ -129,7 +137,7 @@ class _PairStream:
                         op.work._finish(e)
 
     def _run_unit(self, ops: list[_Op]) -> None:
-        store, works = self.state.store, []
+        store, works = self.store, []
         for op in ops:  # every receive of the unit has started: announce it, post it
             if op.kind == "recv":
                 works.append((op, _ORIG["irecv"](op.tensor, self.peer, group=self.group)))
@@ -145,32 +153,36 @@ class _PairStream:
             op.work._finish()
 
     def _wait_for_receive(self, op: _Op, grouped: bool) -> None:
-        store, key = self.state.store, self._key(self.me, self.peer, op.n)
-        start, delay, published = time.monotonic(), 0.0002, False
-        while not store.check([key]):
+        """Blocks in the store (without the GIL) until the peer announces the receive: the send
+        then goes at once, as NCCL's would, even while this rank's main thread is busy."""
+        store, key = self.store, self._key(self.me, self.peer, op.n)
+        start, published = time.monotonic(), False
+        while True:
+            try:
+                store.wait([key], timedelta(seconds=0.5))
+                break
+            except Exception:  # noqa: BLE001 - the store's timeout (DistStoreError): check, then wait on
+                pass
             waited = time.monotonic() - start
-            if waited > 0.5 and not published:
+            if not published:
                 # Say what this stream waits on, for the peer's deadlock check and for errors.
                 store.set(self._head_key(self.me, self.peer),
                           f"send #{op.n}{' grouped with a receive' if grouped else ''} posted at {op.where}")
                 published = True
-            if published:
-                self._check_deadlock(op, grouped)
+            self._check_deadlock(op, grouped)
             if waited > self.state.max_wait_s:
                 raise ContractError(
                     f"NCCL point-to-point contract: rank {self.me}'s send #{op.n} to rank {self.peer} on "
                     f"{self.state.describe(self.group, self.gname)} (posted at {op.where}) found no matching receive "
                     f"posted in {self.state.max_wait_s:.0f}s; rank {self.peer}'s stream to rank {self.me}: "
                     f"{self._peer_head()}")
-            time.sleep(delay)
-            delay = min(delay * 2, 0.02)
         store.delete_key(key)
         if published:
             store.set(self._head_key(self.me, self.peer), "moving")
 
     def _peer_head(self) -> str:
         key = self._head_key(self.peer, self.me)
-        return self.state.store.get(key).decode() if self.state.store.check([key]) else "no send waiting"
+        return self.store.get(key).decode() if self.store.check([key]) else "no send waiting"
 
     def _check_deadlock(self, op: _Op, grouped: bool) -> None:
         """This stream's head is a send the peer has not started to receive. If the peer's stream
@@ -195,10 +207,15 @@ class _PairStream:
 class _State:
     def __init__(self):
         self.rank = dist.get_rank()
-        self.store = dist.PrefixStore("nccl_p2p/", c10d._get_default_store())
         self.max_wait_s = float(os.environ.get("SPMDSPLIT_P2P_WAIT_S", "300"))
         self.streams: dict[tuple[str, int], _PairStream] = {}
         self.lock = threading.Lock()
+
+    def new_store(self):
+        """A client of the job's store (torchrun's agent's, or rank 0's), under a prefix of ours."""
+        client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                               wait_for_workers=False, timeout=timedelta(seconds=60))
+        return dist.PrefixStore("nccl_p2p/", client)
 
     def describe(self, group, gname: str) -> str:
         ranks = dist.get_process_group_ranks(group)

@@ -73,12 +73,13 @@ other (BALANCE) is a collective. Every multi-rank test runs under these rules (t
 A receive from another pool ends with the receiving pool meeting (`Pools.meet`, a barrier over a
 gloo group of the pool's ranks with the long timeout) before its next collective: its ranks get
 their rows from different ranks of the other pool, at different times, and the pool's own
-collectives (FSDP, trainer.dist_timeout_s) must not be the ones that wait for the slowest. Rows that come back (advantages,
-log-probs) carry `row_index`, the row's place in the step's global batch as generated (its
-identity: balancing reorders the rows but never renumbers them), and are checked against the
-rows held: a routing slip is an error, never training on the wrong rows. In colocate placement
-every message a rank sends goes to itself and never touches the wire, but BALANCE (rows between
-the ranks of the one pool).
+collectives (FSDP, trainer.dist_timeout_s) must not be the ones that wait for the slowest.
+
+Rows that come back (advantages, log-probs) carry `row_index`, the row's place in the step's
+global batch as generated (its identity: balancing reorders the rows but never renumbers them),
+and are checked against the rows held: a routing slip is an error, never training on the wrong
+rows. In colocate placement every message a rank sends goes to itself and never touches the wire,
+but BALANCE (rows between the ranks of the one pool, a collective).
 """
 
 from __future__ import annotations

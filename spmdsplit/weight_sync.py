@@ -8,8 +8,8 @@ source's group with the receiving ranks (spmdsplit/groups.py makes one group per
 start-up, on every rank): with a rollout pool apart every actor rank is a source, so the send is
 spread over the actor pool's links instead of funnelled through one rank; with rollout.ranks=all
 the actor pool's first rank is the only one (it also feeds its own engine as the stream passes).
-The receivers unpack each bucket into their engine as it arrives, so no rank holds more than one
-bucket beyond its engine.
+The receivers unpack each bucket into their engine as it arrives, so no rank holds more than a
+few buckets beyond its engine (how many: the next paragraph).
 
 Several buckets are in flight at once: a source broadcasts without waiting (up to `in_flight`
 of its buckets pending), and a receiver posts the next buckets' broadcasts before it hands the

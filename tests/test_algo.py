@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from spmdsplit import algo
-from tests.multiproc import run_ranks
+from tests.launch import run_ranks
 
 T = torch.tensor
 NAN = float("nan")

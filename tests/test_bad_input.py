@@ -1,16 +1,13 @@
 """Bad input ends every rank with a clear message and a non-zero exit, before any collective:
 never a hang, never one rank failing while the others wait."""
 
-import os
 import re
 import subprocess
-import sys
 import time
 
 import pytest
 
-from tests.multiproc import free_port
-from tests.runjob import torchrun
+from tests.launch import ranks_apart, torchrun
 
 CASES = [
     (3, ["placement.mode=split"], "placement"),
@@ -30,42 +27,21 @@ IDS = ["odd-split", "pools-dont-add-up", "batch-not-divisible", "unknown-key", "
        "override-yaml-cannot-parse", "list-where-a-mapping-is"]
 
 
-def launch_ranks_by_hand(nproc: int, overrides: list[str]) -> list[subprocess.Popen]:
-    """Every rank as its own process with torchrun's environment, but no torchrun to kill the
-    others when one fails: each rank must reach the check, say why and exit on its own. A rank
-    that went on to init_process_group would wait there for the ones that left, and time out."""
-    port, procs = free_port(), []
-    for rank in range(nproc):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-               "LOCAL_WORLD_SIZE": str(nproc), "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "TORCH_DIST_INIT_BARRIER": "0", "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, "-m", "spmdsplit.train", "trainer.dist_timeout_s=30", *overrides],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    return procs
-
-
 @pytest.fixture(scope="module")
 def bad_input_runs():
-    """Every case's ranks started at once (they are import-bound), then collected: case id -> each
-    rank's CompletedProcess, or the rank that did not exit."""
-    started = {case_id: launch_ranks_by_hand(nproc, overrides) for case_id, (nproc, overrides, _) in zip(IDS, CASES)}
+    """Every case's ranks started at once, each rank with torchrun's environment but no launcher to
+    stop the others when one fails: each rank must reach the check, say why and exit on its own.
+    A rank that went on to init_process_group would wait there for the ones that left, and time
+    out. Case id -> each rank's CompletedProcess, or the rank that did not exit."""
+    started = {case_id: ranks_apart(nproc, ["trainer.dist_timeout_s=30", *overrides])
+               for case_id, (nproc, overrides, _) in zip(IDS, CASES)}
     deadline, results = time.monotonic() + 180, {}
-    try:
-        for case_id, procs in started.items():
-            results[case_id] = []
-            for rank, p in enumerate(procs):
-                try:
-                    out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    results[case_id] = f"rank {rank} did not exit: it went past the checks and waited"
-                    break
-                results[case_id].append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
-    finally:
-        for procs in started.values():
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+    for case_id, ranks in started.items():
+        try:
+            ranks.wait(timeout=max(1.0, deadline - time.monotonic()))
+            results[case_id] = ranks.ranks()
+        except subprocess.TimeoutExpired:
+            results[case_id] = "a rank did not exit: it went past the checks and waited"
     return results
 
 
@@ -81,6 +57,7 @@ def test_every_rank_fails_on_its_own_naming_the_key(bad_input_runs, request, npr
         assert "Traceback" not in result.stderr, result.stderr[-3000:]
 
 
+@pytest.mark.e2e
 def test_under_torchrun_the_job_fails_fast_with_the_message():
     start = time.monotonic()
     result = torchrun(2, "trainer.totl_steps=3", timeout=120)

@@ -10,7 +10,7 @@ import torch
 from spmdsplit.balance import balanced_group_order, karmarkar_karp, seqlen_metrics, slice_sums
 from spmdsplit.batch import Batch
 from spmdsplit.exchange import Message, ProtocolError, reorder_rows, row_ranges
-from tests.multiproc import run_ranks
+from tests.launch import run_ranks
 
 
 def long_tailed_lengths(n: int, seed: int) -> list[int]:
@@ -226,10 +226,11 @@ def write_skewed_prompts(folder) -> str:
 
 
 def balance_job(tmp_path, name: str, nproc: int, balance: bool, *overrides: str) -> dict:
-    from tests.runjob import scalars, torchrun
+    from tests.launch import job
+    from tests.outputs import scalars
 
     out = tmp_path / name
-    result = torchrun(
+    result = job(
         nproc, f"data.train_files={write_skewed_prompts(tmp_path / 'data')}", "data.shuffle=false",
         f"data.max_prompt_length={LONG + 1}", "data.max_response_length=32", "trainer.total_steps=2",
         f"data.train_batch_size={PROMPTS_PER_STEP}", "rollout.n=2",

@@ -14,7 +14,7 @@ from spmdsplit.checkpoint import (
     LATEST, CheckpointError, find_resume, find_resume_after_restart, partial_dir, publish, step_dir,
 )
 from tests.helpers import full_weights
-from tests.multiproc import run_ranks
+from tests.launch import run_ranks
 
 
 def write_half(root, step, pool="actor"):

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from tests.helpers import PlainEngine, full_weights
-from tests.multiproc import run_ranks
+from tests.launch import run_ranks
 from tests.test_update_invariance import ROWS, after_each_backward, make_batch
 
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")
@@ -379,7 +379,7 @@ def test_ppo_job_with_engine_mix_on_2_plus_2(tmp_path, monkeypatch, mix):
 
 def check_a_2_plus_2_job(out, extensions, beside=("update_actor",)):
     """`beside`: the actor pool's phases update_critic must run beside in 3 of the 4 steps."""
-    from tests.runjob import overlapping_steps, scalars, timeline_events
+    from tests.outputs import overlapping_steps, scalars, timeline_events
     from tests.test_e2e import VERL_METRICS
 
     logged = scalars(str(out / "tb"))
@@ -403,19 +403,19 @@ def test_trainer_checkpoint_resume_through_deepspeed_repeats_the_uninterrupted_r
     a job that stops after a checkpoint at step 2 and is started again logs steps 3-4 exactly as
     the job that ran straight through (weights, Adam moments, LR warmup and RNG all came back).
     The uninterrupted run is also the engine-mix check with DeepSpeed on both pools."""
-    from tests.runjob import torchrun
+    from tests.launch import job
     from tests.test_e2e import SHORT
     from tests.test_resume import comparable
 
     extensions = tmp_path / "torch_extensions"  # where a JIT build of a DeepSpeed op would land
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(extensions))
-    job = [*SHORT, "actor.engine=deepspeed", "actor.zero_stage=3", "critic.engine=deepspeed", "critic.zero_stage=2",
+    overrides = [*SHORT, "actor.engine=deepspeed", "actor.zero_stage=3", "critic.engine=deepspeed", "critic.zero_stage=2",
            "actor.optim.lr_warmup_steps=3", "trainer.timeline=", "trainer.output_dir=", "trainer.seed=3",
            "placement.mode=split", "trainer.dist_timeout_s=120"]
 
     def run(out, *extra):
-        result = torchrun(4, *job, f"trainer.log_dir={out}/tb", f"trainer.default_local_dir={out}/ckpt", *extra,
-                          timeout=300)
+        result = job(4, *overrides, f"trainer.log_dir={out}/tb", f"trainer.default_local_dir={out}/ckpt", *extra,
+                     timeout=300)
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
         return result.stdout
 

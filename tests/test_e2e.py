@@ -9,7 +9,8 @@ import pytest
 
 from tests.extra_info_check import assert_every_split_scored, write_job_files
 from spmdsplit.metrics import mlflow_metric_name
-from tests.runjob import mlflow_scalars, overlapping_steps, scalars, timeline_events, torchrun, wandb_offline_scalars
+from tests.launch import job, torchrun
+from tests.outputs import mlflow_scalars, overlapping_steps, scalars, timeline_events, wandb_offline_scalars
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -25,9 +26,9 @@ SHORT = ["trainer.total_steps=4", "data.train_batch_size=16", "actor.ppo_mini_ba
          "critic.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size_per_gpu=4", "critic.ppo_micro_batch_size_per_gpu=4"]
 
 
-def run_short(tmp_path, nproc, *overrides):
+def run_short(tmp_path, nproc, *overrides, launcher=job):
     out = tmp_path / "run"
-    result = torchrun(
+    result = launcher(
         nproc, *SHORT, f"trainer.log_dir={out}/tb", f"trainer.timeline={out}/timeline.json",
         f"trainer.output_dir={out}/actor_hf", *overrides, timeout=400,
     )
@@ -49,10 +50,11 @@ def run_short(tmp_path, nproc, *overrides):
     ],
     ids=["split-1+1", "split-2+2", "custom-3+1", "colocate-2"],
 )
+@pytest.mark.e2e
 def test_job_writes_verl_metrics_timeline_and_hf_model(tmp_path, nproc, overrides, actor_ranks, critic_ranks):
     # Scored by a custom function that checks each row gets its own extra_info, with validation on.
     checked, calls_log = write_job_files(tmp_path / "data")
-    out, result = run_short(tmp_path, nproc, *overrides, *checked)
+    out, result = run_short(tmp_path, nproc, *overrides, *checked, launcher=torchrun)
     assert_every_split_scored(calls_log, actor_ranks, critic_ranks)
 
     logged = scalars(str(out / "tb"))
@@ -148,7 +150,7 @@ def test_default_job_learns_the_embedded_task_one_step_off_policy_on_a_rollout_p
     run from a fresh clone before every landing (0.975 at the last); the quick check that learning
     happens at all is test_learning.py."""
     out = tmp_path / "run"
-    result = torchrun(2, "--config", "configs/rollout_actor+critic.yaml", "rollout.staleness=1",
+    result = job(2, "--config", "configs/rollout_actor+critic.yaml", "rollout.staleness=1",
                       "algorithm.rollout_correction.rollout_is=token", f"trainer.log_dir={out}/tb",
                       "trainer.timeline=", "trainer.output_dir=", timeout=1500, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-5000:]
@@ -287,7 +289,7 @@ def test_grpo_learns_the_embedded_task_one_step_off_policy_on_a_rollout_pool(tmp
     correction that weighs the wrong way would stop it short (seed 1; the recipe's seed table is in
     docs/algorithms.md)."""
     out = tmp_path / "run"
-    result = torchrun(2, "--config", "configs/grpo_rollout_actor.yaml", f"trainer.log_dir={out}/tb",
+    result = job(2, "--config", "configs/grpo_rollout_actor.yaml", f"trainer.log_dir={out}/tb",
                       "trainer.timeline=", "trainer.output_dir=", timeout=1500, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-5000:]
     assert "rollout pool ranks [1] | actor+critic pool ranks [0]" in result.stdout

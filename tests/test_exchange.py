@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from spmdsplit.batch import Batch
 from spmdsplit.exchange import Link, Message, PendingSend, ProtocolError, recv_rows, row_pairs, row_ranges, send_rows
-from tests.multiproc import run_ranks
+from tests.launch import run_ranks
 
 SEQ = 6
 KINDS = ["ROWS", "BACK", "OBJECT", "OTHER"]
@@ -243,7 +243,8 @@ def _out_of_order(rank, world_size, sent: Message, expected: Message):
 def test_a_message_out_of_place_is_a_one_line_error(sent, expected, says):
     """What NCCL would do silently (hand the next message to whichever receive comes next) is
     caught by the header, before any body is read."""
-    _, message = run_ranks(_out_of_order, 2, sent, expected, timeout=120)
+    # A world of its own: the message sent out of place is never received, and must not be the next test's.
+    _, message = run_ranks(_out_of_order, 2, sent, expected, timeout=120, fresh=True)
     assert says in message and "\n" not in message
 
 

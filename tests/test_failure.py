@@ -4,13 +4,13 @@ taken for dead. Real torchrun jobs, faults injected on entering a phase (tests/f
 
 import os
 import re
-import subprocess
-import sys
 import time
 
 import pytest
 
-from tests.multiproc import free_port
+from tests.launch import torchrun
+
+pytestmark = pytest.mark.e2e
 
 JOB = os.path.join(os.path.dirname(__file__), "fault_job.py")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -20,11 +20,10 @@ SHORT = ["trainer.total_steps=6", "trainer.seed=1", "trainer.progress_bar=false"
 
 
 def run_job(tmp_path, nproc, fault, *overrides, script=JOB, timeout=240):
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
-           script, *SHORT, f"trainer.log_dir={tmp_path}/tb", f"trainer.default_local_dir={tmp_path}/ckpt", *overrides]
-    env = {**os.environ, "FAULT": fault, "FAULT_TIME_FILE": str(tmp_path / "raised_at"), "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
-           "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    """Real torchrun: its teardown of the job when a rank fails is part of what is tested."""
+    result = torchrun(nproc, *SHORT, f"trainer.log_dir={tmp_path}/tb", f"trainer.default_local_dir={tmp_path}/ckpt",
+                      *overrides, script=script, timeout=timeout,
+                      env={"FAULT": fault, "FAULT_TIME_FILE": str(tmp_path / "raised_at")})
     return result, time.time()
 
 

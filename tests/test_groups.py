@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tests.multiproc import run_ranks
+from tests.launch import run_ranks
 
 # overrides, and how many groups: actor pool, critic pool, bulk, control, stop, a meeting group per
 # trained pool (colocate: one pool group, one meeting group), + handoff with placement.overlap=false,

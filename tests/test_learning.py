@@ -12,7 +12,8 @@ pass 0.5. What this catches (each checked by breaking it on purpose; see the rep
 The full default job, asserting the demo's >= 0.9, is the slow test in test_e2e.py.
 """
 
-from tests.runjob import scalars, torchrun
+from tests.launch import job
+from tests.outputs import scalars
 
 SEVENS = (
     "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
@@ -25,7 +26,7 @@ def test_ppo_learns_an_easy_reward_within_a_dozen_steps(tmp_path):
     reward = tmp_path / "sevens.py"
     reward.write_text(SEVENS)
     out = tmp_path / "run"
-    result = torchrun(
+    result = job(
         2, "placement.mode=split", f"trainer.total_steps={STEPS}", "data.train_batch_size=32",
         "actor.ppo_mini_batch_size=16", "critic.ppo_mini_batch_size=16", "data.max_response_length=6",
         # The rates held (the default decays them over its 200 steps, too slow a start for 12).

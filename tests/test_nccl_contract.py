@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from spmdsplit.batch import Batch
 from spmdsplit.exchange import Link, Message, PendingSend, _pack, _unpack, reorder_rows, row_ranges
-from tests.multiproc import run_ranks
+from tests.launch import run_ranks
 
 
 def test_the_suite_turns_the_layer_on():
@@ -159,19 +159,18 @@ send.wait()
 """
 
 
+@pytest.mark.e2e
 def test_ranks_started_by_torchrun_run_under_it(tmp_path):
     """What every torchrun job of the suite inherits (PYTHONPATH and the switch, from conftest):
     the same cross sends, from a script under real torchrun, fail with the contract's message."""
     import subprocess
-    import sys
 
-    from tests.multiproc import free_port
+    from tests.launch import base_env, torchrun_cmd
 
     script = tmp_path / "cross.py"
     script.write_text(CROSS_SCRIPT)
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                             f"--master-port={free_port()}", str(script)], capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = subprocess.run(torchrun_cmd(2, str(script), module=None), capture_output=True, text=True, timeout=120,
+                            env=base_env())
     assert result.returncode != 0
     assert "ranks 1 and 0 each wait to send to the other" in result.stderr or \
         "ranks 0 and 1 each wait to send to the other" in result.stderr, result.stderr[-3000:]

@@ -13,7 +13,7 @@ from spmdsplit.batch import Batch
 from spmdsplit.roles.micro_batches import (fixed_bins, in_row_order, micro_batches, split_to_count,
                                            token_budget_bins)
 from tests.helpers import full_weights
-from tests.multiproc import run_ranks
+from tests.launch import run_ranks
 
 P, R = 7, 6
 # Left-padded prompts and right-padded responses of different lengths, some of length 1; no row

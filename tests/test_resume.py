@@ -6,17 +6,18 @@ all come back from the checkpoint."""
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
 from spmdsplit.checkpoint import LATEST, partial_dir, step_dir
-from tests.multiproc import free_port
+from tests.launch import job, start_torchrun
 from spmdsplit.metrics import mlflow_metric_name
 from tests.test_e2e import assert_same_scalars
-from tests.runjob import mlflow_scalars, scalars, torchrun, wandb_offline_runs, wandb_offline_scalars
+from tests.outputs import mlflow_scalars, scalars, wandb_offline_runs, wandb_offline_scalars
+
+# What these tests stop, kill and crash is a job under real torchrun: its signals and teardown.
+pytestmark = pytest.mark.e2e
 
 STEPS = 8
 JOB = (
@@ -47,7 +48,7 @@ def comparable(log_dir: str) -> dict[str, dict[int, float]]:
 def reference(tmp_path_factory):
     """The job run straight through."""
     out = tmp_path_factory.mktemp("reference")
-    result = torchrun(2, *JOB, f"trainer.log_dir={out}/tb", f"trainer.default_local_dir={out}/ckpt", timeout=300)
+    result = job(2, *JOB, f"trainer.log_dir={out}/tb", f"trainer.default_local_dir={out}/ckpt", timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = comparable(f"{out}/tb")
     assert all(len(v) == STEPS for v in metrics.values())
@@ -55,12 +56,9 @@ def reference(tmp_path_factory):
 
 
 def start_job(out, *extra, script=None, env=None):
-    target = [script] if script else ["-m", "spmdsplit.train"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
-           *target, "trainer.progress_bar=false", *JOB, f"trainer.log_dir={out}/tb",
-           f"trainer.default_local_dir={out}/ckpt", *extra]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])), **(env or {})}
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    """Real torchrun: what these tests stop, kill and crash is a job under it."""
+    return start_torchrun(2, "trainer.progress_bar=false", *JOB, f"trainer.log_dir={out}/tb",
+                          f"trainer.default_local_dir={out}/ckpt", *extra, script=script, env=env)
 
 
 def read_until(proc, marker: str, timeout: float = 240) -> str:
@@ -91,7 +89,7 @@ def worker_pid(torchrun_pid: int, rank: int) -> int:
 
 
 def resume_to_the_end(out, *extra) -> str:
-    result = torchrun(2, *JOB, f"trainer.log_dir={out}/tb", f"trainer.default_local_dir={out}/ckpt", *extra, timeout=300)
+    result = job(2, *JOB, f"trainer.log_dir={out}/tb", f"trainer.default_local_dir={out}/ckpt", *extra, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 

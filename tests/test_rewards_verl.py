@@ -18,7 +18,7 @@ from spmdsplit.rewards.custom import CustomRewardError, load_custom_reward_fn
 from spmdsplit.rewards.rule import compute_score, score_sample
 from spmdsplit.roles.reward import RewardError, RuleReward, describe_sample
 from tests.helpers import PlainEngine
-from tests.multiproc import run_ranks
+from tests.launch import run_ranks
 
 # --------------------------------------------------------------------------- GSM8K
 

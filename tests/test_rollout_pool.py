@@ -6,8 +6,6 @@ generated ahead, three pools — and the weight schedule both sides follow, chec
 
 import os
 import signal
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,8 +14,8 @@ from omegaconf import OmegaConf
 from spmdsplit.batch import Batch
 from spmdsplit.checkpoint import LATEST, step_dir
 from spmdsplit.staleness import check_weights_version, validates_after, weights_needed
-from tests.runjob import scalars, timeline_events, torchrun
-from tests.multiproc import free_port
+from tests.launch import job, start_torchrun
+from tests.outputs import scalars, timeline_events
 from tests.test_resume import comparable, read_until, worker_pid
 
 STEPS = 6
@@ -36,7 +34,7 @@ def ahead_job(out, *extra):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("ahead")
-    result = torchrun(2, *ahead_job(out, f"trainer.timeline={out}/timeline.json"), timeout=400)
+    result = job(2, *ahead_job(out, f"trainer.timeline={out}/timeline.json"), timeout=400)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert "rollout pool ranks [1] | actor+critic pool ranks [0]" in result.stdout
     return out
@@ -70,16 +68,14 @@ def test_the_rollout_pool_generates_the_next_batch_while_the_train_pool_trains(r
         assert any(s < end and start < e for s, e in train), f"gen of batch {k + 1} did not overlap step {k}"
 
 
+@pytest.mark.e2e
 def test_a_stop_and_resume_with_batches_generated_ahead_repeats_the_uninterrupted_run(tmp_path, reference):
     """The batch generated ahead is part of the checkpoint (the rollout pool's part), so the
     resumed run trains on exactly the rows the uninterrupted one did."""
-    job = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
-         "-m", "spmdsplit.train", "trainer.progress_bar=false", *ahead_job(tmp_path)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    read_until(job, "step 2:")
-    os.kill(worker_pid(job.pid, rank=1), signal.SIGUSR2)  # the rollout rank: the others learn by the vote
-    output, _ = job.communicate(timeout=240)
+    stopped = start_torchrun(2, "trainer.progress_bar=false", *ahead_job(tmp_path))
+    read_until(stopped, "step 2:")
+    os.kill(worker_pid(stopped.pid, rank=1), signal.SIGUSR2)  # the rollout rank: the others learn by the vote
+    output, _ = stopped.communicate(timeout=240)
     assert "stopped on request" in output, output[-3000:]
     stopped_at = int(open(tmp_path / "ckpt" / LATEST).read())
     assert 2 <= stopped_at < STEPS
@@ -87,7 +83,7 @@ def test_a_stop_and_resume_with_batches_generated_ahead_repeats_the_uninterrupte
     ahead = torch.load(part, weights_only=False)["ahead"]
     assert list(ahead) == [stopped_at + 1] and ahead[stopped_at + 1]["weights_version"].unique().tolist() == [stopped_at - 1]
 
-    result = torchrun(2, *ahead_job(tmp_path), timeout=400)
+    result = job(2, *ahead_job(tmp_path), timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resuming from {step_dir(str(tmp_path / 'ckpt'), stopped_at)} at step {stopped_at + 1}" in result.stdout
     resumed, uninterrupted = comparable(f"{tmp_path}/tb"), comparable(f"{reference}/tb")
@@ -101,7 +97,7 @@ def test_three_pools_two_steps_ahead_with_validation_and_checkpoints(tmp_path):
     # the actor and critic pools take turns (placement.overlap=false) while the rollout pool runs
     # ahead: the hand-off barrier spans those two pools only (over the world it hung: the rollout
     # pool never calls it).
-    result = torchrun(3, "placement.mode=custom", "placement.pools={gen: 1, policy: 1, value: 1}",
+    result = job(3, "placement.mode=custom", "placement.pools={gen: 1, policy: 1, value: 1}",
                       "placement.roles={rollout: gen, actor: policy, critic: value}", "rollout.staleness=2",
                       "placement.overlap=false",
                       "critic.engine=deepspeed", "critic.zero_stage=2",

@@ -4,7 +4,8 @@ broadcast of the policy's weights from the actor pool (spmdsplit/weight_sync.py)
 import pytest
 
 from tests.extra_info_check import assert_every_split_scored, write_job_files
-from tests.runjob import scalars, timeline_events, torchrun
+from tests.launch import job
+from tests.outputs import scalars, timeline_events
 
 COMMON = ["rollout.do_sample=false", "trainer.total_steps=3", "data.train_batch_size=16", "actor.ppo_mini_batch_size=16",
           "critic.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size_per_gpu=4", "critic.ppo_micro_batch_size_per_gpu=4",
@@ -23,7 +24,7 @@ def test_every_rank_generates_and_the_steps_equal_actor_only_generation(tmp_path
         # Scored by a custom function that checks each row gets its own extra_info (with
         # rollout.ranks=all the critic ranks' rows travel to the actor pool and back), validation on.
         checked, calls_log = write_job_files(out / "data")
-        result = torchrun(4, *COMMON, *checked, f"rollout.ranks={ranks}", f"trainer.log_dir={out}/tb",
+        result = job(4, *COMMON, *checked, f"rollout.ranks={ranks}", f"trainer.log_dir={out}/tb",
                           f"trainer.timeline={out}/timeline.json", timeout=400)
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
         assert_every_split_scored(calls_log, [0, 1], [2, 3])
@@ -85,7 +86,7 @@ def broadcast_three_syncs(rank, world_size):
 
 
 def test_the_weight_broadcast_sends_its_layout_once():
-    from tests.multiproc import run_ranks
+    from tests.launch import run_ranks
 
     results = run_ranks(broadcast_three_syncs, 2, timeout=120)
     sender = results[0]
@@ -137,7 +138,7 @@ def broadcast_from_two_sources(rank, world_size):
 
 
 def test_the_weight_broadcast_keeps_buckets_from_several_sources_in_flight():
-    from tests.multiproc import run_ranks
+    from tests.launch import run_ranks
 
     results = run_ranks(broadcast_from_two_sources, 3, timeout=120)
     receiver = results[2]

@@ -15,7 +15,8 @@ import re
 
 import pytest
 
-from tests.runjob import scalars, torchrun
+from tests.launch import job
+from tests.outputs import scalars
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -46,7 +47,7 @@ def test_streamed_rollout_with_kl_in_reward_validation_and_checkpoints(tmp_path,
     runs = {}
     for name, chunks in (("whole", 1), ("streamed", 2)):
         out = tmp_path / name
-        result = torchrun(4, *COMMON, *layout, f"rollout.stream_chunks={chunks}", f"trainer.log_dir={out}/tb",
+        result = job(4, *COMMON, *layout, f"rollout.stream_chunks={chunks}", f"trainer.log_dir={out}/tb",
                           f"trainer.default_local_dir={out}/ckpt", timeout=400)
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
         assert sorted(p.name for p in (out / "ckpt").iterdir() if p.name.startswith("global_step")) == \

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from spmdsplit.launch import slurm as launcher
-from tests.runjob import scalars
+from tests.outputs import scalars
 
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER = REPO / "tools" / "slurm_cluster.sh"
@@ -173,6 +173,7 @@ def test_cpu_job_needs_ranks_per_node(tmp_path):
 # -- real jobs on the cluster -----------------------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(420)
 def test_launcher_job_runs_to_the_end_with_tensorboard_and_checkpoints(slurm_cluster, tmp_path):
     folder = tmp_path / "run"
@@ -195,6 +196,7 @@ def test_launcher_job_runs_to_the_end_with_tensorboard_and_checkpoints(slurm_clu
         assert f"global_rank={rank}(2)" in (folder / "logs" / job_id / f"{job_id}_{rank}_log.out").read_text()
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(540)
 def test_preempted_job_requeues_itself_resumes_and_ends_with_every_step(slurm_cluster, tmp_path):
     """Two preemptions of one 2-node job (one rank per node: actor pool on node 0, critic pool on
@@ -244,6 +246,7 @@ def test_preempted_job_requeues_itself_resumes_and_ends_with_every_step(slurm_cl
           + ", ".join(f"{k} +{t - marks[0][1]:.1f}s" for k, t in marks[1:]), file=sys.stderr)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(420)
 def test_sbatch_template_stops_checkpoints_and_requeues_itself(slurm_cluster, tmp_path):
     """The plain template on 2 nodes: SIGUSR2 as Slurm sends it before the time limit (--signal,
@@ -276,6 +279,7 @@ def test_sbatch_template_stops_checkpoints_and_requeues_itself(slurm_cluster, tm
     assert_every_step_once(run / "tensorboard", total)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_cancelled_job_checkpoints_and_stays_cancelled(slurm_cluster, tmp_path):
     """scancel sends SIGTERM too: the ranks still stop after a step with a checkpoint (to resume

@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from tests.helpers import full_weights
-from tests.multiproc import run_ranks
+from tests.launch import run_ranks
 
 ROWS, PROMPT, RESPONSE = 8, 4, 5
 

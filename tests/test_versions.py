@@ -23,6 +23,7 @@ def test_pyproject_states_the_same_floors():
         assert f'"{package}>={floor}' in text, package
 
 
+@pytest.mark.e2e
 def test_a_transformers_below_the_floor_stops_the_job_with_one_line(tmp_path):
     """A real transformers 4.55.4 from the package registry, put in front of the environment's
     newer one, as in a cluster environment that already had it. The wheel itself goes on the path

@@ -8,9 +8,11 @@ import importlib.util
 
 import pytest
 
-from tests.runjob import scalars, timeline_events, torchrun
+from tests.launch import torchrun
+from tests.outputs import scalars, timeline_events
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+pytestmark = [pytest.mark.e2e,
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")]
 
 SHORT = ["rollout.name=vllm", "data.train_batch_size=16", "actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=8",
          "actor.ppo_micro_batch_size_per_gpu=4", "critic.ppo_micro_batch_size_per_gpu=4", "trainer.output_dir=",

@@ -1,27 +1,10 @@
-"""Runs `torchrun -m spmdsplit.train` as a user would, and reads what it leaves behind."""
+"""Reads what a job leaves behind: TensorBoard, wandb and MLflow scalars, its timeline (tests/launch.py starts it)."""
 
 from __future__ import annotations
 
 import glob
 import json
 import os
-import subprocess
-import sys
-import tempfile
-
-from tests.multiproc import free_port
-
-
-def torchrun(nproc: int, *overrides: str, timeout: float = 600, cwd=None) -> subprocess.CompletedProcess:
-    if not any(o.startswith("trainer.default_local_dir=") for o in overrides):
-        # Never resume from (or write to) checkpoints another run left in the working folder.
-        overrides = (f"trainer.default_local_dir={tempfile.mkdtemp(prefix='spmdsplit-ckpt-')}", *overrides)
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-        f"--master-port={free_port()}", "-m", "spmdsplit.train", "trainer.progress_bar=false", *overrides,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
 
 
 def scalars(log_dir: str) -> dict[str, list[tuple[int, float]]]:

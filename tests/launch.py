@@ -1,0 +1,439 @@
+"""Every process a test starts, started here: the one launcher of the suite.
+
+Most of a test job's time used to be start-up: each rank a fresh interpreter importing torch and
+transformers (5-6 s of a 2-core machine's time per rank) against steps of 0.1-0.6 s. So ranks
+fork, warm, from one server per test session that has imported torch, transformers, omegaconf
+and the project once (multiprocessing's forkserver with a preload; DeepSpeed and vLLM stay out
+of it, imported by the ranks that use them). A forked rank starts in a fraction of a second.
+
+- `run_ranks(fn, n, *args)`: `fn(rank, n, *args)` on n ranks of a gloo world; returns each
+  rank's result. Worlds persist: the next call with the same shape reuses the world (no fork, no
+  rendezvous). `fresh=True` asks for a world of its own, thrown away after (a test that changes
+  process-global state, or must hang or fail); a world where a rank failed or hung is never reused.
+- `job(n, *overrides)`: a training job, warm: n forked ranks call `spmdsplit.train.main`, the
+  entry point torchrun's workers run, with torchrun's environment (its store hosted here, as
+  torchrun's agent hosts it); the rest are stopped when one fails, as torchrun does. Returns a
+  `CompletedProcess` like `subprocess.run`'s, the ranks' output interleaved as torchrun's is.
+  `cached_job` runs a job once per session for every test that reads the same job's outputs.
+- `torchrun(n, *args)`, `start_torchrun`: real `torchrun`, for tests whose subject is the
+  launcher or the operating system (teardown, signals, preemption); marked `e2e`.
+- `ranks_by_hand(n, argv)`: each rank its own interpreter with torchrun's variables and no
+  launcher; `python(args)`: one plain interpreter (the CLI as a user types it).
+
+Every rank here keeps NCCL's point-to-point rules (tests/nccl_p2p.py): forked ranks install the
+layer themselves; interpreters load it from tests/nccl_site (conftest puts it on PYTHONPATH).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue as queue_mod
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# What the warm server imports once. The rest of what a job imports (models' code, loggers) is
+# imported by the first ranks that need it, each time: cheap next to these.
+PRELOAD = [
+    "torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.checkpoint",
+    "transformers", "transformers.models.qwen2.modeling_qwen2", "omegaconf", "numpy", "pyarrow.parquet",
+    "spmdsplit.train", "spmdsplit.trainer", "spmdsplit.engines.fsdp", "tests.nccl_p2p",
+]
+
+# torchrun's rendezvous variables, dropped from what a test hands to a launcher.
+RDV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+            "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+            "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def base_env(**extra) -> dict[str, str]:
+    """The test session's environment without any rendezvous, one thread per rank (2 cores)."""
+    env = {k: v for k, v in os.environ.items() if k not in RDV_VARS}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+# ------------------------------------------------------------------ the warm server
+
+_ctx = None
+
+
+def _context():
+    global _ctx
+    if _ctx is None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("forkserver")
+        preload = [m for m in PRELOAD if not m.startswith("tests.") or os.path.isdir(os.path.join(REPO, "tests"))]
+        ctx.set_forkserver_preload(preload)
+        _ctx = ctx
+    return _ctx
+
+
+def _enter_rank(env: dict[str, str], threads: int = 1) -> None:
+    """What a forked rank does first: the environment it was started with (the server's is the
+    session's at its start), one thread, and NCCL's point-to-point rules if the session keeps them."""
+    os.environ.clear()
+    os.environ.update(env)
+    import torch
+
+    torch.set_num_threads(threads)
+    if env.get("SPMDSPLIT_P2P_CONTRACT") == "1":
+        from tests import nccl_p2p
+
+        nccl_p2p.install()
+
+
+# ------------------------------------------------------------------ worlds: a function on N ranks
+
+def _world_rank(rank, world_size, port, local_world_size, env, tasks, results):
+    _enter_rank({**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                 "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank % local_world_size),
+                 "LOCAL_WORLD_SIZE": str(local_world_size)})
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        seq, fn, args = pickle.loads(task)
+        saved_env, dtype = dict(os.environ), torch.get_default_dtype()
+        try:
+            result = fn(rank, world_size, *args)
+            # Plain pickle, not torch's shared-memory reduction: the tensors must outlive this process.
+            results.put((seq, rank, "ok", pickle.dumps(result)))
+        except BaseException:
+            results.put((seq, rank, "error", traceback.format_exc()))
+            results.close()
+            results.join_thread()  # the report is out before the process goes
+            os._exit(1)
+        finally:  # what one test set must not leak into the next one on this world
+            os.environ.clear()
+            os.environ.update(saved_env)
+            torch.set_default_dtype(dtype)
+            torch.set_num_threads(1)
+        if not dist.is_initialized():  # the test took the world down: this process is done
+            break
+    os._exit(0)
+
+
+class World:
+    def __init__(self, world_size: int, local_world_size: int):
+        ctx = _context()
+        self.world_size, self.seq = world_size, 0
+        self.results = ctx.Queue()
+        self.tasks = [ctx.SimpleQueue() for _ in range(world_size)]
+        port, env = free_port(), base_env()
+        self.procs = [ctx.Process(target=_world_rank, daemon=True,
+                                  args=(r, world_size, port, local_world_size, env, self.tasks[r], self.results))
+                      for r in range(world_size)]
+        for p in self.procs:
+            p.start()
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def run(self, fn, args, timeout: float):
+        self.seq += 1
+        task = pickle.dumps((self.seq, fn, args))
+        for q in self.tasks:
+            q.put(task)
+        results, errors = {}, {}
+        deadline = time.monotonic() + timeout
+        while len(results) + len(errors) < self.world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                seq, rank, status, payload = self.results.get(timeout=min(remaining, 1.0))
+            except queue_mod.Empty:
+                dead = [i for i, p in enumerate(self.procs) if not p.is_alive() and i not in results and i not in errors]
+                for i in dead:  # died without a word (a segfault, os._exit): say so
+                    errors[i] = f"rank {i} exited with code {self.procs[i].exitcode} without reporting"
+                continue
+            if seq != self.seq:
+                continue
+            (results if status == "ok" else errors)[rank] = payload
+            if errors:
+                # One rank failed: give the others a moment to report, then stop waiting for them.
+                deadline = min(deadline, time.monotonic() + 10)
+        hung = [i for i in range(self.world_size) if i not in results and i not in errors]
+        return results, errors, hung
+
+    def close(self, kill: bool = False) -> None:
+        if not kill:
+            for q in self.tasks:
+                q.put(None)
+            for p in self.procs:
+                p.join(timeout=5)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+_worlds: dict[tuple[int, int], World] = {}
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 120, local_world_size: int | None = None,
+              fresh: bool = False):
+    """`fn(rank, world_size, *args)` on every rank of a gloo world; the list of what each returned.
+    A rank that raises fails the test with its traceback; ranks still busy after `timeout`
+    seconds are killed and the test fails, so a hang shows up as a failure, not a stuck suite."""
+    key = (world_size, local_world_size or world_size)
+    world = None if fresh else _worlds.pop(key, None)
+    if world is not None and not world.alive():
+        world.close(kill=True)
+        world = None
+    world = world or World(*key)
+    try:
+        results, errors, hung = world.run(fn, args, timeout)
+    except BaseException:
+        world.close(kill=True)
+        raise
+    if errors or hung or fresh or not world.alive():
+        world.close(kill=bool(errors or hung))
+    else:
+        _worlds[key] = world
+    if errors:
+        msg = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+        raise AssertionError(f"rank(s) {sorted(errors)} failed:\n{msg}")
+    if hung:
+        raise AssertionError(f"rank(s) {hung} still running after {timeout}s (hang) and were killed")
+    return [pickle.loads(results[r]) for r in range(world_size)]
+
+
+def close_worlds() -> None:
+    while _worlds:
+        _worlds.popitem()[1].close()
+
+
+# ------------------------------------------------------------------ training jobs, warm
+
+def _job_rank(env: dict[str, str], argv: list[str], script: str | None, out_path: str, err_path: str):
+    _enter_rank(env)
+    # Both streams into the job's two files, every rank appending: interleaved as torchrun's are.
+    for fd, path in ((1, out_path), (2, err_path)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_APPEND), fd)
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    code = 1
+    try:
+        if script is None:
+            from spmdsplit.train import main
+
+            sys.argv = ["spmdsplit/train.py", *argv]
+            code = main(argv)
+        else:
+            import runpy
+
+            sys.argv = [script, *argv]
+            runpy.run_path(script, run_name="__main__")
+            code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code or 0)
+
+
+class Job:
+    """A warm job's ranks, started: `wait()` gives its CompletedProcess."""
+
+    def __init__(self, nproc: int, argv: list[str], env: dict | None = None, script: str | None = None,
+                 cwd: str | None = None, apart: bool = False):
+        import torch.distributed as dist
+
+        ctx = _context()
+        self.args = ["<warm>", f"--nproc-per-node={nproc}", script or "-m spmdsplit.train", *argv]
+        self.apart, self.dir = apart, tempfile.mkdtemp(prefix="spmdsplit-job-")
+        # One pair of files for the job (interleaved, as torchrun's output), or one per rank (apart).
+        self.files = [(os.path.join(self.dir, f"stdout{r}"), os.path.join(self.dir, f"stderr{r}"))
+                      for r in range(nproc if apart else 1)]
+        for path in sum(self.files, ()):
+            open(path, "w").close()
+        port = free_port()
+        common = {**base_env(), **(env or {}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                  "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_WORLD_SIZE": "1"}
+        if apart:  # as by hand: rank 0 hosts the store, nobody stops anybody
+            common["TORCH_DIST_INIT_BARRIER"] = "0"
+            self.store = None
+        else:
+            # The job's store hosted here, as torchrun's agent hosts it: a rank that dies takes no store along.
+            self.store = dist.TCPStore("127.0.0.1", port, nproc, is_master=True, wait_for_workers=False,
+                                       timeout=timedelta(seconds=600))
+            common.update(GROUP_RANK="0", ROLE_NAME="default", ROLE_WORLD_SIZE=str(nproc),
+                          TORCHELASTIC_RUN_ID=f"warm-{port}", TORCHELASTIC_USE_AGENT_STORE="True",
+                          TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
+                          TORCH_NCCL_ASYNC_ERROR_HANDLING="1")
+        here = os.getcwd()
+        os.chdir(cwd or here)  # a forked process starts in the client's folder
+        try:
+            self.procs = []
+            for rank in range(nproc):
+                rank_env = {**common, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+                if not apart:
+                    rank_env["ROLE_RANK"] = str(rank)
+                out, err = self.files[rank if apart else 0]
+                p = ctx.Process(target=_job_rank, args=(rank_env, list(argv), script, out, err), daemon=True)
+                p.start()
+                self.procs.append(p)
+        finally:
+            os.chdir(here)
+
+    def poll(self):
+        """None while it runs; else its exit code (as torchrun: 1 once a rank failed, the others
+        stopped). Ranks started apart are left to end on their own."""
+        codes = [p.exitcode for p in self.procs]
+        if not self.apart and any(c not in (None, 0) for c in codes):
+            self.stop()
+            return 1
+        return None if None in codes else max(codes, key=abs)
+
+    def stop(self, sig=signal.SIGTERM, grace: float = 5.0) -> None:
+        """What torchrun's agent does when a worker fails: every other worker is sent SIGTERM,
+        then SIGKILL after a grace period."""
+        for p in self.procs:
+            if p.is_alive():
+                os.kill(p.pid, sig)
+        end = time.monotonic() + grace
+        for p in self.procs:
+            p.join(timeout=max(0.0, end - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+    def output(self, rank: int = 0) -> tuple[str, str]:
+        out, err = self.files[rank]
+        with open(out, errors="replace") as o, open(err, errors="replace") as e:
+            return o.read(), e.read()
+
+    def wait(self, timeout: float = 600) -> subprocess.CompletedProcess:
+        deadline = time.monotonic() + timeout
+        code = self.poll()
+        while code is None:
+            if time.monotonic() > deadline:
+                self.stop(signal.SIGKILL, 0)
+                out, err = self.output()
+                raise subprocess.TimeoutExpired(self.args, timeout, out, err)
+            time.sleep(0.1)
+            code = self.poll()
+        self.store = None
+        return subprocess.CompletedProcess(self.args, code, *self.output())
+
+    def ranks(self) -> list[subprocess.CompletedProcess]:
+        """Each rank's exit code and output (ranks started apart, all ended)."""
+        return [subprocess.CompletedProcess(self.args, p.exitcode, *self.output(r)) for r, p in enumerate(self.procs)]
+
+
+def job(nproc: int, *overrides: str, timeout: float = 600, env: dict | None = None, script: str | None = None,
+        cwd: str | None = None, fresh_dir: bool = True) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node nproc -m spmdsplit.train trainer.progress_bar=false *overrides`,
+    run warm. Unless the overrides say where, its checkpoints go to a fresh folder: never resume
+    from (or write to) checkpoints another run left in the working folder."""
+    return Job(nproc, _job_argv(overrides, fresh_dir), env=env, script=script, cwd=cwd).wait(timeout)
+
+
+def ranks_apart(nproc: int, argv: list[str], env: dict | None = None) -> Job:
+    """Warm ranks of `spmdsplit.train` with torchrun's variables but no launcher to stop the
+    others when one fails (as `ranks_by_hand`, forked): each rank must end on its own. `wait()`
+    returns once all have; `ranks()` gives each one's exit code and output."""
+    return Job(nproc, list(argv), env=env, apart=True)
+
+
+def _job_argv(overrides, fresh_dir: bool = True) -> list[str]:
+    overrides = list(overrides)
+    if fresh_dir and not any(o.startswith("trainer.default_local_dir=") for o in overrides):
+        overrides.insert(0, f"trainer.default_local_dir={tempfile.mkdtemp(prefix='spmdsplit-ckpt-')}")
+    return ["trainer.progress_bar=false", *overrides]
+
+
+_job_cache: dict[tuple, tuple[subprocess.CompletedProcess, str]] = {}
+
+
+def cached_job(nproc: int, *overrides: str, timeout: float = 600, env: dict | None = None):
+    """One job per session for every test that reads the same job's outputs: (result, out), the
+    job's folder `out` holding tb/ (trainer.log_dir) and ckpt/ (trainer.default_local_dir). The
+    key is the job's shape and overrides; `{out}` in an override is replaced by the folder."""
+    key = (nproc, overrides, tuple(sorted((env or {}).items())))
+    if key not in _job_cache:
+        out = tempfile.mkdtemp(prefix="spmdsplit-cached-job-")
+        argv = [o.replace("{out}", out) for o in overrides]
+        result = job(nproc, f"trainer.log_dir={out}/tb", f"trainer.default_local_dir={out}/ckpt", *argv,
+                     timeout=timeout, env=env)
+        _job_cache[key] = (result, out)
+    return _job_cache[key]
+
+
+# ------------------------------------------------------------------ real processes
+
+def torchrun_cmd(nproc: int, *args: str, module: str | None = "spmdsplit.train") -> list[str]:
+    target = ["-m", module] if module else []
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
+            *target, *args]
+
+
+def torchrun(nproc: int, *overrides: str, timeout: float = 600, cwd=None, env: dict | None = None,
+             script: str | None = None) -> subprocess.CompletedProcess:
+    """Real `torchrun -m spmdsplit.train` (or a script), as a user runs it: for tests whose
+    subject is torchrun itself (its teardown, signals) or one job per layout end to end."""
+    argv = _job_argv(overrides)
+    cmd = torchrun_cmd(nproc, script, *argv, module=None) if script else torchrun_cmd(nproc, *argv)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                          env=base_env(PYTHONPATH=_pythonpath(), **(env or {})))
+
+
+def start_torchrun(nproc: int, *args: str, script: str | None = None, env: dict | None = None) -> subprocess.Popen:
+    """Real torchrun, started: its merged output readable line by line while it runs."""
+    cmd = torchrun_cmd(nproc, script, *args, module=None) if script else torchrun_cmd(nproc, *args)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=base_env(PYTHONPATH=_pythonpath(), **(env or {})))
+
+
+def _pythonpath() -> str:
+    """The repository first (scripts under tests/ import `tests.*`), then what the session has
+    (tests/nccl_site, put there by conftest)."""
+    return os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
+
+
+def ranks_by_hand(nproc: int, argv: list[str], env: dict | None = None) -> list[subprocess.Popen]:
+    """Every rank its own interpreter with torchrun's environment, but no torchrun to stop the
+    others when one fails: each rank must get where it is going on its own."""
+    port, procs = free_port(), []
+    for rank in range(nproc):
+        rank_env = base_env(**(env or {}), RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=nproc, LOCAL_WORLD_SIZE=nproc,
+                            GROUP_WORLD_SIZE=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, TORCH_DIST_INIT_BARRIER=0)
+        procs.append(subprocess.Popen([sys.executable, "-m", "spmdsplit.train", *argv], env=rank_env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def python(args: list[str], env: dict | None = None, cwd=None, timeout: float = 600,
+           popen: bool = False):
+    """One plain interpreter, `python *args`, in the session's environment less any rendezvous."""
+    cmd, env = [sys.executable, *args], base_env(**(env or {}))
+    if popen:
+        return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)

@@ -1,0 +1,59 @@
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.launch import run_ranks
+
+
+def _sum_ranks(rank, world_size):
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _only_rank0_joins(rank, world_size):
+    if rank == 0:
+        dist.all_reduce(torch.ones(1))  # rank 1 never joins: a hang the runner must report
+
+
+def _rank1_raises(rank, world_size):
+    if rank == 1:
+        raise RuntimeError("boom on rank 1")
+
+
+def test_run_ranks_returns_each_rank_result():
+    assert run_ranks(_sum_ranks, 3) == [3.0, 3.0, 3.0]
+
+
+def test_run_ranks_reports_a_hang():
+    with pytest.raises(AssertionError, match="hang"):
+        run_ranks(_only_rank0_joins, 2, timeout=5)
+
+
+def test_run_ranks_reports_a_failing_rank():
+    with pytest.raises(AssertionError, match="boom on rank 1"):
+        run_ranks(_rank1_raises, 2, timeout=30)
+
+
+def _pid_and_env(rank, world_size, key):
+    import os
+
+    seen = os.environ.get(key)
+    os.environ[key] = "set by the last test"
+    return os.getpid(), seen
+
+
+def test_a_world_is_reused_and_a_test_leaks_no_environment_into_the_next():
+    first = run_ranks(_pid_and_env, 2, "SPMDSPLIT_LEAK_CHECK")
+    second = run_ranks(_pid_and_env, 2, "SPMDSPLIT_LEAK_CHECK")
+    assert [pid for pid, _ in first] == [pid for pid, _ in second]  # the same processes: no start-up
+    assert [seen for _, seen in second] == [None, None]
+
+
+def test_a_fresh_world_and_the_world_after_a_failure_are_new_processes():
+    (kept, _), _ = run_ranks(_pid_and_env, 2, "X")
+    (fresh, _), _ = run_ranks(_pid_and_env, 2, "X", fresh=True)
+    assert fresh != kept and run_ranks(_pid_and_env, 2, "X")[0][0] == kept  # a fresh world is not kept
+    with pytest.raises(AssertionError, match="boom on rank 1"):
+        run_ranks(_rank1_raises, 2, timeout=30)
+    assert run_ranks(_pid_and_env, 2, "X")[0][0] != kept  # a world where a rank failed is not reused

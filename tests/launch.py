@@ -68,21 +68,44 @@ def base_env(**extra) -> dict[str, str]:
     return env
 
 
-# ------------------------------------------------------------------ the warm server
+# ------------------------------------------------------------------ the warm servers
 
-_ctx = None
+# A server per kind of process, started at its first use: "plain" preloads PRELOAD; "deepspeed"
+# DeepSpeed too (its import costs ~5 s a process, and its tests start many); "cold" is no server
+# at all, a spawned interpreter that has imported nothing (a test of what an import does).
+EXTRA_PRELOAD = {"plain": [], "deepspeed": ["deepspeed", "spmdsplit.engines.deepspeed"]}
+_servers: dict = {}
 
 
-def _context():
-    global _ctx
-    if _ctx is None:
-        import multiprocessing as mp
+def _start(process, kind: str) -> None:
+    """Starts a multiprocessing Process of the forkserver context from the `kind` server. The
+    standard library keeps one forkserver per process; a second one is its ForkServer class again,
+    put in place for the start only (the forkserver Popen looks the connection up at each start)."""
+    from multiprocessing import forkserver
 
-        ctx = mp.get_context("forkserver")
-        preload = [m for m in PRELOAD if not m.startswith("tests.") or os.path.isdir(os.path.join(REPO, "tests"))]
-        ctx.set_forkserver_preload(preload)
-        _ctx = ctx
-    return _ctx
+    if kind not in _servers:
+        server = forkserver.ForkServer()
+        server.set_forkserver_preload(PRELOAD + EXTRA_PRELOAD[kind])
+        _servers[kind] = server
+    standard = forkserver.connect_to_new_process
+    forkserver.connect_to_new_process = _servers[kind].connect_to_new_process
+    try:
+        process.start()
+    finally:
+        forkserver.connect_to_new_process = standard
+
+
+def _context(kind: str = "plain"):
+    import multiprocessing as mp
+
+    return mp.get_context("spawn" if kind == "cold" else "forkserver")
+
+
+def _launch(process, kind: str) -> None:
+    if kind == "cold":
+        process.start()
+    else:
+        _start(process, kind)
 
 
 def _enter_rank(env: dict[str, str], threads: int = 1) -> None:
@@ -90,6 +113,8 @@ def _enter_rank(env: dict[str, str], threads: int = 1) -> None:
     session's at its start), one thread, and NCCL's point-to-point rules if the session keeps them."""
     os.environ.clear()
     os.environ.update(env)
+    for name in filter(None, env.get("SPMDSPLIT_TEST_HIDE", "").split(",")):
+        sys.modules[name] = None  # find_spec answers None, an import fails: as if not installed
     import torch
 
     torch.set_num_threads(threads)
@@ -102,9 +127,9 @@ def _enter_rank(env: dict[str, str], threads: int = 1) -> None:
 # ------------------------------------------------------------------ worlds: a function on N ranks
 
 def _world_rank(rank, world_size, port, local_world_size, env, tasks, results):
-    _enter_rank({**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                 "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank % local_world_size),
-                 "LOCAL_WORLD_SIZE": str(local_world_size)})
+    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world_size),
+                  "LOCAL_RANK": str(rank % local_world_size), "LOCAL_WORLD_SIZE": str(local_world_size)}
+    _enter_rank({**env, **rendezvous})
     import torch
     import torch.distributed as dist
 
@@ -113,8 +138,12 @@ def _world_rank(rank, world_size, port, local_world_size, env, tasks, results):
         task = tasks.get()
         if task is None:
             break
-        seq, fn, args = pickle.loads(task)
+        seq, fn, args, task_env, last = pickle.loads(task)
+        # The test's environment as it is now (a monkeypatched variable too), as a fresh process
+        # would have it; put back after, with the default dtype and thread count.
         saved_env, dtype = dict(os.environ), torch.get_default_dtype()
+        os.environ.clear()
+        os.environ.update({**task_env, **rendezvous})
         try:
             result = fn(rank, world_size, *args)
             # Plain pickle, not torch's shared-memory reduction: the tensors must outlive this process.
@@ -124,19 +153,23 @@ def _world_rank(rank, world_size, port, local_world_size, env, tasks, results):
             results.close()
             results.join_thread()  # the report is out before the process goes
             os._exit(1)
-        finally:  # what one test set must not leak into the next one on this world
+        finally:
             os.environ.clear()
             os.environ.update(saved_env)
             torch.set_default_dtype(dtype)
             torch.set_num_threads(1)
-        if not dist.is_initialized():  # the test took the world down: this process is done
+        if last or not dist.is_initialized():  # a world of one test, or the test took it down
             break
+    results.close()
+    results.join_thread()
+    if dist.is_initialized():
+        dist.destroy_process_group()
     os._exit(0)
 
 
 class World:
-    def __init__(self, world_size: int, local_world_size: int):
-        ctx = _context()
+    def __init__(self, world_size: int, local_world_size: int, kind: str = "plain"):
+        ctx = _context(kind)
         self.world_size, self.seq = world_size, 0
         self.results = ctx.Queue()
         self.tasks = [ctx.SimpleQueue() for _ in range(world_size)]
@@ -145,14 +178,16 @@ class World:
                                   args=(r, world_size, port, local_world_size, env, self.tasks[r], self.results))
                       for r in range(world_size)]
         for p in self.procs:
-            p.start()
+            _launch(p, kind)
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
 
-    def run(self, fn, args, timeout: float):
+    def run(self, fn, args, timeout: float, last: bool = False):
+        """`last`: the processes leave once done (the test's ranks may count on the others
+        leaving, as ranks of a world of their own do)."""
         self.seq += 1
-        task = pickle.dumps((self.seq, fn, args))
+        task = pickle.dumps((self.seq, fn, args, base_env(), last))
         for q in self.tasks:
             q.put(task)
         results, errors = {}, {}
@@ -189,22 +224,30 @@ class World:
                 p.join()
 
 
-_worlds: dict[tuple[int, int], World] = {}
+_worlds: dict[tuple[int, int, str], World] = {}
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 120, local_world_size: int | None = None,
-              fresh: bool = False):
+              fresh: bool = False, kind: str = "plain"):
     """`fn(rank, world_size, *args)` on every rank of a gloo world; the list of what each returned.
     A rank that raises fails the test with its traceback; ranks still busy after `timeout`
-    seconds are killed and the test fails, so a hang shows up as a failure, not a stuck suite."""
-    key = (world_size, local_world_size or world_size)
+    seconds are killed and the test fails, so a hang shows up as a failure, not a stuck suite.
+
+    `fn` sees the test's environment as it is at the call. Worlds of `kind="plain"` are kept by
+    shape and reused; `fresh=True` asks for a world of this call's own, for a test that changes
+    process-global state on purpose or whose ranks count on the others leaving when done.
+    `kind="deepspeed"`: ranks forked from a server that has imported DeepSpeed, always a world of
+    their own (DeepSpeed patches torch and keeps state per process). `kind="cold"`: spawned
+    interpreters that have imported nothing, for a test of what an import does."""
+    key = (world_size, local_world_size or world_size, kind)
+    fresh = fresh or kind != "plain"
     world = None if fresh else _worlds.pop(key, None)
     if world is not None and not world.alive():
         world.close(kill=True)
         world = None
     world = world or World(*key)
     try:
-        results, errors, hung = world.run(fn, args, timeout)
+        results, errors, hung = world.run(fn, args, timeout, last=fresh)
     except BaseException:
         world.close(kill=True)
         raise
@@ -260,48 +303,49 @@ def _job_rank(env: dict[str, str], argv: list[str], script: str | None, out_path
 
 
 class Job:
-    """A warm job's ranks, started: `wait()` gives its CompletedProcess."""
+    """A warm job's ranks, started: `wait()` gives its CompletedProcess. `apart`: no launcher
+    stops the others when one fails, and each rank has its own output (`ranks()`)."""
 
     def __init__(self, nproc: int, argv: list[str], env: dict | None = None, script: str | None = None,
-                 cwd: str | None = None, apart: bool = False):
-        import torch.distributed as dist
-
-        ctx = _context()
+                 cwd: str | None = None, apart: bool = False, rank_envs: list[dict] | None = None,
+                 kind: str = "plain"):
+        ctx = _context(kind)
         self.args = ["<warm>", f"--nproc-per-node={nproc}", script or "-m spmdsplit.train", *argv]
-        self.apart, self.dir = apart, tempfile.mkdtemp(prefix="spmdsplit-job-")
+        self.apart, self.dir, self.store = apart, tempfile.mkdtemp(prefix="spmdsplit-job-"), None
         # One pair of files for the job (interleaved, as torchrun's output), or one per rank (apart).
         self.files = [(os.path.join(self.dir, f"stdout{r}"), os.path.join(self.dir, f"stderr{r}"))
                       for r in range(nproc if apart else 1)]
         for path in sum(self.files, ()):
             open(path, "w").close()
-        port = free_port()
-        common = {**base_env(), **(env or {}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                  "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_WORLD_SIZE": "1"}
-        if apart:  # as by hand: rank 0 hosts the store, nobody stops anybody
-            common["TORCH_DIST_INIT_BARRIER"] = "0"
-            self.store = None
-        else:
-            # The job's store hosted here, as torchrun's agent hosts it: a rank that dies takes no store along.
-            self.store = dist.TCPStore("127.0.0.1", port, nproc, is_master=True, wait_for_workers=False,
-                                       timeout=timedelta(seconds=600))
-            common.update(GROUP_RANK="0", ROLE_NAME="default", ROLE_WORLD_SIZE=str(nproc),
-                          TORCHELASTIC_RUN_ID=f"warm-{port}", TORCHELASTIC_USE_AGENT_STORE="True",
-                          TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
-                          TORCH_NCCL_ASYNC_ERROR_HANDLING="1")
         here = os.getcwd()
         os.chdir(cwd or here)  # a forked process starts in the client's folder
         try:
             self.procs = []
-            for rank in range(nproc):
-                rank_env = {**common, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-                if not apart:
-                    rank_env["ROLE_RANK"] = str(rank)
+            for rank, rank_env in enumerate(rank_envs or self._rendezvous(nproc, env or {})):
                 out, err = self.files[rank if apart else 0]
                 p = ctx.Process(target=_job_rank, args=(rank_env, list(argv), script, out, err), daemon=True)
-                p.start()
+                _launch(p, kind)
                 self.procs.append(p)
         finally:
             os.chdir(here)
+
+    def _rendezvous(self, nproc: int, env: dict) -> list[dict]:
+        """Each rank's environment: torchrun's variables, its store hosted here as torchrun's agent
+        hosts it (a rank that dies takes no store along); apart, rank 0 hosts it, as by hand."""
+        import torch.distributed as dist
+
+        port = free_port()
+        common = {**base_env(), **env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                  "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_WORLD_SIZE": "1"}
+        if self.apart:
+            common["TORCH_DIST_INIT_BARRIER"] = "0"
+            return [{**common, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(nproc)]
+        self.store = dist.TCPStore("127.0.0.1", port, nproc, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=600))
+        common.update(GROUP_RANK="0", ROLE_NAME="default", ROLE_WORLD_SIZE=str(nproc), TORCHELASTIC_RUN_ID=f"warm-{port}",
+                      TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0",
+                      TORCHELASTIC_MAX_RESTARTS="0", TORCH_NCCL_ASYNC_ERROR_HANDLING="1")
+        return [{**common, "RANK": str(r), "LOCAL_RANK": str(r), "ROLE_RANK": str(r)} for r in range(nproc)]
 
     def poll(self):
         """None while it runs; else its exit code (as torchrun: 1 once a rank failed, the others
@@ -353,7 +397,13 @@ def job(nproc: int, *overrides: str, timeout: float = 600, env: dict | None = No
     """`torchrun --nproc-per-node nproc -m spmdsplit.train trainer.progress_bar=false *overrides`,
     run warm. Unless the overrides say where, its checkpoints go to a fresh folder: never resume
     from (or write to) checkpoints another run left in the working folder."""
-    return Job(nproc, _job_argv(overrides, fresh_dir), env=env, script=script, cwd=cwd).wait(timeout)
+    return Job(nproc, _job_argv(overrides, fresh_dir), env=env, script=script, cwd=cwd,
+               kind=_kind(overrides)).wait(timeout)
+
+
+def _kind(overrides) -> str:
+    """A job with a DeepSpeed engine forks from the server that has DeepSpeed imported."""
+    return "deepspeed" if any(o.endswith("engine=deepspeed") for o in overrides) else "plain"
 
 
 def ranks_apart(nproc: int, argv: list[str], env: dict | None = None) -> Job:
@@ -361,6 +411,19 @@ def ranks_apart(nproc: int, argv: list[str], env: dict | None = None) -> Job:
     others when one fails (as `ranks_by_hand`, forked): each rank must end on its own. `wait()`
     returns once all have; `ranks()` gives each one's exit code and output."""
     return Job(nproc, list(argv), env=env, apart=True)
+
+
+def cli(argv: list[str], env: dict | None = None, hide: tuple[str, ...] = (), cwd: str | None = None) -> Job:
+    """`python -m spmdsplit.train *argv` as a user types it, warm: one process with exactly the
+    session's environment plus `env` (no rendezvous unless `env` sets one). `hide`: packages the
+    process must see as not installed."""
+    rank_env = {**base_env(), **(env or {}), "SPMDSPLIT_TEST_HIDE": ",".join(hide)}
+    return Job(1, list(argv), apart=True, rank_envs=[rank_env], cwd=cwd)
+
+
+def tool_job(nproc: int, args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """tools/jobs.py's LAUNCH, warm: the benchmark tools' harness checked on forked ranks."""
+    return Job(nproc, list(args), env=env, kind=_kind(args)).wait(timeout)
 
 
 def _job_argv(overrides, fresh_dir: bool = True) -> list[str]:

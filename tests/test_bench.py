@@ -3,12 +3,10 @@ phase times, then one real `--short` bench run and one planner run, checked by s
 timings: those belong to the machine)."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
+from tests import launch
 from tools import bench, bench_async, bench_tokens, jobs, plan
 
 SHORT = ["data.train_batch_size=16", "actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=8",
@@ -177,8 +175,7 @@ def test_bench_modules_import_alone_and_in_either_order(first, other):
     """Neither bench module imports the other (what they share lives in tools.jobs, tools.models
     and tools.report), so each imports alone, and both import in either order."""
     code = (f"import sys, {first}; assert {other!r} not in sys.modules, 'pulled in {other}'; import {other}")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    result = launch.python(["-c", code], cwd=launch.REPO, timeout=120)  # a fresh interpreter: nothing imported yet
     assert result.returncode == 0, result.stderr
 
 
@@ -435,11 +432,20 @@ def test_random_qwen2_draws_eos_at_the_rate_asked_and_no_other_special(tmp_path)
 
 # ------------------------------------------------------------------ real runs
 
-def run_module(*args, timeout=400):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    result = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout, env=env)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    return result
+def run_module(module: str, *args):
+    """`python -m <module> *args` with its jobs started warm (tools/jobs.py's LAUNCH swapped for
+    tests/launch.py's): the tool's harness is the subject here, not torchrun's start-up."""
+    import contextlib
+    import importlib
+    import io
+    import types
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        mp.setattr(jobs, "LAUNCH", launch.tool_job)
+        code = importlib.import_module(module).main(list(args))
+    assert code == 0, stdout.getvalue()[-3000:] + stderr.getvalue()[-5000:]
+    return types.SimpleNamespace(stdout=stdout.getvalue(), stderr=stderr.getvalue())
 
 
 @pytest.fixture(scope="module")
@@ -535,7 +541,7 @@ def test_long_tail_bench_runs_fixed_and_tokens_and_reads_what_they_left(tmp_path
     shape and by what must hold whatever the machine (same rollouts in both modes, no padding in
     tokens mode, some in fixed), never by timings."""
     run_module("tools.bench", "--long-tail", "--layouts", "1+1", "--workloads", "long-tail", "--steps", "3",
-               "--out", str(tmp_path), timeout=900)
+               "--out", str(tmp_path))
     report = json.loads((tmp_path / "bench_tokens.json").read_text())
     fixed, tokens = report["runs"]
     assert (fixed["mode"], tokens["mode"]) == ("fixed", "tokens")

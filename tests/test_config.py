@@ -5,7 +5,6 @@ import os
 import select
 import socket
 import subprocess
-import sys
 import time
 
 import pytest
@@ -302,8 +301,7 @@ CLI_PLACEMENT_RUNS = {
     **{f"bad_map_rank{rank}": (BAD_MAP, rank) for rank in (1, 0)},
     "staleness_with_the_actor": (["rollout.staleness=1"], True),
 }
-# Runs that must see a package as not installed: a sitecustomize on PYTHONPATH hides it
-# (importlib.util.find_spec answers None for a name that sys.modules maps to None).
+# Runs that must see a package as not installed (tests/launch.py's `cli` hides it).
 CLI_HIDDEN = {"missing_logger": "mlflow"}
 
 
@@ -311,45 +309,35 @@ CLI_HIDDEN = {"missing_logger": "mlflow"}
 def cli(tmp_path_factory):
     """Runs every `python -m spmdsplit.train` case of CLI_RUNS at once (they are import-bound)
     and returns name -> (returncode, stdout, stderr, seconds, tried_to_join_a_process_group)."""
-    return _run_cli(CLI_RUNS, tmp_path_factory)
+    return _run_cli(CLI_RUNS)
 
 
 @pytest.fixture(scope="module")
 def cli_placement(tmp_path_factory):
-    return _run_cli(CLI_PLACEMENT_RUNS, tmp_path_factory)
+    return _run_cli(CLI_PLACEMENT_RUNS)
 
 
-def _run_cli(runs, tmp_path_factory):
-    base = {k: v for k, v in os.environ.items()
-            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE",
-                         "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
-    procs = {}
+def _run_cli(runs):
+    from tests import launch
+
+    started = {}
     for name, (args, as_rank1) in runs.items():
         rdv = Rendezvous() if as_rank1 is not False else None
         rank = 1 if as_rank1 is True else as_rank1  # True: rank 1; an int: that rank
-        env = {**base, "OMP_NUM_THREADS": "1", **(rdv.env(rank) if rdv else {})}
-        if name in CLI_HIDDEN:
-            hide = tmp_path_factory.mktemp(f"hide-{name}")
-            (hide / "sitecustomize.py").write_text(f"import sys\nsys.modules[{CLI_HIDDEN[name]!r}] = None\n")
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(hide), env.get("PYTHONPATH")]))
-        proc = subprocess.Popen([sys.executable, "-m", "spmdsplit.train", *args], cwd=REPO, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        procs[name] = (proc, rdv, time.monotonic())
+        hide = (CLI_HIDDEN[name],) if name in CLI_HIDDEN else ()
+        started[name] = (launch.cli(args, env=rdv.env(rank) if rdv else {}, hide=hide, cwd=REPO), rdv, time.monotonic())
     results = {}
     try:
-        for name, (proc, rdv, start) in procs.items():
+        for name, (run, rdv, start) in started.items():
             try:
-                out, err = proc.communicate(timeout=max(1.0, start + CLI_TIMEOUT - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                out, err = proc.communicate()
-                err += f"\n[test] still running after {CLI_TIMEOUT}s: killed"
-            results[name] = (proc.returncode, out, err, time.monotonic() - start, bool(rdv and rdv.connected()))
+                result = run.wait(timeout=max(1.0, start + CLI_TIMEOUT - time.monotonic()))
+                code, out, err = result.returncode, result.stdout, result.stderr
+            except subprocess.TimeoutExpired as e:
+                code, out, err = None, e.output, e.stderr + f"\n[test] still running after {CLI_TIMEOUT}s: killed"
+            results[name] = (code, out, err, time.monotonic() - start, bool(rdv and rdv.connected()))
     finally:
-        for proc, rdv, _ in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        for run, rdv, _ in started.values():
+            run.stop(grace=0)
             if rdv:
                 rdv.close()
     return results

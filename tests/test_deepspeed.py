@@ -91,7 +91,7 @@ def _update_beside_unsharded(rank, world_size, model_dir, role, stage):
 
 @pytest.fixture(scope="module")
 def updates_beside_unsharded(model_dir):
-    return run_ranks(_updates_beside_unsharded, 3, model_dir, timeout=480)
+    return run_ranks(_updates_beside_unsharded, 3, model_dir, timeout=480, kind="deepspeed")
 
 
 @needs_deepspeed
@@ -188,7 +188,8 @@ def _save_load_beside_training(rank, world_size, model_dir, stage, out_dir, othe
 @needs_deepspeed
 @pytest.mark.parametrize("stage", [2, 3])
 def test_save_and_load_in_one_pool_while_the_other_trains(model_dir, tmp_path, stage):
-    fsdp0, _, ds2, ds3 = run_ranks(_save_load_beside_training, 4, model_dir, stage, str(tmp_path), timeout=300)
+    fsdp0, _, ds2, ds3 = run_ranks(_save_load_beside_training, 4, model_dir, stage, str(tmp_path), timeout=300,
+                                   kind="deepspeed")
     for ds in (ds2, ds3):
         for name, want in ds["expected"].items():
             torch.testing.assert_close(ds["got"][name], want, rtol=0, atol=1e-6, msg=name)
@@ -221,9 +222,9 @@ def test_each_unscoped_call_hangs_beside_another_pool(model_dir, tmp_path, monke
     call waits on the world, which the FSDP pool never joins. The FSDP pool gives up after 20 s and
     leaves, so the waiting call fails (peer gone) where it would otherwise hang; the traceback must
     show the DeepSpeed function the scoping is for."""
-    monkeypatch.setenv("SPMDSPLIT_DS_WITHOUT", unscoped)  # spawned ranks inherit it
+    monkeypatch.setenv("SPMDSPLIT_DS_WITHOUT", unscoped)  # the ranks see the test's environment
     with pytest.raises(AssertionError, match="hang|failed") as failure:
-        run_ranks(_save_load_beside_training, 4, model_dir, stage, str(tmp_path), 20.0, timeout=90)
+        run_ranks(_save_load_beside_training, 4, model_dir, stage, str(tmp_path), 20.0, timeout=90, kind="deepspeed")
     assert "rank(s) [2, 3]" in str(failure.value) or "rank(s) [2]" in str(failure.value) or "rank(s) [3]" in str(failure.value)
     assert where in str(failure.value)
 
@@ -249,7 +250,7 @@ def test_deepspeed_comm_init_would_build_the_shm_op(monkeypatch, left_out):
     shared-memory all-reduce at start-up; with the workaround it is never asked."""
     if left_out:
         monkeypatch.setenv("SPMDSPLIT_DS_WITHOUT", "shm_build")
-    assert run_ranks(_shm_builds, 1, timeout=120) == [1 if left_out else 0]
+    assert run_ranks(_shm_builds, 1, timeout=120, kind="deepspeed") == [1 if left_out else 0]
 
 
 def _zero3_build(rank, world_size, model_dir):
@@ -271,12 +272,12 @@ def test_zero_init_workarounds_are_needed(model_dir, monkeypatch, left_out, fail
     without leaving zero.Init's dtype to the config, the model comes out bf16."""
     monkeypatch.setenv("SPMDSPLIT_DS_WITHOUT", left_out)
     if fails_with is None:
-        assert run_ranks(_zero3_build, 2, model_dir, timeout=180) == [["torch.float32"]] * 2
+        assert run_ranks(_zero3_build, 2, model_dir, timeout=180, kind="cold") == [["torch.float32"]] * 2
     elif left_out == "zero_init_dtype":
-        assert run_ranks(_zero3_build, 2, model_dir, timeout=180) == [["torch.bfloat16"]] * 2
+        assert run_ranks(_zero3_build, 2, model_dir, timeout=180, kind="cold") == [["torch.bfloat16"]] * 2
     else:
         with pytest.raises(AssertionError, match=fails_with):
-            run_ranks(_zero3_build, 2, model_dir, timeout=180)
+            run_ranks(_zero3_build, 2, model_dir, timeout=180, kind="cold")
 
 
 def _inference_beside_plain(rank, world_size, model_dir):
@@ -317,7 +318,7 @@ def _inference_beside_plain(rank, world_size, model_dir):
 
 @needs_deepspeed
 def test_reference_and_reward_model_infer_under_zero3_and_stage0(model_dir):
-    r0, r1, plain = run_ranks(_inference_beside_plain, 3, model_dir, timeout=240)
+    r0, r1, plain = run_ranks(_inference_beside_plain, 3, model_dir, timeout=240, kind="deepspeed")
     want_logp, want_scores = plain["plain"]
     for stage in (3, 0):
         logp = torch.cat([r0[stage][0], r1[stage][0]])
@@ -472,7 +473,7 @@ def _non_finite_step(rank, world_size, model_dir):
 def test_a_non_finite_gradient_skips_the_step(model_dir):
     import math
 
-    for rank_result in run_ranks(_non_finite_step, 2, model_dir, timeout=180):
+    for rank_result in run_ranks(_non_finite_step, 2, model_dir, timeout=180, kind="deepspeed"):
         for stage, r in rank_result.items():
             assert r["unchanged"], f"ZeRO-{stage}: a NaN gradient changed the weights"
             assert not math.isfinite(r["skipped_norm"]), f"ZeRO-{stage}: grad_norm {r['skipped_norm']}"

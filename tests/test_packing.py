@@ -281,8 +281,8 @@ def test_fsdp_actor_packed_with_token_budgets_matches_padded(model_dir):
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")
 def test_deepspeed_zero3_actor_packed_with_token_budgets_matches_padded(model_dir):
-    plain = run_ranks(_actor_on_pool, 2, model_dir, "deepspeed", False, False, timeout=300)
-    _check_same(run_ranks(_actor_on_pool, 2, model_dir, "deepspeed", True, True, timeout=300), plain)
+    plain = run_ranks(_actor_on_pool, 2, model_dir, "deepspeed", False, False, timeout=300, kind="deepspeed")
+    _check_same(run_ranks(_actor_on_pool, 2, model_dir, "deepspeed", True, True, timeout=300, kind="deepspeed"), plain)
 
 
 def test_fixed_bins_are_consecutive_runs():

@@ -161,7 +161,7 @@ def _check(results, model_dir, engine):
 
 @pytest.mark.parametrize("engine", ["fsdp", pytest.param("deepspeed", marks=needs_deepspeed)])
 def test_sharded_load_and_streamed_sync_on_pools_of_one_and_two(tied_model_dir, engine, tmp_path):
-    results = run_ranks(_load_update_sync, 3, tied_model_dir, engine, str(tmp_path), timeout=300)
+    results = run_ranks(_load_update_sync, 3, tied_model_dir, engine, str(tmp_path), timeout=300, kind="plain" if engine == "fsdp" else engine)
     _check(results, tied_model_dir, engine)
 
 
@@ -193,7 +193,7 @@ def _reads_and_partitions(rank, world_size, model_dir, engine):
 
 @pytest.mark.parametrize("engine", ["fsdp", pytest.param("deepspeed", marks=needs_deepspeed)])
 def test_only_the_pools_first_rank_reads_the_checkpoint(tied_model_dir, engine):
-    results = run_ranks(_reads_and_partitions, 2, tied_model_dir, engine)
+    results = run_ranks(_reads_and_partitions, 2, tied_model_dir, engine, kind="plain" if engine == "fsdp" else engine)
     assert [reads for reads, _ in results] == [["causal_lm"], []]
     if engine == "deepspeed":
         for rank, (_, held) in enumerate(results):

@@ -31,22 +31,34 @@ def read_scalars(log_dir: str) -> dict[str, dict[int, float]]:
     return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
 
 
+def torchrun_job(nproc: int, args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """`torchrun -m spmdsplit.train *args`: the job as a user starts it, what a benchmark measures."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-port", str(free_port()), "-m", "spmdsplit.train", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+# How the tools start a job: real torchrun. The test suite swaps in its warm launcher
+# (tests/launch.py), which runs the same entry point in forked ranks, to check the tools'
+# harness without paying every job's start-up; what the tools measure stays torchrun's.
+LAUNCH = torchrun_job
+
+
 def run_job(nproc: int, overrides: list[str], job_dir: str, timeout: float = 3600) -> tuple[dict, dict]:
     """One `torchrun -m spmdsplit.train` job; returns (timeline trace, TensorBoard scalars)."""
     tb, timeline = os.path.join(job_dir, "tb"), os.path.join(job_dir, "timeline.json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(free_port()), "-m", "spmdsplit.train", "trainer.progress_bar=false",
-           f"trainer.log_dir={tb}", f"trainer.timeline={timeline}", "trainer.output_dir=",
-           # every mode starts from step 1, whatever checkpoints lie in the working folder
-           "trainer.resume=disable", *overrides]
+    args = ["trainer.progress_bar=false", f"trainer.log_dir={tb}", f"trainer.timeline={timeline}", "trainer.output_dir=",
+            # every mode starts from step 1, whatever checkpoints lie in the working folder
+            "trainer.resume=disable", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     os.makedirs(job_dir, exist_ok=True)
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    result = LAUNCH(nproc, args, env, timeout)
+    command = " ".join(map(str, result.args))
     with open(os.path.join(job_dir, "log.txt"), "w") as f:
-        f.write(" ".join(cmd) + "\n\n" + result.stdout + "\n" + result.stderr)
+        f.write(command + "\n\n" + result.stdout + "\n" + result.stderr)
     if result.returncode != 0 or not os.path.isfile(timeline):
         tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-40:])
-        raise BenchError(f"job failed (exit {result.returncode}): {' '.join(cmd)}\n--- output tail ---\n{tail}")
+        raise BenchError(f"job failed (exit {result.returncode}): {command}\n--- output tail ---\n{tail}")
     with open(timeline) as f:
         return json.load(f), read_scalars(tb)
 

@@ -4,7 +4,8 @@ Most of a test job's time used to be start-up: each rank a fresh interpreter imp
 transformers (5-6 s of a 2-core machine's time per rank) against steps of 0.1-0.6 s. So ranks
 fork, warm, from one server per test session that has imported torch, transformers, omegaconf
 and the project once (multiprocessing's forkserver with a preload; DeepSpeed and vLLM stay out
-of it, imported by the ranks that use them). A forked rank starts in a fraction of a second.
+of it: their tests fork from servers of their own that have imported them too). A forked rank
+starts in a fraction of a second.
 
 - `run_ranks(fn, n, *args)`: `fn(rank, n, *args)` on n ranks of a gloo world; returns each
   rank's result. Worlds persist: the next call with the same shape reuses the world (no fork, no
@@ -71,9 +72,11 @@ def base_env(**extra) -> dict[str, str]:
 # ------------------------------------------------------------------ the warm servers
 
 # A server per kind of process, started at its first use: "plain" preloads PRELOAD; "deepspeed"
-# DeepSpeed too (its import costs ~5 s a process, and its tests start many); "cold" is no server
-# at all, a spawned interpreter that has imported nothing (a test of what an import does).
-EXTRA_PRELOAD = {"plain": [], "deepspeed": ["deepspeed", "spmdsplit.engines.deepspeed"]}
+# and "vllm" that library too (~5 s and ~8 s of imports a process, and their tests start many);
+# "cold" is no server at all, a spawned interpreter that has imported nothing (a test of what an
+# import does).
+EXTRA_PRELOAD = {"plain": [], "deepspeed": ["deepspeed", "spmdsplit.engines.deepspeed"],
+                 "vllm": ["vllm", "spmdsplit.rollout.vllm_engine"]}
 _servers: dict = {}
 
 
@@ -106,6 +109,20 @@ def _launch(process, kind: str) -> None:
         process.start()
     else:
         _start(process, kind)
+
+
+def start_processes(target, arglists: list[tuple], kind: str = "plain") -> list:
+    """`target(*args)` in a warm process for each `args`, started: multiprocessing Processes (the
+    synchronisation objects to hand them come from `context()`)."""
+    procs = [_context(kind).Process(target=target, args=args) for args in arglists]
+    for p in procs:
+        _launch(p, kind)
+    return procs
+
+
+def context(kind: str = "plain"):
+    """The multiprocessing context the processes above belong to (for their queues and barriers)."""
+    return _context(kind)
 
 
 def _enter_rank(env: dict[str, str], threads: int = 1) -> None:
@@ -236,8 +253,8 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120, local_world_size
     `fn` sees the test's environment as it is at the call. Worlds of `kind="plain"` are kept by
     shape and reused; `fresh=True` asks for a world of this call's own, for a test that changes
     process-global state on purpose or whose ranks count on the others leaving when done.
-    `kind="deepspeed"`: ranks forked from a server that has imported DeepSpeed, always a world of
-    their own (DeepSpeed patches torch and keeps state per process). `kind="cold"`: spawned
+    `kind="deepspeed"` or `"vllm"`: ranks forked from a server that has imported that library,
+    always a world of their own (both patch torch or keep state per process). `kind="cold"`: spawned
     interpreters that have imported nothing, for a test of what an import does."""
     key = (world_size, local_world_size or world_size, kind)
     fresh = fresh or kind != "plain"
@@ -402,7 +419,9 @@ def job(nproc: int, *overrides: str, timeout: float = 600, env: dict | None = No
 
 
 def _kind(overrides) -> str:
-    """A job with a DeepSpeed engine forks from the server that has DeepSpeed imported."""
+    """A job with vLLM rollout or a DeepSpeed engine forks from the server that has it imported."""
+    if "rollout.name=vllm" in overrides:
+        return "vllm"
     return "deepspeed" if any(o.endswith("engine=deepspeed") for o in overrides) else "plain"
 
 

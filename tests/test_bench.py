@@ -536,6 +536,7 @@ def test_gpu_check_runs_and_reports_against_the_memory_model(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_long_tail_bench_runs_fixed_and_tokens_and_reads_what_they_left(tmp_path):
     """`tools.bench --long-tail` end to end at its smallest (1+1, long tail, 3 steps): checked by
     shape and by what must hold whatever the machine (same rollouts in both modes, no padding in

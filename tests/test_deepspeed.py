@@ -219,12 +219,12 @@ def test_save_and_load_in_one_pool_while_the_other_trains(model_dir, tmp_path, s
 )
 def test_each_unscoped_call_hangs_beside_another_pool(model_dir, tmp_path, monkeypatch, stage, unscoped, where):
     """The job above with one of the pool scopings left out (SPMDSPLIT_DS_WITHOUT): that DeepSpeed
-    call waits on the world, which the FSDP pool never joins. The FSDP pool gives up after 20 s and
+    call waits on the world, which the FSDP pool never joins. The FSDP pool gives up after 10 s and
     leaves, so the waiting call fails (peer gone) where it would otherwise hang; the traceback must
     show the DeepSpeed function the scoping is for."""
     monkeypatch.setenv("SPMDSPLIT_DS_WITHOUT", unscoped)  # the ranks see the test's environment
     with pytest.raises(AssertionError, match="hang|failed") as failure:
-        run_ranks(_save_load_beside_training, 4, model_dir, stage, str(tmp_path), 20.0, timeout=90, kind="deepspeed")
+        run_ranks(_save_load_beside_training, 4, model_dir, stage, str(tmp_path), 10.0, timeout=90, kind="deepspeed")
     assert "rank(s) [2, 3]" in str(failure.value) or "rank(s) [2]" in str(failure.value) or "rank(s) [3]" in str(failure.value)
     assert where in str(failure.value)
 

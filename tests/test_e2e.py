@@ -141,6 +141,7 @@ def first_and_last_scores(log_dir: str, k: int = 5) -> tuple[float, float]:
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_default_job_learns_the_embedded_task_one_step_off_policy_on_a_rollout_pool(tmp_path):
     """The default config (PPO with a critic, GAE, 200 steps, from a random start) as
     configs/rollout_actor+critic.yaml places it on 2 ranks: generation on a pool of its own, one
@@ -280,6 +281,7 @@ def test_gsm8k_parquet_files_train_through_the_chat_template(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_grpo_learns_the_embedded_task_one_step_off_policy_on_a_rollout_pool(tmp_path):
     """The GRPO recipe of docs/algorithms.md as configs/grpo_rollout_actor.yaml places it: the
     rollout engine on a pool of its own generating one batch ahead (rollout.staleness=1, batch k

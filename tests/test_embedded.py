@@ -3,7 +3,6 @@ Hugging Face auto classes, safe to build from several processes at once, determi
 default task gives a random policy a reward signal."""
 
 import json
-import multiprocessing
 import os
 
 import pytest
@@ -16,6 +15,7 @@ from spmdsplit.embedded import ensure_embedded_model
 from spmdsplit.models import load_tokenizer
 from spmdsplit.rollout.hf import response_mask_until_eos
 from spmdsplit.roles.reward import RuleReward
+from tests import launch
 
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
@@ -112,11 +112,9 @@ def _concurrent_build(cache_dir, barrier, queue):
 
 def test_concurrent_builds_into_one_fresh_dir(tmp_path):
     cache = str(tmp_path / "shared")
-    ctx = multiprocessing.get_context("spawn")
+    ctx = launch.context()
     barrier, queue = ctx.Barrier(3), ctx.Queue()
-    procs = [ctx.Process(target=_concurrent_build, args=(cache, barrier, queue)) for _ in range(3)]
-    for p in procs:
-        p.start()
+    procs = launch.start_processes(_concurrent_build, [(cache, barrier, queue)] * 3)
     try:
         results = [queue.get(timeout=120) for _ in procs]
     finally:

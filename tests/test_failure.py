@@ -1,6 +1,7 @@
 """A rank that raises in any phase of either pool ends the whole job within 30 s, its error shown
 with where it happened; a pool that is only busy for longer than `trainer.dist_timeout_s` is not
-taken for dead. Real torchrun jobs, faults injected on entering a phase (tests/fault_job.py)."""
+taken for dead. Faults injected on entering a phase (tests/fault_job.py); warm jobs, and a crash
+under real torchrun."""
 
 import os
 import re
@@ -8,9 +9,7 @@ import time
 
 import pytest
 
-from tests.launch import torchrun
-
-pytestmark = pytest.mark.e2e
+from tests.launch import job, torchrun
 
 JOB = os.path.join(os.path.dirname(__file__), "fault_job.py")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -19,9 +18,10 @@ SHORT = ["trainer.total_steps=6", "trainer.seed=1", "trainer.progress_bar=false"
          "critic.ppo_micro_batch_size_per_gpu=4", "trainer.timeline=", "trainer.output_dir="]
 
 
-def run_job(tmp_path, nproc, fault, *overrides, script=JOB, timeout=240):
-    """Real torchrun: its teardown of the job when a rank fails is part of what is tested."""
-    result = torchrun(nproc, *SHORT, f"trainer.log_dir={tmp_path}/tb", f"trainer.default_local_dir={tmp_path}/ckpt",
+def run_job(tmp_path, nproc, fault, *overrides, script=JOB, timeout=240, launcher=job):
+    """The job with the fault planted, warm (tests/launch.py stops the others when a rank fails,
+    as torchrun's agent does), or under real torchrun where its teardown is the subject."""
+    result = launcher(nproc, *SHORT, f"trainer.log_dir={tmp_path}/tb", f"trainer.default_local_dir={tmp_path}/ckpt",
                       *overrides, script=script, timeout=timeout,
                       env={"FAULT": fault, "FAULT_TIME_FILE": str(tmp_path / "raised_at")})
     return result, time.time()
@@ -59,10 +59,11 @@ def test_a_rank_that_raises_ends_the_job_within_30s_with_its_error(tmp_path, npr
     assert "step 3:" not in result.stdout  # nobody went on as if nothing happened
 
 
+@pytest.mark.e2e
 def test_a_rank_that_segfaults_ends_the_job_with_its_python_stack(tmp_path):
     """A crash in native code runs no Python handler: the rank's faulthandler prints where it was
-    (train.main enables it), and torchrun ends the others."""
-    result, ended = run_job(tmp_path, 4, "1:update_actor:2:segv")
+    (train.main enables it), and real torchrun ends the others."""
+    result, ended = run_job(tmp_path, 4, "1:update_actor:2:segv", launcher=torchrun)
     assert result.returncode != 0
     raised_at = float((tmp_path / "raised_at").read_text())
     assert ended - raised_at < 30, f"the job took {ended - raised_at:.0f}s to end after rank 1 crashed"

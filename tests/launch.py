@@ -163,8 +163,11 @@ def _world_rank(rank, world_size, port, local_world_size, env, tasks, results):
         os.environ.update({**task_env, **rendezvous})
         try:
             result = fn(rank, world_size, *args)
+            # A rank with a point-to-point operation still pending (or one that failed) is not
+            # handed another test: what it left would meet that test's messages.
+            reusable = _left_nothing_pending()
             # Plain pickle, not torch's shared-memory reduction: the tensors must outlive this process.
-            results.put((seq, rank, "ok", pickle.dumps(result)))
+            results.put((seq, rank, "ok" if reusable else "ok, not reusable", pickle.dumps(result)))
         except BaseException:
             results.put((seq, rank, "error", traceback.format_exc()))
             results.close()
@@ -184,10 +187,22 @@ def _world_rank(rank, world_size, port, local_world_size, env, tasks, results):
     os._exit(0)
 
 
+def _left_nothing_pending() -> bool:
+    from tests import nccl_p2p
+
+    if not nccl_p2p.installed():
+        return True
+    for _ in range(20):  # a send whose receive was just posted finishes within moments
+        if not nccl_p2p.unfinished():
+            return True
+        time.sleep(0.05)
+    return False
+
+
 class World:
     def __init__(self, world_size: int, local_world_size: int, kind: str = "plain"):
         ctx = _context(kind)
-        self.world_size, self.seq = world_size, 0
+        self.world_size, self.seq, self.reusable = world_size, 0, True
         self.results = ctx.Queue()
         self.tasks = [ctx.SimpleQueue() for _ in range(world_size)]
         port, env = free_port(), base_env()
@@ -222,7 +237,9 @@ class World:
                 continue
             if seq != self.seq:
                 continue
-            (results if status == "ok" else errors)[rank] = payload
+            if status == "ok, not reusable":
+                self.reusable = False
+            (results if status.startswith("ok") else errors)[rank] = payload
             if errors:
                 # One rank failed: give the others a moment to report, then stop waiting for them.
                 deadline = min(deadline, time.monotonic() + 10)
@@ -268,8 +285,8 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120, local_world_size
     except BaseException:
         world.close(kill=True)
         raise
-    if errors or hung or fresh or not world.alive():
-        world.close(kill=bool(errors or hung))
+    if errors or hung or fresh or not world.reusable or not world.alive():
+        world.close(kill=bool(errors or hung or not world.reusable))
     else:
         _worlds[key] = world
     if errors:

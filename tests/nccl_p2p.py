@@ -96,6 +96,7 @@ class _PairStream:
         self.state, self.group, self.gname, self.peer = state, group, gname, peer
         self.me = state.rank
         self.sent = self.received = 0  # ops posted so far in each direction
+        self.finished = 0  # ops of both directions done
         self.announced = 0  # receives from the peer whose start this stream announced
         self.units: queue.Queue = queue.Queue()
         self.failed: BaseException | None = None
@@ -151,6 +152,7 @@ class _PairStream:
         for op, work in works:
             work.wait()
             op.work._finish()
+            self.finished += 1
 
     def _wait_for_receive(self, op: _Op, grouped: bool) -> None:
         """Blocks in the store (without the GIL) until the peer announces the receive: the send
@@ -297,3 +299,12 @@ def install() -> None:
 
 def installed() -> bool:
     return bool(_ORIG)
+
+
+def unfinished() -> list[str]:
+    """The streams of this process with operations posted and not done (a send nobody received):
+    a process left so would hand them to the next receive on that pair."""
+    if _STATE is None:
+        return []
+    return [f"{gname}:{peer}" for (gname, peer), s in list(_STATE.streams.items())
+            if s.failed is None and s.finished < s.sent + s.received]

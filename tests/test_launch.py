@@ -57,3 +57,16 @@ def test_a_fresh_world_and_the_world_after_a_failure_are_new_processes():
     with pytest.raises(AssertionError, match="boom on rank 1"):
         run_ranks(_rank1_raises, 2, timeout=30)
     assert run_ranks(_pid_and_env, 2, "X")[0][0] != kept  # a world where a rank failed is not reused
+
+
+def _leave_a_send_pending(rank, world_size):
+    import os
+
+    if rank == 0:
+        dist.isend(torch.ones(1), 1)  # never received: on NCCL, the next receive from 0 would take it
+    return os.getpid()
+
+
+def test_a_world_left_with_a_send_pending_is_not_reused():
+    (left, _) = run_ranks(_leave_a_send_pending, 2)
+    assert run_ranks(_pid_and_env, 2, "X")[0][0] != left

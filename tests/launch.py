@@ -2,14 +2,14 @@
 
 Most of a test job's time used to be start-up: each rank a fresh interpreter importing torch and
 transformers (5-6 s of a 2-core machine's time per rank) against steps of 0.1-0.6 s. So ranks
-fork, warm, from one server per test session that has imported torch, transformers, omegaconf
-and the project once (multiprocessing's forkserver with a preload; DeepSpeed and vLLM stay out
+fork, warm, from a server started once per test session that has imported torch, transformers,
+omegaconf and the project (multiprocessing's forkserver with a preload; DeepSpeed and vLLM stay out
 of it: their tests fork from servers of their own that have imported them too). A forked rank
 starts in a fraction of a second.
 
 - `run_ranks(fn, n, *args)`: `fn(rank, n, *args)` on n ranks of a gloo world; returns each
-  rank's result. Worlds persist: the next call with the same shape reuses the world (no fork, no
-  rendezvous). `fresh=True` asks for a world of its own, thrown away after (a test that changes
+  rank's result. Worlds persist through a module: the next call with the same shape reuses the
+  world (no fork, no rendezvous). `fresh=True` asks for a world of its own, thrown away after (a test that changes
   process-global state, or must hang or fail); a world where a rank failed or hung is never reused.
 - `job(n, *overrides)`: a training job, warm: n forked ranks call `spmdsplit.train.main`, the
   entry point torchrun's workers run, with torchrun's environment (its store hosted here, as

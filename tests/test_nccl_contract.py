@@ -190,3 +190,16 @@ def test_start_up_warms_each_connected_pair_in_both_directions_once():
     actor) and the advantages (critic -> actor) flow from higher ranks to lower, so a one-way
     warm-up would leave their direction to the first step."""
     assert run_ranks(_warm_up, 3) == [{2: (1, 1)}, {2: (1, 1)}, {0: (1, 1), 1: (1, 1)}]
+
+
+def test_the_layer_is_on_in_every_rank_of_a_warm_job(tmp_path):
+    """Training jobs run warm (tests/launch.py forks their ranks): each installs the layer itself,
+    so a planted cross exchange in a job fails there as under torchrun."""
+    from tests.launch import job
+
+    script = tmp_path / "check.py"
+    script.write_text("import os\nfrom tests import nccl_p2p\nprint('rank', os.environ['RANK'], 'layer on:', nccl_p2p.installed())\n")
+    result = job(2, script=str(script))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert sorted(line for line in result.stdout.splitlines() if "layer on" in line) == \
+        ["rank 0 layer on: True", "rank 1 layer on: True"]

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from spmdsplit.checkpoint import LATEST, partial_dir, step_dir
-from tests.launch import job, start_torchrun
+from tests.launch import cached_job, job, start_torchrun
 from spmdsplit.metrics import mlflow_metric_name
 from tests.test_e2e import assert_same_scalars
 from tests.outputs import mlflow_scalars, scalars, wandb_offline_runs, wandb_offline_scalars
@@ -45,10 +45,9 @@ def comparable(log_dir: str) -> dict[str, dict[int, float]]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The job run straight through."""
-    out = tmp_path_factory.mktemp("reference")
-    result = job(2, *JOB, f"trainer.log_dir={out}/tb", f"trainer.default_local_dir={out}/ckpt", timeout=300)
+def reference():
+    """The job run straight through, once a session for every test that reads it."""
+    result, out = cached_job(2, *JOB, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = comparable(f"{out}/tb")
     assert all(len(v) == STEPS for v in metrics.values())

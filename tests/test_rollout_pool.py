@@ -5,6 +5,7 @@ staleness visible (and corrected) in the log-probs, exact resume across a stop w
 generated ahead, three pools — and the weight schedule both sides follow, checked exhaustively."""
 
 import os
+import pathlib
 import signal
 
 import pytest
@@ -14,7 +15,7 @@ from omegaconf import OmegaConf
 from spmdsplit.batch import Batch
 from spmdsplit.checkpoint import LATEST, step_dir
 from spmdsplit.staleness import check_weights_version, validates_after, weights_needed
-from tests.launch import job, start_torchrun
+from tests.launch import cached_job, job, start_torchrun
 from tests.outputs import scalars, timeline_events
 from tests.test_resume import comparable, read_until, worker_pid
 
@@ -32,12 +33,12 @@ def ahead_job(out, *extra):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ahead")
-    result = job(2, *ahead_job(out, f"trainer.timeline={out}/timeline.json"), timeout=400)
+def reference():
+    """The job run straight through, once a session for every test that reads it."""
+    result, out = cached_job(2, *AHEAD, "trainer.timeline={out}/timeline.json", timeout=400)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert "rollout pool ranks [1] | actor+critic pool ranks [0]" in result.stdout
-    return out
+    return pathlib.Path(out)
 
 
 def test_the_rollout_pool_generates_the_next_batch_while_the_train_pool_trains(reference):

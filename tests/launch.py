@@ -18,8 +18,8 @@ starts in a fraction of a second.
   `cached_job` runs a job once per session for every test that reads the same job's outputs.
 - `torchrun(n, *args)`, `start_torchrun`: real `torchrun`, for tests whose subject is the
   launcher or the operating system (teardown, signals, preemption); marked `e2e`.
-- `ranks_by_hand(n, argv)`: each rank its own interpreter with torchrun's variables and no
-  launcher; `python(args)`: one plain interpreter (the CLI as a user types it).
+- `ranks_apart(n, argv)`: forked ranks with torchrun's variables and no launcher (each must end on
+  its own); `cli(argv)`: `python -m spmdsplit.train` forked; `python(args)`: one plain interpreter.
 
 Every rank here keeps NCCL's point-to-point rules (tests/nccl_p2p.py): forked ranks install the
 layer themselves; interpreters load it from tests/nccl_site (conftest puts it on PYTHONPATH).
@@ -31,13 +31,14 @@ import os
 import pickle
 import queue as queue_mod
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
 from datetime import timedelta
+
+from tools.jobs import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -53,12 +54,6 @@ PRELOAD = [
 RDV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
             "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
             "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def base_env(**extra) -> dict[str, str]:
@@ -98,7 +93,8 @@ def _start(process, kind: str) -> None:
         forkserver.connect_to_new_process = standard
 
 
-def _context(kind: str = "plain"):
+def context(kind: str = "plain"):
+    """The multiprocessing context of `kind`'s processes (for the queues and barriers handed to them)."""
     import multiprocessing as mp
 
     return mp.get_context("spawn" if kind == "cold" else "forkserver")
@@ -112,18 +108,11 @@ def _launch(process, kind: str) -> None:
 
 
 def start_processes(target, arglists: list[tuple], kind: str = "plain") -> list:
-    """`target(*args)` in a warm process for each `args`, started: multiprocessing Processes (the
-    synchronisation objects to hand them come from `context()`)."""
-    procs = [_context(kind).Process(target=target, args=args) for args in arglists]
+    """`target(*args)` in a warm process for each `args`, started: multiprocessing Processes."""
+    procs = [context(kind).Process(target=target, args=args) for args in arglists]
     for p in procs:
         _launch(p, kind)
     return procs
-
-
-def context(kind: str = "plain"):
-    """The multiprocessing context the processes above belong to (for their queues and barriers)."""
-    return _context(kind)
-
 
 def _enter_rank(env: dict[str, str], threads: int = 1) -> None:
     """What a forked rank does first: the environment it was started with (the server's is the
@@ -201,7 +190,7 @@ def _left_nothing_pending() -> bool:
 
 class World:
     def __init__(self, world_size: int, local_world_size: int, kind: str = "plain"):
-        ctx = _context(kind)
+        ctx = context(kind)
         self.world_size, self.seq, self.reusable = world_size, 0, True
         self.results = ctx.Queue()
         self.tasks = [ctx.SimpleQueue() for _ in range(world_size)]
@@ -343,7 +332,7 @@ class Job:
     def __init__(self, nproc: int, argv: list[str], env: dict | None = None, script: str | None = None,
                  cwd: str | None = None, apart: bool = False, rank_envs: list[dict] | None = None,
                  kind: str = "plain"):
-        ctx = _context(kind)
+        ctx = context(kind)
         self.args = ["<warm>", f"--nproc-per-node={nproc}", script or "-m spmdsplit.train", *argv]
         self.apart, self.dir, self.store = apart, tempfile.mkdtemp(prefix="spmdsplit-job-"), None
         # One pair of files for the job (interleaved, as torchrun's output), or one per rank (apart).
@@ -444,7 +433,7 @@ def _kind(overrides) -> str:
 
 def ranks_apart(nproc: int, argv: list[str], env: dict | None = None) -> Job:
     """Warm ranks of `spmdsplit.train` with torchrun's variables but no launcher to stop the
-    others when one fails (as `ranks_by_hand`, forked): each rank must end on its own. `wait()`
+    others when one fails: each rank must end on its own. `wait()`
     returns once all have; `ranks()` gives each one's exit code and output."""
     return Job(nproc, list(argv), env=env, apart=True)
 
@@ -488,8 +477,9 @@ def cached_job(nproc: int, *overrides: str, timeout: float = 600, env: dict | No
 
 # ------------------------------------------------------------------ real processes
 
-def torchrun_cmd(nproc: int, *args: str, module: str | None = "spmdsplit.train") -> list[str]:
-    target = ["-m", module] if module else []
+def torchrun_cmd(nproc: int, *args: str, script: str | None = None) -> list[str]:
+    """`torchrun ... -m spmdsplit.train *args`, or `torchrun ... script *args`."""
+    target = [script] if script else ["-m", "spmdsplit.train"]
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
             *target, *args]
 
@@ -498,16 +488,14 @@ def torchrun(nproc: int, *overrides: str, timeout: float = 600, cwd=None, env: d
              script: str | None = None) -> subprocess.CompletedProcess:
     """Real `torchrun -m spmdsplit.train` (or a script), as a user runs it: for tests whose
     subject is torchrun itself (its teardown, signals) or one job per layout end to end."""
-    argv = _job_argv(overrides)
-    cmd = torchrun_cmd(nproc, script, *argv, module=None) if script else torchrun_cmd(nproc, *argv)
+    cmd = torchrun_cmd(nproc, *_job_argv(overrides), script=script)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd,
                           env=base_env(PYTHONPATH=_pythonpath(), **(env or {})))
 
 
 def start_torchrun(nproc: int, *args: str, script: str | None = None, env: dict | None = None) -> subprocess.Popen:
     """Real torchrun, started: its merged output readable line by line while it runs."""
-    cmd = torchrun_cmd(nproc, script, *args, module=None) if script else torchrun_cmd(nproc, *args)
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    return subprocess.Popen(torchrun_cmd(nproc, *args, script=script), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=base_env(PYTHONPATH=_pythonpath(), **(env or {})))
 
 
@@ -517,22 +505,7 @@ def _pythonpath() -> str:
     return os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
 
 
-def ranks_by_hand(nproc: int, argv: list[str], env: dict | None = None) -> list[subprocess.Popen]:
-    """Every rank its own interpreter with torchrun's environment, but no torchrun to stop the
-    others when one fails: each rank must get where it is going on its own."""
-    port, procs = free_port(), []
-    for rank in range(nproc):
-        rank_env = base_env(**(env or {}), RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=nproc, LOCAL_WORLD_SIZE=nproc,
-                            GROUP_WORLD_SIZE=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, TORCH_DIST_INIT_BARRIER=0)
-        procs.append(subprocess.Popen([sys.executable, "-m", "spmdsplit.train", *argv], env=rank_env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    return procs
-
-
-def python(args: list[str], env: dict | None = None, cwd=None, timeout: float = 600,
-           popen: bool = False):
+def python(args: list[str], env: dict | None = None, cwd=None, timeout: float = 600) -> subprocess.CompletedProcess:
     """One plain interpreter, `python *args`, in the session's environment less any rendezvous."""
-    cmd, env = [sys.executable, *args], base_env(**(env or {}))
-    if popen:
-        return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=base_env(**(env or {})), capture_output=True,
+                          text=True, timeout=timeout)

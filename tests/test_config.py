@@ -306,14 +306,14 @@ CLI_HIDDEN = {"missing_logger": "mlflow"}
 
 
 @pytest.fixture(scope="module")
-def cli(tmp_path_factory):
+def cli():
     """Runs every `python -m spmdsplit.train` case of CLI_RUNS at once (they are import-bound)
     and returns name -> (returncode, stdout, stderr, seconds, tried_to_join_a_process_group)."""
     return _run_cli(CLI_RUNS)
 
 
 @pytest.fixture(scope="module")
-def cli_placement(tmp_path_factory):
+def cli_placement():
     return _run_cli(CLI_PLACEMENT_RUNS)
 
 

@@ -12,7 +12,6 @@ import pytest
 from tests.launch import job, torchrun
 
 JOB = os.path.join(os.path.dirname(__file__), "fault_job.py")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHORT = ["trainer.total_steps=6", "trainer.seed=1", "trainer.progress_bar=false", "data.train_batch_size=16",
          "actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size_per_gpu=4",
          "critic.ppo_micro_batch_size_per_gpu=4", "trainer.timeline=", "trainer.output_dir="]

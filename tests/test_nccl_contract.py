@@ -169,7 +169,7 @@ def test_ranks_started_by_torchrun_run_under_it(tmp_path):
 
     script = tmp_path / "cross.py"
     script.write_text(CROSS_SCRIPT)
-    result = subprocess.run(torchrun_cmd(2, str(script), module=None), capture_output=True, text=True, timeout=120,
+    result = subprocess.run(torchrun_cmd(2, script=str(script)), capture_output=True, text=True, timeout=120,
                             env=base_env())
     assert result.returncode != 0
     assert "ranks 1 and 0 each wait to send to the other" in result.stderr or \

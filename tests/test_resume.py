@@ -29,7 +29,6 @@ JOB = (
     "actor.optim.lr_warmup_steps=6", "actor.use_kl_loss=true", "trainer.timeline=", "trainer.output_dir=",
 )
 FAULT_JOB = os.path.join(os.path.dirname(__file__), "ckpt_crash_job.py")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def comparable(log_dir: str) -> dict[str, dict[int, float]]:

@@ -294,6 +294,26 @@ class ValKwargsConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Multi-turn, tool-using episodes (spmdsplit/agent/, docs/agents.md), under verl's names."""
+    enable: bool = False
+    # verl's tool-config YAML (tools: [{class_name, config, tool_schema}]); "" with data.task=lookup:
+    # the embedded task's lookup tool
+    tool_config_path: str = ""
+    max_assistant_turns: Optional[int] = None  # null: only the token budget ends an episode
+    max_parallel_calls: int = positive(1)  # calls of one turn that run (verl's default: 1); the rest are dropped
+    max_tool_response_length: int = positive(256)  # characters of a tool response the model sees
+    tool_response_truncate_side: str = choice("middle", "left", "right")
+    tool_timeout_s: float = positive(30.0)  # a call that runs longer is answered with an error
+    format: str = choice("hermes", "compact")  # how calls are written (spmdsplit/agent/parsers.py)
+
+
+@dataclass
+class AgentConfig:
+    default_agent_loop: str = choice("single_turn_agent", "tool_agent")  # for rows without agent_name
+
+
+@dataclass
 class RolloutConfig:
     name: str = choice("hf", "vllm")  # hf (transformers generate on a copy of the policy) | vllm (spmdsplit/rollout/vllm_engine.py)
     temperature: float = positive(1.0)
@@ -333,6 +353,8 @@ class RolloutConfig:
     # leaves its FlashInfer sampler and draws each seeded row's noise one row at a time
     # (v1/sample/ops/topk_topp_sampler.py), a small kernel per row per token. false: one seed per engine.
     per_row_seed: bool = True
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
 
 
 @dataclass
@@ -407,7 +429,7 @@ class Config:
 
 
 PATH_KEYS = ("trainer.log_dir", "trainer.timeline", "trainer.output_dir", "trainer.default_local_dir",
-             "model.path", "model.embedded_dir", "critic.model_path")
+             "model.path", "model.embedded_dir", "critic.model_path", "rollout.multi_turn.tool_config_path")
 
 
 def _shape(value) -> str:

@@ -17,7 +17,7 @@ import tempfile
 
 import torch
 
-from spmdsplit.data.synthetic import prompt_vocabulary
+from spmdsplit.data.synthetic import TOOL_CLOSE, TOOL_OPEN, agent_vocabulary, prompt_vocabulary
 from spmdsplit.models import hf_tensors, save_hf_folder
 
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
@@ -57,16 +57,29 @@ EMBEDDED_PRESET = {
 }
 
 
-def build_tokenizer():
+# The agent model's chat template (data.task=lookup): messages' contents end to end, a tool
+# response as "=<content>;". Tools are not rendered: a 2-layer character model cannot read a JSON
+# schema; it learns the compact call "@" (spmdsplit/agent/parsers.py) from the reward alone.
+AGENT_CHAT_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'tool' -%}" + TOOL_OPEN + "{{ m['content'] }}" + TOOL_CLOSE +
+    "{%- else -%}{{ m['content'] }}{%- endif -%}"
+    "{%- endfor -%}"
+)
+
+
+def build_tokenizer(agent: bool = False):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    words = list(SPECIAL_TOKENS.values()) + prompt_vocabulary()
+    words = list(SPECIAL_TOKENS.values()) + (agent_vocabulary() if agent else prompt_vocabulary())
     core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=SPECIAL_TOKENS["unk_token"]))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")  # one token per character
     core.decoder = decoders.Fuse()  # decode without spaces between characters
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, **SPECIAL_TOKENS)
     tokenizer.padding_side = "left"
+    if agent:
+        tokenizer.chat_template = AGENT_CHAT_TEMPLATE
     return tokenizer
 
 
@@ -85,26 +98,29 @@ def build_model(tokenizer):
         return Qwen2ForCausalLM(config)
 
 
-def _fingerprint() -> str:
-    spec = json.dumps({"shape": MODEL_SHAPE, "vocab": prompt_vocabulary(), "seed": BUILD_SEED}, sort_keys=True)
-    return hashlib.sha256(spec.encode()).hexdigest()[:10]
+def _fingerprint(agent: bool = False) -> str:
+    spec = {"shape": MODEL_SHAPE, "vocab": prompt_vocabulary(), "seed": BUILD_SEED}
+    if agent:  # the default model's fingerprint (and folder) stay what they were
+        spec.update(vocab=agent_vocabulary(), chat_template=AGENT_CHAT_TEMPLATE)
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
 
 
 def default_cache_dir() -> str:
     return os.environ.get("SPMDSPLIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "spmdsplit")
 
 
-def ensure_embedded_model(cache_dir: str = "") -> str:
-    """Returns the folder of the embedded model, building it there first if it isn't yet."""
+def ensure_embedded_model(cache_dir: str = "", agent: bool = False) -> str:
+    """Returns the folder of the embedded model, building it there first if it isn't yet; `agent`:
+    the same model with the agent task's characters and chat template (data.task=lookup)."""
     cache_dir = cache_dir or default_cache_dir()
-    target = os.path.join(cache_dir, f"tiny-qwen2-{_fingerprint()}")
+    target = os.path.join(cache_dir, f"tiny-qwen2{'-agent' if agent else ''}-{_fingerprint(agent)}")
     if os.path.isfile(os.path.join(target, "config.json")):
         return target
     os.makedirs(cache_dir, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".building-", dir=cache_dir)
     os.chmod(staging, 0o755)  # mkdtemp makes it private; a shared cache must be readable by all
     try:
-        tokenizer = build_tokenizer()
+        tokenizer = build_tokenizer(agent)
         model = build_model(tokenizer)
         save_hf_folder(model, hf_tensors(model), staging, tokenizer)
         try:

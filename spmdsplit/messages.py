@@ -102,7 +102,15 @@ ROLLOUT_METRICS = "ROLLOUT_METRICS"
 # answers read it), for training and validation rows alike, in every placement.
 ROLLOUT_KEYS = ("responses", "response_mask", "input_ids", "attention_mask", "position_ids",
                 "data_source", "ground_truth", "extra_info", "uid", "row_index")
+# A multi-turn rollout's per-row counts (spmdsplit/agent/loop.py), for the critic pool's data metrics.
+AGENT_KEYS = ("num_turns", "tool_calls", "tool_errors")
 LOG_PROB_KEYS = ("old_log_probs", "ref_log_prob", "row_index")
+
+
+def rollout_columns(part: Batch) -> Batch:
+    """What of a rollout goes to the critic pool: ROLLOUT_KEYS, and AGENT_KEYS when the rollout
+    was multi-turn (every row of a step is, or none)."""
+    return part.select(ROLLOUT_KEYS + tuple(k for k in AGENT_KEYS if k in part))
 ADVANTAGE_KEYS = ("advantages", "row_index")
 
 
@@ -171,7 +179,7 @@ class PoolChannel:
     #      actor rank, laid end to end, so each chunk is an exchange of its own)
 
     def send_rollout(self, step: int, chunk: int, part: Batch) -> PendingSend:
-        return send_rows(self.bulk, Message(ROLLOUT, step, chunk), part.select(ROLLOUT_KEYS), self.A, self.C, self.chunk_rows)
+        return send_rows(self.bulk, Message(ROLLOUT, step, chunk), rollout_columns(part), self.A, self.C, self.chunk_rows)
 
     def recv_rollout(self, step: int, chunk: int, stats: dict | None = None) -> Batch:
         return self._then_meet(recv_rows(self.bulk, Message(ROLLOUT, step, chunk), self.A, self.C, self.chunk_rows, stats),
@@ -194,7 +202,7 @@ class PoolChannel:
     # ---- validation
 
     def send_val_rollout(self, step: int, batch: Batch, num_rows: int) -> PendingSend:
-        return send_rows(self.bulk, Message(VAL_ROLLOUT, step), batch.select(ROLLOUT_KEYS), self.R, self.C, num_rows)
+        return send_rows(self.bulk, Message(VAL_ROLLOUT, step), rollout_columns(batch), self.R, self.C, num_rows)
 
     def recv_val_rollout(self, step: int, num_rows: int) -> Batch:
         return self._then_meet(recv_rows(self.bulk, Message(VAL_ROLLOUT, step), self.R, self.C, num_rows),

@@ -120,6 +120,8 @@ def compute_data_metrics(batch: Batch, group, device, max_response_length: int) 
         mins[f"{key}/min"] = valid.min().item() if valid.numel() else float("inf")
     sums["response_length/clip_ratio"] = (response_length >= max_response_length).float().sum().item()
     counts["response_length/clip_ratio"] = len(response_length)
+    if "num_turns" in batch:  # multi-turn: verl's num_turns/*, and the tool calls per step
+        agent_metrics(batch, group, sums, counts, maxes, mins)
     metrics = pool_reduce_metrics(sums, counts, group, device)
     maxes, mins = pool_max_min(maxes, mins, group, device)
     metrics.update(maxes)
@@ -129,6 +131,28 @@ def compute_data_metrics(batch: Batch, group, device, max_response_length: int) 
             batch["values"], batch["returns"], batch["response_mask"], reduce_sum=pool_sum(group)
         )
     return metrics
+
+
+def agent_metrics(batch: Batch, group, sums: dict, counts: dict, maxes: dict, mins: dict) -> None:
+    """verl's num_turns/{mean,max,min} (the prompt, assistant turns and tool rounds of an episode),
+    and per step: tool/calls, tool/errors and each error kind (summed over the pool: a count of
+    the step, sent as a "mean" over one), and response_length's share that the tools wrote.
+    (response_length/* above counts the policy's tokens only: the response_mask.)"""
+    import torch.distributed as dist
+
+    from spmdsplit.agent.tools import ERROR_KINDS
+
+    turns = batch["num_turns"].float()
+    sums["num_turns/mean"], counts["num_turns/mean"] = turns.sum().item(), len(turns)
+    maxes["num_turns/max"], mins["num_turns/min"] = turns.max().item(), turns.min().item()
+    errors = batch["tool_errors"].sum(0).tolist()
+    ranks = dist.get_world_size(group) if dist.is_initialized() else 1
+    for key, value in [("tool/calls", batch["tool_calls"].sum().item()), ("tool/errors", sum(errors)),
+                       *((f"tool/errors/{kind}", n) for kind, n in zip(ERROR_KINDS, errors))]:
+        sums[key], counts[key] = float(value), 1.0 / ranks  # weights summing to 1: the pool's total
+    R = batch["response_mask"].shape[1]
+    tool_tokens = (batch["attention_mask"][:, -R:] - batch["response_mask"]).sum(-1).float()
+    sums["tool/response_tokens/mean"], counts["tool/response_tokens/mean"] = tool_tokens.sum().item(), len(tool_tokens)
 
 
 def rollout_probs_diff_metrics(rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor,

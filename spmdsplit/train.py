@@ -35,6 +35,8 @@ from spmdsplit import failure, preempt
 from spmdsplit.checkpoint import CheckpointError, find_resume_after_restart
 from spmdsplit.data.parquet import DataError
 from spmdsplit.data.sources import build_rows, format_report
+from spmdsplit.agent import check_multi_turn
+from spmdsplit.data.synthetic import AGENT_TASKS
 from spmdsplit.embedded import ensure_embedded_model
 from spmdsplit.models import load_tokenizer
 from spmdsplit.metrics import missing_logger
@@ -125,12 +127,15 @@ def prepare(cfg):
     check_packed_attention(cfg, device.type)  # trainer.device=auto: only now is it known to be cuda
     if not cfg.model.path:
         # Built before the world forms: a file race between ranks, settled by an atomic rename.
-        cfg.model.path = ensure_embedded_model(cfg.model.embedded_dir)
+        cfg.model.path = ensure_embedded_model(cfg.model.embedded_dir, agent=cfg.data.task in AGENT_TASKS)
     check_vllm(cfg, placement, cfg.model.path, device.type)  # no-op unless rollout.name=vllm
     tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
-    data = {"train": build_rows(cfg.data, tokenizer, "train")}
+    tools = check_multi_turn(cfg, tokenizer)  # the tool config loads here, on every rank, or the job stops
+    agents = dict(tools=tools.schemas if tools is not None else None,
+                  default_agent=cfg.rollout.agent.default_agent_loop)
+    data = {"train": build_rows(cfg.data, tokenizer, "train", **agents)}
     if cfg.trainer.val_freq > 0 or cfg.trainer.val_before_train:
-        data["val"] = build_rows(cfg.data, tokenizer, "val")
+        data["val"] = build_rows(cfg.data, tokenizer, "val", **agents)
     restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
     resume_from = find_resume_after_restart(cfg.trainer.resume, cfg.trainer.default_local_dir, restarts)
     return placement, device, data, resume_from

@@ -7,7 +7,9 @@ A verl dataset is one or more parquet files with one row per prompt:
 - `data_source`: which scorer rates the responses (e.g. `openai/gsm8k`);
 - `ability`: a free-form label (e.g. `math`), optional;
 - `reward_model`: a struct whose `ground_truth` the rule reward compares the response to;
-- `extra_info`: a struct of anything else (split, index, the raw question, ...), optional.
+- `extra_info`: a struct of anything else (split, index, the raw question, ...), optional; for
+  multi-turn rows `extra_info.tools_kwargs` holds each tool's per-row arguments (docs/agents.md);
+- `agent_name`: `tool_agent` or `single_turn_agent` (rollout.multi_turn), optional.
 
 Every row is checked. A malformed row (a missing or empty prompt, a prompt of the wrong type, no
 data_source, no ground truth, ...) is never dropped silently: by default the job stops with the
@@ -33,9 +35,11 @@ REASONS = {
     "missing reward_model": "no reward_model column, or a null reward_model",
     "missing ground_truth": "reward_model is not a struct with a non-null ground_truth",
     "bad extra_info": "extra_info is neither a struct (dict) nor null",
+    "bad agent_name": "agent_name is neither a string nor null",
+    "bad tools_kwargs": "extra_info.tools_kwargs is neither a struct (dict) nor null",
 }
 EXAMPLES_PER_REASON = 10  # row ids shown per reason in an error or a report
-COLUMNS = ("data_source", "ability", "reward_model", "extra_info")
+COLUMNS = ("data_source", "ability", "reward_model", "extra_info", "agent_name")
 
 
 class DataError(ValueError):
@@ -103,12 +107,18 @@ def _check_row(raw: dict, prompt_key: str) -> tuple[str | None, dict | None]:
         extra_info = {}
     if not isinstance(extra_info, dict):
         return "bad extra_info", None
+    agent_name = raw.get("agent_name")
+    if agent_name is not None and not isinstance(agent_name, str):
+        return "bad agent_name", None
+    if extra_info.get("tools_kwargs") is not None and not isinstance(extra_info["tools_kwargs"], dict):
+        return "bad tools_kwargs", None
     return None, {
         "prompt": prompt,
         "data_source": source,
         "ability": ability,
         "reward_model": {"ground_truth": reward_model["ground_truth"], "style": reward_model.get("style")},
         "extra_info": extra_info,
+        "agent_name": agent_name,
     }
 
 
@@ -210,9 +220,10 @@ def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def render_prompt(prompt: str | list[dict], tokenizer) -> str:
+def render_prompt(prompt: str | list[dict], tokenizer, tools: list[dict] | None = None) -> str:
     """The text the model sees: chat messages through the tokenizer's chat template, with the
-    generation prompt (as verl does); a plain string as it is."""
+    generation prompt (as verl does) and, for a tool agent's row, the tools' schemas (the template
+    decides how the model is shown them); a plain string as it is."""
     if isinstance(prompt, str):
         return prompt
     if not has_chat_template(tokenizer):
@@ -221,7 +232,8 @@ def render_prompt(prompt: str | list[dict], tokenizer) -> str:
             "tokenizer (model.path), set tokenizer.chat_template, or give the prompts as plain strings"
         )
     messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                         **({"tools": tools} if tools else {}))
     if not isinstance(text, str):  # some tokenizers return a list for a single conversation
         text = text[0] if isinstance(text, (list, tuple)) and len(text) == 1 else str(text)
     return text

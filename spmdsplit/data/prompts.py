@@ -42,7 +42,7 @@ class PromptDataset:
 
 def prompt_texts(rows: list[dict], tokenizer) -> list[str]:
     """Each row's prompt as the model sees it (chat messages rendered by the chat template)."""
-    return [render_prompt(r["prompt"], tokenizer) for r in rows]
+    return [render_prompt(r["prompt"], tokenizer, r.get("tools")) for r in rows]
 
 
 def prompt_lengths(rows: list[dict], tokenizer, chunk: int = 1024) -> list[int]:
@@ -110,5 +110,6 @@ def collate_prompts(
             "extra_info": [r.get("extra_info") or {} for r in rows],
             "index": [r.get("index") for r in rows],
             "uid": [f"{step}-{first_row + i}" for i in range(len(rows))],
+            "agent_name": [r.get("agent_name") for r in rows],
         },
     )

@@ -35,13 +35,15 @@ def _synthetic_rows(data_cfg, split: str) -> list[dict]:
             "ability": r.get("ability"),
             "reward_model": {"ground_truth": r["reward_model"]["ground_truth"], "style": r["reward_model"].get("style")},
             "extra_info": r.get("extra_info") or {},
+            "agent_name": r.get("agent_name"),
             "source_row": None,
         }
         for r in rows
     ]
 
 
-def build_rows(data_cfg, tokenizer, split: str) -> tuple[list[dict], dict]:
+def build_rows(data_cfg, tokenizer, split: str, tools: list[dict] | None = None,
+               default_agent: str = "single_turn_agent") -> tuple[list[dict], dict]:
     """The rows of `split` ("train" or "val") and a report:
     {"split", "source" ("parquet" | "synthetic/<task>"), "files", "rows_read", "malformed",
      "malformed_examples", "skipped", "filtered_overlong", "rows"}.
@@ -79,6 +81,10 @@ def build_rows(data_cfg, tokenizer, split: str) -> tuple[list[dict], dict]:
             "skipped": 0,
         }
 
+    if tools is not None:  # multi-turn: each row's agent, and the tool schemas its prompt is rendered with
+        from spmdsplit.agent import attach_tools
+
+        attach_tools(rows, tools, default_agent, key)
     needs_template = any(not isinstance(r["prompt"], str) for r in rows)
     if needs_template and tokenizer is not None and not has_chat_template(tokenizer):
         raise DataError(

@@ -10,6 +10,10 @@ scores above zero and the best score is exactly 1.0.
 - count:   "345=" -> "6789": keep counting mod 10 (harder: a different next-token rule per digit).
 - copy:    repeat the prompt's digits.
 - reverse: the prompt's digits in reverse order.
+- lookup:  the agentic task (spmdsplit/agent/, configs/agent_lookup.yaml): "37?" -> a code ("7777",
+           one random digit four times) that only the row's lookup tool knows (extra_info.tools_kwargs), so no policy can score
+           above chance without calling it. Its prompts are chat messages for the embedded agent
+           model's chat template; the call is the compact format's "@".
 
 Set data.max_response_length to the answer's length + 1, room for the EOS that ends it.
 """
@@ -36,6 +40,11 @@ TASKS = {
 }
 
 
+AGENT_TASKS = ("lookup",)  # tasks whose rows are tool_agent episodes; the embedded agent model serves them
+TASKS["lookup"] = None  # its answer is drawn at random, not computed from the prompt (make_dataset)
+TOOL_CALL, TOOL_OPEN, TOOL_CLOSE, QUESTION = "@", "=", ";", "?"  # the agent model's extra characters
+
+
 def data_source(task: str) -> str:
     return f"synthetic/{task}"
 
@@ -49,6 +58,11 @@ def make_dataset(task: str, num_samples: int, seed: int, min_digits: int = 2, ma
     rows = []
     for i in range(num_samples):
         digits = "".join(rng.choice(DIGITS) for _ in range(rng.randint(min_digits, max_digits)))
+        if task in AGENT_TASKS:
+            # One digit four times: a 2-layer model learns to copy it from the tool's response in
+            # minutes; a code of four independent digits had not moved the score in 90 steps.
+            rows.append(lookup_row(digits, rng.choice(DIGITS) * ANSWER_LEN, i))
+            continue
         rows.append(
             {
                 "prompt": digits + SEPARATOR,
@@ -60,6 +74,24 @@ def make_dataset(task: str, num_samples: int, seed: int, min_digits: int = 2, ma
     return rows
 
 
+def lookup_row(key: str, code: str, index: int) -> dict:
+    """A row of the lookup task in verl's agent data format: chat messages, `agent_name`, and the
+    tool's per-row arguments in extra_info.tools_kwargs (the code, which the prompt never shows)."""
+    return {
+        "prompt": [{"role": "user", "content": key + QUESTION}],
+        "data_source": data_source("lookup"),
+        "reward_model": {"ground_truth": code, "style": "rule"},
+        "extra_info": {"index": index, "tools_kwargs": {"lookup": {"create_kwargs": {"code": code}}}},
+        "agent_name": "tool_agent",
+    }
+
+
 def prompt_vocabulary() -> list[str]:
     """Every character a task prompt or answer can hold: the embedded tokenizer's word list."""
     return list(DIGITS) + [SEPARATOR]
+
+
+def agent_vocabulary() -> list[str]:
+    """The embedded agent model's word list: the tasks' characters, the lookup prompt's "?", the
+    compact call "@" and the ";" that closes a tool response (which opens with "=")."""
+    return prompt_vocabulary() + [QUESTION, TOOL_CALL, TOOL_CLOSE]

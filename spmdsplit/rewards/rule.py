@@ -13,7 +13,7 @@ import math
 import numbers
 from typing import Any, Callable, Mapping
 
-from spmdsplit.data.synthetic import TASKS, data_source
+from spmdsplit.data.synthetic import TASKS, TOOL_CLOSE, data_source
 from spmdsplit.rewards import gsm8k, math_exact
 
 
@@ -27,7 +27,15 @@ def positional_match_score(solution_str: str, ground_truth: str) -> float:
     return hits / max(len(solution), len(ground_truth))
 
 
+def lookup_score(solution_str: str, ground_truth: str) -> float:
+    """The lookup task's score: positional match of the final answer, the text after the last tool
+    response (which the embedded template closes with ";"), or the whole response without one.
+    The tool's own text never counts as an answer: only what the policy wrote after it."""
+    return positional_match_score(solution_str.rpartition(TOOL_CLOSE)[2], ground_truth)
+
+
 SCORERS: dict[str, Callable[[str, Any], Any]] = {data_source(task): positional_match_score for task in TASKS}
+SCORERS[data_source("lookup")] = lookup_score
 # The scorers that read the response with its special tokens kept (roles/reward.py decodes every
 # other one as verl does, without them): the embedded tasks' answers are short digit strings, and
 # with the special tokens dropped a policy learned to pad its answer with them, tokens the scorer

@@ -82,13 +82,24 @@ def response_texts(tokenizer, responses: torch.Tensor, lengths: torch.Tensor, eo
 
 
 def on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """[B, R] float32 with each row's score on its last valid response token, 0 elsewhere (and
-    everywhere for an empty response)."""
-    lengths = response_mask.sum(-1)
+    """[B, R] float32 with each row's score on its last valid response token (the policy's last:
+    in a multi-turn row the mask has holes where tool responses are), 0 elsewhere (and everywhere
+    for an empty response)."""
+    R = response_mask.shape[-1]
+    columns = torch.arange(R, device=response_mask.device)
+    last = torch.where(response_mask.bool(), columns, -1).max(-1).values  # -1: no valid token
     out = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
-    last = (lengths - 1).clamp(min=0)
-    out[torch.arange(response_mask.shape[0], device=response_mask.device), last] = scores.to(out.device, torch.float32)
-    return out * (lengths > 0).unsqueeze(-1)
+    out[torch.arange(response_mask.shape[0], device=response_mask.device), last.clamp(min=0)] = scores.to(out.device, torch.float32)
+    return out * (last >= 0).unsqueeze(-1)
+
+
+def response_lengths(batch: Batch) -> torch.Tensor:
+    """Each response's real tokens (the policy's and, in a multi-turn row, the tools' between
+    them): the part of the response its attention mask covers; the scorer reads all of it."""
+    R = batch["responses"].shape[1]
+    if "attention_mask" in batch:
+        return batch["attention_mask"][:, -R:].sum(-1)
+    return batch["response_mask"].sum(-1)
 
 
 def own_copy(extra_info):
@@ -152,7 +163,8 @@ class RuleReward:
         of B floats per key; a sample whose scorer did not give that key has NaN there."""
         responses, mask = batch["responses"], batch["response_mask"]
         sources, truths = batch["data_source"], batch["ground_truth"]
-        texts = response_texts(self.tokenizer, responses, mask.sum(-1), self.eos_token_ids, self.skips_special_tokens(sources))
+        texts = response_texts(self.tokenizer, responses, response_lengths(batch), self.eos_token_ids,
+                               self.skips_special_tokens(sources))
         # A batch without the column (made by hand) gives {}, as verl's reward managers do.
         extra_info = batch["extra_info"] if "extra_info" in batch else [{}] * len(batch)
         scores, per_sample = [], []

@@ -28,7 +28,7 @@ from torch import nn
 from spmdsplit.batch import Batch
 from spmdsplit.roles.common import packed_attention_kwargs
 from spmdsplit.roles.micro_batches import in_row_order, plan_bins
-from spmdsplit.roles.reward import RewardError, describe_sample, host_lists, on_last_token, response_texts
+from spmdsplit.roles.reward import RewardError, describe_sample, host_lists, on_last_token, response_lengths, response_texts
 
 
 def default_max_length(prompt_len: int, response_len: int) -> int:
@@ -101,7 +101,7 @@ class RewardModel:
         for ids, keep in zip(*host_lists(input_ids[:, :P], attention_mask[:, :P])):
             ids = [token for token, kept in zip(ids, keep) if kept]
             prompts.append(self.policy_tokenizer.decode(ids, skip_special_tokens=False))
-        answers = response_texts(self.policy_tokenizer, responses, batch["response_mask"].sum(-1), self.eos_token_ids)
+        answers = response_texts(self.policy_tokenizer, responses, response_lengths(batch), self.eos_token_ids)
         return prompts, answers
 
     def encode(self, texts: list[str], max_length: int) -> list[list[int]]:

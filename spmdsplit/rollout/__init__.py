@@ -1,5 +1,6 @@
 """Rollout engines behind one contract (base.Rollout): `rollout.name=hf` (transformers `generate`,
-hf.py) or `rollout.name=vllm` (vllm_engine.py; vLLM is imported only then)."""
+hf.py) or `rollout.name=vllm` (vllm_engine.py; vLLM is imported only then); with
+rollout.multi_turn.enable either one runs multi-turn tool episodes (spmdsplit/agent/loop.py)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,16 @@ def build_rollout(cfg, model_path: str, tokenizer, eos_ids: list[int], device: t
     if cfg.rollout.name == "vllm":
         from spmdsplit.rollout.vllm_engine import VLLMRollout
 
-        return VLLMRollout(cfg, model_path, tokenizer, eos_ids, device, dtype)
-    from spmdsplit.models import load_causal_lm
-    from spmdsplit.rollout.hf import HFRollout
+        engine = VLLMRollout(cfg, model_path, tokenizer, eos_ids, device, dtype)
+    else:
+        from spmdsplit.models import load_causal_lm
+        from spmdsplit.rollout.hf import HFRollout
 
-    model = load_causal_lm(model_path, dtype, device, seed, cfg.model.trust_remote_code)
-    return HFRollout(model, tokenizer, cfg.rollout, cfg.data.max_response_length, eos_ids,
-                     val_cfg=cfg.rollout.val_kwargs)
+        model = load_causal_lm(model_path, dtype, device, seed, cfg.model.trust_remote_code)
+        engine = HFRollout(model, tokenizer, cfg.rollout, cfg.data.max_response_length, eos_ids,
+                           val_cfg=cfg.rollout.val_kwargs)
+    if cfg.rollout.multi_turn.enable:  # the same engine, driven turn by turn (spmdsplit/agent/loop.py)
+        from spmdsplit.agent import build_agent_rollout
+
+        return build_agent_rollout(cfg, engine, tokenizer, eos_ids)
+    return engine

@@ -82,6 +82,42 @@ def rollout_batch(prompts: Batch, responses: torch.Tensor, pad_token_id: int, eo
     )
 
 
+def episodes_batch(prompts: Batch, episodes: list, pad_token_id: int) -> Batch:
+    """The rollout's columns from multi-turn episodes (spmdsplit/agent/loop.py), one per prompt row,
+    each with `response_ids`, `response_mask` (1: the policy's tokens, 0: tool responses and
+    template glue) and `log_probs` (0 on masked tokens). Unlike `rollout_batch` a response may
+    hold EOS tokens and masked tokens inside it: `attention_mask` covers every real token (the
+    policy is conditioned on the tool's), `response_mask` only those the policy chose, which is
+    what every loss, entropy, KL and advantage reads."""
+    width = max([len(e.response_ids) for e in episodes] + [1])
+    B = len(episodes)
+    responses = torch.full((B, width), pad_token_id, dtype=torch.long)
+    response_mask = torch.zeros((B, width), dtype=torch.long)
+    response_attention = torch.zeros((B, width), dtype=torch.long)
+    log_probs = torch.zeros((B, width), dtype=torch.float32)
+    for i, e in enumerate(episodes):
+        n = len(e.response_ids)
+        responses[i, :n] = torch.tensor(e.response_ids, dtype=torch.long)
+        response_mask[i, :n] = torch.tensor(e.response_mask, dtype=torch.long)
+        response_attention[i, :n] = 1
+        log_probs[i, :n] = torch.tensor(e.log_probs, dtype=torch.float32)
+    device = prompts["input_ids"].device
+    prompt_ids, prompt_mask = prompts["input_ids"], prompts["attention_mask"]
+    attention_mask = torch.cat([prompt_mask, response_attention.to(device)], dim=1)
+    return Batch(
+        {
+            "prompts": prompt_ids,
+            "responses": responses.to(device),
+            "response_mask": response_mask.to(device),
+            "rollout_log_probs": log_probs.to(device),
+            "input_ids": torch.cat([prompt_ids, responses.to(device)], dim=1),
+            "attention_mask": attention_mask,
+            "position_ids": position_ids_from_mask(attention_mask),
+        },
+        dict(prompts.non_tensors),
+    )
+
+
 _MASK64 = (1 << 64) - 1
 
 

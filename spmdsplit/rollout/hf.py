@@ -9,6 +9,7 @@ which takes the weights as a stream of (name, tensor), as a vLLM engine's will.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -111,6 +112,37 @@ class HFRollout:
         responses = out[:, prompt_ids.shape[1] :]
         return rollout_batch(prompts, responses, self.pad_token_id, self.eos_token_id,
                              extras={"rollout_log_probs": log_probs.finish(responses)})
+
+
+    @torch.no_grad()
+    def continue_ids(self, contexts: list[list[int]], budgets: list[int], stop_ids: list[int],
+                     seeds: list[int] | None = None, validate: bool = False) -> list[tuple[list[int], list[float]]]:
+        """One turn of multi-turn episodes (spmdsplit/agent/loop.py), token ids in and out: each
+        context (prompt and the episode so far, no padding) continued until one of `stop_ids` (kept)
+        or its own budget of new tokens. Returns per row the new tokens and their sampled log-probs.
+        `seeds` are vLLM's; `generate` here draws from the rank's generator (as in `generate`)."""
+        width = max(len(c) for c in contexts)
+        ids = torch.full((len(contexts), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, context in enumerate(contexts):  # left padding, as the prompts come
+            ids[i, width - len(context):] = torch.tensor(context)
+            mask[i, width - len(context):] = 1
+        device = self.model.device
+        config, warpers = self.val_sampling if validate else self.sampling
+        config = copy.deepcopy(config)
+        config.max_new_tokens, config.eos_token_id = max(budgets), list(stop_ids)
+        log_probs = SampledLogProbs()
+        out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config,
+                                  logits_processor=LogitsProcessorList([*warpers, log_probs]), synced_gpus=False,
+                                  use_cache=True)
+        new = out[:, width:]
+        scores = log_probs.finish(new).cpu().tolist()
+        turns = []
+        for row, row_scores, budget in zip(new.cpu().tolist(), scores, budgets):
+            end = next((j + 1 for j, t in enumerate(row) if t in stop_ids), len(row))
+            end = min(end, budget)
+            turns.append((row[:end], row_scores[:end]))
+        return turns
 
 
 class SampledLogProbs(LogitsProcessor):

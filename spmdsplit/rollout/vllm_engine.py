@@ -270,6 +270,27 @@ class VLLMRollout:
         return rollout_batch(prompts, responses.to(ids.device), self.pad_token_id, self.eos_token_ids,
                              extras={"rollout_log_probs": log_probs.to(ids.device)})
 
+    @torch.no_grad()
+    def continue_ids(self, contexts: list[list[int]], budgets: list[int], stop_ids: list[int],
+                     seeds: list[int] | None = None, validate: bool = False) -> list[tuple[list[int], list[float]]]:
+        """As HFRollout.continue_ids: one turn of multi-turn episodes, token ids in and out, each
+        row with its own budget of new tokens (and its own seed, when given). With prefix caching
+        on, a turn's context (the previous turns) is found in the KV cache and not computed again."""
+        if not self.awake:
+            raise RuntimeError("VLLMRollout.continue_ids: the engine is asleep; wake_up(weights) first")
+        base = self.val_sampling if validate else self.sampling
+        params = []
+        for i, budget in enumerate(budgets):
+            p = base.clone()
+            p.max_tokens, p.stop_token_ids = budget, list(stop_ids)
+            if seeds is not None:
+                p.seed = seeds[i]
+            params.append(p)
+        outputs = self.llm.generate([{"prompt_token_ids": c} for c in contexts], params, use_tqdm=False)
+        samples = [out.outputs[0] for out in outputs]
+        responses, log_probs = sampled_tokens_and_log_probs(samples, max(budgets), self.pad_token_id)
+        return [(list(s.token_ids), row[: len(s.token_ids)]) for s, row in zip(samples, log_probs.tolist())]
+
 
 def sampled_tokens_and_log_probs(samples, width: int, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM's completions (`CompletionOutput`, one per row, asked for with logprobs=0 and

@@ -1,0 +1,94 @@
+"""Multi-turn, tool-using rollouts (agents), run by the rollout group in every placement.
+
+- tools.py: the tools, as users write them for verl (a function, or a class with create /
+  execute / calc_reward / release), loaded from verl's tool-config YAML, run concurrently;
+- parsers.py: how calls are read out of a turn (Hermes by default; compact for the embedded model);
+- chat.py: the tokens of tool responses, from the model's own chat template;
+- loop.py: the agent loop around an engine (HF or vLLM), token in, token out.
+"""
+
+from __future__ import annotations
+
+import os
+
+from spmdsplit.data.synthetic import AGENT_TASKS
+
+AGENTS = ("single_turn_agent", "tool_agent")  # verl's agent_name values
+LOOKUP_TOOLS = os.path.join(os.path.dirname(__file__), "lookup_tools.yaml")  # the embedded task's tool config
+
+
+def multi_turn_on(cfg) -> bool:
+    return bool(cfg.rollout.multi_turn.enable)
+
+
+def tool_config_path(cfg) -> str:
+    """rollout.multi_turn.tool_config_path, or the embedded lookup task's own when it is empty and
+    that task is the data."""
+    path = cfg.rollout.multi_turn.tool_config_path
+    if not path and not cfg.data.train_files and cfg.data.task in AGENT_TASKS:
+        return LOOKUP_TOOLS
+    return path
+
+
+def load_job_tools(cfg):
+    """The job's tools (None without multi-turn); a bad tool config raises ToolConfigError, a
+    one-line message the launcher shows without a traceback."""
+    if not multi_turn_on(cfg):
+        return None
+    from spmdsplit.agent.tools import load_tools
+
+    path = tool_config_path(cfg)
+    if not path:
+        from spmdsplit.agent.tools import Tools
+        return Tools([], timeout_s=cfg.rollout.multi_turn.tool_timeout_s)
+    m = cfg.rollout.multi_turn
+    return load_tools(path, timeout_s=m.tool_timeout_s, max_response_chars=m.max_tool_response_length,
+                      truncate_side=m.tool_response_truncate_side)
+
+
+def check_multi_turn(cfg, tokenizer):
+    """What would fail only mid-rollout, checked on every rank before the first collective: the
+    tool config (a missing module or class), the call format, a tokenizer without a chat
+    template. Returns the loaded tools (None without multi-turn)."""
+    from spmdsplit.agent.chat import ToolChat
+    from spmdsplit.agent.parsers import build_parser
+    from spmdsplit.agent.tools import ToolConfigError
+    from spmdsplit.config import ConfigError
+
+    if not multi_turn_on(cfg):
+        return None
+    try:
+        tools = load_job_tools(cfg)
+        parser = build_parser(cfg.rollout.multi_turn.format, tools.schemas)
+        ToolChat(tokenizer)
+    except (ToolConfigError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+    unknown = [t for t in parser.stop_tokens if tokenizer.convert_tokens_to_ids(t) in (None, tokenizer.unk_token_id)]
+    if unknown:
+        raise ConfigError(f"rollout.multi_turn.format={cfg.rollout.multi_turn.format}: the call format ends a turn "
+                          f"with {unknown}, which the tokenizer of model.path has no single token for")
+    return tools
+
+
+def attach_tools(rows: list[dict], schemas: list[dict], default_agent: str, key: str) -> None:
+    """Each row's agent (its agent_name, or rollout.agent.default_agent_loop) and, for a tool
+    agent's row, the tool schemas its prompt is rendered with."""
+    from spmdsplit.data.parquet import DataError
+
+    unknown = [i for i, r in enumerate(rows) if (r.get("agent_name") or default_agent) not in AGENTS]
+    if unknown:
+        names = sorted({rows[i].get("agent_name") for i in unknown})
+        raise DataError(f"{key}: {len(unknown)} row(s) have an agent_name this trainer does not run: {names} "
+                        f"(rows {unknown[:5]}); expected one of {list(AGENTS)}")
+    for r in rows:
+        r["agent_name"] = r.get("agent_name") or default_agent
+        r["tools"] = schemas if r["agent_name"] == "tool_agent" else None
+
+
+def build_agent_rollout(cfg, engine, tokenizer, eos_ids: list[int]):
+    from spmdsplit.agent.loop import AgentRollout
+    from spmdsplit.agent.parsers import build_parser
+
+    tools = load_job_tools(cfg)
+    return AgentRollout(engine, tokenizer, eos_ids, tools, build_parser(cfg.rollout.multi_turn.format, tools.schemas),
+                        cfg.rollout.multi_turn, cfg.data.max_response_length, cfg.rollout.agent.default_agent_loop)

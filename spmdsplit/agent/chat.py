@@ -1,0 +1,47 @@
+"""The tokens a multi-turn episode appends after a policy turn: the tool responses, rendered by
+the model's own chat template, and whatever markup the template puts around them.
+
+Token in, token out: the policy's tokens are kept as sampled and never decoded and re-encoded
+(a re-tokenised turn can split differently, and its log-probs would then score tokens the
+policy never chose). Only the new text is tokenised, once, from the template:
+
+    end   = what the template writes after an assistant message's content (e.g. "<|im_end|>\\n")
+    delta = what it adds for the tool messages and the next generation prompt
+
+A turn that stopped on the EOS has written the start of `end` itself (the EOS is "<|im_end|>"):
+only the rest of `end` is glue. A turn that stopped on a parser's stop token (compact format) or
+that wrote no EOS gets all of `end`. Both are rendered once with placeholder contents and cached;
+only the tool contents change between turns.
+"""
+
+from __future__ import annotations
+
+SENTINEL = "\u2063SPMDSPLIT\u2063"  # content no template alters and no real message holds
+
+
+class ToolChat:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("rollout.multi_turn needs a tokenizer with a chat template (tool messages are rendered "
+                             "by it): use a chat model or set one on the tokenizer")
+        convo = [{"role": "user", "content": "u"}, {"role": "assistant", "content": SENTINEL}]
+        self.before_tools = self._render(convo, add_generation_prompt=False)
+        self.end = self.before_tools[self.before_tools.rindex(SENTINEL) + len(SENTINEL):]
+        self.convo = convo
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+
+    def tool_turn_ids(self, contents: list[str], turn_end: str) -> list[int]:
+        """The tokens that follow a policy turn whose last token's text is `turn_end` ("" if it
+        stopped without one): the rest of the assistant message's markup, one `role: tool` message
+        per content, and the generation prompt of the next assistant turn."""
+        full = self._render(self.convo + [{"role": "tool", "content": c} for c in contents], add_generation_prompt=True)
+        if full.startswith(self.before_tools):
+            text = self.end + full[len(self.before_tools):]
+        else:  # a template that renders earlier messages otherwise once more follow: the text after the content
+            text = full[full.rindex(SENTINEL) + len(SENTINEL):]
+        if turn_end and text.startswith(turn_end):
+            text = text[len(turn_end):]
+        return self.tokenizer.encode(text, add_special_tokens=False)

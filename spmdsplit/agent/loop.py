@@ -1,0 +1,155 @@
+"""The agent loop: multi-turn, tool-using episodes, run by the rollout group's engine (HF or vLLM)
+in every placement, behind the same contract as a single-turn engine (rollout/base.Rollout).
+
+For each prompt: generate until the model ends its turn (its EOS, or a parser's stop token); if the
+turn holds tool calls, run them, append their responses, generate again; stop at an answer without
+a call, at rollout.multi_turn.max_assistant_turns, or at the response's token budget
+(data.max_response_length, policy and tool tokens together, as verl counts it). The live episodes
+of a turn generate together, one engine call per turn; the calls of a turn, every episode's,
+run at the same time (tools.Tools.run), off this thread.
+
+Token in, token out: the engine continues token ids; the policy's tokens and their log-probs are
+kept as sampled; only tool responses and template glue are tokenised (chat.ToolChat), and they
+get response_mask 0 and log-prob 0: conditioned on, never trained on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from spmdsplit.agent.chat import ToolChat
+from spmdsplit.agent.parsers import ToolParser
+from spmdsplit.agent.tools import ERROR_KINDS, Tools
+from spmdsplit.batch import Batch
+from spmdsplit.rollout.base import _splitmix64, episodes_batch
+
+
+
+@dataclass
+class Episode:
+    context: list[int]  # the prompt's tokens and the response so far: what the engine continues
+    agent: str
+    row_kwargs: dict  # extra_info.tools_kwargs
+    seed: int | None
+    response_ids: list[int] = field(default_factory=list)
+    response_mask: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    assistant_turns: int = 0
+    tool_turns: int = 0
+    errors: list[int] = field(default_factory=lambda: [0] * len(ERROR_KINDS))
+    tool_calls: int = 0
+    tool_rewards: list[float] = field(default_factory=list)
+    tool_scores: dict = field(default_factory=dict)
+    done: bool = False
+
+    def append(self, ids: list[int], policy: bool, log_probs: list[float] | None = None) -> None:
+        self.context += ids
+        self.response_ids += ids
+        self.response_mask += [int(policy)] * len(ids)
+        self.log_probs += log_probs if log_probs is not None else [0.0] * len(ids)
+
+    @property
+    def num_turns(self) -> int:
+        """verl's count: the prompt, every assistant turn and every round of tool responses."""
+        return 1 + self.assistant_turns + self.tool_turns
+
+
+class AgentRollout:
+    """A rollout engine (HFRollout, VLLMRollout: anything with `continue_ids`) driven turn by turn."""
+
+    def __init__(self, engine, tokenizer, eos_ids: list[int], tools: Tools, parser: ToolParser, multi_turn,
+                 max_response_length: int, default_agent: str):
+        self.engine, self.tokenizer, self.tools, self.parser = engine, tokenizer, tools, parser
+        self.eos_ids = list(eos_ids)
+        stops = [tokenizer.convert_tokens_to_ids(t) for t in parser.stop_tokens]
+        self.stop_ids = self.eos_ids + [s for s in stops if s not in self.eos_ids]
+        self.chat = ToolChat(tokenizer)
+        self.max_turns = multi_turn.max_assistant_turns or 0  # 0/None: only the budget ends an episode
+        self.max_parallel_calls = multi_turn.max_parallel_calls
+        self.budget = max_response_length
+        self.default_agent = default_agent
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.engine.dtype
+
+    def wake_up(self, weights) -> None:
+        self.engine.wake_up(weights)
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def generate(self, prompts: Batch, validate: bool = False) -> Batch:
+        episodes = self.start(prompts)
+        turn = 0
+        while live := [e for e in episodes if not e.done]:
+            seeds = [_splitmix64(e.seed ^ turn) >> 1 for e in live] if live[0].seed is not None else None
+            outputs = self.engine.continue_ids([e.context for e in live], [self.budget - len(e.response_ids) for e in live],
+                                               self.stop_ids, seeds=seeds, validate=validate)
+            calling = []
+            for episode, (ids, log_probs) in zip(live, outputs):
+                calls, turn_end = self.take_turn(episode, ids, log_probs)
+                if calls:
+                    calling.append((episode, calls, turn_end))
+            results = self.tools.run([c for _, calls, _ in calling for c in calls])
+            for episode, calls, turn_end in calling:
+                mine, results = results[: len(calls)], results[len(calls):]
+                self.add_tool_responses(episode, calls, mine, turn_end)
+            turn += 1
+        return self.finish(prompts, episodes)
+
+    def start(self, prompts: Batch) -> list[Episode]:
+        ids, mask = prompts["input_ids"].cpu(), prompts["attention_mask"].cpu().bool()
+        agents = prompts["agent_name"] if "agent_name" in prompts else [None] * len(prompts)
+        extra = prompts["extra_info"] if "extra_info" in prompts else [{}] * len(prompts)
+        seeds = prompts["sample_seed"].tolist() if "sample_seed" in prompts else [None] * len(prompts)
+        return [Episode(row[keep].tolist(), agent or self.default_agent, (info or {}).get("tools_kwargs") or {}, seed)
+                for row, keep, agent, info, seed in zip(ids, mask, agents, extra, seeds)]
+
+    def take_turn(self, episode: Episode, ids: list[int], log_probs: list[float]):
+        """Appends a policy turn; returns its tool calls ([] when the episode ends here) and the
+        text of the token that ended it."""
+        episode.append(ids, policy=True, log_probs=log_probs)
+        episode.assistant_turns += 1
+        stopped = bool(ids) and ids[-1] in self.stop_ids
+        if (not stopped or len(episode.response_ids) >= self.budget or episode.agent != "tool_agent"
+                or (self.max_turns and episode.assistant_turns >= self.max_turns)):
+            episode.done = True
+            return [], ""
+        text = self.tokenizer.decode(ids[:-1] if ids[-1] in self.eos_ids else ids, skip_special_tokens=False)
+        calls = self.parser.calls(text, episode.row_kwargs)[: self.max_parallel_calls]
+        if not calls:
+            episode.done = True
+        return calls, self.tokenizer.decode(ids[-1:], skip_special_tokens=False)
+
+    def add_tool_responses(self, episode: Episode, calls, results, turn_end: str) -> None:
+        episode.tool_calls += len(results)
+        for call, r in zip(calls, results):
+            if r.error:
+                episode.errors[ERROR_KINDS.index(r.error)] += 1
+            episode.tool_rewards.append(r.reward)  # verl's tool agent keeps every step reward, errors' 0.0 too
+            if r.score is not None:  # calc_reward's value, per tool, as verl's rollout_reward_scores
+                episode.tool_scores = {**episode.tool_scores, call.name: r.score}
+        ids = self.chat.tool_turn_ids([r.text for r in results], turn_end)
+        if len(episode.response_ids) + len(ids) >= self.budget:  # no room left to answer: ends here, as verl's
+            episode.done = True
+            return
+        episode.append(ids, policy=False)
+        episode.tool_turns += 1
+
+    def finish(self, prompts: Batch, episodes: list[Episode]) -> Batch:
+        batch = episodes_batch(prompts, episodes, self.tokenizer.pad_token_id)
+        device = prompts["input_ids"].device
+        batch["num_turns"] = torch.tensor([e.num_turns for e in episodes], device=device)
+        batch["tool_calls"] = torch.tensor([e.tool_calls for e in episodes], device=device)
+        batch["tool_errors"] = torch.tensor([e.errors for e in episodes] or torch.zeros(0, len(ERROR_KINDS)),
+                                            dtype=torch.long, device=device)
+        if "extra_info" in batch:
+            # What verl's reward managers add to a tool agent's extra_info: each row its own dict
+            # (rollout.n repeats one), so the scorer sees this episode's numbers.
+            batch["extra_info"] = [{**(info or {}), "num_turns": e.num_turns, "tool_rewards": e.tool_rewards,
+                                    "rollout_reward_scores": e.tool_scores}
+                                   for info, e in zip(batch["extra_info"], episodes)]
+        return batch

@@ -288,7 +288,7 @@ class VLLMRollout:
             params.append(p)
         outputs = self.llm.generate([{"prompt_token_ids": c} for c in contexts], params, use_tqdm=False)
         samples = [out.outputs[0] for out in outputs]
-        responses, log_probs = sampled_tokens_and_log_probs(samples, max(budgets), self.pad_token_id)
+        _, log_probs = sampled_tokens_and_log_probs(samples, max(budgets), self.pad_token_id)
         return [(list(s.token_ids), row[: len(s.token_ids)]) for s, row in zip(samples, log_probs.tolist())]
 
 

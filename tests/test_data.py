@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from spmdsplit.data.prompts import PromptDataset, collate_prompts
-from spmdsplit.data.synthetic import DIGITS, SEPARATOR, TASKS, make_dataset
+from spmdsplit.data.synthetic import AGENT_TASKS, DIGITS, SEPARATOR, TASKS, make_dataset
 from spmdsplit.embedded import ensure_embedded_model
 from spmdsplit.models import load_tokenizer
 
@@ -129,7 +129,7 @@ def test_collate_rejects_a_too_long_prompt_naming_the_key_and_row(tokenizer):
 # --------------------------------------------------------------------------- make_dataset
 
 
-@pytest.mark.parametrize("task", sorted(TASKS))
+@pytest.mark.parametrize("task", sorted(set(TASKS) - set(AGENT_TASKS)))
 def test_make_dataset_follows_verls_schema(task):
     rows = make_dataset(task, 50, seed=7)
     assert len(rows) == 50
@@ -158,3 +158,12 @@ def test_task_answers_by_hand():
 def test_unknown_task_is_a_value_error():
     with pytest.raises(ValueError, match="nope"):
         make_dataset("nope", 10, seed=1)
+
+
+def test_the_lookup_task_is_verls_agent_data_and_hides_its_code():
+    rows = make_dataset("lookup", 50, seed=7)
+    for row in rows:
+        code = row["reward_model"]["ground_truth"]
+        assert row["agent_name"] == "tool_agent" and row["prompt"][0]["role"] == "user"
+        assert row["extra_info"]["tools_kwargs"] == {"lookup": {"create_kwargs": {"code": code}}}
+    assert len({r["reward_model"]["ground_truth"] for r in rows}) > 5

@@ -102,7 +102,7 @@ def test_script_writes_verls_gsm8k_schema(tmp_path):
         rows, report = read_parquet_rows(written[split])
         assert len(rows) == n and report["rows_read"] == n and report["malformed"] == {}
         for i, row in enumerate(rows):
-            assert set(row) == {"prompt", "data_source", "ability", "reward_model", "extra_info", "source_row"}
+            assert set(row) == {"prompt", "data_source", "ability", "reward_model", "extra_info", "agent_name", "source_row"}
             assert row["data_source"] == "openai/gsm8k" and row["ability"] == "math"
             question, answer = row["extra_info"]["question"], row["extra_info"]["answer"]
             assert row["prompt"] == [{"role": "user", "content": question + " " + gsm8k.INSTRUCTION}]
@@ -332,7 +332,7 @@ def test_build_rows_without_files_is_the_synthetic_task(plain_tokenizer):
     assert len(train) == 300 and report["source"] == "synthetic/repeat" and report["filtered_overlong"] == 0
     assert [r["index"] for r in train] == list(range(300))
     assert all(r["extra_info"] == {"index": i} for i, r in enumerate(train))
-    assert set(train[0]) == {"prompt", "data_source", "ability", "reward_model", "extra_info", "source_row", "index"}
+    assert set(train[0]) == {"prompt", "data_source", "ability", "reward_model", "extra_info", "agent_name", "source_row", "index"}
     assert isinstance(train[0]["prompt"], str) and train[0]["reward_model"]["style"] == "rule"
     val, vreport = build_rows(cfg, plain_tokenizer, "val")
     assert len(val) == SYNTHETIC_VAL_SAMPLES == vreport["rows"] and vreport["split"] == "val"

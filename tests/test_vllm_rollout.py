@@ -409,3 +409,71 @@ def test_vllm_not_installed_is_a_config_error(model_dir, monkeypatch):
     with pytest.raises(ConfigError, match="rollout.name=vllm: vLLM is not installed"):
         job_config(model_dir)
     load_config(None, [f"model.path={model_dir}"])  # rollout.name=hf needs no vLLM
+
+
+# ----------------------------------------------------------------------------- multi-turn episodes
+
+def agent_engine_checks(rank, world_size, model_dir):
+    """Greedy multi-turn episodes of the lookup task from vLLM and from HF on the same weights."""
+    import os
+
+    from spmdsplit.agent import check_multi_turn
+    from spmdsplit.data.prompts import collate_prompts
+    from spmdsplit.data.sources import build_rows
+    from spmdsplit.models import eos_token_ids, load_causal_lm, load_tokenizer
+    from spmdsplit.rollout import build_rollout
+    from spmdsplit.rollout.vllm_engine import init_vllm_distributed, shutdown_vllm_distributed
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    overrides = [f"model.path={model_dir}", "rollout.kv_cache_memory_gb=0.0625"]
+    cfg = load_config(os.path.join(root, "configs", "agent_lookup.yaml"), ["rollout.name=vllm", *overrides])
+    hf_cfg = load_config(os.path.join(root, "configs", "agent_lookup.yaml"), overrides)
+    init_vllm_distributed(cfg, model_dir, torch.device("cpu"), torch.float32)
+    try:
+        tokenizer = load_tokenizer(model_dir)
+        eos = eos_token_ids(model_dir, tokenizer)
+        rows, _ = build_rows(cfg.data, tokenizer, "train", tools=check_multi_turn(cfg, tokenizer).schemas)
+        prompts = collate_prompts(rows[:32], tokenizer, cfg.data.max_prompt_length, step=1, first_row=0)
+        model = load_causal_lm(model_dir, torch.float32, torch.device("cpu"), 0)
+        out = {}
+        for name, c in (("vllm", cfg), ("hf", hf_cfg)):
+            engine = build_rollout(c, model_dir, tokenizer, eos, torch.device("cpu"), torch.float32, 0)
+            engine.wake_up(model.state_dict().items())
+            out[name] = engine.generate(prompts, validate=True)  # greedy
+            out[name + "_actor"] = actor_log_probs(model, out[name], temperature=1.0)
+        return {k: (v.tensors if hasattr(v, "tensors") else v) for k, v in out.items()}
+    finally:
+        shutdown_vllm_distributed()
+
+
+@pytest.fixture(scope="module")
+def agent_model_dir(tmp_path_factory):
+    """The embedded agent model with the "@" row of its LM head scaled 4x: greedy turns then end in
+    a call in some contexts and not in others, so episodes have holes and answers after them."""
+    from spmdsplit.embedded import ensure_embedded_model
+    from spmdsplit.models import hf_tensors, load_causal_lm, load_tokenizer, save_hf_folder
+
+    source = ensure_embedded_model(str(tmp_path_factory.mktemp("agent_cache")), agent=True)
+    tokenizer = load_tokenizer(source)
+    model = load_causal_lm(source, torch.float32, torch.device("cpu"), 0)
+    with torch.no_grad():
+        model.lm_head.weight[tokenizer.convert_tokens_to_ids("@")] *= 4
+    path = str(tmp_path_factory.mktemp("agent_model"))
+    save_hf_folder(model, hf_tensors(model), path, tokenizer)
+    return path
+
+
+@pytest.mark.e2e
+@needs_vllm
+def test_vllm_and_hf_agent_episodes_agree_and_score_only_the_policys_tokens(agent_model_dir):
+    res = run_ranks(agent_engine_checks, 1, agent_model_dir, timeout=400, kind="vllm")[0]
+    vllm, hf = res["vllm"], res["hf"]
+    for column in ("responses", "response_mask", "attention_mask", "num_turns", "tool_calls"):
+        assert torch.equal(vllm[column], hf[column]), column
+    mask, R = vllm["response_mask"], vllm["responses"].shape[1]
+    holes = (vllm["attention_mask"][:, -R:] == 1) & (mask == 0)
+    assert holes.any(1).sum() >= 3, "the boosted model should call the tool in some episodes"
+    for name in ("vllm", "hf"):
+        policy = mask == 1
+        assert (res[name]["rollout_log_probs"][~policy] == 0).all()
+        assert (res[name]["rollout_log_probs"][policy] - res[name + "_actor"][policy]).abs().max() < 1e-5, name

@@ -204,3 +204,23 @@ def test_bad_tools_are_answered_and_counted_and_no_row_is_lost(lookup_setup, tmp
     errors = dict(zip(ERROR_KINDS, batch["tool_errors"].sum(0).tolist()))
     assert errors["exception"] + errors["timeout"] > 0, errors
     assert batch["tool_errors"].sum() <= batch["tool_calls"].sum()
+
+
+def test_single_turn_rows_of_a_multi_turn_job_answer_once_to_their_eos(lookup_setup):
+    """rollout.agent.default_agent_loop / agent_name=single_turn_agent: one turn, all of it the
+    policy's, ended only by the EOS or the budget (the compact format's "@" is plain text to it)."""
+    from spmdsplit.data.prompts import collate_prompts
+
+    cfg, tokenizer, eos_ids, rows = lookup_setup
+    torch.manual_seed(11)
+    rollout = agent_rollout(cfg, tokenizer, eos_ids)
+    prompts = collate_prompts([{**r, "agent_name": "single_turn_agent"} for r in rows[:48]], tokenizer,
+                              cfg.data.max_prompt_length, step=1, first_row=0)
+    batch = rollout.generate(prompts)
+    R = batch["responses"].shape[1]
+    assert torch.equal(batch["response_mask"], batch["attention_mask"][:, -R:])  # no holes
+    assert (batch["num_turns"] == 2).all() and batch["tool_calls"].sum() == 0
+    at = tokenizer.convert_tokens_to_ids("@")
+    lengths = batch["response_mask"].sum(1)
+    inner = [row[: n - 1].tolist() for row, n in zip(batch["responses"], lengths)]
+    assert any(at in ids for ids in inner), "some answer should hold an '@' it did not stop at"

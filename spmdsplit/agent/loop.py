@@ -85,14 +85,20 @@ class AgentRollout:
         episodes = self.start(prompts)
         turn = 0
         while live := [e for e in episodes if not e.done]:
-            seeds = [_splitmix64(e.seed ^ turn) >> 1 for e in live] if live[0].seed is not None else None
-            outputs = self.engine.continue_ids([e.context for e in live], [self.budget - len(e.response_ids) for e in live],
-                                               self.stop_ids, seeds=seeds, validate=validate)
             calling = []
-            for episode, (ids, log_probs) in zip(live, outputs):
-                calls, turn_end = self.take_turn(episode, ids, log_probs)
-                if calls:
-                    calling.append((episode, calls, turn_end))
+            # A single-turn agent's answer ends at the EOS only: a parser's stop token ("@") is text to it.
+            for agent, stop_ids in (("tool_agent", self.stop_ids), ("single_turn_agent", self.eos_ids)):
+                group = [e for e in live if (e.agent == "tool_agent") == (agent == "tool_agent")]
+                if not group:
+                    continue
+                seeds = [_splitmix64(e.seed ^ turn) >> 1 for e in group] if group[0].seed is not None else None
+                outputs = self.engine.continue_ids([e.context for e in group],
+                                                   [self.budget - len(e.response_ids) for e in group],
+                                                   stop_ids, seeds=seeds, validate=validate)
+                for episode, (ids, log_probs) in zip(group, outputs):
+                    calls, turn_end = self.take_turn(episode, ids, log_probs)
+                    if calls:
+                        calling.append((episode, calls, turn_end))
             results = self.tools.run([c for _, calls, _ in calling for c in calls])
             for episode, calls, turn_end in calling:
                 mine, results = results[: len(calls)], results[len(calls):]

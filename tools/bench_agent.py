@@ -1,7 +1,8 @@
-"""`python -m tools.bench_agent [--steps S] [--warmup W] [--repeats R] [--out DIR]` (or `tools.bench --agent`)
+"""`python -m tools.bench_agent [--steps S] [--warmup W] [--batch B] [--repeats R] [--out DIR]`
 
-What multi-turn tool calls cost (spmdsplit/agent/), against the issue's targets, with a tool that
-sleeps 0.2 s per call (a plain function in a verl-format tool YAML, written under --out):
+Also `python -m tools.bench --agent [...]`. What multi-turn tool calls cost (spmdsplit/agent/),
+against the issue's targets, with a tool that sleeps 0.2 s per call (a plain function in a
+verl-format tool YAML, written under --out):
 
 1. One tool turn of 32 episodes, in this process: `Tools.run` of 32 calls, and the whole
    `AgentRollout.generate` of 32 prompts (HF engine, embedded agent model, compact format,
@@ -102,7 +103,7 @@ def targets(turn: dict, modes: dict[str, dict]) -> list[dict]:
 
     row(f"one turn of {EPISODES} concurrent calls: added to generation", turn.get("added_per_round_s"),
         TARGETS["turn_added_s"], f"(gen with the {SLEEP_S} s tool - gen with an instant tool) / tool rounds", "s")
-    row(f"Tools.run of {EPISODES} calls", turn.get("run_s"), TARGETS["turn_added_s"], "one run, wall time", "s")
+    row(f"Tools.run of {EPISODES} calls", turn.get("run_s"), TARGETS["turn_added_s"], "wall time of one run", "s")
     row("s=1: train pool's step period, multi-turn vs single-turn", None if growth is None else growth - 1,
         TARGETS["step_growth"], "step multi / step single - 1", "share")
     row("s=1 multi-turn: gen per batch / train pool's work per step",

@@ -10,8 +10,8 @@ policy never chose). Only the new text is tokenised, once, from the template:
 
 A turn that stopped on the EOS has written the start of `end` itself (the EOS is "<|im_end|>"):
 only the rest of `end` is glue. A turn that stopped on a parser's stop token (compact format) or
-that wrote no EOS gets all of `end`. Both are rendered once with placeholder contents and cached;
-only the tool contents change between turns.
+that wrote no EOS gets all of `end`. `end` is rendered once; the tool messages are rendered for
+each episode's turn (a template may lay out several responses together), about 0.15 ms each.
 """
 
 from __future__ import annotations

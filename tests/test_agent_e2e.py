@@ -80,3 +80,29 @@ def test_multi_turn_resume_across_a_stop_is_exact_with_episodes_generated_ahead(
     assert resumed.keys() == straight.keys()
     for tag, values in straight.items():
         assert resumed[tag] == values, f"{tag} differs after resume"
+
+
+@pytest.mark.e2e
+def test_a_verl_agent_parquet_and_tool_config_run_unchanged(tmp_path):
+    """verl's agent data as its preprocessing scripts write it (chat prompts, `agent_name`,
+    `extra_info.tools_kwargs`, `reward_model.ground_truth`), a verl-format tool config naming a
+    verl-style class, and rows of both agents: the job runs them as they are, the tool agent's rows
+    call their own tool instance with their own create_kwargs, the single-turn rows never call."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from spmdsplit.data.synthetic import make_dataset
+
+    rows = make_dataset("lookup", 64, seed=5)
+    for i, row in enumerate(rows):
+        row["agent_name"] = "tool_agent" if i % 2 == 0 else "single_turn_agent"
+        row["ability"] = "lookup"
+    pq.write_table(pa.Table.from_pylist(rows), str(tmp_path / "train.parquet"))
+    tools = tmp_path / "tool_config.yaml"
+    tools.write_text(open(os.path.join(ROOT, "spmdsplit", "agent", "lookup_tools.yaml")).read())
+    _, tb = run(tmp_path, 2, "placement.mode=colocate", "placement.pools=[]", f"data.train_files={tmp_path}/train.parquet",
+                f"data.val_files={tmp_path}/train.parquet", f"rollout.multi_turn.tool_config_path={tools}", "data.shuffle=false",
+                steps=2)
+    calls = [v for _, v in tb["tool/calls"]]
+    assert all(0 < c <= 8 * 2 for c in calls), calls  # only the 8 tool-agent rows of a 16-row step call (<= 2 each)
+    assert [s for s, _ in tb["critic/score/mean"]] == [1, 2]

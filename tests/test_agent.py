@@ -150,9 +150,13 @@ def trainer_log_probs(model, batch):
 def test_episodes_on_the_hf_engine_mask_tool_tokens_and_keep_the_policys_log_probs(lookup_setup):
     from spmdsplit.data.prompts import collate_prompts
 
+    from spmdsplit.agent import check_multi_turn
+
     cfg, tokenizer, eos_ids, rows = lookup_setup
     torch.manual_seed(11)
     rollout = agent_rollout(cfg, tokenizer, eos_ids)
+    # The tools the start-up check loaded are the engine's: a tool's constructor runs once per process.
+    assert rollout.tools is check_multi_turn(cfg, tokenizer)
     prompts = collate_prompts(rows[:48], tokenizer, cfg.data.max_prompt_length, step=1, first_row=0)
     batch = rollout.generate(prompts)
     mask, attention = batch["response_mask"], batch["attention_mask"][:, -batch["responses"].shape[1]:]

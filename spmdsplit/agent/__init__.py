@@ -9,16 +9,13 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 from spmdsplit.data.synthetic import AGENT_TASKS
 
 AGENTS = ("single_turn_agent", "tool_agent")  # verl's agent_name values
 LOOKUP_TOOLS = os.path.join(os.path.dirname(__file__), "lookup_tools.yaml")  # the embedded task's tool config
-
-
-def multi_turn_on(cfg) -> bool:
-    return bool(cfg.rollout.multi_turn.enable)
 
 
 def tool_config_path(cfg) -> str:
@@ -33,17 +30,22 @@ def tool_config_path(cfg) -> str:
 def load_job_tools(cfg):
     """The job's tools (None without multi-turn); a bad tool config raises ToolConfigError, a
     one-line message the launcher shows without a traceback."""
-    if not multi_turn_on(cfg):
+    if not cfg.rollout.multi_turn.enable:
         return None
-    from spmdsplit.agent.tools import load_tools
-
-    path = tool_config_path(cfg)
-    if not path:
-        from spmdsplit.agent.tools import Tools
-        return Tools([], timeout_s=cfg.rollout.multi_turn.tool_timeout_s)
     m = cfg.rollout.multi_turn
-    return load_tools(path, timeout_s=m.tool_timeout_s, max_response_chars=m.max_tool_response_length,
-                      truncate_side=m.tool_response_truncate_side)
+    return _load_tools(tool_config_path(cfg), m.tool_timeout_s, m.max_tool_response_length, m.tool_response_truncate_side)
+
+
+@functools.lru_cache(maxsize=None)
+def _load_tools(path: str, timeout_s: float, max_response_chars: int, truncate_side: str):
+    """Loaded once per process: the check before the first collective (check_multi_turn) and the
+    engine's agent loop (build_agent_rollout) share the instances, so a tool's constructor (a
+    client, an index) runs once on a generating rank."""
+    from spmdsplit.agent.tools import Tools, load_tools
+
+    if not path:
+        return Tools([], timeout_s=timeout_s, max_response_chars=max_response_chars, truncate_side=truncate_side)
+    return load_tools(path, timeout_s=timeout_s, max_response_chars=max_response_chars, truncate_side=truncate_side)
 
 
 def check_multi_turn(cfg, tokenizer):
@@ -55,7 +57,7 @@ def check_multi_turn(cfg, tokenizer):
     from spmdsplit.agent.tools import ToolConfigError
     from spmdsplit.config import ConfigError
 
-    if not multi_turn_on(cfg):
+    if not cfg.rollout.multi_turn.enable:
         return None
     try:
         tools = load_job_tools(cfg)

@@ -26,7 +26,6 @@ from spmdsplit.batch import Batch
 from spmdsplit.rollout.base import _splitmix64, episodes_batch
 
 
-
 @dataclass
 class Episode:
     context: list[int]  # the prompt's tokens and the response so far: what the engine continues
@@ -87,8 +86,8 @@ class AgentRollout:
         while live := [e for e in episodes if not e.done]:
             calling = []
             # A single-turn agent's answer ends at the EOS only: a parser's stop token ("@") is text to it.
-            for agent, stop_ids in (("tool_agent", self.stop_ids), ("single_turn_agent", self.eos_ids)):
-                group = [e for e in live if (e.agent == "tool_agent") == (agent == "tool_agent")]
+            for uses_tools, stop_ids in ((True, self.stop_ids), (False, self.eos_ids)):
+                group = [e for e in live if (e.agent == "tool_agent") is uses_tools]
                 if not group:
                     continue
                 seeds = [_splitmix64(e.seed ^ turn) >> 1 for e in group] if group[0].seed is not None else None

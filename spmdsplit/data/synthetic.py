@@ -11,9 +11,10 @@ scores above zero and the best score is exactly 1.0.
 - copy:    repeat the prompt's digits.
 - reverse: the prompt's digits in reverse order.
 - lookup:  the agentic task (spmdsplit/agent/, configs/agent_lookup.yaml): "37?" -> a code ("7777",
-           one random digit four times) that only the row's lookup tool knows (extra_info.tools_kwargs), so no policy can score
-           above chance without calling it. Its prompts are chat messages for the embedded agent
-           model's chat template; the call is the compact format's "@".
+           one random digit four times) that only the row's lookup tool knows
+           (extra_info.tools_kwargs), so no policy can score above chance without calling it. Its
+           prompts are chat messages for the embedded agent model's chat template; the call is the
+           compact format's "@".
 
 Set data.max_response_length to the answer's length + 1, room for the EOS that ends it.
 """

@@ -68,8 +68,15 @@ def rollout_batch(prompts: Batch, responses: torch.Tensor, pad_token_id: int, eo
         pad = width - column.shape[1]
         value = pad_token_id if name == "responses" else 0
         columns[name] = torch.nn.functional.pad(column, (0, pad), value=value) if pad > 0 else column[:, :width]
+    return with_prompts(prompts, columns, response_attention=columns["response_mask"])
+
+
+def with_prompts(prompts: Batch, columns: dict[str, torch.Tensor], response_attention: torch.Tensor) -> Batch:
+    """The rollout: the prompts' rows and non-tensor columns, the response `columns` ([B, R], with
+    `responses`), and the whole sequence's `input_ids`, `attention_mask` (the prompt's, then
+    `response_attention`: the response's real tokens) and `position_ids`."""
     prompt_ids, prompt_mask = prompts["input_ids"], prompts["attention_mask"]
-    attention_mask = torch.cat([prompt_mask, columns["response_mask"]], dim=1)
+    attention_mask = torch.cat([prompt_mask, response_attention], dim=1)
     return Batch(
         {
             "prompts": prompt_ids,
@@ -102,20 +109,8 @@ def episodes_batch(prompts: Batch, episodes: list, pad_token_id: int) -> Batch:
         response_attention[i, :n] = 1
         log_probs[i, :n] = torch.tensor(e.log_probs, dtype=torch.float32)
     device = prompts["input_ids"].device
-    prompt_ids, prompt_mask = prompts["input_ids"], prompts["attention_mask"]
-    attention_mask = torch.cat([prompt_mask, response_attention.to(device)], dim=1)
-    return Batch(
-        {
-            "prompts": prompt_ids,
-            "responses": responses.to(device),
-            "response_mask": response_mask.to(device),
-            "rollout_log_probs": log_probs.to(device),
-            "input_ids": torch.cat([prompt_ids, responses.to(device)], dim=1),
-            "attention_mask": attention_mask,
-            "position_ids": position_ids_from_mask(attention_mask),
-        },
-        dict(prompts.non_tensors),
-    )
+    columns = {"responses": responses, "response_mask": response_mask, "rollout_log_probs": log_probs}
+    return with_prompts(prompts, {k: v.to(device) for k, v in columns.items()}, response_attention.to(device))
 
 
 _MASK64 = (1 << 64) - 1

@@ -113,7 +113,6 @@ class HFRollout:
         return rollout_batch(prompts, responses, self.pad_token_id, self.eos_token_id,
                              extras={"rollout_log_probs": log_probs.finish(responses)})
 
-
     @torch.no_grad()
     def continue_ids(self, contexts: list[list[int]], budgets: list[int], stop_ids: list[int],
                      seeds: list[int] | None = None, validate: bool = False) -> list[tuple[list[int], list[float]]]:

@@ -5,6 +5,9 @@ score under "score" and, optionally, other numbers to log (e.g. "acc"). `compute
 what the scorer gave (a float, or the dict as is); `score_sample` turns either into
 `(score, extras)` and is what the reward role calls, for the built-in scorers and for a custom
 reward function alike.
+
+Names route as in verl's `default_compute_score` (verl 0.9.1): the exact names of SCORERS, then a
+name that starts with one of SCORER_PREFIXES (verl's `data_source.startswith("aime")`).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import numbers
 from typing import Any, Callable, Mapping
 
 from spmdsplit.data.synthetic import TASKS, TOOL_CLOSE, data_source
-from spmdsplit.rewards import gsm8k, math_exact
+from spmdsplit.rewards import gsm8k, math_dapo, math_exact
 
 
 def positional_match_score(solution_str: str, ground_truth: str) -> float:
@@ -44,6 +47,18 @@ SEES_SPECIAL_TOKENS = frozenset(data_source(task) for task in TASKS)
 SCORERS["openai/gsm8k"] = gsm8k.compute_score  # strict extraction, 1.0 / 0.0, as verl
 for _name in math_exact.DATA_SOURCES:
     SCORERS[_name] = math_exact.compute_score
+for _name in math_dapo.DATA_SOURCES:  # +1 / -1 with "acc", as verl
+    SCORERS[_name] = math_dapo.compute_score
+SCORER_PREFIXES: dict[str, Callable[[str, Any], Any]] = dict.fromkeys(math_dapo.DATA_SOURCE_PREFIXES,
+                                                                     math_dapo.compute_score)
+
+
+def find_scorer(data_source: str) -> Callable[[str, Any], Any] | None:
+    """The built-in scorer of `data_source`, or None when there is none."""
+    scorer = SCORERS.get(data_source)
+    if scorer is None and isinstance(data_source, str):
+        scorer = next((fn for prefix, fn in SCORER_PREFIXES.items() if data_source.startswith(prefix)), None)
+    return scorer
 
 
 def _check_finite(score: float, data_source: str, solution_str: str, ground_truth) -> float:
@@ -59,9 +74,10 @@ def _check_finite(score: float, data_source: str, solution_str: str, ground_trut
 def compute_score(data_source: str, solution_str: str, ground_truth, extra_info=None):
     """The built-in scorer of `data_source` on one response: a float, or the scorer's dict as is.
     `extra_info` is accepted for verl's signature; the built-in scorers do not use it."""
-    scorer = SCORERS.get(data_source)
+    scorer = find_scorer(data_source)
     if scorer is None:
-        raise KeyError(f"no reward function for data_source={data_source!r}; known: {sorted(SCORERS)}")
+        known = sorted(SCORERS) + [f"{prefix}*" for prefix in SCORER_PREFIXES]
+        raise KeyError(f"no reward function for data_source={data_source!r}; known: {known}")
     result = scorer(solution_str, ground_truth)
     if isinstance(result, Mapping):
         return result

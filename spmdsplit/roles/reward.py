@@ -9,6 +9,10 @@ tokens too (rewards/rule.py, SEES_SPECIAL_TOKENS).
 A scorer that raises, or gives NaN/inf, stops the job: `RewardError` carries the sample (its
 data_source, response text and ground truth) and the original error. The roles let it propagate;
 the rank exits with it and torchrun ends the job, so a broken reward never trains silently.
+
+DAPO's overlong buffer (reward.overlong_buffer, verl's `overlong_buffer_cfg` of its DAPO reward
+manager) shapes the score here, whichever scorer gave it (built-in or custom), for training and
+validation alike, as verl's DAPO manager does: `overlong_reward` below.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Callable, Sequence
 import torch
 
 from spmdsplit.batch import Batch
-from spmdsplit.rewards.rule import SCORERS, SEES_SPECIAL_TOKENS, score_sample
+from spmdsplit.rewards.rule import SEES_SPECIAL_TOKENS, find_scorer, score_sample
 
 SHOW_CHARS = 500  # how much of a response an error shows
 
@@ -109,11 +113,28 @@ def own_copy(extra_info):
     return dict(extra_info) if isinstance(extra_info, dict) else extra_info
 
 
+def overlong_reward(length: int, max_response_length: int, buffer_len: int, penalty_factor: float) -> float:
+    """DAPO's soft overlong punishment: 0 up to `max_response_length - buffer_len` tokens, then
+    falling linearly to -penalty_factor at max_response_length."""
+    exceed = length - (max_response_length - buffer_len)
+    if exceed <= 0:
+        return 0.0
+    return min(-exceed / buffer_len * penalty_factor, 0.0)  # min, as verl: a negative factor never pays for length
+
+
 class RuleReward:
-    def __init__(self, tokenizer, eos_token_ids: list[int] | None = None, custom_fn: Callable | None = None):
+    def __init__(self, tokenizer, eos_token_ids: list[int] | None = None, custom_fn: Callable | None = None,
+                 overlong_buffer=None, max_response_length: int | None = None):
+        """`overlong_buffer`: reward.overlong_buffer ({enable, len, penalty_factor, log}), with
+        `max_response_length` (data.max_response_length); None or enable=false: no shaping."""
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids or [tokenizer.eos_token_id])
         self.custom_fn = custom_fn
+        self.overlong_buffer = overlong_buffer if overlong_buffer is not None and overlong_buffer.enable else None
+        if self.overlong_buffer is not None and not (max_response_length and 0 < overlong_buffer.len < max_response_length):
+            raise ValueError(f"reward.overlong_buffer.len={overlong_buffer.len}: expected > 0 and < "
+                             f"data.max_response_length={max_response_length}")
+        self.max_response_length = max_response_length
         # The extra numbers of the scores computed since the last pop_extra_metrics: key -> [sum, count].
         self.extra_sums: dict[str, list[float]] = {}
 
@@ -158,12 +179,16 @@ class RuleReward:
         return [source not in SEES_SPECIAL_TOKENS for source in sources]
 
     @torch.no_grad()
-    def compute_with_extras(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, list[float]]]:
+    def compute_with_extras(self, batch: Batch,
+                            shaped: bool = True) -> tuple[torch.Tensor, torch.Tensor, dict[str, list[float]]]:
         """As `compute`, plus the other numbers scorers returned in a dict (e.g. "acc"), one list
-        of B floats per key; a sample whose scorer did not give that key has NaN there."""
+        of B floats per key; a sample whose scorer did not give that key has NaN there. `shaped`:
+        with the overlong buffer's shaping (false: the scorers' own scores, dynamic sampling's
+        metric=score)."""
         responses, mask = batch["responses"], batch["response_mask"]
         sources, truths = batch["data_source"], batch["ground_truth"]
-        texts = response_texts(self.tokenizer, responses, response_lengths(batch), self.eos_token_ids,
+        lengths = response_lengths(batch)
+        texts = response_texts(self.tokenizer, responses, lengths, self.eos_token_ids,
                                self.skips_special_tokens(sources))
         # A batch without the column (made by hand) gives {}, as verl's reward managers do.
         extra_info = batch["extra_info"] if "extra_info" in batch else [{}] * len(batch)
@@ -173,7 +198,7 @@ class RuleReward:
                 score, extras = score_sample(sources[i], text, truths[i], own_copy(extra_info[i]), fn=self.custom_fn)
             except Exception as e:
                 which = "the custom reward function" if self.custom_fn is not None else "the rule reward"
-                unknown = self.custom_fn is None and sources[i] not in SCORERS
+                unknown = self.custom_fn is None and find_scorer(sources[i]) is None
                 cls = UnknownDataSourceError if unknown else RewardError
                 raise cls(
                     f"{which} failed on a sample; the job stops here so that it does not train on a broken reward:\n"
@@ -182,7 +207,22 @@ class RuleReward:
                 ) from e
             scores.append(score)
             per_sample.append(extras)
+        if self.overlong_buffer is not None and shaped:
+            self.shape_overlong(scores, per_sample, lengths.tolist())
         keys = sorted({k for extras in per_sample for k in extras})
         collected = {k: [extras.get(k, math.nan) for extras in per_sample] for k in keys}
         scores = torch.tensor(scores, dtype=torch.float32, device=responses.device)
         return on_last_token(scores, mask), scores, collected
+
+    def shape_overlong(self, scores: list[float], per_sample: list[dict[str, float]], lengths: list[int]) -> None:
+        """Adds each row's overlong_reward to its score, in place; with `log`, also as the extras
+        "overlong_reward" and "overlong" (1.0 where penalised). A row's length is what verl's DAPO
+        manager counts, the response's attention-mask tokens: in a multi-turn row the tool
+        responses count too, as they fill the same data.max_response_length budget."""
+        buffer = self.overlong_buffer
+        for i, length in enumerate(lengths):
+            penalty = overlong_reward(length, self.max_response_length, buffer.len, buffer.penalty_factor)
+            scores[i] += penalty
+            if buffer.log:
+                per_sample[i]["overlong_reward"] = penalty
+                per_sample[i]["overlong"] = float(penalty < 0)

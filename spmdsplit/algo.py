@@ -13,10 +13,16 @@ callable the caller supplies that turns a small 1-D tensor of local sums into gl
 
 ``None`` means this process holds the whole batch. Loss normalisation is global through the
 ``num_tokens`` / ``num_seqs`` arguments of :func:`agg_loss` instead.
+
+Estimators and policy losses are registered by name, as in verl (``register_adv_est`` /
+``get_adv_estimator_fn``, ``register_policy_loss`` / ``get_policy_loss_fn``); the config's choices
+for ``algorithm.adv_estimator`` and ``actor.policy_loss.loss_mode`` are the registries' names.
+tests/test_algo_registry.py checks every one of them against verl 0.9.1's own functions.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Hashable, Sequence
 
 import math
@@ -25,17 +31,26 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor
 
-from spmdsplit.config import LOSS_AGG_MODES, ROLLOUT_IS_LEVELS  # declared once, with the keys that choose them
-
 ReduceSum = Callable[[Tensor], Tensor]
+
+# The choices of actor/critic.loss_agg_mode (agg_loss) and of algorithm.rollout_correction.rollout_is
+# (compute_rollout_is_weights); spmdsplit/config.py reads them from here.
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+ROLLOUT_IS_LEVELS = ("token", "sequence")  # one weight per token, or the row's on each of its tokens
 
 __all__ = [
     "masked_sum", "masked_mean", "masked_var", "masked_whiten",
+    "AdvEstimator", "ADV_ESTIMATOR_REGISTRY", "register_adv_est", "get_adv_estimator", "get_adv_estimator_fn",
+    "POLICY_LOSS_REGISTRY", "register_policy_loss", "get_policy_loss_fn",
     "compute_gae_advantage_return", "compute_grpo_outcome_advantage", "compute_rloo_outcome_advantage",
     "compute_reinforce_plus_plus_outcome_advantage",
     "compute_reinforce_plus_plus_baseline_outcome_advantage", "compute_remax_outcome_advantage",
+    "compute_grpo_passk_outcome_advantage", "compute_opo_outcome_advantage", "compute_gpg_outcome_advantage",
     "kl_penalty", "FixedKLController", "AdaptiveKLController", "get_kl_controller", "apply_kl_penalty",
     "LOSS_AGG_MODES", "agg_loss", "compute_policy_loss", "compute_value_loss",
+    "compute_policy_loss_vanilla", "compute_policy_loss_gspo", "compute_policy_loss_sapo",
+    "compute_policy_loss_gpg", "compute_policy_loss_clip_cov", "compute_policy_loss_kl_cov",
+    "compute_policy_loss_geo_mean", "compute_policy_loss_cispo",
     "ROLLOUT_IS_LEVELS", "compute_rollout_is_weights", "rollout_correction_stats", "finish_rollout_correction_metrics",
     "logprobs_from_logits", "logprobs_and_entropy", "entropy_from_logits", "compute_explained_variance",
 ]
@@ -101,11 +116,74 @@ def masked_whiten(values: Tensor, mask: Tensor, shift_mean: bool = True,
     return whitened if shift_mean else whitened + mean
 
 
+# ----------------------------------------------------------------------------- registries
+#
+# verl's core_algos registries. An estimator is called with keyword arguments only, from this
+# vocabulary: token_level_rewards, response_mask, index (the row's prompt id, batch["uid"]), gamma,
+# lam, norm_adv_by_std_in_grpo, reduce_sum, and the batch columns its registration names in
+# `inputs`; it takes the ones it uses and ignores the rest (**_), as verl's do. It returns
+# (advantages, returns), both [batch, len].
+#
+# A policy loss is called as fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
+# config, rollout_is_weights, **counts), with `config` the actor's section (clip_ratio*, tau_*,
+# policy_loss.*) and `counts` agg_loss's num_tokens / num_seqs / horizon (global normalisation:
+# see agg_loss). It returns (pg_loss, {metric name: float}), the metrics local to its micro-batch.
+
+@dataclass(frozen=True)
+class AdvEstimator:
+    fn: Callable
+    groups: bool  # compares the responses to one prompt (by `index`): needs rollout.n >= 2
+    inputs: tuple[str, ...]  # batch columns it reads besides token_level_rewards and response_mask
+
+    @property
+    def needs_critic(self) -> bool:
+        return "values" in self.inputs
+
+
+ADV_ESTIMATOR_REGISTRY: dict[str, AdvEstimator] = {}
+POLICY_LOSS_REGISTRY: dict[str, Callable] = {}
+
+
+def register_adv_est(name: str, groups: bool = False, inputs: Sequence[str] = ()):
+    def decorator(fn):
+        if name in ADV_ESTIMATOR_REGISTRY and ADV_ESTIMATOR_REGISTRY[name].fn is not fn:
+            raise ValueError(f"advantage estimator {name!r} is already registered")
+        ADV_ESTIMATOR_REGISTRY[name] = AdvEstimator(fn, groups, tuple(inputs))
+        return fn
+    return decorator
+
+
+def get_adv_estimator(name: str) -> AdvEstimator:
+    if name not in ADV_ESTIMATOR_REGISTRY:
+        raise ValueError(f"unknown advantage estimator {name!r}; registered: {', '.join(ADV_ESTIMATOR_REGISTRY)}")
+    return ADV_ESTIMATOR_REGISTRY[name]
+
+
+def get_adv_estimator_fn(name: str) -> Callable:
+    return get_adv_estimator(name).fn
+
+
+def register_policy_loss(name: str):
+    def decorator(fn):
+        if name in POLICY_LOSS_REGISTRY and POLICY_LOSS_REGISTRY[name] is not fn:
+            raise ValueError(f"policy loss {name!r} is already registered")
+        POLICY_LOSS_REGISTRY[name] = fn
+        return fn
+    return decorator
+
+
+def get_policy_loss_fn(name: str) -> Callable:
+    if name not in POLICY_LOSS_REGISTRY:
+        raise ValueError(f"unknown policy loss {name!r}; registered: {', '.join(POLICY_LOSS_REGISTRY)}")
+    return POLICY_LOSS_REGISTRY[name]
+
+
 # ----------------------------------------------------------------------------- advantage estimators
 
+@register_adv_est("gae", inputs=("values",))
 @torch.no_grad()
 def compute_gae_advantage_return(token_level_rewards: Tensor, values: Tensor, response_mask: Tensor,
-                                 gamma: float, lam: float, reduce_sum: ReduceSum | None = None):
+                                 gamma: float, lam: float, reduce_sum: ReduceSum | None = None, **_):
     """Generalized Advantage Estimation (Schulman et al. 2016), delta_t = r_t + gamma V_{t+1} - V_t.
 
     Masked positions are skipped: they neither provide V_{t+1} nor reset the running estimate, so the
@@ -129,17 +207,23 @@ def compute_gae_advantage_return(token_level_rewards: Tensor, values: Tensor, re
     return advantages, returns
 
 
+def _group_ids(index, device) -> tuple[Tensor, int]:
+    """(group number of each row, number of groups) from one hashable prompt id per row."""
+    if isinstance(index, Tensor):
+        index = index.tolist()
+    ids: dict[Hashable, int] = {}
+    group = torch.tensor([ids.setdefault(k, len(ids)) for k in index], device=device)
+    return group, len(ids)
+
+
 def _group_stats(scores: Tensor, index) -> tuple[Tensor, Tensor, Tensor]:
     """Per-row (mean, unbiased std, size) of the row's group; ``index`` holds one hashable id per row.
 
     A group of one has no baseline to compare with: mean 0, std 1 (as verl), so its score passes through.
     """
-    if isinstance(index, Tensor):
-        index = index.tolist()
-    ids: dict[Hashable, int] = {}
-    group = torch.tensor([ids.setdefault(k, len(ids)) for k in index], device=scores.device)
+    group, num_groups = _group_ids(index, scores.device)
     x = scores.to(torch.float64)
-    count = torch.zeros(len(ids), dtype=torch.float64, device=x.device).index_add_(0, group, torch.ones_like(x))
+    count = torch.zeros(num_groups, dtype=torch.float64, device=x.device).index_add_(0, group, torch.ones_like(x))
     mean = torch.zeros_like(count).index_add_(0, group, x) / count
     sq_dev = torch.zeros_like(count).index_add_(0, group, (x - mean[group]) ** 2)
     std = (sq_dev / (count - 1).clamp_min(1)).sqrt()
@@ -152,9 +236,10 @@ def _broadcast(per_row: Tensor, response_mask: Tensor, like: Tensor) -> Tensor:
     return per_row.to(like.dtype).unsqueeze(-1) * response_mask.to(like.dtype)
 
 
+@register_adv_est("grpo", groups=True)
 @torch.no_grad()
 def compute_grpo_outcome_advantage(token_level_rewards: Tensor, response_mask: Tensor, index,
-                                   epsilon: float = 1e-6, norm_adv_by_std_in_grpo: bool = True):
+                                   epsilon: float = 1e-6, norm_adv_by_std_in_grpo: bool = True, **_):
     """GRPO (Shao et al. 2024): outcome score standardised within its prompt group.
 
     ``norm_adv_by_std_in_grpo=False`` only subtracts the group mean (Dr. GRPO, Liu et al. 2025).
@@ -168,9 +253,10 @@ def compute_grpo_outcome_advantage(token_level_rewards: Tensor, response_mask: T
     return adv, adv
 
 
+@register_adv_est("rloo", groups=True)
 @torch.no_grad()
 def compute_rloo_outcome_advantage(token_level_rewards: Tensor, response_mask: Tensor, index,
-                                   epsilon: float = 1e-6):
+                                   epsilon: float = 1e-6, **_):
     """REINFORCE leave-one-out (Ahmadian et al. 2024): baseline = mean score of the *other* samples.
 
     score - sum_others/(n-1) == score*n/(n-1) - mean*n/(n-1). Groups of one keep their raw score.
@@ -183,9 +269,10 @@ def compute_rloo_outcome_advantage(token_level_rewards: Tensor, response_mask: T
     return adv, adv
 
 
+@register_adv_est("reinforce_plus_plus")
 @torch.no_grad()
 def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards: Tensor, response_mask: Tensor,
-                                                  gamma: float, reduce_sum: ReduceSum | None = None):
+                                                  gamma: float, reduce_sum: ReduceSum | None = None, **_):
     """REINFORCE++ (Hu 2025): discounted return-to-go per token, whitened over the global batch."""
     valid = response_mask.bool()
     running = torch.zeros_like(token_level_rewards[:, 0])
@@ -198,10 +285,11 @@ def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards: Tensor, r
     return adv, returns
 
 
+@register_adv_est("reinforce_plus_plus_baseline", groups=True)
 @torch.no_grad()
 def compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards: Tensor, response_mask: Tensor,
                                                            index, epsilon: float = 1e-6,
-                                                           reduce_sum: ReduceSum | None = None):
+                                                           reduce_sum: ReduceSum | None = None, **_):
     """REINFORCE++-baseline: subtract the group mean score, then whiten over the global batch.
 
     Returns (advantages, returns) with returns = the mean-subtracted score broadcast over valid tokens.
@@ -213,13 +301,78 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards: 
     return adv, returns
 
 
+@register_adv_est("remax", inputs=("reward_baselines",))
 @torch.no_grad()
-def compute_remax_outcome_advantage(token_level_rewards: Tensor, reward_baselines: Tensor, response_mask: Tensor):
+def compute_remax_outcome_advantage(token_level_rewards: Tensor, reward_baselines: Tensor, response_mask: Tensor,
+                                    **_):
     """ReMax (Li et al. 2023): return-to-go minus the reward of the greedy response (``reward_baselines``, [batch])."""
     mask = response_mask.to(token_level_rewards.dtype)
     returns = (token_level_rewards * mask).flip(-1).cumsum(-1).flip(-1)
     adv = returns - reward_baselines.to(returns.dtype).unsqueeze(-1) * mask
     return adv, returns
+
+
+@register_adv_est("grpo_passk", groups=True)
+@torch.no_grad()
+def compute_grpo_passk_outcome_advantage(token_level_rewards: Tensor, response_mask: Tensor, index,
+                                         epsilon: float = 1e-6, norm_adv_by_std_in_grpo: bool = True, **_):
+    """Pass@k training (arXiv 2503.19595, as verl cites it): a group passes if its best response does,
+    so only the best response learns, with advantage r_max - r_second_max (divided by the group's
+    std + epsilon unless ``norm_adv_by_std_in_grpo=False``); every other response gets 0. With a tie
+    at the top the gap is 0, whichever of the tied rows holds it. Needs >= 2 responses per group.
+    """
+    scores = token_level_rewards.sum(dim=-1)
+    group, num_groups = _group_ids(index, scores.device)
+    adv = torch.zeros_like(scores)
+    for g in range(num_groups):  # top-2 per group: a loop over prompts, not over rows
+        rows = (group == g).nonzero().squeeze(-1)
+        if len(rows) < 2:
+            raise ValueError(f"grpo_passk needs at least 2 responses per prompt, got {len(rows)} (rollout.n)")
+        top, where = scores[rows].topk(2)
+        gap = top[0] - top[1]
+        if norm_adv_by_std_in_grpo:
+            gap = gap / (scores[rows].std() + epsilon)
+        adv[rows[where[0]]] = gap
+    adv = _broadcast(adv, response_mask, token_level_rewards)
+    return adv, adv
+
+
+@register_adv_est("opo", groups=True)
+@torch.no_grad()
+def compute_opo_outcome_advantage(token_level_rewards: Tensor, response_mask: Tensor, index,
+                                  epsilon: float = 1e-6, **_):
+    """OPO (Hao et al. 2025, arXiv 2505.23585): the baseline that minimises the gradient's variance
+    when every token counts the same is the group's *length-weighted* mean score,
+    b = sum_j |y_j| R_j / sum_j |y_j| (|y| = the row's valid tokens). A group of one keeps its raw
+    score; ``epsilon`` is unused (signature parity)."""
+    scores = token_level_rewards.sum(dim=-1)
+    group, num_groups = _group_ids(index, scores.device)
+    x, length = scores.to(torch.float64), response_mask.sum(dim=-1).to(torch.float64)
+    zeros = torch.zeros(num_groups, dtype=torch.float64, device=x.device)
+    count = zeros.index_add(0, group, torch.ones_like(x))
+    weighted, total_length = zeros.index_add(0, group, length * x), zeros.index_add(0, group, length)
+    baseline = torch.where(count > 1, weighted / total_length.clamp_min(1), zeros)
+    adv = _broadcast(x - baseline[group], response_mask, token_level_rewards)
+    return adv, adv
+
+
+@register_adv_est("gpg", groups=True)
+@torch.no_grad()
+def compute_gpg_outcome_advantage(token_level_rewards: Tensor, response_mask: Tensor, index,
+                                  epsilon: float = 1e-6, f_norm: float = 1.0, reduce_sum: ReduceSum | None = None,
+                                  **_):
+    """GPG (Chu et al. 2025, arXiv 2504.02546): score minus its group's mean, scaled by
+    alpha / f_norm with alpha = B / M, B the responses of the global batch and M those whose score is
+    non-zero: the paper's correction of the batch mean for the responses that bring no gradient,
+    counted as verl counts them (with verl's f_norm = 1, and no division by the group's std). A
+    group of one keeps its raw score.
+    """
+    scores = token_level_rewards.sum(dim=-1)
+    mean, _, _ = _group_stats(scores, index)
+    nonzero, total = _global_sums([torch.count_nonzero(scores), scores.new_tensor(scores.shape[0])], reduce_sum)
+    alpha = total / nonzero.clamp_min(1)
+    adv = _broadcast(alpha * (scores.to(torch.float64) - mean) / f_norm, response_mask, token_level_rewards)
+    return adv, adv
 
 
 # ----------------------------------------------------------------------------- KL penalty
@@ -385,6 +538,220 @@ def compute_policy_loss(old_log_prob: Tensor, log_prob: Tensor, advantages: Tens
         ppo_kl = masked_mean(-log_ratio, response_mask)
         pg_clipfrac_lower = masked_mean(((ppo_losses > dual_cap) & negative).float(), response_mask)
     return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
+
+
+# Registered policy losses (actor.policy_loss.loss_mode). Each reads its hyper-parameters from the
+# actor's config under verl's keys, multiplies its per-token loss by rollout_is_weights before the
+# aggregation unless its docstring says otherwise (as verl), and logs verl's metric names.
+
+def _clip_range(config) -> tuple[float, float]:
+    low = config.clip_ratio if config.clip_ratio_low is None else config.clip_ratio_low
+    high = config.clip_ratio if config.clip_ratio_high is None else config.clip_ratio_high
+    return low, high
+
+
+def _weighted(pg_losses: Tensor, rollout_is_weights: Tensor | None) -> Tensor:
+    return pg_losses if rollout_is_weights is None else pg_losses * rollout_is_weights
+
+
+def _metrics(**values) -> dict[str, float]:
+    return {f"actor/{name}": float(value) for name, value in values.items()}
+
+
+@register_policy_loss("vanilla")
+def compute_policy_loss_vanilla(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
+                                loss_agg_mode: str = "token-mean", config=None,
+                                rollout_is_weights: Tensor | None = None, **counts):
+    """:func:`compute_policy_loss` under the actor's clip_ratio, clip_ratio_low/high and clip_ratio_c."""
+    pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = compute_policy_loss(
+        old_log_prob, log_prob, advantages, response_mask, cliprange=config.clip_ratio,
+        cliprange_low=config.clip_ratio_low, cliprange_high=config.clip_ratio_high, clip_ratio_c=config.clip_ratio_c,
+        loss_agg_mode=loss_agg_mode, rollout_is_weights=rollout_is_weights, **counts)
+    return pg_loss, _metrics(pg_clipfrac=pg_clipfrac, ppo_kl=ppo_kl, pg_clipfrac_lower=pg_clipfrac_lower)
+
+
+@register_policy_loss("gspo")
+def compute_policy_loss_gspo(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
+                             loss_agg_mode: str = "token-mean", config=None,
+                             rollout_is_weights: Tensor | None = None, **counts):
+    """GSPO (Zheng et al. 2025, arXiv 2507.18071): one importance ratio per sequence, the geometric
+    mean of its token ratios s_i = exp(mean_t log r_it) over the row's valid tokens, clipped as PPO
+    clips a token's ratio. In the paper's token form s_it = sg[s_i] pi(y_it) / sg[pi(y_it)]: its
+    value is s_i on every token and its gradient s_i d log pi(y_it), so any loss_agg_mode applies
+    (the paper's is seq-mean-token-mean). log s_i is capped at 10 before exp (as verl).
+    """
+    low, high = _clip_range(config)
+    log_ratio = log_prob - old_log_prob
+    seq_log_ratio = masked_mean(log_ratio, response_mask, axis=-1).detach()
+    s = (log_prob - log_prob.detach() + seq_log_ratio.unsqueeze(-1)).clamp(max=10.0).exp()
+    loss_unclipped = -advantages * s
+    loss_clipped = -advantages * s.clamp(1 - low, 1 + high)
+    pg_losses = _weighted(torch.maximum(loss_unclipped, loss_clipped), rollout_is_weights)
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **counts)
+    with torch.no_grad():
+        return pg_loss, _metrics(pg_clipfrac=masked_mean((loss_clipped > loss_unclipped).float(), response_mask),
+                                 ppo_kl=masked_mean(-log_ratio, response_mask), pg_clipfrac_lower=0.0)
+
+
+@register_policy_loss("sapo")
+def compute_policy_loss_sapo(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
+                             loss_agg_mode: str = "token-mean", config=None,
+                             rollout_is_weights: Tensor | None = None, **counts):
+    """SAPO (Qwen 2025, arXiv 2511.20347): a soft gate instead of the hard clip. A token's
+    objective is f(r) A with f(r) = (4 / tau) sigmoid(tau (r - 1)), whose slope is 1 at r = 1 (the
+    policy gradient, on-policy) and fades smoothly as r leaves 1, where PPO's drops to 0 at 1 +- eps.
+    tau is actor.tau_pos where A > 0, actor.tau_neg elsewhere (a larger tau fades the negative
+    updates, the less stable ones, faster). Aggregated seq-mean-token-mean whatever loss_agg_mode
+    says, as the paper and verl do (num_seqs still normalises it globally). Log-ratios are clamped to
+    +-20 before exp.
+    """
+    log_ratio = (log_prob - old_log_prob).clamp(-20.0, 20.0)
+    ratio = log_ratio.exp()
+    tau_pos = torch.as_tensor(config.tau_pos, dtype=advantages.dtype, device=advantages.device)
+    tau_neg = torch.as_tensor(config.tau_neg, dtype=advantages.dtype, device=advantages.device)
+    tau = torch.where(advantages > 0, tau_pos, tau_neg)
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    pg_losses = _weighted(-gate * advantages, rollout_is_weights)
+    pg_loss = agg_loss(pg_losses, response_mask, "seq-mean-token-mean", **counts)
+    with torch.no_grad():
+        return pg_loss, _metrics(pg_clipfrac=0.0, ppo_kl=masked_mean(-log_ratio, response_mask), pg_clipfrac_lower=0.0)
+
+
+@register_policy_loss("gpg")
+def compute_policy_loss_gpg(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
+                            loss_agg_mode: str = "token-mean", config=None,
+                            rollout_is_weights: Tensor | None = None, **counts):
+    """GPG (Chu et al. 2025, arXiv 2504.02546): the plain policy gradient -A log pi, with no ratio and
+    no clip, so it is only right on-policy (one update per batch; old_log_prob is unused). Pair it with
+    algorithm.adv_estimator=gpg. No metrics, as verl.
+    """
+    pg_losses = _weighted(-log_prob * advantages, rollout_is_weights)
+    return agg_loss(pg_losses, response_mask, loss_agg_mode, **counts), {}
+
+
+def _centred_covariance(advantages: Tensor, log_prob: Tensor, response_mask: Tensor) -> Tensor:
+    """(A_t - mean A)(log pi_t - mean log pi) per token, means over the valid tokens given."""
+    logp = log_prob.detach()
+    return (advantages - masked_mean(advantages, response_mask)) * (logp - masked_mean(logp, response_mask))
+
+
+@register_policy_loss("clip_cov")
+def compute_policy_loss_clip_cov(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
+                                 loss_agg_mode: str = "token-mean", config=None,
+                                 rollout_is_weights: Tensor | None = None, **counts):
+    """Clip-Cov (Cui et al. 2025, arXiv 2505.22617): the policy's entropy collapses through the few
+    tokens whose log-prob and advantage covary most, so some of them lose their gradient. PPO's
+    clipped loss (no dual clip, no clamp of the log-ratio: as verl), except that
+    max(1, int(clip_cov_ratio * valid tokens)) tokens, drawn at random among the valid ones PPO did
+    not clip whose centred covariance lies in (clip_cov_lb, clip_cov_ub), count 0.
+
+    The covariance's means and the token count are over the tensors given, i.e. per micro-batch, as
+    verl: the selection is a heuristic on local statistics (the loss itself is still normalised by
+    the global counts). The draw uses torch's global CPU generator (torch.randperm), as verl's.
+    pg_clipfrac counts the cut tokens only (as verl), not PPO's clipped ones.
+    """
+    low, high = _clip_range(config)
+    knobs = config.policy_loss
+    log_ratio = log_prob - old_log_prob
+    ratio = log_ratio.exp()
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * ratio.clamp(1 - low, 1 + high)
+    with torch.no_grad():
+        cov = _centred_covariance(advantages, log_prob, response_mask)
+        candidates = (response_mask.bool() & ~(loss_clipped > loss_unclipped)
+                      & (cov > knobs.clip_cov_lb) & (cov < knobs.clip_cov_ub)).reshape(-1).nonzero().squeeze(-1)
+        num_cut = max(int(knobs.clip_cov_ratio * response_mask.sum().item()), 1)
+        cut = torch.zeros(response_mask.numel(), dtype=torch.bool, device=response_mask.device)
+        if len(candidates):
+            cut[candidates[torch.randperm(len(candidates))[:num_cut].to(candidates.device)]] = True
+        cut = cut.view(response_mask.shape)
+    ppo_losses = torch.maximum(loss_unclipped, loss_clipped)
+    pg_losses = _weighted(torch.where(cut, torch.zeros_like(ppo_losses), ppo_losses), rollout_is_weights)
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **counts)
+    with torch.no_grad():
+        return pg_loss, _metrics(pg_clipfrac=masked_mean(cut.float(), response_mask),
+                                 ppo_kl=masked_mean(-log_ratio, response_mask))
+
+
+@register_policy_loss("kl_cov")
+def compute_policy_loss_kl_cov(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
+                               loss_agg_mode: str = "token-mean", config=None,
+                               rollout_is_weights: Tensor | None = None, **counts):
+    """KL-Cov (Cui et al. 2025, arXiv 2505.22617): no clip; instead the max(1, int(kl_cov_ratio *
+    valid tokens)) valid tokens of largest centred covariance (see clip_cov) get a penalty
+    ppo_kl_coef * |log r| added to -A r, which holds exactly those tokens near the old policy. No
+    clamp of the log-ratio (as verl). Statistics per micro-batch, as clip_cov's. actor/ppo_kl is the
+    mean |log r| for this loss, as verl logs it.
+    """
+    knobs = config.policy_loss
+    log_ratio = log_prob - old_log_prob
+    pg_losses = -advantages * log_ratio.exp()
+    with torch.no_grad():
+        valid = response_mask.bool().reshape(-1).nonzero().squeeze(-1)
+        penalised = torch.zeros(response_mask.numel(), dtype=torch.bool, device=response_mask.device)
+        if len(valid):
+            adv, logp = advantages.detach().reshape(-1)[valid], log_prob.detach().reshape(-1)[valid]
+            cov = (adv - adv.mean()) * (logp - logp.mean())
+            penalised[valid[cov.topk(max(1, int(len(valid) * knobs.kl_cov_ratio))).indices]] = True
+        penalised = penalised.view(response_mask.shape)
+    pg_losses = torch.where(penalised, pg_losses + knobs.ppo_kl_coef * log_ratio.abs(), pg_losses)
+    pg_loss = agg_loss(_weighted(pg_losses, rollout_is_weights), response_mask, loss_agg_mode, **counts)
+    with torch.no_grad():
+        return pg_loss, _metrics(ppo_kl=masked_mean(log_ratio.abs(), response_mask))
+
+
+@register_policy_loss("geo_mean")
+def compute_policy_loss_geo_mean(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
+                                 loss_agg_mode: str = "token-mean", config=None,
+                                 rollout_is_weights: Tensor | None = None, **counts):
+    """GMPO (Zhao et al. 2025, arXiv 2507.20673): a row's objective is its advantage times the
+    *geometric* mean of its token ratios, which one outlier token moves far less than the arithmetic
+    mean PPO optimises. Each token's log-ratio is clipped to [-clip_ratio_low, clip_ratio_high] on
+    the side its advantage pushes towards (PPO's pessimism, in log space:
+    sign(A) min(sign(A) log r, sign(A) clip(log r))); the row's ratio is exp of their mean over its
+    valid tokens and its advantage the mean of its token advantages (an outcome advantage: the
+    row's). No clamp of the log-ratio (as verl).
+
+    Sequence-level whatever loss_agg_mode says (as verl): the loss is sum_i loss_i / num_seqs, the
+    global count of rows with a valid token (verl divides by its micro-batch's rows, empty ones
+    included). Rollout IS weights enter as the row's geometric mean of its token weights (as verl).
+    """
+    low, high = _clip_range(config)
+    log_ratio = log_prob - old_log_prob
+    sign = advantages.sign()
+    clipped_log_ratio = log_ratio.clamp(-low, high)
+    pessimistic = sign * torch.minimum(sign * log_ratio, sign * clipped_log_ratio)
+    seq_losses = -masked_mean(advantages, response_mask, axis=-1) * masked_mean(pessimistic, response_mask, axis=-1).exp()
+    if rollout_is_weights is not None:
+        seq_losses = seq_losses * masked_mean((rollout_is_weights + 1e-10).log(), response_mask, axis=-1).exp()
+    num_seqs = counts.get("num_seqs")
+    num_seqs = response_mask.bool().any(dim=-1).sum() if num_seqs is None else num_seqs
+    pg_loss = seq_losses.sum() / _positive(num_seqs)
+    with torch.no_grad():
+        clipped = log_ratio != clipped_log_ratio
+        return pg_loss, _metrics(pg_clipfrac=masked_mean((clipped & (advantages > 0)).float(), response_mask),
+                                 ppo_kl=masked_mean(-log_ratio, response_mask),
+                                 pg_clipfrac_lower=masked_mean((clipped & (advantages < 0)).float(), response_mask))
+
+
+@register_policy_loss("cispo")
+def compute_policy_loss_cispo(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor, response_mask: Tensor,
+                              loss_agg_mode: str = "token-mean", config=None,
+                              rollout_is_weights: Tensor | None = None, **counts):
+    """CISPO (MiniMax 2025, arXiv 2506.13585): clip the importance weight, not the update. The loss
+    -sg[clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high)] A log pi keeps every token's gradient
+    (PPO's clip drops those outside the trust region, often the rare, decisive tokens) and only caps
+    its weight. Log-ratios are clamped to +-20 before exp. pg_clipfrac: tokens whose weight was clipped.
+    """
+    low, high = _clip_range(config)
+    log_ratio = (log_prob - old_log_prob).clamp(-20.0, 20.0)
+    ratio = log_ratio.exp()
+    weight = ratio.clamp(1 - low, 1 + high).detach()
+    pg_losses = _weighted(-weight * advantages * log_prob, rollout_is_weights)
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **counts)
+    with torch.no_grad():
+        return pg_loss, _metrics(pg_clipfrac=masked_mean((ratio != weight).float(), response_mask),
+                                 ppo_kl=masked_mean(-log_ratio, response_mask), pg_clipfrac_lower=0.0)
 
 
 # ----------------------------------------------------------------------------- rollout correction

@@ -17,6 +17,8 @@ from typing import Any, Callable, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from spmdsplit.algo import (ADV_ESTIMATOR_REGISTRY, LOSS_AGG_MODES, POLICY_LOSS_REGISTRY, ROLLOUT_IS_LEVELS,
+                            get_adv_estimator)
 from spmdsplit.data.synthetic import TASKS
 
 
@@ -76,10 +78,9 @@ def positive(default):
 # Choices several keys share.
 ENGINES = ("fsdp", "deepspeed")  # spmdsplit/engines/
 KL_ESTIMATORS = ("kl", "abs", "mse", "low_var_kl")  # the KL penalty in the reward, and the actor's KL loss
-# spmdsplit/algo.py agg_loss implements these (and imports them from here).
-LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-# spmdsplit/algo.py compute_rollout_is_weights: one weight per token, or the row's on each of its tokens.
-ROLLOUT_IS_LEVELS = ("token", "sequence")
+# Declared in spmdsplit/algo.py, beside the math that implements them: LOSS_AGG_MODES (agg_loss),
+# ROLLOUT_IS_LEVELS (compute_rollout_is_weights), and the registries of advantage estimators and
+# policy losses, whose names are algorithm.adv_estimator's and actor.policy_loss.loss_mode's choices.
 
 
 def inference_zero_stage(trained: str):
@@ -188,6 +189,9 @@ class DataConfig:
     val_files: Any = paths("")
     prompt_key: str = "prompt"
     train_batch_size: int = positive(128)  # prompts per step, over the whole world
+    # prompts per generation batch with algorithm.filter_groups (verl's name; null = train_batch_size):
+    # batches are generated until their kept groups fill train_batch_size
+    gen_batch_size: Optional[int] = bounded(None, lambda v: v is None or v > 0, "expected a positive number, or null")
     max_prompt_length: int = positive(8)
     max_response_length: int = positive(6)  # the synthetic tasks' answers are 4 digits: room for the EOS and to overrun
     filter_overlong_prompts: bool = False  # drop (and count) prompts longer than max_prompt_length
@@ -210,6 +214,18 @@ class OptimConfig:
 
 
 @dataclass
+class PolicyLossConfig:
+    """verl's actor.policy_loss: the registered loss (spmdsplit/algo.py) and its hyper-parameters
+    (docs/algorithms.md); the losses also read actor.clip_ratio* and actor.tau_*."""
+    loss_mode: str = choice(*POLICY_LOSS_REGISTRY, default="vanilla")
+    clip_cov_ratio: float = positive(0.0002)  # clip_cov: share of a micro-batch's tokens whose gradient is cut
+    clip_cov_lb: float = 1.0  # clip_cov: the candidates' covariance lies in (clip_cov_lb, clip_cov_ub)
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = positive(0.0002)  # kl_cov: share of tokens (largest covariance) given the KL penalty
+    ppo_kl_coef: float = 0.1  # kl_cov: the penalty's coefficient, on |log(pi / pi_old)|
+
+
+@dataclass
 class ActorConfig:
     # verl's learning rates: right for a pretrained model; the embedded toy's live in its preset
     # (spmdsplit/embedded.py EMBEDDED_PRESET), applied when model.path is empty.
@@ -227,6 +243,9 @@ class ActorConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = choice(*KL_ESTIMATORS, default="low_var_kl")
     loss_agg_mode: str = choice(*LOSS_AGG_MODES)
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    tau_pos: float = positive(1.0)  # policy_loss.loss_mode=sapo: the gate's temperature where the advantage > 0
+    tau_neg: float = positive(1.05)  # ... and where it is <= 0 (larger: negative updates fade faster)
     log_prob_micro_batch_size_per_gpu: int = positive(32)
     engine: str = choice(*ENGINES)  # fsdp (FSDP2) | deepspeed (ZeRO, over the actor pool's group)
     # deepspeed: 1 (optimizer state), 2 (+ gradients), 3 (+ weights) sharded over the pool
@@ -375,9 +394,23 @@ class RewardModelConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    """DAPO's overlong reward shaping on the rule reward (roles/reward.py overlong_reward), under the
+    names of verl's DAPO reward manager: verl 0.9.1 reward.reward_kwargs.overlong_buffer_cfg.* (its
+    reward_kwargs.max_resp_len is data.max_response_length here); DAPO's recipe yaml
+    reward_model.overlong_buffer.*. A response longer than data.max_response_length - len tokens
+    loses penalty_factor * (length - that) / len: penalty_factor at the limit."""
+    enable: bool = False
+    len: int = 0  # the buffer, in tokens; when enabled, > 0 and < data.max_response_length
+    penalty_factor: float = bounded(1.0, lambda v: v >= 0, "expected >= 0")
+    log: bool = False  # also log overlong_reward and overlong (1 if penalised) as critic/reward_extra/<key>/mean
+
+
+@dataclass
 class RewardConfig:
     custom_fn: CustomRewardFnConfig = field(default_factory=CustomRewardFnConfig)
     model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
 
 @dataclass
@@ -403,8 +436,19 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    """verl's algorithm.filter_groups: DAPO's dynamic sampling (spmdsplit/dynamic_sampling.py)."""
+    enable: bool = False
+    # What must differ between a prompt group's responses for the group to be kept: seq_reward or
+    # seq_final_reward (the row's total reward), or a number the reward function returns in its dict
+    # (DAPO's recipe: acc).
+    metric: str = "seq_reward"
+    max_num_gen_batches: int = 0  # a step that needs more generation batches stops the job; <= 0: no limit
+
+
+@dataclass
 class AlgorithmConfig:
-    adv_estimator: str = choice("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+    adv_estimator: str = choice(*ADV_ESTIMATOR_REGISTRY, default="gae")  # spmdsplit/algo.py's registry
     gamma: float = 1.0
     lam: float = 1.0
     norm_adv_by_std_in_grpo: bool = True
@@ -412,6 +456,7 @@ class AlgorithmConfig:
     kl_penalty: str = choice(*KL_ESTIMATORS)
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
 
 
 @dataclass
@@ -635,7 +680,8 @@ def check_values(cfg: DictConfig) -> None:
             raise ConfigError(
                 f"{role}.ppo_mini_batch_size={mini} must divide data.train_batch_size={cfg.data.train_batch_size}"
             )
-    if cfg.algorithm.adv_estimator != "gae" and critic_pool_apart(cfg) and not cfg.reward.model.path:
+    estimator = get_adv_estimator(cfg.algorithm.adv_estimator)
+    if not estimator.needs_critic and critic_pool_apart(cfg) and not cfg.reward.model.path:
         raise ConfigError(
             f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} trains no critic, and without "
             "reward.model.path the critic pool would only run a rule reward while the actor pool does "
@@ -643,14 +689,16 @@ def check_values(cfg: DictConfig) -> None:
             "actor's (placement.mode=custom placement.pools='{gen: 1, train: 1}' "
             "placement.roles='{rollout: gen, actor: train}'), or give the critic pool a reward model"
         )
-    if cfg.algorithm.adv_estimator in ("grpo", "rloo") and cfg.rollout.n < 2:
+    if estimator.groups and cfg.rollout.n < 2:
         raise ConfigError(
             f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares responses to the same prompt: "
             f"set rollout.n >= 2 (got {cfg.rollout.n})"
         )
+    check_filter_groups(cfg)
     check_engines(cfg)
     check_packed_attention(cfg, cfg.trainer.device)  # auto: again at start-up, once the device is known
     check_rollout(cfg)
+    check_overlong_buffer(cfg)
     pools = cfg.placement.pools
     if cfg.placement.mode == "custom" and not OmegaConf.is_dict(pools) and len(pools) != 2:
         raise ConfigError(
@@ -658,6 +706,18 @@ def check_values(cfg: DictConfig) -> None:
             "e.g. placement.pools=[6,2], or named pools with placement.roles, e.g. placement.pools='{gen: 1, train: 1}' "
             "placement.roles='{rollout: gen, actor: train, critic: train}'"
         )
+
+
+def check_overlong_buffer(cfg: DictConfig) -> None:
+    buffer, limit = cfg.reward.overlong_buffer, cfg.data.max_response_length
+    if not buffer.enable:
+        return
+    if not 0 < buffer.len < limit:
+        raise ConfigError(f"reward.overlong_buffer.len={buffer.len}: expected > 0 and < data.max_response_length={limit} "
+                          "(the penalty ramps over the last len tokens before the limit)")
+    if cfg.reward.model.path:
+        raise ConfigError("reward.overlong_buffer.enable=true shapes the rule reward, and reward.model.path replaces "
+                          "it with the reward model's scores: drop one of them")
 
 
 def critic_pool_apart(cfg: DictConfig) -> bool:
@@ -762,6 +822,31 @@ def check_packed_attention(cfg: DictConfig, device_type: str) -> None:
             "set model.attn_implementation=flash_attention_2 (pip install flash-attn), or lower the budget")
 
 
+def check_filter_groups(cfg: DictConfig) -> None:
+    """algorithm.filter_groups (spmdsplit/dynamic_sampling.py) filters where rows are generated,
+    by the rule reward, on whole steps."""
+    fg, key = cfg.algorithm.filter_groups, "algorithm.filter_groups.enable=true"
+    gen = cfg.data.gen_batch_size
+    if not fg.enable:
+        if gen is not None and gen != cfg.data.train_batch_size:
+            raise ConfigError(f"data.gen_batch_size={gen} differs from data.train_batch_size={cfg.data.train_batch_size}, "
+                              "which only dynamic sampling uses: set algorithm.filter_groups.enable=true, or drop it")
+        return
+    if cfg.rollout.n < 2:
+        raise ConfigError(f"{key} keeps the prompt groups whose responses differ: set rollout.n >= 2 "
+                          f"(got {cfg.rollout.n})")
+    if cfg.reward.model.path:
+        raise ConfigError(f"{key} scores each group where it is generated, with the rule reward; "
+                          "reward.model.path scores on the critic group: use a rule or custom reward")
+    if cfg.rollout.stream_chunks != 1:
+        raise ConfigError(f"{key} with rollout.stream_chunks={cfg.rollout.stream_chunks}: a step's rows are known only "
+                          "once the kept groups fill it, so there is nothing to stream; use rollout.stream_chunks=1")
+    if fg.metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:
+        raise ConfigError("algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward=true: the "
+                          "KL penalty needs the actor's log-probs, which the generating ranks do not have; use "
+                          "seq_reward, or the KL loss (actor.use_kl_loss=true)")
+
+
 def check_rollout(cfg: DictConfig) -> None:
     """vLLM's knobs, and vLLM installed where it is chosen (it is imported only then)."""
     r = cfg.rollout
@@ -829,6 +914,17 @@ def check_against_placement(cfg: DictConfig, placement) -> None:
             "the others train on batch k), but the rollout group sits with the actor; use rollout.staleness=0, or "
             "e.g. placement.mode=custom placement.pools='{gen: 1, train: 1}' placement.roles='{rollout: gen, actor: train}'"
         )
+    if cfg.algorithm.filter_groups.enable:
+        if placement.rollout_apart:
+            generating = len(placement.rollout_ranks)
+        elif r.ranks == "all" and not placement.colocated:
+            generating = placement.world_size
+        else:
+            generating = len(placement.actor_ranks)
+        gen = cfg.data.gen_batch_size or cfg.data.train_batch_size
+        if gen % generating:
+            raise ConfigError(f"data.gen_batch_size={gen} is not divisible by the {generating} generating ranks "
+                              f"(each generates whole prompt groups); use a multiple of {generating}")
     check_against_pools(cfg, len(placement.actor_ranks), len(placement.critic_ranks), colocated=placement.colocated)
 
 

@@ -8,6 +8,7 @@ from spmdsplit import algo
 from spmdsplit.actor_pool import engine_shares, generating_ranks
 from spmdsplit.batch import Batch
 from spmdsplit.data.prompts import PromptDataset
+from spmdsplit.dynamic_sampling import DynamicSampling
 from spmdsplit.distributed import pool_reduce_metrics, pool_sum
 from spmdsplit.exchange import PendingSend
 from spmdsplit.messages import PoolChannel, check_rows
@@ -83,21 +84,18 @@ class CriticPool:
             )
         else:
             batch["token_level_rewards"] = batch["token_level_scores"]
-        rewards, mask, groups = batch["token_level_rewards"], batch["response_mask"], batch["uid"]
-        est = alg.adv_estimator
-        if est == "gae":
-            adv, ret = algo.compute_gae_advantage_return(rewards, batch["values"], mask, alg.gamma, alg.lam, reduce_sum=reduce_sum)
-        elif est == "grpo":
-            adv, ret = algo.compute_grpo_outcome_advantage(rewards, mask, groups, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo)
-        elif est == "rloo":
-            adv, ret = algo.compute_rloo_outcome_advantage(rewards, mask, groups)
-        elif est == "reinforce_plus_plus":
-            adv, ret = algo.compute_reinforce_plus_plus_outcome_advantage(rewards, mask, alg.gamma, reduce_sum=reduce_sum)
-        elif est == "reinforce_plus_plus_baseline":
-            adv, ret = algo.compute_reinforce_plus_plus_baseline_outcome_advantage(rewards, mask, groups, reduce_sum=reduce_sum)
-        else:
-            raise ValueError(f"algorithm.adv_estimator={est!r} is not supported")
-        batch["advantages"], batch["returns"] = adv, ret
+        # Every estimator gets the same keywords and takes what it uses (algo.py, "registries"),
+        # plus the batch columns its registration names: values (gae), reward_baselines (remax).
+        estimator = algo.get_adv_estimator(alg.adv_estimator)
+        missing = [column for column in estimator.inputs if column not in batch]
+        if missing:
+            raise ValueError(f"algorithm.adv_estimator={alg.adv_estimator} needs the batch column(s) {missing}, "
+                             "which this step's rollout did not provide")
+        batch["advantages"], batch["returns"] = estimator.fn(
+            token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"],
+            index=batch["uid"], gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
+            reduce_sum=reduce_sum, **{column: batch[column] for column in estimator.inputs},
+        )
         return metrics
 
     def score_validation(self, step: int, num_rows: int, sources: list[str]) -> dict[str, float]:
@@ -121,17 +119,27 @@ class Generator:
     the rows to the actor pool, which treats them as its own (spmdsplit/messages.py)."""
 
     def __init__(self, cfg, pools: Pools, rollout, weights: WeightBroadcast, channel: PoolChannel, timer: PhaseTimer,
-                 dataset: PromptDataset, tokenizer):
+                 dataset: PromptDataset, tokenizer, sampler: DynamicSampling | None = None):
         self.cfg, self.pools, self.rollout, self.weights = cfg, pools, rollout, weights
         self.channel, self.timer, self.dataset, self.tokenizer = channel, timer, dataset, tokenizer
+        self.sampler = sampler  # algorithm.filter_groups: decided with the actor pool's ranks
 
     def generate(self, step: int) -> PendingSend:
-        shares = engine_shares(self.cfg, self.dataset, self.tokenizer, step, generating_ranks(self.cfg, self.pools))
+        generating = generating_ranks(self.cfg, self.pools)
+
+        def generate(gen_batch: int) -> Batch:
+            shares = engine_shares(self.cfg, self.dataset, self.tokenizer, gen_batch, generating)
+            return shares.generate(self.rollout, self.pools.device)
+
         with self.timer.phase("sync_weights", step):
             self.weights.ready()
             self.rollout.wake_up(self.weights.receive())
         with self.timer.phase("gen", step):
-            generated = shares.generate(self.rollout, self.pools.device)
+            if self.sampler:
+                generated = self.sampler.fill(step, generate)
+                self.sampler.pop_metrics(step)  # the actor pool's ranks report the same numbers
+            else:
+                generated = generate(step)
         with self.timer.phase("rollout_sleep", step):
             self.rollout.sleep()  # before the rows go out (see ActorPool.roll_out)
         return self.channel.send_generated(step, generated)

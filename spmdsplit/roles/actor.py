@@ -43,18 +43,18 @@ class Actor:
         cfg = self.cfg
         self.engine.model.train()
         counts = {"horizon": self.loss_horizon}
+        policy_loss = algo.get_policy_loss_fn(cfg.policy_loss.loss_mode)  # vanilla: PPO's dual clip
 
         def micro_loss(micro: Batch, num_tokens, num_seqs):
             mask = micro["response_mask"]
             counts.update(num_tokens=num_tokens, num_seqs=num_seqs)
             # verl's rule: no entropy graph when its coefficient is 0 (it is still logged).
             log_prob, entropy = self._log_probs(micro, "grad" if cfg.entropy_coeff else "detached")
-            pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower = algo.compute_policy_loss(
-                micro["old_log_probs"], log_prob, micro["advantages"], mask,
-                cliprange=cfg.clip_ratio, cliprange_low=cfg.clip_ratio_low, cliprange_high=cfg.clip_ratio_high,
-                clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode, **counts,
+            pg_loss, pg_metrics = policy_loss(
+                micro["old_log_probs"], log_prob, micro["advantages"], mask, cfg.loss_agg_mode, cfg,
                 # algorithm.rollout_correction.rollout_is (actor_pool.correct_for_the_engine)
                 rollout_is_weights=micro["rollout_is_weights"] if "rollout_is_weights" in micro else None,
+                **counts,
             )
             entropy_share = algo.agg_loss(entropy, mask, cfg.loss_agg_mode, **counts)
             loss = pg_loss - cfg.entropy_coeff * entropy_share
@@ -65,12 +65,9 @@ class Actor:
                 loss = loss + cfg.kl_loss_coef * kl_share
                 shares["actor/kl_loss"] = kl_share.item()
             n = mask.sum().item()
-            pieces = {
-                "actor/pg_clipfrac": (pg_clipfrac.item(), n),
-                "actor/ppo_kl": (ppo_kl.item(), n),
-                "actor/pg_clipfrac_lower": (pg_clipfrac_lower.item(), n),
-                "actor/entropy": (algo.masked_mean(entropy.detach(), mask).item(), n),
-            }
+            # the loss's metrics are means over this micro-batch's tokens: weighted by its token count
+            pieces = {name: (value, n) for name, value in pg_metrics.items()}
+            pieces["actor/entropy"] = (algo.masked_mean(entropy.detach(), mask).item(), n)
             return loss, shares, pieces
 
         metrics = run_ppo_updates(self.engine, batch, cfg, self.rollout_n, seed, self.device, micro_loss)

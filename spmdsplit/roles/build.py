@@ -88,15 +88,13 @@ def build_critic_pool(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> Criti
     dtype, mixed = compute_dtypes(cfg, device)
     attention, packed = cfg.model.attn_implementation, cfg.model.use_remove_padding
     critic = None
-    if cfg.algorithm.adv_estimator == "gae":
+    if algo.get_adv_estimator(cfg.algorithm.adv_estimator).needs_critic:
         value_model = ModelSource("value", cfg.critic.model_path or cfg.model.path, torch.float32, seed, remote,
                                   attention)
         critic = Critic(build_engine(cfg, "critic", value_model, pools.critic_mesh, device, mixed), cfg.critic,
                         device, rollout_n=cfg.rollout.n, remove_padding=packed,
                         loss_horizon=cfg.data.max_response_length)
-    custom = cfg.reward.custom_fn
-    custom_fn = load_custom_reward_fn(custom.path, custom.name) if custom.path else None
-    reward = RuleReward(tokenizer, eos_ids, custom_fn=custom_fn)
+    reward = build_rule_reward(cfg, tokenizer, eos_ids)
     if cfg.reward.model.path:  # a reward model replaces the rule scores, as in verl
         rm = cfg.reward.model
         rm_engine = build_engine(cfg, "reward_model", ModelSource("reward", rm.path, dtype, seed, remote, attention),
@@ -106,3 +104,13 @@ def build_critic_pool(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> Criti
                              remove_padding=packed)
     kl = cfg.algorithm.kl_ctrl
     return CriticPoolRoles(critic, reward, algo.get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon))
+
+
+def build_rule_reward(cfg, tokenizer, eos_ids: list[int]) -> RuleReward:
+    """The rule reward (the custom function, or the built-in scorers by data_source), with DAPO's
+    overlong shaping when reward.overlong_buffer says so: the critic group's, and dynamic sampling's
+    on the generating ranks."""
+    custom = cfg.reward.custom_fn
+    custom_fn = load_custom_reward_fn(custom.path, custom.name) if custom.path else None
+    return RuleReward(tokenizer, eos_ids, custom_fn=custom_fn, overlong_buffer=cfg.reward.overlong_buffer,
+                      max_response_length=cfg.data.max_response_length)

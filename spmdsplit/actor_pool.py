@@ -12,6 +12,7 @@ from spmdsplit import algo
 from spmdsplit.balance import balanced_group_order, seqlen_metrics, slice_sums
 from spmdsplit.batch import Batch
 from spmdsplit.data.prompts import PromptDataset, collate_prompts
+from spmdsplit.dynamic_sampling import DynamicSampling
 from spmdsplit.exchange import PendingSend, row_ranges
 from spmdsplit.groups import critic_pool_generates
 from spmdsplit.messages import PoolChannel, check_rows
@@ -25,11 +26,13 @@ from spmdsplit.weight_sync import WeightBroadcast
 
 class ActorPool:
     def __init__(self, cfg, pools: Pools, roles: ActorPoolRoles, channel: PoolChannel, timer: PhaseTimer,
-                 dataset: PromptDataset, tokenizer, handoff, weights: WeightBroadcast | None = None):
+                 dataset: PromptDataset, tokenizer, handoff, weights: WeightBroadcast | None = None,
+                 sampler: DynamicSampling | None = None):
         self.cfg, self.pools, self.channel, self.timer = cfg, pools, channel, timer
         self.actor, self.ref, self.rollout = roles.actor, roles.ref, roles.rollout
         self.dataset, self.tokenizer, self.handoff = dataset, tokenizer, handoff
         self.weights = weights  # the broadcast to engines elsewhere (a rollout pool, rollout.ranks=all's)
+        self.sampler = sampler  # algorithm.filter_groups, when this pool generates
         self.chunks = cfg.rollout.stream_chunks
         self.sends = PendingSend()  # this step's sends to the critic pool, waited for at its end
         self.rollout_metrics: dict[str, float] = {}
@@ -43,7 +46,7 @@ class ActorPool:
         parts = self.receive_generated(step) if self.pools.placement.rollout_apart else self.generate_step(step)
         # Each chunk is as wide as its longest response (rollout/base.py): pad them to one width.
         rollout = Batch.concat(parts, pad_to_widest=True)
-        self.rollout_metrics = {}
+        self.rollout_metrics = self.sampler.pop_metrics(step) if self.sampler else {}
         corr = self.cfg.algorithm.rollout_correction
         if (corr.rollout_is or corr.bypass_mode) and "rollout_log_probs" not in rollout:
             raise RuntimeError("algorithm.rollout_correction needs the engine's rollout_log_probs, and this "
@@ -67,14 +70,21 @@ class ActorPool:
         """The rollout group on this pool: the engines wake with the policy's weights and generate
         the step's prompts chunk by chunk, each sent on to the critic pool at once."""
         phase, channel = self.timer.phase, self.channel
-        shares = engine_shares(self.cfg, self.dataset, self.tokenizer, step, generating_ranks(self.cfg, self.pools))
+        generating = generating_ranks(self.cfg, self.pools)
+
+        def shares(batch: int) -> EngineShares:  # the prompts of generation batch `batch`
+            return engine_shares(self.cfg, self.dataset, self.tokenizer, batch, generating)
+
         with phase("sync_weights", step) as event:
             self.wake_rollout()
             event.update(self.timer.device_in_use())  # the engine's share included (tools/gpu_check.py)
         parts = []
         for c in range(self.chunks):
             with phase("gen", step, chunk=c):
-                parts.append(self.generate(shares.chunk(c, self.chunks)))
+                if self.sampler:  # DAPO: batches until the kept groups fill the step (one chunk: config)
+                    parts.append(self.sampler.fill(step, lambda batch: self.generate(shares(batch))))
+                else:
+                    parts.append(self.generate(shares(step).chunk(c, self.chunks)))
             if c == self.chunks - 1:
                 # Before the last rows go out: vLLM's sleep synchronises the device, which on
                 # NCCL would wait for the critic pool to take a pending send.
@@ -133,7 +143,7 @@ class ActorPool:
             return
         corr, group, device = self.cfg.algorithm.rollout_correction, self.pools.actor_group, self.pools.device
         engine, actor, mask = rollout["rollout_log_probs"], rollout["old_log_probs"], rollout["response_mask"]
-        self.rollout_metrics = rollout_probs_diff_metrics(engine, actor, mask, group, device)
+        self.rollout_metrics.update(rollout_probs_diff_metrics(engine, actor, mask, group, device))
         self.rollout_metrics.update(rollout_correction_metrics(actor, engine, mask, corr.rollout_is,
                                                                corr.rollout_is_threshold, group, device))
         if corr.rollout_is:

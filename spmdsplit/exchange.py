@@ -357,15 +357,35 @@ def reorder_rows(msg: Message, batch: Batch, ranks: Sequence[int], order: Sequen
         raise ValueError(f"rank {me} holds rows {(old_lo, old_hi)} of {len(order)} but got a batch of {len(batch)}")
     if len(ranks) == 1:
         return batch.index(list(order))
-    device = torch.device(device)
-    kept, blobs = None, []
-    for i, (lo, hi) in enumerate(ranges):
+    pieces = []
+    for lo, hi in ranges:
         theirs = [order[p] - old_lo for p in range(lo, hi) if old_lo <= order[p] < old_hi]
-        piece = batch.index(theirs) if theirs else None
-        if i == mine:
-            kept, piece = piece, None
-        blobs.append(_blob(piece, device))
+        pieces.append(batch.index(theirs) if theirs else None)
     fingerprint = hash(tuple(order)) & (2**62 - 1)
+    arrived_from = exchange_pieces(msg, pieces, ranks, group, device, fingerprint, "balances")
+    new_lo, new_hi = ranges[mine]
+    sources = sorted({holder[order[p]] for p in range(new_lo, new_hi)})
+    arrived = Batch.concat([arrived_from[s] for s in sources], pad_to_widest=True)
+    # `arrived` holds the rows source by source, each source's in new order: put them in new order.
+    arrival = sorted(range(new_lo, new_hi), key=lambda p: (holder[order[p]], p))
+    place_in_arrived = {p: i for i, p in enumerate(arrival)}
+    return arrived.index([place_in_arrived[p] for p in range(new_lo, new_hi)])
+
+
+def exchange_pieces(msg: Message, pieces: Sequence[Batch | None], ranks: Sequence[int], group, device,
+                    fingerprint: int, doing: str) -> list[Batch | None]:
+    """The collective under `reorder_rows` and `regroup_rows`: `pieces[i]` (rows or None) goes to
+    `ranks[i]`; returns what each rank of `ranks` sent this one (this rank's own piece stays here,
+    as a view). One all_to_all of sizes, checked (the message's step and chunk and the caller's
+    `fingerprint` of the plan must agree on every rank, else a ProtocolError naming both), then one
+    all_to_all of the pieces' bytes: each is NCCL's grouped call, since any two ranks may send each
+    other here."""
+    ranks, me = list(ranks), _rank()
+    mine = ranks.index(me)
+    if len(ranks) == 1:
+        return [pieces[0]]
+    device = torch.device(device)
+    blobs = [_blob(None if i == mine else piece, device) for i, piece in enumerate(pieces)]
     sizes_out = torch.tensor([[msg.step, msg.chunk, fingerprint, b.numel()] for b in blobs], dtype=torch.int64,
                              device=device)
     sizes_in = torch.empty_like(sizes_out)
@@ -374,23 +394,31 @@ def reorder_rows(msg: Message, batch: Batch, ranks: Sequence[int], order: Sequen
     for i, (step, chunk, theirs, _) in enumerate(sizes_in):
         if (step, chunk) != (msg.step, msg.chunk) or theirs != fingerprint:
             raise ProtocolError(
-                f"rank {me} balances {msg.describe()} while rank {ranks[i]} of its pool balances "
+                f"rank {me} {doing} {msg.describe()} while rank {ranks[i]} of its pool {doing} "
                 f"{Message(msg.kind, step, chunk).describe()}" + ("" if (step, chunk) != (msg.step, msg.chunk)
                                                                    else " in another order"))
     received = torch.empty(sum(n for *_, n in sizes_in), dtype=torch.uint8, device=device)
     dist.all_to_all_single(received, torch.cat(blobs), output_split_sizes=[n for *_, n in sizes_in],
                            input_split_sizes=[b.numel() for b in blobs], group=group)
-    new_lo, new_hi = ranges[mine]
-    sources = sorted({holder[order[p]] for p in range(new_lo, new_hi)})
     offsets = [0]
     for *_, n in sizes_in:
         offsets.append(offsets[-1] + n)
-    pieces = [kept if s == mine else _unblob(received[offsets[s]:offsets[s + 1]]) for s in sources]
-    arrived = Batch.concat(pieces, pad_to_widest=True)
-    # `arrived` holds the rows source by source, each source's in new order: put them in new order.
-    arrival = sorted(range(new_lo, new_hi), key=lambda p: (holder[order[p]], p))
-    place_in_arrived = {p: i for i, p in enumerate(arrival)}
-    return arrived.index([place_in_arrived[p] for p in range(new_lo, new_hi)])
+    return [pieces[i] if i == mine else (_unblob(received[offsets[i]:offsets[i + 1]]) if sizes_in[i][3] else None)
+            for i in range(len(ranks))]
+
+
+def regroup_rows(msg: Message, rows: Batch, destination: Sequence[int], ranks: Sequence[int], group, device,
+                 fingerprint: int = 0) -> list[Batch]:
+    """For every rank of `ranks` (one group): row i of this rank's `rows` goes to
+    `ranks[destination[i]]` (-1: dropped). Unlike `reorder_rows`, ranks may hold and receive any
+    number of rows. Returns the pieces that arrived, one per source rank in `ranks` order (empty
+    ones left out), each in its sender's order; the caller puts them in its own order."""
+    pieces = []
+    for d in range(len(ranks)):
+        idx = [i for i, dst in enumerate(destination) if dst == d]
+        pieces.append(rows.index(idx) if idx else None)
+    arrived = exchange_pieces(msg, pieces, ranks, group, device, fingerprint, "regroups")
+    return [piece for piece in arrived if piece is not None and len(piece)]
 
 
 def _blob(piece: Batch | None, device) -> torch.Tensor:

@@ -21,7 +21,11 @@ protocol between ranks, and it is written here, once:
                 (spmdsplit/weight_sync.py): with a rollout pool of its own, every actor rank +
                 the rollout pool, in actor-rank order; with rollout.ranks=all, the actor pool's
                 first rank + the critic pool
-  8. vLLM's own groups over the world (tensor-, pipeline-, data-parallel, ..., for the device
+  8. `generating` over the actor and critic pools' ranks, only with algorithm.filter_groups and
+                rollout.ranks=all (pools of their own): the ranks that generate a step decide together
+                which prompt groups it keeps (spmdsplit/dynamic_sampling.py); elsewhere the generating
+                ranks are one pool, and its group does it
+  9. vLLM's own groups over the world (tensor-, pipeline-, data-parallel, ..., for the device
      and for gloo), only with rollout.name=vllm: vLLM creates them itself, engine or not; with
      tensor parallel > 1 a rank without an engine also builds, eagerly, vLLM's communicators for
      its own tensor-parallel group (PyNccl, custom all-reduce buffers), which it never uses:
@@ -57,6 +61,7 @@ class ProcessGroups:
     handoff: ProcessGroup | None
     weight_sources: list[int]  # empty: no engine outside the actor pool
     weights: list[ProcessGroup | None]  # weights[j]: weight_sources[j] + the receiving ranks
+    generating: ProcessGroup | None = None  # the ranks that generate, when they span two pools (8)
 
 
 def blocking_handoff(cfg, placement: Placement) -> bool:
@@ -99,12 +104,15 @@ def create_process_groups(cfg, placement: Placement, device: torch.device) -> Pr
                                                  timeout=between))
     sources, receivers = weight_sources_and_receivers(cfg, placement)
     weights = [_member_or_none(dist.new_group(sorted({src, *receivers}), timeout=between)) for src in sources]  # 7
-    if cfg.rollout.name == "vllm":  # 8
+    generating = None
+    if cfg.algorithm.filter_groups.enable and critic_pool_generates(cfg, placement):  # 8
+        generating = _member_or_none(dist.new_group(world, timeout=between))
+    if cfg.rollout.name == "vllm":  # 9
         from spmdsplit.roles.build import compute_dtypes
         from spmdsplit.rollout.vllm_engine import init_vllm_distributed
 
         init_vllm_distributed(cfg, cfg.model.path, device, compute_dtypes(cfg, device)[0])
-    return ProcessGroups(pools, bulk, control, stop, handoff, sources, weights)
+    return ProcessGroups(pools, bulk, control, stop, handoff, sources, weights, generating)
 
 
 def _member_or_none(group) -> ProcessGroup | None:

@@ -46,6 +46,14 @@ Per training step k, with N = rollout.stream_chunks and s = rollout.staleness:
                                                        over the actor pool's group (any two of its
                                                        ranks may send each other here, which NCCL
                                                        runs only as a grouped call); then
+  (the     G <-> G      FILTER_GROUPS k                only with algorithm.filter_groups (DAPO's dynamic
+   gener-                                              sampling; G = the generating ranks: R, or A, or A
+   ating                                               and C with rollout.ranks=all): after each
+   ranks'                                              generation batch one all_gather of kept-group
+   group)                                              counts, and once the step is full one all_to_all
+                                                       that hands each generating rank its share of the
+                                                       kept groups (spmdsplit/dynamic_sampling.py); it
+                                                       comes before GENERATED / BALANCE / ROLLOUT
   bulk     A -> C       ROLLOUT k, chunk c             each chunk as soon as it is generated
                                                        (and balanced), c = 0 .. N-1
   bulk     A -> C       LOG_PROBS k, chunk 0 .. N-1    after all ROLLOUT chunks; only with
@@ -96,6 +104,7 @@ GENERATED, BALANCE, ROLLOUT, LOG_PROBS, ADVANTAGES = "GENERATED", "BALANCE", "RO
 VAL_ROLLOUT = "VAL_ROLLOUT"
 CRITIC_METRICS, VAL_METRICS, CHECKPOINT_WRITTEN = "CRITIC_METRICS", "VAL_METRICS", "CHECKPOINT_WRITTEN"
 ROLLOUT_METRICS = "ROLLOUT_METRICS"
+FILTER_GROUPS = "FILTER_GROUPS"  # a collective among the generating ranks (spmdsplit/dynamic_sampling.py)
 
 # What the critic pool needs of a rollout (the rest stays with the actor pool). Everything a
 # reward function is called with travels: `extra_info` too (verl's scorers for code and tool

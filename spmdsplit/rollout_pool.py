@@ -18,6 +18,7 @@ import torch
 from spmdsplit.actor_pool import engine_shares, generate_validation_rows, generating_ranks
 from spmdsplit.batch import Batch
 from spmdsplit.data.prompts import PromptDataset
+from spmdsplit.dynamic_sampling import DynamicSampling
 from spmdsplit.exchange import PendingSend
 from spmdsplit.messages import PoolChannel
 from spmdsplit.metrics import PhaseTimer
@@ -28,8 +29,9 @@ from spmdsplit.weight_sync import WeightBroadcast
 
 class RolloutPool:
     def __init__(self, cfg, pools: Pools, rollout, weights: WeightBroadcast, channel: PoolChannel, timer: PhaseTimer,
-                 dataset: PromptDataset, tokenizer):
+                 dataset: PromptDataset, tokenizer, sampler: DynamicSampling | None = None):
         self.cfg, self.pools, self.rollout, self.weights = cfg, pools, rollout, weights
+        self.sampler = sampler  # algorithm.filter_groups: the extra generation batches run ahead too
         self.channel, self.timer, self.dataset, self.tokenizer = channel, timer, dataset, tokenizer
         self.staleness, self.total_steps = cfg.rollout.staleness, cfg.trainer.total_steps
         self.version = -1  # the update whose weights the engine holds (0: the initial weights)
@@ -62,11 +64,20 @@ class RolloutPool:
 
     def generate(self, batch: int) -> Batch:
         """This rank's share of batch `batch`'s prompts, with the weights it holds now."""
-        shares = engine_shares(self.cfg, self.dataset, self.tokenizer, batch, generating_ranks(self.cfg, self.pools))
+        generating = generating_ranks(self.cfg, self.pools)
+
+        def generate(gen_batch: int) -> Batch:
+            shares = engine_shares(self.cfg, self.dataset, self.tokenizer, gen_batch, generating)
+            return shares.generate(self.rollout, self.pools.device)
+
         with self.timer.phase("gen", batch):
-            rows = shares.generate(self.rollout, self.pools.device)
+            rows = self.sampler.fill(batch, generate) if self.sampler else generate(batch)
         rows["weights_version"] = torch.full((len(rows),), self.version, dtype=torch.int64, device=self.pools.device)
         return rows
+
+    def pop_metrics(self, step: int) -> dict[str, float]:
+        """What generating batch `step` measured (dynamic sampling's train/num_gen_batches, ...)."""
+        return self.sampler.pop_metrics(step) if self.sampler else {}
 
     def take_weights(self, version: int, step: int) -> None:
         with self.timer.phase("sync_weights", step):

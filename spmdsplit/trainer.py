@@ -25,16 +25,17 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from spmdsplit import checkpoint
-from spmdsplit.actor_pool import ActorPool, usable_val_rows
+from spmdsplit.actor_pool import ActorPool, generating_ranks, usable_val_rows
 from spmdsplit.batch import Batch
 from spmdsplit.critic_pool import CriticPool, Generator
 from spmdsplit.data.prompts import PromptDataset
+from spmdsplit.dynamic_sampling import DynamicSampling
 from spmdsplit.groups import ProcessGroups, critic_pool_generates
 from spmdsplit.messages import PoolChannel
 from spmdsplit.metrics import MetricsLogger, PhaseTimer, write_timeline
 from spmdsplit.models import eos_token_ids, load_tokenizer
 from spmdsplit.preempt import StopVote
-from spmdsplit.roles.build import build_actor_pool, build_critic_pool, build_rollout_engine
+from spmdsplit.roles.build import build_actor_pool, build_critic_pool, build_rollout_engine, build_rule_reward
 from spmdsplit.rollout_pool import RolloutPool
 from spmdsplit.staleness import validates_after
 from spmdsplit.weight_sync import WeightBroadcast
@@ -73,19 +74,24 @@ class Trainer:
 
         self.tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)  # "" resolved by train.py
         eos_ids = eos_token_ids(cfg.model.path, self.tokenizer)
-        self.dataset = PromptDataset(rows["train"], self.batch_size, cfg.data.shuffle, cfg.data.seed)
+        # Prompts are taken a generation batch at a time: the step's, or dynamic sampling's.
+        self.dataset = PromptDataset(rows["train"], cfg.data.gen_batch_size or self.batch_size, cfg.data.shuffle,
+                                     cfg.data.seed)
+        self.sampler = self.build_sampler(groups, eos_ids)  # algorithm.filter_groups, on generating ranks
         self.actor_pool = self.critic_pool = self.rollout_pool = None
         if pools.in_rollout_pool:
             self.rollout_pool = RolloutPool(cfg, pools, build_rollout_engine(cfg, pools, self.tokenizer, eos_ids),
-                                            weights, self.channel, self.timer, self.dataset, self.tokenizer)
+                                            weights, self.channel, self.timer, self.dataset, self.tokenizer,
+                                            self.sampler)
         if pools.is_actor:
             self.actor_pool = ActorPool(cfg, pools, build_actor_pool(cfg, pools, self.tokenizer, eos_ids),
-                                        self.channel, self.timer, self.dataset, self.tokenizer, handoff, weights)
+                                        self.channel, self.timer, self.dataset, self.tokenizer, handoff, weights,
+                                        None if self.placement.rollout_apart else self.sampler)
         if pools.is_critic:
             generator = None
             if critic_pool_generates(cfg, self.placement):
                 generator = Generator(cfg, pools, build_rollout_engine(cfg, pools, self.tokenizer, eos_ids), weights,
-                                      self.channel, self.timer, self.dataset, self.tokenizer)
+                                      self.channel, self.timer, self.dataset, self.tokenizer, self.sampler)
             self.critic_pool = CriticPool(cfg, pools, build_critic_pool(cfg, pools, self.tokenizer, eos_ids),
                                           self.channel, self.timer, handoff, generator)
         self.seed_sampling()
@@ -101,6 +107,22 @@ class Trainer:
         # wandb records the resolved config with the run, as verl's tracking does.
         self.logger = MetricsLogger(cfg.trainer, OmegaConf.to_container(cfg, resolve=True), first_step=self.start_step,
                                     run_ids=self.tracking_runs) if self.rank == 0 else None
+
+    def build_sampler(self, groups: ProcessGroups, eos_ids: list[int]) -> DynamicSampling | None:
+        """DAPO's dynamic sampling on the ranks that generate, over their group: a rollout pool's,
+        the actor pool's, or with rollout.ranks=all the one over both pools (groups.py)."""
+        pools, placement = self.pools, self.placement
+        generating = generating_ranks(self.cfg, pools)
+        if not self.cfg.algorithm.filter_groups.enable or self.rank not in generating:
+            return None
+        if placement.rollout_apart:
+            group, count_group = pools.rollout_group, pools.rollout_group
+        elif groups.generating is not None:
+            group, count_group = groups.generating, groups.generating
+        else:  # the counts over the pool's meeting group: its ranks' generation ends at different times
+            group, count_group = pools.actor_group, pools.actor_meet
+        return DynamicSampling(self.cfg, build_rule_reward(self.cfg, self.tokenizer, eos_ids), generating, group,
+                               self.device, count_group)
 
     def seed_sampling(self, after_step: int = 0) -> None:
         """Sampling must differ between ranks (else every shard draws the same responses); a
@@ -141,8 +163,9 @@ class Trainer:
         step_start = time.time()
         if self.rollout_pool:
             self.rollout_pool.step(step)
+            generated = self.rollout_pool.pop_metrics(step)  # every rank's, to keep none
             if self.rank == self.placement.rollout_ranks[0]:
-                self.channel.send_rollout_metrics(step, self.timer.pop_timings())
+                self.channel.send_rollout_metrics(step, {**self.timer.pop_timings(), **generated})
         if self.actor_pool:
             rollout = self.actor_pool.roll_out(step)
         if self.critic_pool:
@@ -249,14 +272,18 @@ class Trainer:
     def rank_state(self, pool: str, step: int) -> dict:
         state = {"step": step, "rng": checkpoint.rng_state(self.device)}
         if pool == "actor":
-            # The data order is a function of (seed, step), so the step is the data position;
-            # the rest is there to notice a different dataset on resume.
-            state["data"] = {"prompts_consumed": step * self.batch_size, "dataset_rows": len(self.dataset.rows),
+            # The data order is a function of (seed, generation batch), so the step is the data
+            # position (dynamic sampling keeps its own below); the rest is there to notice a
+            # different dataset on resume.
+            taken = self.sampler.next_gen_batch - 1 if self.sampler else step
+            state["data"] = {"prompts_consumed": taken * self.dataset.batch_size, "dataset_rows": len(self.dataset.rows),
                              "seed": self.cfg.data.seed, "shuffle": self.cfg.data.shuffle}
         elif pool == "critic":
             state["kl_ctrl"] = self.critic_pool.kl_ctrl.state_dict()
         else:  # the batches generated ahead (rollout.staleness), each rank its own rows of them
             state["ahead"] = {batch: rows.to("cpu") for batch, rows in self.rollout_pool.ahead.items()}
+        if self.sampler:  # dynamic sampling's data position (and where the steps generated ahead began)
+            state["dynamic_sampling"] = self.sampler.state_dict()
         return state
 
     def save_checkpoint(self, step: int) -> None:
@@ -316,6 +343,10 @@ class Trainer:
                 checkpoint.set_rng_state(state["rng"], self.device)
             else:
                 self.seed_sampling(after_step=step)
+            if self.sampler and "dynamic_sampling" in state:
+                # Batches generated ahead and kept (the same layout) are past the position; else
+                # they are generated again from where the first of them began.
+                self.sampler.load_state_dict(state["dynamic_sampling"], keep_ahead=same_layout)
             if pool == "critic":
                 self.critic_pool.kl_ctrl.load_state_dict(state["kl_ctrl"])
             elif pool == "rollout":

@@ -22,6 +22,7 @@ LAUNCHES = {
     "rollout_actor+critic.yaml": ((2, 2, 1), [0], [0], [1]),
     "rollout_actor_critic.yaml": ((3, 3, 1), [0], [2], [1]),
     "grpo_rollout_actor.yaml": ((2, 2, 1), [0], [0], [1]),
+    "dapo_rollout_actor.yaml": ((2, 2, 1), [0], [0], [1]),
     "agent_lookup.yaml": ((4, 4, 1), [0, 1], [2, 3]),
 }
 

@@ -284,24 +284,44 @@ class EngineShares:
     lockstep), so each generates all its peers' shares together and keeps its own rows: every
     rank still holds its own share of the batch, as the actor's data parallelism expects."""
 
-    def __init__(self, shares: list[Batch], mine: int):
-        self.shares, self.mine = shares, mine
+    def __init__(self, shares: list[Batch], mine: int, baselines: tuple[int, int] | None = None):
+        """`baselines`: (rollout.n, data.max_response_length) when the estimator compares each
+        response with its prompt's greedy one (ReMax)."""
+        self.shares, self.mine, self.baselines = shares, mine, baselines
 
     def chunk(self, c: int, chunks: int) -> "EngineShares":
-        return EngineShares([share.split(len(share) // chunks)[c] for share in self.shares], self.mine)
+        return EngineShares([share.split(len(share) // chunks)[c] for share in self.shares], self.mine,
+                            self.baselines)
 
     def generate(self, rollout_engine, device, validate: bool = False) -> Batch:
-        rollout = generate_rows(rollout_engine, Batch.concat(self.shares), device, validate)
+        prompts = Batch.concat(self.shares)
+        rollout = generate_rows(rollout_engine, prompts, device, validate)
+        if self.baselines and not validate:
+            rollout.update(greedy_baselines(rollout_engine, prompts.to(device), *self.baselines))
         first = sum(len(share) for share in self.shares[: self.mine])
         return rollout.slice(first, first + len(self.shares[self.mine]))
+
+
+def greedy_baselines(rollout_engine, prompts: Batch, n: int, width: int) -> Batch:
+    """ReMax (Li et al. 2023): each prompt's greedy response, on every row of its group, for the
+    critic group to score as the row's `reward_baselines`. As wide as data.max_response_length, so
+    that chunks and batches of other response widths concatenate (Batch.concat pads one width)."""
+    greedy = rollout_engine.generate(prompts.index(list(range(0, len(prompts), n))), greedy=True)
+
+    def per_row(t: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, width - t.shape[1])).repeat_interleave(n, dim=0)
+
+    return Batch({"baseline_responses": per_row(greedy["responses"]),
+                  "baseline_response_mask": per_row(greedy["response_mask"])})
 
 
 def engine_shares(cfg, dataset: PromptDataset, tokenizer, step: int, generating: list[int]) -> EngineShares:
     """The step's prompts of this rank's engine (`step_prompts` of each of its peers)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     peers = engine_peers(cfg, rank)
+    remax = "reward_baselines" in algo.get_adv_estimator(cfg.algorithm.adv_estimator).inputs
     return EngineShares([step_prompts(cfg, dataset, tokenizer, step, generating, peer) for peer in peers],
-                        peers.index(rank))
+                        peers.index(rank), (cfg.rollout.n, cfg.data.max_response_length) if remax else None)
 
 
 def step_prompts(cfg, dataset: PromptDataset, tokenizer, step: int, generating: list[int], rank: int) -> Batch:

@@ -694,6 +694,10 @@ def check_values(cfg: DictConfig) -> None:
             f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares responses to the same prompt: "
             f"set rollout.n >= 2 (got {cfg.rollout.n})"
         )
+    if "reward_baselines" in estimator.inputs and cfg.rollout.multi_turn.enable:
+        raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares each episode with its "
+                          "prompt's greedy single-turn response, which a multi-turn episode has no counterpart of; "
+                          "use grpo or rloo with rollout.multi_turn.enable=true")
     check_filter_groups(cfg)
     check_engines(cfg)
     check_packed_attention(cfg, cfg.trainer.device)  # auto: again at start-up, once the device is known

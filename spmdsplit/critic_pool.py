@@ -4,6 +4,8 @@ Messages: spmdsplit/messages.py."""
 
 from __future__ import annotations
 
+import torch
+
 from spmdsplit import algo
 from spmdsplit.actor_pool import engine_shares, generating_ranks
 from spmdsplit.batch import Batch
@@ -43,6 +45,8 @@ class CriticPool:
                     part["values"] = self.critic.compute_values(part)
             with phase("reward", step, chunk=c):
                 part["token_level_scores"], _ = self.reward.compute(part, keep_extras=True)
+                if "baseline_responses" in part:  # ReMax
+                    part["reward_baselines"] = score_baselines(self.reward, part)
             parts.append(part)
         # Each chunk is as wide as the longest response in it (rollout/base.py): pad them to one width.
         batch = Batch.concat(parts, pad_to_widest=True)
@@ -111,6 +115,24 @@ class CriticPool:
             sums[f"val-core/{ds}/reward/mean@{n}"] += score
             counts[f"val-core/{ds}/reward/mean@{n}"] += 1
         return pool_reduce_metrics(sums, counts, self.pools.critic_group, self.pools.device)
+
+
+def score_baselines(reward, part: Batch) -> torch.Tensor:
+    """ReMax's `reward_baselines`: the reward of each row's greedy response to its prompt,
+    scored once per prompt group (its rows share the greedy response) by the same reward."""
+    first_of = {}
+    for i, uid in enumerate(part["uid"]):
+        first_of.setdefault(uid, i)
+    firsts = part.index(list(first_of.values()))
+    P = firsts["input_ids"].shape[1] - firsts["responses"].shape[1]
+    responses, mask = firsts["baseline_responses"], firsts["baseline_response_mask"]
+    greedy = Batch({"responses": responses, "response_mask": mask,
+                    "input_ids": torch.cat([firsts["input_ids"][:, :P], responses], dim=1),
+                    "attention_mask": torch.cat([firsts["attention_mask"][:, :P], mask], dim=1)},
+                   {k: firsts[k] for k in ("data_source", "ground_truth", "extra_info")})
+    _, scores = reward.compute(greedy)
+    group = {uid: g for g, uid in enumerate(first_of)}
+    return scores[torch.tensor([group[uid] for uid in part["uid"]], device=scores.device)]
 
 
 class Generator:

@@ -113,13 +113,15 @@ ROLLOUT_KEYS = ("responses", "response_mask", "input_ids", "attention_mask", "po
                 "data_source", "ground_truth", "extra_info", "uid", "row_index")
 # A multi-turn rollout's per-row counts (spmdsplit/agent/loop.py), for the critic pool's data metrics.
 AGENT_KEYS = ("num_turns", "tool_calls", "tool_errors")
+# ReMax's greedy response of each row's prompt (actor_pool.greedy_baselines), scored by the critic pool.
+BASELINE_KEYS = ("baseline_responses", "baseline_response_mask")
 LOG_PROB_KEYS = ("old_log_probs", "ref_log_prob", "row_index")
 
 
 def rollout_columns(part: Batch) -> Batch:
-    """What of a rollout goes to the critic pool: ROLLOUT_KEYS, and AGENT_KEYS when the rollout
-    was multi-turn (every row of a step is, or none)."""
-    return part.select(ROLLOUT_KEYS + tuple(k for k in AGENT_KEYS if k in part))
+    """What of a rollout goes to the critic pool: ROLLOUT_KEYS, AGENT_KEYS when the rollout was
+    multi-turn (every row of a step is, or none), BASELINE_KEYS with ReMax."""
+    return part.select(ROLLOUT_KEYS + tuple(k for k in AGENT_KEYS + BASELINE_KEYS if k in part))
 ADVANTAGE_KEYS = ("advantages", "row_index")
 
 

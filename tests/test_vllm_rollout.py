@@ -122,6 +122,8 @@ def engine_checks(engine, tokenizer):
     task = task_prompts(tokenizer, 32, seed=3)
     res["greedy"] = (engine.generate(task, validate=True).tensors, hf(model).generate(task).tensors)
     res["greedy_non_tensors"] = (engine.generate(task, validate=True).non_tensors, task.non_tensors)
+    # ReMax's baseline: greedy whatever rollout.* and rollout.val_kwargs say.
+    res["greedy_baseline"] = engine.generate(task, greedy=True)["responses"]
 
     # Long prompts (several KV blocks) go through the prefix cache; then new weights.
     long = task_prompts(tokenizer, 8, seed=4, max_prompt_length=P_LONG, digits=(36, 44))
@@ -216,6 +218,7 @@ def test_greedy_vllm_equals_hf_column_by_column(checks):
     assert torch.equal(vllm_out["rollout_log_probs"] == 0, vllm_out["response_mask"] == 0)
     got, prompt_columns = checks["greedy_non_tensors"]
     assert got == prompt_columns
+    assert torch.equal(checks["greedy_baseline"], hf_out["responses"])
 
 
 @pytest.mark.e2e

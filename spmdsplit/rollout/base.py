@@ -7,6 +7,7 @@ returns the rollout with verl's columns; the trainer never knows which one runs.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Iterable, Protocol
 
 import torch
@@ -17,13 +18,14 @@ from spmdsplit.batch import Batch
 class Rollout(Protocol):
     dtype: torch.dtype  # what the actor streams its weights in (the engine's compute dtype)
 
-    def generate(self, prompts: Batch, validate: bool = False) -> Batch:
+    def generate(self, prompts: Batch, validate: bool = False, greedy: bool = False) -> Batch:
         """`prompts`: left-padded `input_ids`/`attention_mask` [B, P] (+ non-tensor columns, and an
         optional int64 `sample_seed` [B]); returns `prompts`, `responses` [B, R] (right-padded; R = the
         longest response of this call, see `rollout_batch`), `response_mask`, `input_ids`,
         `attention_mask`, `position_ids` [B, P+R], the prompt batch's non-tensor columns, and engine
         extras [B, R] (both engines: `rollout_log_probs`, the sampled tokens' log-probs under the
-        distribution sampled from)."""
+        distribution sampled from). Sampled as rollout.* says; `validate`: as rollout.val_kwargs;
+        `greedy`: greedy (ReMax's baseline, whatever either says)."""
 
     def wake_up(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The start of a step's generation: the policy's new weights, as a stream of (Hugging Face
@@ -32,6 +34,10 @@ class Rollout(Protocol):
     def sleep(self) -> None:
         """The end of a step's generation (every chunk, every validation batch): the engine gives
         the device memory it can back to the trainer."""
+
+
+# The sampling settings of a greedy generation (the engines read these fields of rollout.*).
+GREEDY = SimpleNamespace(do_sample=False, temperature=1.0, top_p=1.0, top_k=-1)
 
 
 def response_mask_until_eos(responses: torch.Tensor, eos_token_id: int | list[int]) -> torch.Tensor:

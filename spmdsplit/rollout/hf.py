@@ -17,7 +17,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from spmdsplit.batch import Batch
-from spmdsplit.rollout.base import position_ids_from_mask, response_mask_until_eos, rollout_batch  # noqa: F401
+from spmdsplit.rollout.base import GREEDY, position_ids_from_mask, response_mask_until_eos, rollout_batch  # noqa: F401
 
 
 class HFRollout:
@@ -36,6 +36,7 @@ class HFRollout:
         )
         self.sampling = self._generation_config(cfg)
         self.val_sampling = self._generation_config(val_cfg or cfg)
+        self.greedy_sampling = self._generation_config(GREEDY)  # ReMax's baseline
 
     def _generation_config(self, cfg) -> tuple[GenerationConfig, list]:
         """The generation config and the sampling warpers. The warpers are given to `generate` as
@@ -95,11 +96,12 @@ class HFRollout:
             raise RuntimeError(f"load_weights: no weights given for {sorted(missing)}")
 
     @torch.no_grad()
-    def generate(self, prompts: Batch, validate: bool = False) -> Batch:
+    def generate(self, prompts: Batch, validate: bool = False, greedy: bool = False) -> Batch:
         """`prompts` holds left-padded `input_ids`/`attention_mask` [B, P]; returns the rollout with
-        right-padded `responses` [B, R] (R = the longest response) and verl's column names."""
+        right-padded `responses` [B, R] (R = the longest response) and verl's column names.
+        `validate`: rollout.val_kwargs' sampling; `greedy`: greedy whatever the config says."""
         prompt_ids, prompt_mask = prompts["input_ids"], prompts["attention_mask"]
-        config, warpers = self.val_sampling if validate else self.sampling
+        config, warpers = self.greedy_sampling if greedy else self.val_sampling if validate else self.sampling
         log_probs = SampledLogProbs()
         out = self.model.generate(
             input_ids=prompt_ids,

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from spmdsplit.batch import Batch
 from spmdsplit.config import ConfigError, check_rollout_placement
-from spmdsplit.rollout.base import rollout_batch
+from spmdsplit.rollout.base import GREEDY, rollout_batch
 
 # vllm/v1/attention/backends/cpu_attn.py: CPUAttentionBackend.get_supported_head_sizes() (0.32).
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -174,6 +174,7 @@ class VLLMRollout:
         gc.unfreeze()
         self.sampling = self._sampling_params(cfg.rollout)
         self.val_sampling = self._sampling_params(cfg.rollout.val_kwargs)
+        self.greedy_sampling = self._sampling_params(GREEDY)  # ReMax's baseline
         # Asleep until the trainer's first wake_up, which brings the policy's weights: the ones
         # read from model_path are never used for a rollout.
         self.sleep_mode = cfg.rollout.free_cache_engine and not self.on_cpu
@@ -251,13 +252,13 @@ class VLLMRollout:
             self.llm.apply_model(lambda model: model.load_weights(weights))
 
     @torch.no_grad()
-    def generate(self, prompts: Batch, validate: bool = False) -> Batch:
+    def generate(self, prompts: Batch, validate: bool = False, greedy: bool = False) -> Batch:
         """As HFRollout.generate, plus `rollout_log_probs` [B, R] float32 (the sampled tokens'
         log-probs after temperature, 0 past each response). An int64 `sample_seed` [B] column seeds
         each row's sampling on its own (row_seeds), so a row's tokens do not depend on its batch."""
         ids, mask = prompts["input_ids"], prompts["attention_mask"].bool()
         requests = [{"prompt_token_ids": row[keep].tolist()} for row, keep in zip(ids.cpu(), mask.cpu())]
-        params = self.val_sampling if validate else self.sampling
+        params = self.greedy_sampling if greedy else self.val_sampling if validate else self.sampling
         if "sample_seed" in prompts:
             params = [params.clone() for _ in requests]
             for p, seed in zip(params, prompts["sample_seed"].tolist()):

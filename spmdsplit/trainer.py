@@ -356,6 +356,9 @@ class Trainer:
             elif state["data"]["dataset_rows"] != len(self.dataset.rows) and self.rank == 0:
                 print(f"spmdsplit: warning: the checkpoint was trained on {state['data']['dataset_rows']} prompts, "
                       f"the data now has {len(self.dataset.rows)}: the data order differs from the stopped run", flush=True)
+        if self.sampler and meta["config"]["algorithm"].get("filter_groups", {}).get("enable") is not True:
+            # Dynamic sampling turned on at a resume: the stopped run took train_batch_size prompts a step.
+            self.sampler.next_gen_batch = step * self.batch_size // self.dataset.batch_size + 1
         if self.rank == 0:
             note = "" if same_layout else (" (the pools have other sizes now: weights and optimizer are resharded, "
                                            "sampling is reseeded, so the run will not repeat the stopped one exactly)")

@@ -88,3 +88,16 @@ def test_a_rollout_pool_generates_the_extra_batches_ahead_and_a_resume_repeats_t
     assert resumed.keys() == uninterrupted.keys()
     for tag, values in uninterrupted.items():
         assert resumed[tag] == values, f"{tag} differs after resume"
+
+
+def test_turned_on_at_a_resume_it_goes_on_from_the_prompts_the_stopped_run_took(tmp_path):
+    plain = [o for o in DAPO if not o.startswith(("algorithm.filter_groups", "trainer.total_steps"))]
+    out = (f"trainer.log_dir={tmp_path}/tb", f"trainer.default_local_dir={tmp_path}/ckpt", *LAYOUTS["colocate"])
+    first = job(2, *plain, "trainer.total_steps=2", *out, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = job(2, *DAPO, "trainer.total_steps=3", *out, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    batches = generation_batches(tmp_path / "tb")
+    state = torch.load(tmp_path / "ckpt" / "global_step_3" / "actor" / "rank_0.pt", weights_only=False)
+    # two steps of 16 prompts taken without filtering, then step 3's generation batches
+    assert state["dynamic_sampling"]["next_gen_batch"] == 3 + batches[3]

@@ -118,9 +118,9 @@ class DynamicSampling:
             return scores.tolist()
         values = extras.get(self.metric)
         if values is None or any(math.isnan(v) for v in values):
-            raise KeyError(f"algorithm.filter_groups.metric={self.metric}: the reward function did not return "
-                           f"'{self.metric}' for every row (it returned {sorted(extras) or 'a plain score'}); "
-                           f"use seq_reward or one of those keys")
+            raise ValueError(f"algorithm.filter_groups.metric={self.metric}: the reward function did not return "
+                             f"'{self.metric}' for every row (it returned {sorted(extras) or 'a plain score'}); "
+                             f"use seq_reward or one of those keys")
         return values
 
     def all_counts(self, kept_groups: int) -> list[int]:

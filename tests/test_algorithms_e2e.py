@@ -16,18 +16,20 @@ CONFIGS = pathlib.Path(__file__).parent.parent / "configs"
 
 
 def test_the_dapo_preset_learns_the_embedded_task(tmp_path):
-    """configs/dapo_rollout_actor.yaml as a user runs it (seed 1, 200 steps, ~1 minute): validation
-    0.0 at step 25 and 1.0 from step 175 when measured (docs/algorithms.md)."""
-    result = job(2, "--config", str(CONFIGS / "dapo_rollout_actor.yaml"), f"trainer.log_dir={tmp_path}/tb",
+    """configs/dapo_rollout_actor.yaml as a user runs it (seed 1), cut to its first 125 steps to
+    spare CI half a minute: the preset's rates are constant, so those steps are the full run's,
+    whose validation was 0.0 at step 25, 0.58 at 125 and 1.0 from 175 on (docs/algorithms.md)."""
+    result = job(2, "--config", str(CONFIGS / "dapo_rollout_actor.yaml"), "trainer.total_steps=125",
+                 "trainer.val_before_train=true", "trainer.val_freq=125", f"trainer.log_dir={tmp_path}/tb",
                  "trainer.timeline=", "trainer.output_dir=", timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     logged = scalars(str(tmp_path / "tb"))
     val = dict(logged["val-core/synthetic/repeat/reward/mean@1"])
-    assert sorted(val) == list(range(25, 201, 25))
-    assert val[25] < 0.2, f"the young policy already scores {val[25]:.3f}: the check has no power"
-    assert val[200] >= 0.9, f"validation {val} : the DAPO preset did not learn"
+    assert sorted(val) == [0, 125]
+    assert val[0] < 0.2, f"the random policy already scores {val[0]:.3f}: the check has no power"
+    assert val[125] >= 0.4, f"validation {val}: the DAPO preset did not learn"
     batches = [v for _, v in logged["train/num_gen_batches"]]
-    assert len(batches) == 200 and max(batches) > 1  # the filter had work
+    assert len(batches) == 125 and max(batches) > 1  # the filter had work
 
 
 def test_remax_with_a_sequence_level_loss_streams_and_balances_its_baselines(tmp_path):

@@ -67,14 +67,14 @@ def expected_step(train_groups: int, world: int, first_batch: int) -> tuple[list
     return kept[:train_groups], batch
 
 
-def fill_steps(rank, world, model_path, train_groups, max_num_gen_batches, steps):
+def fill_steps(rank, world, model_path, train_groups, max_num_gen_batches, steps, metric="seq_reward"):
     import torch.distributed as dist
 
     from spmdsplit.models import load_tokenizer
     from spmdsplit.roles.reward import RuleReward
 
     tokenizer = load_tokenizer(model_path)
-    cfg = OmegaConf.create({"algorithm": {"filter_groups": {"metric": "seq_reward",
+    cfg = OmegaConf.create({"algorithm": {"filter_groups": {"metric": metric,
                                                             "max_num_gen_batches": max_num_gen_batches}},
                             "data": {"train_batch_size": train_groups, "gen_batch_size": GROUPS_PER_RANK * world},
                             "rollout": {"n": N}})
@@ -84,7 +84,7 @@ def fill_steps(rank, world, model_path, train_groups, max_num_gen_batches, steps
     for step in range(1, steps + 1):
         try:
             rows = sampler.fill(step, lambda g: rows_of(tokenizer, g, rank, world))
-        except NoSpreadError as e:
+        except (NoSpreadError, ValueError) as e:
             out.append(("error", str(e)))
             break
         out.append((rows["uid"], rows["row_index"].tolist(), rows["responses"].shape[1], sampler.next_gen_batch,
@@ -128,6 +128,12 @@ def test_a_step_that_needs_more_than_max_num_gen_batches_stops_every_rank_with_t
         kind, message = out[0]
         assert kind == "error"
         assert "max_num_gen_batches=2" in message and "of the 6 prompt groups" in message
+
+
+def test_a_metric_the_reward_function_does_not_return_is_named_with_what_it_does_return(model_path):
+    kind, message = run_ranks(fill_steps, 1, model_path, 3, 0, 1, "acc")[0][0]
+    assert kind == "error"
+    assert "algorithm.filter_groups.metric=acc" in message and "a plain score" in message
 
 
 def regroup_with_a_plan_of_its_own(rank, world):

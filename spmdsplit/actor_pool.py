@@ -70,21 +70,19 @@ class ActorPool:
         """The rollout group on this pool: the engines wake with the policy's weights and generate
         the step's prompts chunk by chunk, each sent on to the critic pool at once."""
         phase, channel = self.timer.phase, self.channel
-        generating = generating_ranks(self.cfg, self.pools)
-
-        def shares(batch: int) -> EngineShares:  # the prompts of generation batch `batch`
-            return engine_shares(self.cfg, self.dataset, self.tokenizer, batch, generating)
-
+        if self.chunks > 1:  # the step's prompts, generated chunk by chunk
+            shares = engine_shares(self.cfg, self.dataset, self.tokenizer, step, generating_ranks(self.cfg, self.pools))
         with phase("sync_weights", step) as event:
             self.wake_rollout()
             event.update(self.timer.device_in_use())  # the engine's share included (tools/gpu_check.py)
         parts = []
         for c in range(self.chunks):
             with phase("gen", step, chunk=c):
-                if self.sampler:  # DAPO: batches until the kept groups fill the step (one chunk: config)
-                    parts.append(self.sampler.fill(step, lambda batch: self.generate(shares(batch))))
+                if self.chunks == 1:  # the whole step (dynamic sampling's generation batches included)
+                    parts.append(generate_step_rows(self.cfg, self.dataset, self.tokenizer, self.rollout, self.pools,
+                                                    step, self.sampler))
                 else:
-                    parts.append(self.generate(shares(step).chunk(c, self.chunks)))
+                    parts.append(shares.chunk(c, self.chunks).generate(self.rollout, self.pools.device))
             if c == self.chunks - 1:
                 # Before the last rows go out: vLLM's sleep synchronises the device, which on
                 # NCCL would wait for the critic pool to take a pending send.
@@ -188,9 +186,6 @@ class ActorPool:
         return metrics
 
     # ------------------------------------------------------------------ pieces
-
-    def generate(self, shares: "EngineShares", validate: bool = False) -> Batch:
-        return shares.generate(self.rollout, self.pools.device, validate)
 
     def push_weights(self) -> None:
         """A rollout pool of its own: every actor rank gathers the whole stream from the shards
@@ -313,6 +308,19 @@ def greedy_baselines(rollout_engine, prompts: Batch, n: int, width: int) -> Batc
 
     return Batch({"baseline_responses": per_row(greedy["responses"]),
                   "baseline_response_mask": per_row(greedy["response_mask"])})
+
+
+def generate_step_rows(cfg, dataset: PromptDataset, tokenizer, rollout_engine, pools: Pools, step: int,
+                       sampler: DynamicSampling | None = None) -> Batch:
+    """This rank's rows of step `step`, on whichever pool it generates: its share of the step's
+    prompts, or with algorithm.filter_groups its share of the kept groups of as many generation
+    batches as it takes (spmdsplit/dynamic_sampling.py)."""
+    generating = generating_ranks(cfg, pools)
+
+    def generate(batch: int) -> Batch:  # this rank's rows of generation batch `batch`
+        return engine_shares(cfg, dataset, tokenizer, batch, generating).generate(rollout_engine, pools.device)
+
+    return sampler.fill(step, generate) if sampler else generate(step)
 
 
 def engine_shares(cfg, dataset: PromptDataset, tokenizer, step: int, generating: list[int]) -> EngineShares:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from spmdsplit import algo
-from spmdsplit.actor_pool import engine_shares, generating_ranks
+from spmdsplit.actor_pool import generate_step_rows
 from spmdsplit.batch import Batch
 from spmdsplit.data.prompts import PromptDataset
 from spmdsplit.dynamic_sampling import DynamicSampling
@@ -147,21 +147,14 @@ class Generator:
         self.sampler = sampler  # algorithm.filter_groups: decided with the actor pool's ranks
 
     def generate(self, step: int) -> PendingSend:
-        generating = generating_ranks(self.cfg, self.pools)
-
-        def generate(gen_batch: int) -> Batch:
-            shares = engine_shares(self.cfg, self.dataset, self.tokenizer, gen_batch, generating)
-            return shares.generate(self.rollout, self.pools.device)
-
         with self.timer.phase("sync_weights", step):
             self.weights.ready()
             self.rollout.wake_up(self.weights.receive())
         with self.timer.phase("gen", step):
-            if self.sampler:
-                generated = self.sampler.fill(step, generate)
-                self.sampler.pop_metrics(step)  # the actor pool's ranks report the same numbers
-            else:
-                generated = generate(step)
+            generated = generate_step_rows(self.cfg, self.dataset, self.tokenizer, self.rollout, self.pools, step,
+                                           self.sampler)
+        if self.sampler:
+            self.sampler.pop_metrics(step)  # the actor pool's ranks report the same numbers
         with self.timer.phase("rollout_sleep", step):
             self.rollout.sleep()  # before the rows go out (see ActorPool.roll_out)
         return self.channel.send_generated(step, generated)

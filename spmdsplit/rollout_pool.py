@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from spmdsplit.actor_pool import engine_shares, generate_validation_rows, generating_ranks
+from spmdsplit.actor_pool import generate_step_rows, generate_validation_rows
 from spmdsplit.batch import Batch
 from spmdsplit.data.prompts import PromptDataset
 from spmdsplit.dynamic_sampling import DynamicSampling
@@ -64,14 +64,9 @@ class RolloutPool:
 
     def generate(self, batch: int) -> Batch:
         """This rank's share of batch `batch`'s prompts, with the weights it holds now."""
-        generating = generating_ranks(self.cfg, self.pools)
-
-        def generate(gen_batch: int) -> Batch:
-            shares = engine_shares(self.cfg, self.dataset, self.tokenizer, gen_batch, generating)
-            return shares.generate(self.rollout, self.pools.device)
-
         with self.timer.phase("gen", batch):
-            rows = self.sampler.fill(batch, generate) if self.sampler else generate(batch)
+            rows = generate_step_rows(self.cfg, self.dataset, self.tokenizer, self.rollout, self.pools, batch,
+                                      self.sampler)
         rows["weights_version"] = torch.full((len(rows),), self.version, dtype=torch.int64, device=self.pools.device)
         return rows
 

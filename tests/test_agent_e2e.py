@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import os
 
-import signal
 
 import pytest
 import torch
 
-from spmdsplit.checkpoint import LATEST
-from tests.launch import job, start_torchrun
+from tests.launch import job
 from tests.outputs import scalars
-from tests.test_resume import comparable, read_until, worker_pid
+from tests.test_resume import assert_repeats, stop_on_request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AGENT = ["--config", os.path.join(ROOT, "configs", "agent_lookup.yaml"), "data.train_batch_size=16", "actor.ppo_mini_batch_size=8",
@@ -65,21 +63,13 @@ def test_multi_turn_resume_across_a_stop_is_exact_with_episodes_generated_ahead(
     out = tmp_path / "stopped"
     argv = [*AGENT, *POOL, f"trainer.total_steps={steps}", f"trainer.log_dir={out}/tb",
             f"trainer.default_local_dir={out}/ckpt", "trainer.save_freq=2", "trainer.progress_bar=false"]
-    stopped = start_torchrun(2, *argv)
-    read_until(stopped, "step 2:")
-    os.kill(worker_pid(stopped.pid, rank=1), signal.SIGUSR2)  # the rollout rank
-    output, _ = stopped.communicate(timeout=240)
-    assert "stopped on request" in output, output[-3000:]
-    stopped_at = int(open(out / "ckpt" / LATEST).read())
+    stopped_at = stop_on_request(2, argv, out / "ckpt", after="step 2:", rank=1)  # the rollout rank
     ahead = torch.load(out / "ckpt" / f"global_step_{stopped_at}" / "rollout" / "rank_1.pt", weights_only=False)["ahead"]
     assert list(ahead) == [stopped_at + 1] and "num_turns" in ahead[stopped_at + 1]
     result = job(2, *argv, timeout=400, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resuming from" in result.stdout
-    resumed, straight = comparable(f"{out}/tb"), comparable(f"{tmp_path}/straight/tb")
-    assert resumed.keys() == straight.keys()
-    for tag, values in straight.items():
-        assert resumed[tag] == values, f"{tag} differs after resume"
+    assert_repeats(out / "tb", tmp_path / "straight" / "tb")
 
 
 @pytest.mark.e2e

@@ -4,17 +4,15 @@ check the row counts), several generation batches on some steps, and the data po
 checkpoint advanced by every prompt generated; on a rollout pool at staleness 1 the extra batches
 are generated ahead, and a stop and resume repeats the uninterrupted run exactly."""
 
-import os
 import pathlib
-import signal
 
 import pytest
 import torch
 
-from spmdsplit.checkpoint import LATEST, step_dir
-from tests.launch import cached_job, job, start_torchrun
+from spmdsplit.checkpoint import step_dir
+from tests.launch import cached_job, job
 from tests.outputs import scalars
-from tests.test_resume import comparable, read_until, worker_pid
+from tests.test_resume import assert_repeats, stop_on_request
 
 pytestmark = pytest.mark.e2e
 
@@ -74,20 +72,13 @@ def test_a_rollout_pool_generates_the_extra_batches_ahead_and_a_resume_repeats_t
     assert sampling["next_gen_batch"] == 1 + batches[1] + batches[2] + batches[3]
 
     out = (f"trainer.log_dir={tmp_path}/tb", f"trainer.default_local_dir={tmp_path}/ckpt")
-    stopped = start_torchrun(2, "trainer.progress_bar=false", *DAPO, *AHEAD, *out)
-    read_until(stopped, "step 1:")
-    os.kill(worker_pid(stopped.pid, rank=1), signal.SIGUSR2)  # the rollout rank
-    output, _ = stopped.communicate(timeout=240)
-    assert "stopped on request" in output, output[-3000:]
-    stopped_at = int(open(tmp_path / "ckpt" / LATEST).read())
+    stopped_at = stop_on_request(2, ["trainer.progress_bar=false", *DAPO, *AHEAD, *out], tmp_path / "ckpt",
+                                 after="step 1:", rank=1)  # the rollout rank
     assert 1 <= stopped_at < STEPS
     result = job(2, *DAPO, *AHEAD, *out, timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resuming from {step_dir(str(tmp_path / 'ckpt'), stopped_at)} at step {stopped_at + 1}" in result.stdout
-    resumed, uninterrupted = comparable(f"{tmp_path}/tb"), comparable(f"{ahead_reference}/tb")
-    assert resumed.keys() == uninterrupted.keys()
-    for tag, values in uninterrupted.items():
-        assert resumed[tag] == values, f"{tag} differs after resume"
+    assert_repeats(tmp_path / "tb", ahead_reference / "tb")
 
 
 def test_turned_on_at_a_resume_it_goes_on_from_the_prompts_the_stopped_run_took(tmp_path):

@@ -31,6 +31,26 @@ JOB = (
 FAULT_JOB = os.path.join(os.path.dirname(__file__), "ckpt_crash_job.py")
 
 
+def stop_on_request(nproc: int, argv, ckpt_dir, after: str, rank: int) -> int:
+    """Starts the job under torchrun, asks world rank `rank` alone to stop (SIGUSR2; the others
+    learn it by the vote) once `after` is printed, and returns the step it checkpointed and
+    stopped after."""
+    stopped = start_torchrun(nproc, *argv)
+    read_until(stopped, after)
+    os.kill(worker_pid(stopped.pid, rank=rank), signal.SIGUSR2)
+    output, _ = stopped.communicate(timeout=240)
+    assert "stopped on request" in output, output[-3000:]
+    return int(open(os.path.join(ckpt_dir, LATEST)).read())
+
+
+def assert_repeats(resumed_log_dir, uninterrupted_log_dir) -> None:
+    """Every logged scalar but wall-clock ones equal, step for step, to the uninterrupted run's."""
+    resumed, uninterrupted = comparable(str(resumed_log_dir)), comparable(str(uninterrupted_log_dir))
+    assert resumed.keys() == uninterrupted.keys()
+    for tag, values in uninterrupted.items():
+        assert resumed[tag] == values, f"{tag} differs after resume"
+
+
 def comparable(log_dir: str) -> dict[str, dict[int, float]]:
     """Every logged scalar but wall-clock ones, as tag -> {step: value}; each step logged once."""
     out = {}

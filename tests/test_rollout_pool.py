@@ -6,18 +6,17 @@ generated ahead, three pools — and the weight schedule both sides follow, chec
 
 import os
 import pathlib
-import signal
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
 from spmdsplit.batch import Batch
-from spmdsplit.checkpoint import LATEST, step_dir
+from spmdsplit.checkpoint import step_dir
 from spmdsplit.staleness import check_weights_version, validates_after, weights_needed
-from tests.launch import cached_job, job, start_torchrun
+from tests.launch import cached_job, job
 from tests.outputs import scalars, timeline_events
-from tests.test_resume import comparable, read_until, worker_pid
+from tests.test_resume import assert_repeats, stop_on_request
 
 STEPS = 6
 # rollout | actor+critic, one step off-policy, corrected by token-level truncated IS weights.
@@ -73,12 +72,8 @@ def test_the_rollout_pool_generates_the_next_batch_while_the_train_pool_trains(r
 def test_a_stop_and_resume_with_batches_generated_ahead_repeats_the_uninterrupted_run(tmp_path, reference):
     """The batch generated ahead is part of the checkpoint (the rollout pool's part), so the
     resumed run trains on exactly the rows the uninterrupted one did."""
-    stopped = start_torchrun(2, "trainer.progress_bar=false", *ahead_job(tmp_path))
-    read_until(stopped, "step 2:")
-    os.kill(worker_pid(stopped.pid, rank=1), signal.SIGUSR2)  # the rollout rank: the others learn by the vote
-    output, _ = stopped.communicate(timeout=240)
-    assert "stopped on request" in output, output[-3000:]
-    stopped_at = int(open(tmp_path / "ckpt" / LATEST).read())
+    stopped_at = stop_on_request(2, ["trainer.progress_bar=false", *ahead_job(tmp_path)], tmp_path / "ckpt",
+                                 after="step 2:", rank=1)  # the rollout rank
     assert 2 <= stopped_at < STEPS
     part = tmp_path / "ckpt" / f"global_step_{stopped_at}" / "rollout" / "rank_1.pt"
     ahead = torch.load(part, weights_only=False)["ahead"]
@@ -87,10 +82,7 @@ def test_a_stop_and_resume_with_batches_generated_ahead_repeats_the_uninterrupte
     result = job(2, *ahead_job(tmp_path), timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resuming from {step_dir(str(tmp_path / 'ckpt'), stopped_at)} at step {stopped_at + 1}" in result.stdout
-    resumed, uninterrupted = comparable(f"{tmp_path}/tb"), comparable(f"{reference}/tb")
-    assert resumed.keys() == uninterrupted.keys()
-    for tag, values in uninterrupted.items():
-        assert resumed[tag] == values, f"{tag} differs after resume"
+    assert_repeats(tmp_path / "tb", reference / "tb")
 
 
 def test_three_pools_two_steps_ahead_with_validation_and_checkpoints(tmp_path):

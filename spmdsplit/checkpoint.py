@@ -52,6 +52,15 @@ def read_meta(path: str) -> dict:
         return json.load(f)
 
 
+def saved_ranks(meta: dict) -> dict[str, list[int]]:
+    """Each role group's ranks when the checkpoint was written (checkpoints before the reward group
+    had its own key kept the actor's, critic's and rollout's; reward sat with the critic)."""
+    if "ranks" in meta:
+        return meta["ranks"]
+    return {"rollout": meta.get("rollout_ranks", meta["actor_ranks"]), "actor": meta["actor_ranks"],
+            "critic": meta["critic_ranks"], "reward": meta["critic_ranks"]}
+
+
 def find_resume(resume: str, root: str) -> str | None:
     """The checkpoint folder to resume from, or None to start fresh. Pure file reads, so every
     rank decides alike before the world forms. `resume`: auto | disable | a checkpoint folder."""

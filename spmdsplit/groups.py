@@ -5,15 +5,14 @@ every group, member or not, in the same order, or the groups' names (a per-proce
 drift apart and the job hangs at its first collective. The order is therefore part of the
 protocol between ranks, and it is written here, once:
 
-  1. the pools' groups (spmdsplit/placement.py build_pools): actor pool, critic pool
-     (one shared group when colocated), rollout pool (only when it has ranks of its own);
-     each trained pool trains with FSDP2/ZeRO over its own
+  1. the pools' groups (spmdsplit/placement.py build_pools): one per pool, in the order of
+     placement.pools (the actor's pool first); each pool trains with FSDP2/ZeRO over its own
   2. `bulk`     over the world, the backend's (NCCL on GPUs): rows between the pools
   3. `control`  over the world, gloo: small pickled objects (metrics, checkpoint hand-off)
   4. `stop`     over the world, gloo: the stop vote at each step (spmdsplit/preempt.py)
-  5. `meet`     gloo, one per trained pool over its ranks (actor pool, then critic pool; one when
-                they share ranks), with the long timeout: where a pool's ranks wait for each
-                other after waiting on another pool (Pools.meet), before their next collective
+  5. `meet`     gloo, one per pool over its ranks, in the same order, with the long timeout:
+                where a pool's ranks wait for each other after waiting on another pool
+                (Pools.meet), before their next collective
   6. `handoff`  over the actor and critic pools' ranks, only with placement.overlap=false and
                 the two on ranks of their own: the barrier that makes them take turns (the
                 thing that mode measures; a rollout pool apart runs ahead, never calls it)
@@ -49,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from spmdsplit.placement import Placement, Pools, build_pools
+from spmdsplit.placement import Placement, Pools, build_pools, member_or_none
 
 
 @dataclass
@@ -67,20 +66,21 @@ class ProcessGroups:
 def blocking_handoff(cfg, placement: Placement) -> bool:
     """verl's blocking calls (placement.overlap=false), for comparison; meaningless when the
     roles share ranks anyway."""
-    return not cfg.placement.overlap and not placement.colocated
+    return not cfg.placement.overlap and not placement.together("actor", "critic")
 
 
 def critic_pool_generates(cfg, placement: Placement) -> bool:
     """rollout.ranks=all with pools of their own: the critic pool's ranks generate their share too."""
-    return cfg.rollout.ranks == "all" and not placement.colocated
+    return cfg.rollout.ranks == "all" and not placement.together("actor", "critic")
 
 
 def weight_sources_and_receivers(cfg, placement: Placement) -> tuple[list[int], list[int]]:
     """Who sends the policy's weights to engines outside the actor pool, and who receives them."""
-    if placement.rollout_apart:
-        return list(placement.actor_ranks), list(placement.rollout_ranks)
+    actor = list(placement.ranks("actor"))
+    if placement.apart("rollout"):
+        return actor, list(placement.ranks("rollout"))
     if critic_pool_generates(cfg, placement):
-        return [placement.actor_ranks[0]], list(placement.critic_ranks)
+        return actor[:1], list(placement.ranks("critic"))
     return [], []
 
 
@@ -95,25 +95,20 @@ def create_process_groups(cfg, placement: Placement, device: torch.device) -> Pr
     bulk = dist.new_group(world, timeout=between)  # 2
     control = dist.new_group(world, backend="gloo", timeout=between)  # 3
     stop = dist.new_group(world, backend="gloo", timeout=between)  # 4
-    trained = [placement.actor_ranks] if placement.colocated else [placement.actor_ranks, placement.critic_ranks]
-    meets = [_member_or_none(dist.new_group(list(ranks), backend="gloo", timeout=between)) for ranks in trained]  # 5
-    pools.actor_meet, pools.critic_meet = meets[0], meets[-1]
+    pools.meets = {name: member_or_none(dist.new_group(list(ranks), backend="gloo", timeout=between))  # 5
+                   for name, ranks in placement.pools.items()}
     handoff = None
     if blocking_handoff(cfg, placement):  # 6
-        handoff = _member_or_none(dist.new_group(sorted({*placement.actor_ranks, *placement.critic_ranks}),
-                                                 timeout=between))
+        handoff = member_or_none(dist.new_group(sorted({*placement.ranks("actor"), *placement.ranks("critic")}),
+                                                timeout=between))
     sources, receivers = weight_sources_and_receivers(cfg, placement)
-    weights = [_member_or_none(dist.new_group(sorted({src, *receivers}), timeout=between)) for src in sources]  # 7
+    weights = [member_or_none(dist.new_group(sorted({src, *receivers}), timeout=between)) for src in sources]  # 7
     generating = None
     if cfg.algorithm.filter_groups.enable and critic_pool_generates(cfg, placement):  # 8
-        generating = _member_or_none(dist.new_group(world, timeout=between))
+        generating = member_or_none(dist.new_group(world, timeout=between))
     if cfg.rollout.name == "vllm":  # 9
         from spmdsplit.roles.build import compute_dtypes
         from spmdsplit.rollout.vllm_engine import init_vllm_distributed
 
         init_vllm_distributed(cfg, cfg.model.path, device, compute_dtypes(cfg, device)[0])
     return ProcessGroups(pools, bulk, control, stop, handoff, sources, weights, generating)
-
-
-def _member_or_none(group) -> ProcessGroup | None:
-    return None if group is None or group is dist.GroupMember.NON_GROUP_MEMBER else group

@@ -1,12 +1,14 @@
-"""The conversation between the pools: every message, in order. A is the actor pool, C the pool of
-the critic group (A itself when they share ranks), R a rollout pool of its own (placement.roles;
-without one, the rollout group sits on A and R means A).
+"""The conversation between the pools: every message, in order. Names are role groups: a message
+goes from the ranks of one role group to those of another, wherever the placement put them (two
+groups on one pool talk to themselves, and such a message never touches the wire). `generating`:
+the ranks that generate a step, a rollout pool of its own, or with rollout.ranks=all the actor's
+and the critic's.
 
 Two links, each a process group over the whole world (spmdsplit/groups.py creates them):
 
   bulk    the backend's group (NCCL on GPUs, gloo on CPU): rows of the global batch, raw tensors
-  control a gloo group, beside NCCL on GPUs as on CPU: small pickled objects, the first rank of
-          the critic pool C[0] and of a rollout pool R[0] -> world rank 0 (which logs)
+  control a gloo group, beside NCCL on GPUs as on CPU: small pickled objects, each pool's first
+          rank -> world rank 0 (which logs)
 
 Both wait `trainer.pool_wait_timeout_s`, not `trainer.dist_timeout_s`: a pool that is only busy
 (generating a large validation set, a long update) is not dead. A dead rank is found by the
@@ -18,25 +20,26 @@ both are there, which must not happen inside the first step.
 
 Per training step k, with N = rollout.stream_chunks and s = rollout.staleness:
 
-  link     from -> to   message                        when
-  (group)  A -> R       the policy's weights           only with a rollout pool of its own
-                        (version v = k-1)              (spmdsplit/weight_sync.py: bucket i from
-                                                       actor rank i mod |A|), after update k-1 and
-                                                       before R posts GENERATED k, whenever R will
-                                                       generate again or validate (R receives it at
-                                                       validation k-1 if there is one, else at k);
-                                                       at start-up A sends the version it holds
-  bulk     R -> A       GENERATED k                    only with a rollout pool of its own: batch k,
+  link     from -> to         message                  when
+  (group)  actor -> rollout   the policy's weights     only with a rollout pool of its own
+                              (version v = k-1)        (spmdsplit/weight_sync.py: bucket i from
+                                                       actor rank i mod |actor|), after update k-1
+                                                       and before the rollout pool posts GENERATED
+                                                       k, whenever it will generate again or
+                                                       validate (it receives them at validation
+                                                       k-1 if there is one, else at k); at start-up
+                                                       the actor sends the version it holds
+  bulk     rollout -> actor   GENERATED k              only with a rollout pool of its own: batch k,
                                                        generated with the weights of version
                                                        max(0, k-1-s) during step k-s (each row says
-                                                       its version; A checks it), posted at step k
-                                                       right after that step's weights arrived
-  (group)  A[0] -> C    the policy's weights           only with rollout.ranks=all: a broadcast,
+                                                       its version; the actor checks it), posted at
+                                                       step k right after that step's weights arrived
+  (group)  actor[0] -> critic the policy's weights     only with rollout.ranks=all: a broadcast,
                                                        then every rank generates its share of the
                                                        step's prompts
-  bulk     A, C -> A    GENERATED k                    only with rollout.ranks=all: the generated
+  bulk     generating -> actor GENERATED k             only with rollout.ranks=all: the generated
                                                        rows into the actor pool's partition
-  (A's     A <-> A      BALANCE k, chunk c             only with trainer.balance_batch: once the
+  (actor's actor <-> actor    BALANCE k, chunk c       only with trainer.balance_batch: once the
    group)                                              actor pool holds chunk c (after GENERATED
                                                        with rollout.ranks=all or a rollout pool),
                                                        its rows move between the actor pool's ranks
@@ -46,48 +49,52 @@ Per training step k, with N = rollout.stream_chunks and s = rollout.staleness:
                                                        over the actor pool's group (any two of its
                                                        ranks may send each other here, which NCCL
                                                        runs only as a grouped call); then
-  (the     G <-> G      FILTER_GROUPS k                only with algorithm.filter_groups (DAPO's dynamic
-   gener-                                              sampling; G = the generating ranks: R, or A, or A
-   ating                                               and C with rollout.ranks=all): after each
-   ranks'                                              generation batch one all_gather of kept-group
-   group)                                              counts, and once the step is full one all_to_all
-                                                       that hands each generating rank its share of the
-                                                       kept groups (spmdsplit/dynamic_sampling.py); it
+  (the     generating <->     FILTER_GROUPS k          only with algorithm.filter_groups (DAPO's
+   gener-  generating                                  dynamic sampling): after each generation batch
+   ating                                               one all_gather of kept-group counts, and once
+   ranks'                                              the step is full one all_to_all that hands
+   group)                                              each generating rank its share of the kept
+                                                       groups (spmdsplit/dynamic_sampling.py); it
                                                        comes before GENERATED / BALANCE / ROLLOUT
-  bulk     A -> C       ROLLOUT k, chunk c             each chunk as soon as it is generated
+  bulk     actor -> critic    ROLLOUT k, chunk c       each chunk as soon as it is generated
                                                        (and balanced), c = 0 .. N-1
-  bulk     A -> C       LOG_PROBS k, chunk 0 .. N-1    after all ROLLOUT chunks; only with
+  bulk     actor -> reward    ROLLOUT k, chunk c       only with reward on a pool of its own, right
+                                                       after the critic's copy of the chunk
+  bulk     reward -> critic   SCORES k, chunk c        only with reward on a pool of its own: each
+                                                       chunk's token_level_scores (and ReMax's
+                                                       reward_baselines), once scored
+  bulk     actor -> critic    LOG_PROBS k, chunk 0..N-1 after all ROLLOUT chunks; only with
                                                        algorithm.use_kl_in_reward
-  bulk     C -> A       ADVANTAGES k, chunk 0 .. N-1   after GAE, before update_critic
-  control  C[0] -> 0    CRITIC_METRICS k               after update_critic; rank 0 takes it
-                                                       during step k+1, so it never waits for it
-  control  R[0] -> 0    ROLLOUT_METRICS k              only with a rollout pool of its own, after
-                                                       its step k; rank 0 takes it during step k+1
+  bulk     critic -> actor    ADVANTAGES k, chunk 0..N-1 after GAE, before update_critic
+  control  pool[0] -> 0       POOL_METRICS k           from the first rank of every pool but world
+                                                       rank 0's, naming its pool, after the pool's
+                                                       step k; rank 0 takes them during step k+1,
+                                                       so it never waits for them
 Validation at step k (after the step, before any checkpoint):
-  bulk     R -> C       VAL_ROLLOUT k                  (R is A without a rollout pool of its own)
-  control  C[0] -> 0    VAL_METRICS k                  rank 0 first takes CRITIC_METRICS <= k
+  bulk     rollout -> reward  VAL_ROLLOUT k
+  control  reward[0] -> 0     VAL_METRICS k            rank 0 first takes POOL_METRICS <= k
 Checkpoint at step k:
-  control  C[0] -> 0    CHECKPOINT_WRITTEN k           rank 0 first takes CRITIC_METRICS <= k
-  control  R[0] -> 0    CHECKPOINT_WRITTEN k           only with a rollout pool of its own (whose
-                                                       part holds the batches it generated ahead)
+  control  pool[0] -> 0       CHECKPOINT_WRITTEN k     from the first rank of every pool but world
+                                                       rank 0's; rank 0 first takes POOL_METRICS <= k
 
 Between two ranks each link is one ordered stream, both directions on it: NCCL matches
 point-to-point messages in the order they were posted and ignores tags, so the receiver posts its
 receives in exactly the order above, and every header is checked (spmdsplit/exchange.py). A send
 completes only once its receive is posted, so no phase above has two ranks send each other on a
-link: each bulk message goes one way, and the one exchange where any rank of a pool sends any
-other (BALANCE) is a collective. Every multi-rank test runs under these rules (tests/nccl_p2p.py).
+link: each bulk message goes one way (the reward pool's SCORES go to the critic, which sends it
+nothing), and the one exchange where any rank of a pool sends any other (BALANCE) is a collective.
+Every multi-rank test runs under these rules (tests/nccl_p2p.py).
 
 A receive from another pool ends with the receiving pool meeting (`Pools.meet`, a barrier over a
 gloo group of the pool's ranks with the long timeout) before its next collective: its ranks get
 their rows from different ranks of the other pool, at different times, and the pool's own
 collectives (FSDP, trainer.dist_timeout_s) must not be the ones that wait for the slowest.
 
-Rows that come back (advantages, log-probs) carry `row_index`, the row's place in the step's
-global batch as generated (its identity: balancing reorders the rows but never renumbers them),
-and are checked against the rows held: a routing slip is an error, never training on the wrong
-rows. In colocate placement every message a rank sends goes to itself and never touches the wire,
-but BALANCE (rows between the ranks of the one pool, a collective).
+Rows that come back (advantages, log-probs, scores) carry `row_index`, the row's place in the
+step's global batch as generated (its identity: balancing reorders the rows but never renumbers
+them), and are checked against the rows held: a routing slip is an error, never training on the
+wrong rows. In colocate placement every message a rank sends goes to itself and never touches the
+wire, but BALANCE (rows between the ranks of the one pool, a collective).
 """
 
 from __future__ import annotations
@@ -98,31 +105,31 @@ import torch.distributed as dist
 from spmdsplit.batch import Batch
 from spmdsplit.exchange import (Link, Message, PendingSend, ProtocolError, recv_rows, reorder_rows, row_pairs,
                                 send_rows)
-from spmdsplit.placement import Placement
+from spmdsplit.placement import ROLE_GROUPS, Placement
 
 GENERATED, BALANCE, ROLLOUT, LOG_PROBS, ADVANTAGES = "GENERATED", "BALANCE", "ROLLOUT", "LOG_PROBS", "ADVANTAGES"
-VAL_ROLLOUT = "VAL_ROLLOUT"
-CRITIC_METRICS, VAL_METRICS, CHECKPOINT_WRITTEN = "CRITIC_METRICS", "VAL_METRICS", "CHECKPOINT_WRITTEN"
-ROLLOUT_METRICS = "ROLLOUT_METRICS"
+SCORES, VAL_ROLLOUT = "SCORES", "VAL_ROLLOUT"
+POOL_METRICS, VAL_METRICS, CHECKPOINT_WRITTEN = "POOL_METRICS", "VAL_METRICS", "CHECKPOINT_WRITTEN"
 FILTER_GROUPS = "FILTER_GROUPS"  # a collective among the generating ranks (spmdsplit/dynamic_sampling.py)
 
-# What the critic pool needs of a rollout (the rest stays with the actor pool). Everything a
+# What the critic and reward groups need of a rollout (the rest stays with the actor pool). Everything a
 # reward function is called with travels: `extra_info` too (verl's scorers for code and tool
 # answers read it), for training and validation rows alike, in every placement.
 ROLLOUT_KEYS = ("responses", "response_mask", "input_ids", "attention_mask", "position_ids",
                 "data_source", "ground_truth", "extra_info", "uid", "row_index")
 # A multi-turn rollout's per-row counts (spmdsplit/agent/loop.py), for the critic pool's data metrics.
 AGENT_KEYS = ("num_turns", "tool_calls", "tool_errors")
-# ReMax's greedy response of each row's prompt (actor_pool.greedy_baselines), scored by the critic pool.
+# ReMax's greedy response of each row's prompt (generation.greedy_baselines), scored by the reward group.
 BASELINE_KEYS = ("baseline_responses", "baseline_response_mask")
 LOG_PROB_KEYS = ("old_log_probs", "ref_log_prob", "row_index")
 
 
 def rollout_columns(part: Batch) -> Batch:
-    """What of a rollout goes to the critic pool: ROLLOUT_KEYS, AGENT_KEYS when the rollout was
+    """What of a rollout goes to the critic and reward groups: ROLLOUT_KEYS, AGENT_KEYS when the rollout was
     multi-turn (every row of a step is, or none), BASELINE_KEYS with ReMax."""
     return part.select(ROLLOUT_KEYS + tuple(k for k in AGENT_KEYS + BASELINE_KEYS if k in part))
 ADVANTAGE_KEYS = ("advantages", "row_index")
+SCORE_KEYS = ("token_level_scores", "row_index")  # + reward_baselines with ReMax
 
 
 def check_rows(received: Batch, held: Batch, what: str) -> None:
@@ -139,19 +146,20 @@ class PoolChannel:
     `bulk_group`, `control_group`: the two links' groups over the world (spmdsplit/groups.py)."""
 
     def __init__(self, placement: Placement, device: torch.device, rows_per_step: int, chunks: int,
-                 bulk_group, control_group, meet=lambda pool: None):
-        self.bulk = Link([GENERATED, ROLLOUT, LOG_PROBS, ADVANTAGES, VAL_ROLLOUT], bulk_group, device, "bulk")
+                 bulk_group, control_group, meet=lambda group: None):
+        self.bulk = Link([GENERATED, ROLLOUT, SCORES, LOG_PROBS, ADVANTAGES, VAL_ROLLOUT], bulk_group, device, "bulk")
         self.control_group = control_group
-        self.control = Link([CRITIC_METRICS, VAL_METRICS, CHECKPOINT_WRITTEN, ROLLOUT_METRICS], self.control_group,
-                            "cpu", "control")
-        self.A, self.C, self.R = list(placement.actor_ranks), list(placement.critic_ranks), list(placement.rollout_ranks)
-        # Who sends GENERATED: a rollout pool of its own, or with rollout.ranks=all every rank
-        # (set by connect); without either there is no such message.
-        self.G = self.R if placement.rollout_apart else self.A + self.C
+        self.control = Link([POOL_METRICS, VAL_METRICS, CHECKPOINT_WRITTEN], self.control_group, "cpu", "control")
+        self.placement = placement
+        self.ranks = {group: list(placement.ranks(group)) for group in ROLE_GROUPS}
+        # Who sends GENERATED: a rollout pool of its own, or with rollout.ranks=all every rank;
+        # without either there is no such message.
+        self.generating = (self.ranks["rollout"] if placement.apart("rollout")
+                           else self.ranks["actor"] + self.ranks["critic"])
+        self.scored_apart = placement.apart("reward")  # ROLLOUT to the reward group too, SCORES back
         self.rows_per_step, self.chunk_rows = rows_per_step, rows_per_step // chunks
         self.meet = meet  # Pools.meet: see "A receive from another pool" above
-        self.metrics_in_flight = PendingSend()
-        self.rollout_metrics_in_flight = PendingSend()
+        self.metrics_in_flight: dict[int, PendingSend] = {}  # step -> this pool's POOL_METRICS send
 
     def connect(self, generated: bool, num_val_rows: int, balance_group=None) -> None:
         """Every rank, once, at start-up: each pair of ranks that the bulk messages below will
@@ -159,104 +167,121 @@ class PoolChannel:
         `generated`: rollout.ranks=all or a rollout pool of its own; `num_val_rows`: validation
         responses per run (0: none); `balance_group`: with trainer.balance_batch, the actor pool's
         group on its ranks, whose all_to_all is run once too (NCCL connects its pairs then)."""
-        pairs = row_pairs(self.G, self.A, self.rows_per_step) if generated else []
-        pairs += row_pairs(self.A, self.C, self.chunk_rows)  # ROLLOUT, LOG_PROBS
-        pairs += row_pairs(self.C, self.A, self.chunk_rows)  # ADVANTAGES
+        actor, critic, reward = self.ranks["actor"], self.ranks["critic"], self.ranks["reward"]
+        pairs = row_pairs(self.generating, actor, self.rows_per_step) if generated else []
+        pairs += row_pairs(actor, critic, self.chunk_rows)  # ROLLOUT, LOG_PROBS
+        if self.scored_apart:
+            pairs += row_pairs(actor, reward, self.chunk_rows)  # ROLLOUT
+            pairs += row_pairs(reward, critic, self.chunk_rows)  # SCORES
+        pairs += row_pairs(critic, actor, self.chunk_rows)  # ADVANTAGES
         if num_val_rows:
-            pairs += row_pairs(self.R, self.C, num_val_rows)  # VAL_ROLLOUT
+            pairs += row_pairs(self.ranks["rollout"], reward, num_val_rows)  # VAL_ROLLOUT
         self.bulk.connect(pairs)
-        if balance_group is not None and len(self.A) > 1:  # BALANCE
-            token = torch.zeros(len(self.A), device=self.bulk.device)
+        if balance_group is not None and len(actor) > 1:  # BALANCE
+            token = torch.zeros(len(actor), device=self.bulk.device)
             dist.all_to_all_single(torch.empty_like(token), token, group=balance_group)
+
+    def _send(self, msg: Message, rows: Batch, src: str, dst: str, num_rows: int) -> PendingSend:
+        return send_rows(self.bulk, msg, rows, self.generating if src == "generating" else self.ranks[src],
+                         self.ranks[dst], num_rows)
+
+    def _recv(self, msg: Message, src: str, dst: str, num_rows: int, stats: dict | None = None) -> Batch:
+        """Rows from `src` to this rank of `dst`; when they came from another pool, `dst`'s pool
+        meets before its next collective."""
+        sources = self.generating if src == "generating" else self.ranks[src]
+        rows = recv_rows(self.bulk, msg, sources, self.ranks[dst], num_rows, stats)
+        if set(sources) - set(self.ranks[dst]):
+            self.meet(dst)
+        return rows
 
     # ---- rows generated outside the actor pool's own engines (a rollout pool of its own, or
     #      rollout.ranks=all: actor pool first, then critic pool) move into the actor pool's
     #      partition of the same global order
 
     def send_generated(self, step: int, generated: Batch) -> PendingSend:
-        return send_rows(self.bulk, Message(GENERATED, step), generated, self.G, self.A, self.rows_per_step)
+        return self._send(Message(GENERATED, step), generated, "generating", "actor", self.rows_per_step)
 
     def recv_generated(self, step: int, stats: dict | None = None) -> Batch:
-        return self._then_meet(recv_rows(self.bulk, Message(GENERATED, step), self.G, self.A, self.rows_per_step, stats),
-                               self.G, self.A, "actor")
+        return self._recv(Message(GENERATED, step), "generating", "actor", self.rows_per_step, stats)
 
     # ---- trainer.balance_batch: the actor pool's rows of a chunk (of the step, with
     #      rollout.ranks=all) into the balanced order, among the actor pool's ranks
 
     def balance(self, step: int, chunk: int, part: Batch, order: list[int], actor_group) -> Batch:
-        return reorder_rows(Message(BALANCE, step, chunk), part, self.A, order, actor_group, self.bulk.device)
+        return reorder_rows(Message(BALANCE, step, chunk), part, self.ranks["actor"], order, actor_group,
+                            self.bulk.device)
 
     # ---- a training step, rows chunk by chunk (chunk c of the global batch is chunk c of every
     #      actor rank, laid end to end, so each chunk is an exchange of its own)
 
     def send_rollout(self, step: int, chunk: int, part: Batch) -> PendingSend:
-        return send_rows(self.bulk, Message(ROLLOUT, step, chunk), rollout_columns(part), self.A, self.C, self.chunk_rows)
+        """To the critic group, then (on a pool of its own) the reward group."""
+        msg, rows = Message(ROLLOUT, step, chunk), rollout_columns(part)
+        sent = self._send(msg, rows, "actor", "critic", self.chunk_rows)
+        if self.scored_apart:
+            sent.add(self._send(msg, rows, "actor", "reward", self.chunk_rows))
+        return sent
 
-    def recv_rollout(self, step: int, chunk: int, stats: dict | None = None) -> Batch:
-        return self._then_meet(recv_rows(self.bulk, Message(ROLLOUT, step, chunk), self.A, self.C, self.chunk_rows, stats),
-                               self.A, self.C, "critic")
+    def recv_rollout(self, step: int, chunk: int, stats: dict | None = None, to: str = "critic") -> Batch:
+        return self._recv(Message(ROLLOUT, step, chunk), "actor", to, self.chunk_rows, stats)
+
+    def send_scores(self, step: int, chunk: int, part: Batch) -> PendingSend:
+        keys = SCORE_KEYS + (("reward_baselines",) if "reward_baselines" in part else ())
+        return self._send(Message(SCORES, step, chunk), part.select(keys), "reward", "critic", self.chunk_rows)
+
+    def recv_scores(self, step: int, chunk: int, stats: dict | None = None) -> Batch:
+        return self._recv(Message(SCORES, step, chunk), "reward", "critic", self.chunk_rows, stats)
 
     def send_log_probs(self, step: int, chunk: int, part: Batch) -> PendingSend:
-        return send_rows(self.bulk, Message(LOG_PROBS, step, chunk), part.select(LOG_PROB_KEYS), self.A, self.C, self.chunk_rows)
+        return self._send(Message(LOG_PROBS, step, chunk), part.select(LOG_PROB_KEYS), "actor", "critic",
+                          self.chunk_rows)
 
     def recv_log_probs(self, step: int, chunk: int, stats: dict | None = None) -> Batch:
-        return self._then_meet(recv_rows(self.bulk, Message(LOG_PROBS, step, chunk), self.A, self.C, self.chunk_rows, stats),
-                               self.A, self.C, "critic")
+        return self._recv(Message(LOG_PROBS, step, chunk), "actor", "critic", self.chunk_rows, stats)
 
     def send_advantages(self, step: int, chunk: int, part: Batch) -> PendingSend:
-        return send_rows(self.bulk, Message(ADVANTAGES, step, chunk), part.select(ADVANTAGE_KEYS), self.C, self.A, self.chunk_rows)
+        return self._send(Message(ADVANTAGES, step, chunk), part.select(ADVANTAGE_KEYS), "critic", "actor",
+                          self.chunk_rows)
 
     def recv_advantages(self, step: int, chunk: int, stats: dict | None = None) -> Batch:
-        return self._then_meet(recv_rows(self.bulk, Message(ADVANTAGES, step, chunk), self.C, self.A, self.chunk_rows, stats),
-                               self.C, self.A, "actor")
+        return self._recv(Message(ADVANTAGES, step, chunk), "critic", "actor", self.chunk_rows, stats)
 
     # ---- validation
 
     def send_val_rollout(self, step: int, batch: Batch, num_rows: int) -> PendingSend:
-        return send_rows(self.bulk, Message(VAL_ROLLOUT, step), rollout_columns(batch), self.R, self.C, num_rows)
+        return self._send(Message(VAL_ROLLOUT, step), rollout_columns(batch), "rollout", "reward", num_rows)
 
     def recv_val_rollout(self, step: int, num_rows: int) -> Batch:
-        return self._then_meet(recv_rows(self.bulk, Message(VAL_ROLLOUT, step), self.R, self.C, num_rows),
-                               self.R, self.C, "critic")
+        return self._recv(Message(VAL_ROLLOUT, step), "rollout", "reward", num_rows)
 
-    def _then_meet(self, rows: Batch, sources: list[int], pool_ranks: list[int], pool: str) -> Batch:
-        """Rows that came from another pool: the receiving pool meets before its next collective."""
-        if set(sources) - set(pool_ranks):
-            self.meet(pool)
-        return rows
+    # ---- control: each pool's first rank tells world rank 0
 
-    # ---- control: the critic pool's first rank tells world rank 0
+    def send_pool_metrics(self, step: int, pool: str, metrics: dict) -> None:
+        """Not waited for: rank 0 takes step k's during step k+1, and waiting would stall this pool
+        until then (a rollout pool's next weights come only after rank 0's update). A send two
+        steps old is surely taken."""
+        for old in [s for s in self.metrics_in_flight if s <= step - 2]:
+            self.metrics_in_flight.pop(old).wait()
+        self.metrics_in_flight[step] = self.control.send_object((pool, metrics), 0, Message(POOL_METRICS, step))
 
-    def send_critic_metrics(self, step: int, metrics: dict) -> None:
-        # Not waited for: rank 0 takes them during the next step, and waiting would stall this
-        # pool until then. The previous send is surely done once a whole step ran.
-        self.metrics_in_flight.wait()
-        self.metrics_in_flight = self.control.send_object(metrics, 0, Message(CRITIC_METRICS, step))
-
-    def recv_critic_metrics(self, step: int) -> dict:
-        return self.control.recv_object(self.C[0], Message(CRITIC_METRICS, step))
-
-    def send_rollout_metrics(self, step: int, metrics: dict) -> None:
-        # Not waited for, not even the previous one: rank 0 takes step k's during step k+1, after
-        # its update, whose weights this pool may take only after sending (validation).
-        self.rollout_metrics_in_flight.add(self.control.send_object(metrics, 0, Message(ROLLOUT_METRICS, step)))
-
-    def recv_rollout_metrics(self, step: int) -> dict:
-        return self.control.recv_object(self.R[0], Message(ROLLOUT_METRICS, step))
+    def recv_pool_metrics(self, step: int, pool: str) -> dict:
+        sent_by, metrics = self.control.recv_object(self.placement.pools[pool][0], Message(POOL_METRICS, step))
+        if sent_by != pool:
+            raise ProtocolError(f"rank 0 expected pool {pool}'s metrics of step {step}, got pool {sent_by}'s")
+        return metrics
 
     def send_val_metrics(self, step: int, metrics: dict) -> None:
         self.control.send_object(metrics, 0, Message(VAL_METRICS, step)).wait()
 
     def recv_val_metrics(self, step: int) -> dict:
-        return self.control.recv_object(self.C[0], Message(VAL_METRICS, step))
+        return self.control.recv_object(self.ranks["reward"][0], Message(VAL_METRICS, step))
 
     def send_checkpoint_written(self, step: int) -> None:
         self.control.send_object(step, 0, Message(CHECKPOINT_WRITTEN, step)).wait()
 
-    def recv_checkpoint_written(self, step: int, src: int) -> None:
-        """From `src`: the critic pool's first rank, or a rollout pool's."""
-        self.control.recv_object(src, Message(CHECKPOINT_WRITTEN, step))
+    def recv_checkpoint_written(self, step: int, pool: str) -> None:
+        self.control.recv_object(self.placement.pools[pool][0], Message(CHECKPOINT_WRITTEN, step))
 
     def close(self) -> None:
-        self.metrics_in_flight.wait()
-        self.rollout_metrics_in_flight.wait()
+        for sent in self.metrics_in_flight.values():
+            sent.wait()

@@ -1,17 +1,18 @@
-"""The PPO loop: wires the role groups' programs (spmdsplit/rollout_pool.py for a rollout pool of
-its own, spmdsplit/actor_pool.py, spmdsplit/critic_pool.py), logs, validates and checkpoints.
+"""The PPO loop: builds the programs of the role groups on this rank's pool (spmdsplit/programs/),
+steps them in the schedule's order, logs, validates and checkpoints.
 
     actor pool : gen ──rollout──► old_log_prob, ref ──(log-probs)──►   ◄──advantages── update_actor ──► gen(k+1)
     critic pool:     ──rollout──► values, reward ───(log-probs)──► adv ──advantages──► update_critic ───────────►
 
-Each rank runs the programs of the role groups on its pool, in order: a rollout pool's step, the
-actor's roll-out, the critic's step, the actor's update (colocate runs all but the first; a rollout
-pool of its own runs only the first, ahead of the others by rollout.staleness). The pools
-meet only at the point-to-point messages listed in spmdsplit/messages.py, so old/ref log-probs
-run beside values/rewards, update_actor beside update_critic, and the critic update may run on
-while the actor pool starts the next rollout. Sends are non-blocking: a pool never waits for its
-data to be picked up. `placement.overlap=false` adds pool hand-offs that make the phases run one
-after another (verl's blocking calls), to measure what overlapping gains.
+Each rank runs the programs of the role groups on its pool, each step in the order of
+programs.STEP_PHASES: a rollout pool's step, the actor's roll-out, a reward pool's scores, the
+critic's step, the actor's update (colocate runs the actor's and the critic's; a rollout pool of its
+own runs only its own, ahead of the others by rollout.staleness). The pools meet only at the
+point-to-point messages listed in spmdsplit/messages.py, so old/ref log-probs run beside
+values/rewards, update_actor beside update_critic, and the critic update may run on while the
+actor pool starts the next rollout. Sends are non-blocking: a pool never waits for its data to be
+picked up. `placement.overlap=false` adds pool hand-offs that make the phases run one after another
+(verl's blocking calls), to measure what overlapping gains.
 """
 
 from __future__ import annotations
@@ -25,20 +26,27 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from spmdsplit import checkpoint
-from spmdsplit.actor_pool import ActorPool, generating_ranks, usable_val_rows
-from spmdsplit.batch import Batch
-from spmdsplit.critic_pool import CriticPool, Generator
 from spmdsplit.data.prompts import PromptDataset
 from spmdsplit.dynamic_sampling import DynamicSampling
+from spmdsplit.generation import CriticShareOfGeneration, generating_ranks, usable_val_rows
 from spmdsplit.groups import ProcessGroups, critic_pool_generates
 from spmdsplit.messages import PoolChannel
 from spmdsplit.metrics import MetricsLogger, PhaseTimer, write_timeline
 from spmdsplit.models import eos_token_ids, load_tokenizer
+from spmdsplit.placement import ROLE_GROUPS
 from spmdsplit.preempt import StopVote
-from spmdsplit.roles.build import build_actor_pool, build_critic_pool, build_rollout_engine, build_rule_reward
-from spmdsplit.rollout_pool import RolloutPool
+from spmdsplit.programs import HOSTED, STEP_PHASES, own_programs
+from spmdsplit.programs.actor import ActorProgram
+from spmdsplit.programs.critic import CriticProgram
+from spmdsplit.programs.reward import RewardProgram
+from spmdsplit.programs.rollout import RolloutProgram
+from spmdsplit.roles.build import (build_actor_roles, build_critic_roles, build_reward, build_rollout_engine,
+                                   build_rule_reward)
 from spmdsplit.staleness import validates_after
 from spmdsplit.weight_sync import WeightBroadcast
+
+# When two pools report the same metric, rank 0 logs the one of the group that comes first here.
+REPORT_ORDER = ("actor", "critic", "reward", "rollout")
 
 
 class Trainer:
@@ -49,9 +57,8 @@ class Trainer:
         self.cfg, self.pools = cfg, groups.pools
         pools = groups.pools
         self.device, self.rank, self.placement = pools.device, pools.rank, pools.placement
-        self.actor_ranks = list(self.placement.actor_ranks)
-        self.critic_ranks = list(self.placement.critic_ranks)
-        assert self.actor_ranks[0] == 0, "world rank 0 logs and must be in the actor pool"
+        assert self.placement.pool_at(0) == self.placement.pool_of("actor"), "world rank 0 logs, as the actor"
+        self.my_pool = self.placement.pool_at(self.rank)
         self.batch_size = cfg.data.train_batch_size  # prompts per step
         self.val_rows = rows.get("val", [])
         self.timer = PhaseTimer(self.rank, self.device)
@@ -59,48 +66,33 @@ class Trainer:
                                    cfg.rollout.stream_chunks, groups.bulk, groups.control, pools.meet)
         val_responses = (len(usable_val_rows(self.val_rows, self.placement)) * cfg.rollout.val_kwargs.n
                          if self.val_rows else 0)
-        self.channel.connect(generated=critic_pool_generates(cfg, self.placement) or self.placement.rollout_apart,
+        self.channel.connect(generated=critic_pool_generates(cfg, self.placement) or self.placement.apart("rollout"),
                              num_val_rows=val_responses,
-                             balance_group=pools.actor_group if cfg.trainer.balance_batch else None)
+                             balance_group=pools.group("actor") if cfg.trainer.balance_batch else None)
         self.stop_vote = StopVote(groups.stop)
         # The hand-off barrier spans the actor and critic pools on purpose: it is the thing measured.
-        handoff = (lambda: dist.barrier(group=groups.handoff)) if groups.handoff else (lambda: None)
-
+        self.handoff = (lambda: dist.barrier(group=groups.handoff)) if groups.handoff else (lambda: None)
         # Engines outside the actor pool (a rollout pool of its own, or rollout.ranks=all's on the
         # critic pool) get the policy's weights by a bucketed broadcast.
-        weights = None
+        self.weights = None
         if groups.weight_sources:
-            weights = WeightBroadcast(groups.weight_sources, groups.weights, self.device, cfg.rollout.weight_bucket_mb)
+            self.weights = WeightBroadcast(groups.weight_sources, groups.weights, self.device,
+                                           cfg.rollout.weight_bucket_mb)
 
         self.tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)  # "" resolved by train.py
-        eos_ids = eos_token_ids(cfg.model.path, self.tokenizer)
+        self.eos_ids = eos_token_ids(cfg.model.path, self.tokenizer)
         # Prompts are taken a generation batch at a time: the step's, or dynamic sampling's.
         self.dataset = PromptDataset(rows["train"], cfg.data.gen_batch_size or self.batch_size, cfg.data.shuffle,
                                      cfg.data.seed)
-        self.sampler = self.build_sampler(groups, eos_ids)  # algorithm.filter_groups, on generating ranks
-        self.actor_pool = self.critic_pool = self.rollout_pool = None
-        if pools.in_rollout_pool:
-            self.rollout_pool = RolloutPool(cfg, pools, build_rollout_engine(cfg, pools, self.tokenizer, eos_ids),
-                                            weights, self.channel, self.timer, self.dataset, self.tokenizer,
-                                            self.sampler)
-        if pools.is_actor:
-            self.actor_pool = ActorPool(cfg, pools, build_actor_pool(cfg, pools, self.tokenizer, eos_ids),
-                                        self.channel, self.timer, self.dataset, self.tokenizer, handoff, weights,
-                                        None if self.placement.rollout_apart else self.sampler)
-        if pools.is_critic:
-            generator = None
-            if critic_pool_generates(cfg, self.placement):
-                generator = Generator(cfg, pools, build_rollout_engine(cfg, pools, self.tokenizer, eos_ids), weights,
-                                      self.channel, self.timer, self.dataset, self.tokenizer, self.sampler)
-            self.critic_pool = CriticPool(cfg, pools, build_critic_pool(cfg, pools, self.tokenizer, eos_ids),
-                                          self.channel, self.timer, handoff, generator)
+        self.sampler = self.build_sampler(groups)  # algorithm.filter_groups, on generating ranks
+        builders = {"rollout": self.build_rollout, "actor": self.build_actor, "critic": self.build_critic,
+                    "reward": self.build_reward}
+        self.programs = {group: builders[group]() for group in own_programs(self.placement, self.rank)}
         self.seed_sampling()
         self.start_step = 1
-        # Rank 0: step -> {"actor": ..., "critic": ...[, "rollout": ...]} until every pool's part is in.
+        # Rank 0: step -> {pool: its metrics} until every pool's part is in.
         self.unlogged: dict[int, dict] = {}
-        self.sides = ("actor", "critic", "rollout") if self.placement.rollout_apart else ("actor", "critic")
-        self.metrics_received = dict.fromkeys(self.sides[1:], 0)  # the other pools' parts, taken up to this step
-        self.ahead: dict = {}  # a rollout pool's rank: the batches a resumed checkpoint kept
+        self.metrics_received = {pool: 0 for pool in self.placement.pools if pool != self.my_pool}  # rank 0's
         self.tracking_runs: dict[str, str] = {}  # wandb / MLflow runs a resumed job goes on in
         if resume_from:
             self.load_checkpoint(resume_from)
@@ -108,20 +100,54 @@ class Trainer:
         self.logger = MetricsLogger(cfg.trainer, OmegaConf.to_container(cfg, resolve=True), first_step=self.start_step,
                                     run_ids=self.tracking_runs) if self.rank == 0 else None
 
-    def build_sampler(self, groups: ProcessGroups, eos_ids: list[int]) -> DynamicSampling | None:
+    # ------------------------------------------------------------------ the programs on this rank
+
+    def build_rollout(self) -> RolloutProgram:
+        engine = build_rollout_engine(self.cfg, self.pools, self.tokenizer, self.eos_ids)
+        return RolloutProgram(self.cfg, self.pools, engine, self.weights, self.channel, self.timer, self.dataset,
+                              self.tokenizer, self.sampler)
+
+    def build_actor(self) -> ActorProgram:
+        roles = build_actor_roles(self.cfg, self.pools, self.tokenizer, self.eos_ids)
+        return ActorProgram(self.cfg, self.pools, roles, self.channel, self.timer, self.dataset, self.tokenizer,
+                            self.handoff, self.weights, None if self.placement.apart("rollout") else self.sampler)
+
+    def build_critic(self) -> CriticProgram:
+        cfg, pools = self.cfg, self.pools
+        generation = None
+        if critic_pool_generates(cfg, self.placement):
+            engine = build_rollout_engine(cfg, pools, self.tokenizer, self.eos_ids)
+            generation = CriticShareOfGeneration(cfg, pools, engine, self.weights, self.channel, self.timer,
+                                                 self.dataset, self.tokenizer, self.sampler)
+        roles = build_critic_roles(cfg, pools)
+        reward = None if self.placement.apart("reward") else build_reward(cfg, pools, self.tokenizer, self.eos_ids)
+        return CriticProgram(cfg, pools, roles, self.channel, self.timer, self.handoff, reward, generation)
+
+    def build_reward(self) -> RewardProgram:
+        reward = build_reward(self.cfg, self.pools, self.tokenizer, self.eos_ids)
+        return RewardProgram(self.cfg, self.pools, reward, self.channel, self.timer)
+
+    def running(self, group: str):
+        """The program on this rank that does `group`'s work: its own, or its host's when it shares
+        the host's pool (the actor's generates, the critic's scores); None off its pool."""
+        if group in HOSTED and not self.placement.apart(group):
+            return self.programs.get(HOSTED[group])
+        return self.programs.get(group)
+
+    def build_sampler(self, groups: ProcessGroups) -> DynamicSampling | None:
         """DAPO's dynamic sampling on the ranks that generate, over their group: a rollout pool's,
         the actor pool's, or with rollout.ranks=all the one over both pools (groups.py)."""
         pools, placement = self.pools, self.placement
         generating = generating_ranks(self.cfg, pools)
         if not self.cfg.algorithm.filter_groups.enable or self.rank not in generating:
             return None
-        if placement.rollout_apart:
-            group, count_group = pools.rollout_group, pools.rollout_group
+        if placement.apart("rollout"):
+            group = count_group = pools.group("rollout")
         elif groups.generating is not None:
-            group, count_group = groups.generating, groups.generating
+            group = count_group = groups.generating
         else:  # the counts over the pool's meeting group: its ranks' generation ends at different times
-            group, count_group = pools.actor_group, pools.actor_meet
-        return DynamicSampling(self.cfg, build_rule_reward(self.cfg, self.tokenizer, eos_ids), generating, group,
+            group, count_group = pools.group("actor"), pools.meet_group("actor")
+        return DynamicSampling(self.cfg, build_rule_reward(self.cfg, self.tokenizer, self.eos_ids), generating, group,
                                self.device, count_group)
 
     def seed_sampling(self, after_step: int = 0) -> None:
@@ -135,11 +161,11 @@ class Trainer:
         """Runs the remaining steps; False when it stopped early on request (after checkpointing)."""
         trainer = self.cfg.trainer
         last = trainer.total_steps
-        if self.placement.rollout_apart:  # the rollout pool's engines start with the actor's weights
-            if self.actor_pool:
-                self.actor_pool.push_weights()
-            if self.rollout_pool:
-                self.rollout_pool.start(self.start_step, self.ahead)
+        if self.placement.apart("rollout"):  # the rollout pool's engines start with the actor's weights
+            if "actor" in self.programs:
+                self.programs["actor"].push_weights()
+            if "rollout" in self.programs:
+                self.programs["rollout"].start(self.start_step)
         if validates_after(self.cfg, 0) and self.start_step == 1:
             self.validate(0)
         for step in range(self.start_step, trainer.total_steps + 1):
@@ -160,84 +186,77 @@ class Trainer:
         return completed
 
     def train_step(self, step: int) -> None:
+        """This rank's programs, phase by phase; the pool's first rank reports their metrics."""
         step_start = time.time()
-        if self.rollout_pool:
-            self.rollout_pool.step(step)
-            generated = self.rollout_pool.pop_metrics(step)  # every rank's, to keep none
-            if self.rank == self.placement.rollout_ranks[0]:
-                self.channel.send_rollout_metrics(step, {**self.timer.pop_timings(), **generated})
-        if self.actor_pool:
-            rollout = self.actor_pool.roll_out(step)
-        if self.critic_pool:
-            critic_metrics = self.critic_pool.step(step)
-            if self.rank == self.critic_ranks[0]:
-                if not self.pools.is_actor:  # colocated, rank 0 reports every phase itself
-                    critic_metrics.update(self.timer.pop_timings())
-                self.channel.send_critic_metrics(step, critic_metrics)
-        if self.actor_pool:
-            actor_metrics = self.actor_pool.update(step, rollout)
-            if self.rank == 0:
-                # The critic pool sent step k-1's metrics before step k's advantages (step k's
-                # own when rank 0 is its first rank too): taking them now never waits.
-                self.receive_pool_metrics(upto=step - 1)
-                if self.critic_ranks[0] == 0:
-                    self.receive_pool_metrics(upto=step, sides=("critic",))
-                timings = {**self.timer.pop_timings(), "timing_s/step": time.time() - step_start}
-                self.record(step, "actor", {**actor_metrics, **timings, **self.throughput(rollout, timings)})
+        reported: dict[str, dict] = {}
+        for group, phase in STEP_PHASES:
+            if group in self.programs:
+                reported.setdefault(group, {}).update(getattr(self.programs[group], phase)(step) or {})
+        metrics = {k: v for group in reversed(REPORT_ORDER) for k, v in reported.get(group, {}).items()}
+        timings = self.timer.pop_timings()
+        if self.rank == 0:
+            # The other pools sent step k-1's metrics before step k's advantages: taking them now never waits.
+            self.receive_pool_metrics(upto=step - 1)
+            timings["timing_s/step"] = time.time() - step_start
+            self.record(step, self.my_pool, {**metrics, **timings, **self.throughput(timings)})
+        elif self.rank == self.placement.pools[self.my_pool][0]:
+            self.channel.send_pool_metrics(step, self.my_pool, {**metrics, **timings})
 
     def validate(self, step: int) -> None:
         """Responses to the validation set from the rollout group's engines (a rollout pool's, with
-        the newest weights, or the actor pool's), scored by the critic group's reward; rank 0 logs
-        verl's val-core/<data_source>/reward/mean@n."""
-        if self.rollout_pool:
-            self.rollout_pool.validate(step, self.val_rows)
-        elif self.actor_pool and not self.placement.rollout_apart:
-            self.actor_pool.generate_validation(step, self.val_rows)
-        if self.critic_pool:
+        the newest weights, or the actor pool's), scored by the reward group; rank 0 logs verl's
+        val-core/<data_source>/reward/mean@n."""
+        if self.running("rollout"):
+            self.running("rollout").validate(step, self.val_rows)
+        scorer = self.running("reward")
+        if scorer:
             rows = usable_val_rows(self.val_rows, self.placement)
             num_rows = len(rows) * self.cfg.rollout.val_kwargs.n
-            metrics = self.critic_pool.score_validation(step, num_rows, sorted({r["data_source"] for r in rows}))
-            if self.rank == self.critic_ranks[0]:
+            metrics = scorer.score_validation(step, num_rows, sorted({r["data_source"] for r in rows}))
+            if self.rank == self.placement.ranks("reward")[0]:
                 self.channel.send_val_metrics(step, metrics)
         if self.rank == 0:
-            self.receive_pool_metrics(upto=step, sides=("critic",))  # sent before the validation metrics
+            self.receive_pool_metrics(upto=step)  # sent before the validation metrics
             self.logger.log_scalars(step, self.channel.recv_val_metrics(step))
 
     # ------------------------------------------------------------------ rank 0's bookkeeping
 
-    def throughput(self, rollout: Batch, timings: dict) -> dict[str, float]:
+    def throughput(self, timings: dict) -> dict[str, float]:
         step_time = timings["timing_s/step"]
-        tokens = rollout["attention_mask"].sum().item() * len(self.actor_ranks)  # rank 0's shard x shards
+        rollout = self.programs["actor"].rollout_batch  # rank 0's shard x shards
+        tokens = rollout["attention_mask"].sum().item() * len(self.placement.ranks("actor"))
         return {"perf/time_per_step": step_time, "perf/throughput": tokens / step_time / self.placement.world_size}
 
-    def receive_pool_metrics(self, upto: int, sides: tuple[str, ...] | None = None) -> None:
+    def receive_pool_metrics(self, upto: int) -> None:
         """Rank 0 logs step k once the other pools' metrics of step k arrived, which in split
         placement is during step k+1: waiting for them at the end of step k would stop the actor
         pool from starting the next rollout while the critic still updates (or the rollout pool
         still generates ahead)."""
-        for side in sides or self.sides[1:]:
-            while self.metrics_received[side] < upto:
-                step = self.metrics_received[side] + 1
-                recv = self.channel.recv_critic_metrics if side == "critic" else self.channel.recv_rollout_metrics
-                self.record(step, side, recv(step))
-                self.metrics_received[side] = step
+        for pool in self.metrics_received:
+            while self.metrics_received[pool] < upto:
+                step = self.metrics_received[pool] + 1
+                self.record(step, pool, self.channel.recv_pool_metrics(step, pool))
+                self.metrics_received[pool] = step
 
-    def record(self, step: int, side: str, metrics: dict) -> None:
+    def record(self, step: int, pool: str, metrics: dict) -> None:
         parts = self.unlogged.setdefault(step, {})
-        parts[side] = metrics
-        if len(parts) == len(self.sides):
-            self.logger.log(step, {k: v for side in reversed(self.sides) for k, v in parts[side].items()})
+        parts[pool] = metrics
+        if len(parts) == len(self.placement.pools):
+            def rank_of(name):  # the pool of the group first in REPORT_ORDER wins a key both report
+                return min(REPORT_ORDER.index(g) for g in self.placement.groups_on(name))
+            self.logger.log(step, {k: v for name in sorted(parts, key=rank_of, reverse=True)
+                                   for k, v in parts[name].items()})
             del self.unlogged[step]
 
     def finish(self, completed: bool) -> None:
         cfg = self.cfg
         self.timer.record_peak_memory()
         self.channel.close()
-        if self.rollout_pool:
-            self.rollout_pool.finish()
-        if self.actor_pool and cfg.trainer.output_dir and completed:  # a stopped run's weights are in its checkpoint
-            self.actor_pool.actor.engine.save_hf(cfg.trainer.output_dir, self.tokenizer,
-                                                 is_writer=self.rank == self.actor_ranks[0])
+        if "rollout" in self.programs:
+            self.programs["rollout"].finish()
+        if "actor" in self.programs and cfg.trainer.output_dir and completed:  # a stopped run's weights are in its checkpoint
+            self.programs["actor"].engine.save_hf(cfg.trainer.output_dir, self.tokenizer,
+                                                  is_writer=self.rank == self.placement.ranks("actor")[0])
         if cfg.trainer.timeline:
             # After the last step, outside any pool's work: one gather of every rank's events.
             events = [None] * self.placement.world_size if self.rank == 0 else None
@@ -253,92 +272,61 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def my_pools(self) -> list[str]:
-        P = self.pools
-        return [pool for pool, member in (("actor", P.is_actor), ("critic", P.is_critic),
-                                          ("rollout", P.in_rollout_pool)) if member]
-
-    def pool_group(self, pool: str):
-        return self.pools.rollout_group if pool == "rollout" else self.pools.group(pool)
-
-    def trained_engine(self, pool: str):
-        if pool == "rollout":
-            return None
-        if pool == "actor":
-            return self.actor_pool.actor.engine
-        critic = self.critic_pool.critic
-        return critic.engine if critic is not None else None
-
-    def rank_state(self, pool: str, step: int) -> dict:
-        state = {"step": step, "rng": checkpoint.rng_state(self.device)}
-        if pool == "actor":
-            # The data order is a function of (seed, generation batch), so the step is the data
-            # position (dynamic sampling keeps its own below); the rest is there to notice a
-            # different dataset on resume.
-            taken = self.sampler.next_gen_batch - 1 if self.sampler else step
-            state["data"] = {"prompts_consumed": taken * self.dataset.batch_size, "dataset_rows": len(self.dataset.rows),
-                             "seed": self.cfg.data.seed, "shuffle": self.cfg.data.shuffle}
-        elif pool == "critic":
-            state["kl_ctrl"] = self.critic_pool.kl_ctrl.state_dict()
-        else:  # the batches generated ahead (rollout.staleness), each rank its own rows of them
-            state["ahead"] = {batch: rows.to("cpu") for batch, rows in self.rollout_pool.ahead.items()}
+    def rank_state(self, group: str, step: int) -> dict:
+        state = {"step": step, "rng": checkpoint.rng_state(self.device), **self.programs[group].state(step)}
         if self.sampler:  # dynamic sampling's data position (and where the steps generated ahead began)
             state["dynamic_sampling"] = self.sampler.state_dict()
         return state
 
     def save_checkpoint(self, step: int) -> None:
-        """Each pool writes its part inside its own group; world rank 0 publishes the whole once
-        the critic pool's first rank (and a rollout pool's) says its part is on disk (see
+        """Each role group's program writes its part inside its pool's group; world rank 0 publishes
+        the whole once every other pool's first rank says its parts are on disk (see
         spmdsplit/checkpoint.py)."""
-        cfg, C = self.cfg, self.critic_ranks
-        R = list(self.placement.rollout_ranks) if self.placement.rollout_apart else []
+        cfg, placement = self.cfg, self.placement
         root = cfg.trainer.default_local_dir
         partial = checkpoint.partial_dir(root, step)
-        for pool in self.my_pools():
-            group, leader = self.pool_group(pool), self.placement.ranks_of(pool)[0]
-            folder = os.path.join(partial, pool)
-            with self.timer.phase(f"save_checkpoint/{pool}", step):
+        for group, program in self.programs.items():
+            pool_group, leader = self.pools.group(group), placement.ranks(group)[0]
+            folder = os.path.join(partial, group)
+            with self.timer.phase(f"save_checkpoint/{group}", step):
                 if self.rank == leader:  # a crash may have left a half of this step behind
                     shutil.rmtree(folder, ignore_errors=True)
                     os.makedirs(folder)
-                dist.barrier(group=group)
-                checkpoint.save_rank_state(os.path.join(folder, f"rank_{self.rank}.pt"), self.rank_state(pool, step))
-                engine = self.trained_engine(pool)
-                if engine is not None:
-                    engine.save_checkpoint(os.path.join(folder, "engine"))
-                dist.barrier(group=group)  # every rank's files are written
-        if (self.rank == C[0] and C[0] != 0) or (R and self.rank == R[0]):
+                dist.barrier(group=pool_group)
+                checkpoint.save_rank_state(os.path.join(folder, f"rank_{self.rank}.pt"), self.rank_state(group, step))
+                if program.engine is not None:
+                    program.engine.save_checkpoint(os.path.join(folder, "engine"))
+                dist.barrier(group=pool_group)  # every rank's files are written
+        others = [pool for pool in placement.pools if pool != placement.pool_at(0)]
+        if self.my_pool in others and self.rank == placement.pools[self.my_pool][0]:
             self.channel.send_checkpoint_written(step)
-        waits_for = ([C[0]] if C[0] != 0 else []) + R[:1]
         if self.rank == 0:
             self.receive_pool_metrics(upto=step)  # a resumed run logs from step + 1 on
-            for leader in waits_for:
-                self.channel.recv_checkpoint_written(step, leader)
-            meta = {"step": step, "world_size": self.placement.world_size, "actor_ranks": self.actor_ranks,
-                    "critic_ranks": self.critic_ranks, "rollout_ranks": list(self.placement.rollout_ranks),
-                    "time": time.time(),
+            for pool in others:
+                self.channel.recv_checkpoint_written(step, pool)
+            meta = {"step": step, "world_size": placement.world_size,
+                    "ranks": {group: list(placement.ranks(group)) for group in ROLE_GROUPS}, "time": time.time(),
                     "config": OmegaConf.to_container(cfg, resolve=True), "tracking_runs": self.logger.run_ids()}
             path = checkpoint.publish(root, step, meta, cfg.trainer.max_ckpt_to_keep)
             print(f"spmdsplit: checkpoint of step {step} written to {path}", flush=True)
-        if waits_for and self.pools.is_actor:
+        if others and self.my_pool not in others:
             # Rank 0 waited for the other pools' parts (a large critic's save may take minutes);
-            # the actor pool's next collectives need it, so the pool waits for it here instead.
+            # its pool's next collectives need it, so the pool waits for it here instead.
             self.pools.meet("actor")
 
     def load_checkpoint(self, path: str) -> None:
         meta = checkpoint.read_meta(path)
         step = meta["step"]
-        same_layout = (meta["actor_ranks"] == self.actor_ranks and meta["critic_ranks"] == self.critic_ranks
-                       and meta.get("rollout_ranks", meta["actor_ranks"]) == list(self.placement.rollout_ranks))
-        for pool in self.my_pools():
-            folder = os.path.join(path, pool)
-            engine = self.trained_engine(pool)
-            if engine is not None:
-                engine.load_checkpoint(os.path.join(folder, "engine"))  # DCP reshards if the pool size changed
+        saved = checkpoint.saved_ranks(meta)
+        same_layout = saved == {group: list(self.placement.ranks(group)) for group in ROLE_GROUPS}
+        for group, program in self.programs.items():
+            folder = os.path.join(path, group)
+            if program.engine is None and not os.path.isdir(folder):
+                continue  # written without this group's pool apart: nothing generated ahead, nothing kept
+            if program.engine is not None:
+                program.engine.load_checkpoint(os.path.join(folder, "engine"))  # DCP reshards if the pool size changed
             mine = os.path.join(folder, f"rank_{self.rank}.pt")
-            if pool == "rollout" and not os.path.isdir(folder):
-                continue  # written without a rollout pool of its own: nothing generated ahead
-            state = checkpoint.load_rank_state(mine if same_layout else os.path.join(folder, f"rank_{meta[f'{pool}_ranks'][0]}.pt"))
+            state = checkpoint.load_rank_state(mine if same_layout else os.path.join(folder, f"rank_{saved[group][0]}.pt"))
             if same_layout:
                 checkpoint.set_rng_state(state["rng"], self.device)
             else:
@@ -347,15 +335,7 @@ class Trainer:
                 # Batches generated ahead and kept (the same layout) are past the position; else
                 # they are generated again from where the first of them began.
                 self.sampler.load_state_dict(state["dynamic_sampling"], keep_ahead=same_layout)
-            if pool == "critic":
-                self.critic_pool.kl_ctrl.load_state_dict(state["kl_ctrl"])
-            elif pool == "rollout":
-                # Another rollout pool size cuts the batches into other shares: they are generated
-                # again, with the checkpoint's weights (within the staleness bound, not the same rows).
-                self.ahead = {b: rows.to(self.device) for b, rows in state["ahead"].items()} if same_layout else {}
-            elif state["data"]["dataset_rows"] != len(self.dataset.rows) and self.rank == 0:
-                print(f"spmdsplit: warning: the checkpoint was trained on {state['data']['dataset_rows']} prompts, "
-                      f"the data now has {len(self.dataset.rows)}: the data order differs from the stopped run", flush=True)
+            program.load_state(state, same_layout)
         if self.sampler and meta["config"]["algorithm"].get("filter_groups", {}).get("enable") is not True:
             # Dynamic sampling turned on at a resume: the stopped run took train_batch_size prompts a step.
             self.sampler.next_gen_batch = step * self.batch_size // self.dataset.batch_size + 1
@@ -364,5 +344,5 @@ class Trainer:
                                            "sampling is reseeded, so the run will not repeat the stopped one exactly)")
             print(f"spmdsplit: resuming from {path} at step {step + 1}{note}", flush=True)
         self.start_step = step + 1
-        self.metrics_received = dict.fromkeys(self.sides[1:], step)
+        self.metrics_received = dict.fromkeys(self.metrics_received, step)
         self.tracking_runs = meta.get("tracking_runs", {})

@@ -516,7 +516,7 @@ def test_plan_prints_an_override_line_the_job_accepts(tmp_path, embedded_cache):
     assert line.startswith("placement.mode=custom placement.pool_unit=ranks_per_node placement.pools=[")
     cfg = load_config(None, SHORT + line.split())
     placement = plan_placement(cfg.placement.mode, list(cfg.placement.pools), cfg.placement.pool_unit, 4, 4, 1)
-    check_against_pools(cfg, len(placement.actor_ranks), len(placement.critic_ranks))
+    check_against_pools(cfg, {"actor": len(placement.ranks("actor")), "critic": len(placement.ranks("critic"))})
     assert json.loads((tmp_path / "plan.json").read_text())["candidates"][0]["override"] == line
 
 

@@ -204,7 +204,7 @@ def test_every_preset_loads_against_the_schema(preset):
 def pools_error(actor, critic, *overrides):
     cfg = load_config(None, list(overrides))
     with pytest.raises(ConfigError) as e:
-        check_against_pools(cfg, actor, critic)
+        check_against_pools(cfg, {"actor": actor, "critic": critic})
     return str(e.value)
 
 
@@ -238,8 +238,8 @@ def test_micro_batch_must_divide_the_per_rank_mini_batch():
 
 def test_micro_batch_larger_than_a_ranks_mini_batch_is_one_micro_batch():
     # 32 / 4 = 8 rows per rank with the default micro-batch of 16: a single micro-batch.
-    check_against_pools(load_config(), 4, 4)
-    check_against_pools(load_config(None, ["actor.ppo_micro_batch_size_per_gpu=12"]), 4, 1)
+    check_against_pools(load_config(), {"actor": 4, "critic": 4})
+    check_against_pools(load_config(None, ["actor.ppo_micro_batch_size_per_gpu=12"]), {"actor": 4, "critic": 1})
 
 
 @pytest.mark.parametrize(
@@ -254,7 +254,7 @@ def test_micro_batch_larger_than_a_ranks_mini_batch_is_one_micro_batch():
     ],
 )
 def test_valid_layouts_pass(actor, critic, overrides):
-    check_against_pools(load_config(None, overrides), actor, critic)
+    check_against_pools(load_config(None, overrides), {"actor": actor, "critic": critic})
 
 
 # --------------------------------------------------------------------------- the command line
@@ -438,11 +438,11 @@ def test_stream_chunks_must_split_evenly_over_both_pools():
 
     cfg = load_config(None, ["rollout.stream_chunks=4", "data.train_batch_size=16",
                              "actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=8"])
-    check_against_pools(cfg, 2, 2)  # 4 chunks of 4 rows: 2 per rank in either pool
+    check_against_pools(cfg, {"actor": 2, "critic": 2})  # 4 chunks of 4 rows: 2 per rank in either pool
     with pytest.raises(ConfigError, match=r"rollout.stream_chunks=4: data.train_batch_size=16 must split"):
-        check_against_pools(cfg, 2, 3)  # a chunk of 4 rows cannot be shared by 3 critic ranks
+        check_against_pools(cfg, {"actor": 2, "critic": 3})  # a chunk of 4 rows cannot be shared by 3 critic ranks
     with pytest.raises(ConfigError, match=r"rollout.stream_chunks=4"):
-        check_against_pools(cfg, 8, 1)  # 16 rows / 8 actor ranks = 2 rows per rank: not 4 chunks
+        check_against_pools(cfg, {"actor": 8, "critic": 1})  # 16 rows / 8 actor ranks = 2 rows per rank: not 4 chunks
 
 
 # --------------------------------------------------------------------------- the embedded preset
@@ -617,7 +617,7 @@ def _placed(overrides, shape=(2, 2, 1)):
 
 def test_named_pools_and_roles_load_and_plan():
     _, p = _placed(GEN_TRAIN + ["placement.roles={rollout: gen, actor: train, critic: train}"])
-    assert p.rollout_ranks == (1,) and p.actor_ranks == p.critic_ranks == (0,)
+    assert p.ranks("rollout") == (1,) and p.ranks("actor") == p.ranks("critic") == (0,)
 
 
 def test_staleness_is_declared_non_negative():
@@ -661,7 +661,7 @@ GRPO = ["algorithm.adv_estimator=grpo", "rollout.n=2"]
     GEN_TRAIN + ["placement.roles={rollout: gen, actor: train, critic: train}"],
 ])
 def test_grpo_without_a_reward_model_where_the_critic_group_sits_with_the_actor(overrides):
-    load_config(None, GRPO + overrides)
+    _placed(GRPO + overrides)
 
 
 @pytest.mark.parametrize("overrides", [
@@ -672,7 +672,9 @@ def test_grpo_without_a_reward_model_where_the_critic_group_sits_with_the_actor(
      "placement.roles={rollout: gen, actor: policy, critic: value}"],
 ])
 def test_grpo_without_a_reward_model_refused_where_the_critic_group_has_a_pool_of_its_own(overrides):
-    assert error_of(*GRPO, *overrides).startswith("algorithm.adv_estimator=grpo trains no critic")
+    with pytest.raises(ConfigError) as e:
+        _placed(GRPO + overrides, (3, 3, 1) if any("value: 1}" in o for o in overrides) else (2, 2, 1))
+    assert str(e.value).startswith("algorithm.adv_estimator=grpo trains no critic")
 
 
 def test_vllm_tensor_parallel_groups_lie_inside_one_of_three_pools():

@@ -24,29 +24,29 @@ def plan(mode, pools=None, unit="ranks_per_node", *, lws, nnodes=1):
 
 def test_split_one_node_of_4():
     p = plan("split", lws=4)
-    assert p.actor_ranks == (0, 1) and p.critic_ranks == (2, 3)
-    assert not p.colocated
-    assert p.roles_of(1) == {"rollout", "actor"} and p.roles_of(2) == {"critic"}
-    assert not p.rollout_apart and p.rollout_ranks == p.actor_ranks == p.ranks_of("rollout")
+    assert p.ranks("actor") == (0, 1) and p.ranks("critic") == (2, 3)
+    assert not p.together("actor", "critic")
+    assert p.roles_of(1) == {"rollout", "actor"} and p.roles_of(2) == {"critic", "reward"}
+    assert not p.apart("rollout") and p.ranks("rollout") == p.ranks("actor") == p.ranks("rollout")
     assert p.pool_label(1) == "actor" and p.pool_label(2) == "critic"
     assert p.describe() == "split: actor pool ranks [0, 1] | critic pool ranks [2, 3] (1 node x 2+2)"
 
 
 def test_split_one_node_of_8():
     p = plan("split", lws=8)
-    assert p.actor_ranks == (0, 1, 2, 3) and p.critic_ranks == (4, 5, 6, 7)
+    assert p.ranks("actor") == (0, 1, 2, 3) and p.ranks("critic") == (4, 5, 6, 7)
     assert "(1 node x 4+4)" in p.describe()
 
 
 def test_split_two_nodes_of_8_splits_whole_nodes():
     p = plan("split", lws=8, nnodes=2)
-    assert p.actor_ranks == tuple(range(8)) and p.critic_ranks == tuple(range(8, 16))
+    assert p.ranks("actor") == tuple(range(8)) and p.ranks("critic") == tuple(range(8, 16))
     assert p.describe() == "split: actor pool ranks [0-7] | critic pool ranks [8-15] (1+1 nodes x 8)"
 
 
 def test_split_four_nodes_of_2():
     p = plan("split", lws=2, nnodes=4)
-    assert p.actor_ranks == (0, 1, 2, 3) and p.critic_ranks == (4, 5, 6, 7)
+    assert p.ranks("actor") == (0, 1, 2, 3) and p.ranks("critic") == (4, 5, 6, 7)
     assert "(2+2 nodes x 2)" in p.describe()
 
 
@@ -71,7 +71,7 @@ def test_split_rejects_pools():
     with pytest.raises(PlacementError, match=r"placement\.pools=.*only used with placement\.mode=custom"):
         plan("split", [2, 2], lws=4)
     # An empty list is a config's "unset", not sizes.
-    assert plan("split", [], lws=4).actor_ranks == (0, 1)
+    assert plan("split", [], lws=4).ranks("actor") == (0, 1)
     with pytest.raises(PlacementError, match=r"placement\.mode=custom needs placement\.pools"):
         plan("custom", [], lws=4)
 
@@ -81,8 +81,8 @@ def test_split_rejects_pools():
 
 def test_custom_6_plus_2_per_node_on_two_nodes():
     p = plan("custom", [6, 2], "ranks_per_node", lws=8, nnodes=2)
-    assert p.actor_ranks == (0, 1, 2, 3, 4, 5, 8, 9, 10, 11, 12, 13)
-    assert p.critic_ranks == (6, 7, 14, 15)
+    assert p.ranks("actor") == (0, 1, 2, 3, 4, 5, 8, 9, 10, 11, 12, 13)
+    assert p.ranks("critic") == (6, 7, 14, 15)
     assert p.describe() == (
         "custom: actor pool ranks [0-5, 8-13] | critic pool ranks [6, 7, 14, 15] (2 nodes x 6+2)"
     )
@@ -90,26 +90,26 @@ def test_custom_6_plus_2_per_node_on_two_nodes():
 
 def test_custom_3_plus_5_per_node_on_two_nodes():
     p = plan("custom", [3, 5], "ranks_per_node", lws=8, nnodes=2)
-    assert p.actor_ranks == (0, 1, 2, 8, 9, 10)
-    assert p.critic_ranks == (3, 4, 5, 6, 7, 11, 12, 13, 14, 15)
+    assert p.ranks("actor") == (0, 1, 2, 8, 9, 10)
+    assert p.ranks("critic") == (3, 4, 5, 6, 7, 11, 12, 13, 14, 15)
     for r in range(16):
-        assert p.roles_of(r) == ({"rollout", "actor"} if r % 8 < 3 else {"critic"})
+        assert p.roles_of(r) == ({"rollout", "actor"} if r % 8 < 3 else {"critic", "reward"})
 
 
 def test_custom_nodes_1_1():
     p = plan("custom", [1, 1], "nodes", lws=8, nnodes=2)
-    assert p.actor_ranks == tuple(range(8)) and p.critic_ranks == tuple(range(8, 16))
+    assert p.ranks("actor") == tuple(range(8)) and p.ranks("critic") == tuple(range(8, 16))
     assert "(1+1 nodes x 8)" in p.describe()
 
 
 def test_custom_nodes_2_1():
     p = plan("custom", [2, 1], "nodes", lws=4, nnodes=3)
-    assert p.actor_ranks == tuple(range(8)) and p.critic_ranks == (8, 9, 10, 11)
+    assert p.ranks("actor") == tuple(range(8)) and p.ranks("critic") == (8, 9, 10, 11)
     assert "(2+1 nodes x 4)" in p.describe()
 
 
 def test_custom_accepts_a_tuple_or_list_config_value():
-    assert plan("custom", (1, 3), lws=4).actor_ranks == (0,)
+    assert plan("custom", (1, 3), lws=4).ranks("actor") == (0,)
 
 
 # --------------------------------------------------------------------------- colocate
@@ -117,15 +117,15 @@ def test_custom_accepts_a_tuple_or_list_config_value():
 
 def test_colocate():
     p = plan("colocate", lws=4, nnodes=2)
-    assert p.actor_ranks == p.critic_ranks == tuple(range(8))
-    assert p.colocated
-    assert p.roles_of(5) == {"rollout", "actor", "critic"} and p.pool_label(5) == "actor+critic"
+    assert p.ranks("actor") == p.ranks("critic") == tuple(range(8))
+    assert p.together("actor", "critic")
+    assert p.roles_of(5) == {"rollout", "actor", "critic", "reward"} and p.pool_label(5) == "actor+critic"
     assert p.describe().startswith("colocate: actor and critic pools share ranks [0-7]")
 
 
 def test_colocate_single_rank():
     p = plan("colocate", lws=1)
-    assert p.actor_ranks == p.critic_ranks == (0,)
+    assert p.ranks("actor") == p.ranks("critic") == (0,)
 
 
 # --------------------------------------------------------------------------- errors
@@ -191,43 +191,80 @@ def test_unknown_pool_unit():
         plan("custom", [2, 2], "gpus", lws=4)
 
 
+def hand_built(world, pools, roles, mode="custom"):
+    return Placement(mode, world, world, 1, pools, roles)
+
+
 def test_placement_invariants_on_hand_built_ones():
     with pytest.raises(PlacementError, match="overlap"):
-        Placement("custom", 4, 4, 1, (0, 1), (1, 2, 3))
+        hand_built(4, {"a": (0, 1), "c": (1, 2, 3)}, {"actor": "a", "critic": "c"})
     with pytest.raises(PlacementError, match="in no pool"):
-        Placement("custom", 4, 4, 1, (0,), (2, 3))
+        hand_built(4, {"a": (0,), "c": (2, 3)}, {"actor": "a", "critic": "c"})
     with pytest.raises(PlacementError, match="empty"):
-        Placement("custom", 4, 4, 1, (), (0, 1, 2, 3))
+        hand_built(4, {"a": (), "c": (0, 1, 2, 3)}, {"actor": "a", "critic": "c"})
+    with pytest.raises(PlacementError, match="holds no role group"):
+        hand_built(4, {"a": (0, 1), "c": (2, 3)}, {"actor": "a"})
+    with pytest.raises(PlacementError, match="not one of"):
+        hand_built(2, {"a": (0, 1)}, {"actor": "a", "critic": "x"})
     with pytest.raises(ValueError):
         plan("split", lws=4).roles_of(4)
+    with pytest.raises(ValueError, match="unknown role group 'judge'"):
+        plan("split", lws=4).ranks("judge")
 
 
 def test_hand_built_rollout_pool_apart():
-    p = Placement("custom", 3, 3, 1, (0,), (1,), (2,))
-    assert p.rollout_apart and not p.colocated
-    assert p.ranks_of("rollout") == (2,) and p.roles_of(2) == {"rollout"} and p.roles_of(0) == {"actor"}
-    assert p.pool_label(2) == "rollout"
+    p = hand_built(3, {"a": (0,), "c": (1,), "g": (2,)}, {"actor": "a", "critic": "c", "rollout": "g"})
+    assert p.apart("rollout") and not p.together("actor", "critic")
+    assert p.ranks("rollout") == (2,) and p.roles_of(2) == {"rollout"} and p.roles_of(0) == {"actor"}
+    assert p.pool_label(2) == "rollout" and p.ranks("reward") == p.ranks("critic")  # reward follows the critic
     assert p.describe() == (
         "custom: rollout pool ranks [2] | actor pool ranks [0] | critic pool ranks [1] (1 node x 1+1+1)"
     )
-    q = Placement("custom", 2, 2, 1, (0,), (0,), (1,))
-    assert q.rollout_apart and q.colocated and q.roles_of(0) == {"actor", "critic"}
+    q = hand_built(2, {"t": (0,), "g": (1,)}, {"actor": "t", "rollout": "g"})
+    assert q.apart("rollout") and q.together("actor", "critic") and q.roles_of(0) == {"actor", "critic", "reward"}
     assert q.describe() == "custom: rollout pool ranks [1] | actor+critic pool ranks [0] (1 node x 1+1)"
-    # old constructors: () is the actor's ranks
-    assert Placement("split", 4, 4, 1, (0, 1), (2, 3)).rollout_ranks == (0, 1)
+    # unplaced groups follow their hosts: the rollout the actor, the critic the actor, reward the critic
+    assert hand_built(4, {"a": (0, 1), "c": (2, 3)}, {"actor": "a", "critic": "c"}, "split").ranks("rollout") == (0, 1)
 
 
 def test_hand_built_rollout_pool_invariants():
-    with pytest.raises(PlacementError, match="rollout pool .* overlaps"):
-        Placement("custom", 3, 3, 1, (0,), (1, 2), (2,))
-    with pytest.raises(PlacementError, match="rollout pool .* overlaps"):
-        Placement("custom", 3, 3, 1, (0, 1), (2,), (1,))
+    with pytest.raises(PlacementError, match="placement.roles.rollout=c: the rollout group sits either with the actor"):
+        hand_built(3, {"a": (0,), "c": (1, 2)}, {"actor": "a", "critic": "c", "rollout": "c"})
     with pytest.raises(PlacementError, match="in no pool"):
-        Placement("custom", 4, 4, 1, (0,), (1,), (2,))
+        hand_built(4, {"a": (0,), "c": (1,), "g": (2,)}, {"actor": "a", "critic": "c", "rollout": "g"})
     with pytest.raises(PlacementError, match="world rank 0"):
-        Placement("custom", 3, 3, 1, (1,), (2,), (0,))
+        hand_built(3, {"a": (1,), "c": (2,), "g": (0,)}, {"actor": "a", "critic": "c", "rollout": "g"})
     with pytest.raises(PlacementError, match="sorted and unique"):
-        Placement("custom", 4, 4, 1, (0,), (1,), (3, 2))
+        hand_built(4, {"a": (0,), "c": (1,), "g": (3, 2)}, {"actor": "a", "critic": "c", "rollout": "g"})
+
+
+def test_a_reward_pool_of_its_own():
+    p = named({"gen": 1, "policy": 1, "value": 1, "rm": 1},
+              {"rollout": "gen", "actor": "policy", "critic": "value", "reward": "rm"}, lws=4)
+    assert [p.ranks(g) for g in ("actor", "rollout", "critic", "reward")] == [(0,), (1,), (2,), (3,)]
+    assert p.apart("reward") and p.roles_of(3) == {"reward"} and p.pool_label(3) == "reward"
+    assert p.describe() == ("custom: rollout pool ranks [1] | actor pool ranks [0] | critic pool ranks [2] | "
+                            "reward pool ranks [3] (1 node x 1+1+1+1)")
+    # GRPO with a reward model apart: rollout | actor+critic | reward
+    q = named({"gen": 2, "train": 4, "rm": 2}, {"rollout": "gen", "actor": "train", "reward": "rm"}, lws=8)
+    assert q.ranks("critic") == q.ranks("actor") == (0, 1, 2, 3) and q.ranks("reward") == (6, 7)
+    assert q.describe() == "custom: rollout pool ranks [4, 5] | actor+critic pool ranks [0-3] | reward pool ranks [6, 7] (1 node x 2+4+2)"
+
+
+@pytest.mark.parametrize("roles, message", [
+    ({"actor": "a", "critic": "b", "reward": "a"},
+     "placement.roles.reward=a: the reward group sits either with the critic (placement.roles.reward=b) or on a pool "
+     "of its own, not on the actor pool"),
+    ({"actor": "a", "rollout": "b", "reward": "b"},
+     "placement.roles.rollout=b: the rollout group sits either with the actor (placement.roles.rollout=a) or on a "
+     "pool of its own, not on the reward pool"),
+    ({"actor": "a", "critic": "b", "judge": "b"}, "placement.roles.judge=b: unknown role group; the role groups are "
+                                                   "rollout, actor, critic, reward"),
+])
+def test_a_role_group_where_it_cannot_sit_or_not_in_the_map_is_refused_in_one_line(roles, message):
+    with pytest.raises(PlacementError) as e:
+        named({"a": 1, "b": 1}, roles, lws=2)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
 
 
 # --------------------------------------------------------------------------- launch shape
@@ -267,30 +304,30 @@ def named(pools, roles, *, lws, nnodes=1, unit="ranks_per_node"):
 
 def test_named_pools_all_on_one_pool_is_colocate():
     p = named({"all": 4}, {"rollout": "all", "actor": "all", "critic": "all"}, lws=4)
-    assert p.actor_ranks == p.critic_ranks == p.rollout_ranks == (0, 1, 2, 3)
-    assert p.colocated and not p.rollout_apart
+    assert p.ranks("actor") == p.ranks("critic") == p.ranks("rollout") == (0, 1, 2, 3)
+    assert p.together("actor", "critic") and not p.apart("rollout")
     assert p.describe() == "custom: actor and critic pools share ranks [0-3] (1 node x 4, roles take turns)"
 
 
 def test_named_pools_rollout_with_the_actor_is_todays_split():
     p = named({"train": 2, "value": 2}, {"actor": "train", "critic": "value"}, lws=4)  # rollout defaults to the actor's
     q = plan("split", lws=4)
-    assert (p.actor_ranks, p.critic_ranks, p.rollout_ranks) == (q.actor_ranks, q.critic_ranks, q.rollout_ranks)
+    assert (p.ranks("actor"), p.ranks("critic"), p.ranks("rollout")) == (q.ranks("actor"), q.ranks("critic"), q.ranks("rollout"))
     assert p.describe() == "custom: actor pool ranks [0, 1] | critic pool ranks [2, 3] (1 node x 2+2)"
 
 
 def test_named_pools_rollout_apart_from_actor_and_critic():
     p = named({"gen": 1, "train": 1}, {"rollout": "gen", "actor": "train", "critic": "train"}, lws=2)
-    assert p.actor_ranks == p.critic_ranks == (0,) and p.rollout_ranks == (1,)
-    assert p.rollout_apart and p.colocated
-    assert p.roles_of(0) == {"actor", "critic"} and p.roles_of(1) == {"rollout"}
+    assert p.ranks("actor") == p.ranks("critic") == (0,) and p.ranks("rollout") == (1,)
+    assert p.apart("rollout") and p.together("actor", "critic")
+    assert p.roles_of(0) == {"actor", "critic", "reward"} and p.roles_of(1) == {"rollout"}
     assert p.describe() == "custom: rollout pool ranks [1] | actor+critic pool ranks [0] (1 node x 1+1)"
 
 
 def test_named_pools_grpo_rollout_actor_puts_the_critic_group_with_the_actor():
     p = named({"gen": 2, "train": 6}, {"rollout": "gen", "actor": "train"}, lws=8, nnodes=2)
-    assert p.actor_ranks == p.critic_ranks == (0, 1, 2, 3, 4, 5, 8, 9, 10, 11, 12, 13)
-    assert p.rollout_ranks == (6, 7, 14, 15)
+    assert p.ranks("actor") == p.ranks("critic") == (0, 1, 2, 3, 4, 5, 8, 9, 10, 11, 12, 13)
+    assert p.ranks("rollout") == (6, 7, 14, 15)
     assert p.describe() == (
         "custom: rollout pool ranks [6, 7, 14, 15] | actor+critic pool ranks [0-5, 8-13] (2 nodes x 2+6)"
     )
@@ -298,7 +335,7 @@ def test_named_pools_grpo_rollout_actor_puts_the_critic_group_with_the_actor():
 
 def test_named_pools_three_pools_actor_first_then_the_mappings_order():
     p = named({"gen": 1, "policy": 1, "value": 1}, {"rollout": "gen", "actor": "policy", "critic": "value"}, lws=3)
-    assert (p.actor_ranks, p.rollout_ranks, p.critic_ranks) == ((0,), (1,), (2,))
+    assert (p.ranks("actor"), p.ranks("rollout"), p.ranks("critic")) == ((0,), (1,), (2,))
     assert p.describe() == (
         "custom: rollout pool ranks [1] | actor pool ranks [0] | critic pool ranks [2] (1 node x 1+1+1)"
     )
@@ -307,8 +344,8 @@ def test_named_pools_three_pools_actor_first_then_the_mappings_order():
 def test_named_pools_whole_nodes():
     p = named({"gen": 1, "policy": 2, "value": 1}, {"rollout": "gen", "actor": "policy", "critic": "value"},
               lws=4, nnodes=4, unit="nodes")
-    assert p.actor_ranks == tuple(range(8)) and p.rollout_ranks == tuple(range(8, 12))
-    assert p.critic_ranks == tuple(range(12, 16))
+    assert p.ranks("actor") == tuple(range(8)) and p.ranks("rollout") == tuple(range(8, 12))
+    assert p.ranks("critic") == tuple(range(12, 16))
     assert p.describe().endswith("(1+2+1 nodes x 4)")
 
 
@@ -322,7 +359,7 @@ def test_named_pools_whole_nodes():
         ({"gen": 1, "train": 1}, {"rollout": "gen", "actor": "tr"}, 2,
          "placement.roles.actor=tr: no pool of that name in placement.pools={gen: 1, train: 1}; use one of gen, train"),
         ({"gen": 1, "train": 1}, {"rolout": "gen", "actor": "train"}, 2,
-         "placement.roles.rolout=gen: unknown role group; the role groups are rollout, actor, critic"),
+         "placement.roles.rolout=gen: unknown role group; the role groups are rollout, actor, critic, reward"),
         ({"gen": 0, "train": 2}, {"rollout": "gen", "actor": "train"}, 2,
          "placement.pools.gen=0: each pool needs at least 1 rank per node"),
         ({"gen": 1, "train": 2}, {"rollout": "gen", "actor": "train"}, 2,
@@ -376,7 +413,7 @@ def _pool_report(pools: Pools, pool: str):
 
 
 def _rollout_report(pools: Pools):
-    group = pools.rollout_group
+    group = pools.group("rollout") if pools.placement.apart("rollout") else None
     if group is None:
         return None
     t = torch.tensor([float(pools.rank)])
@@ -387,14 +424,14 @@ def _rollout_report(pools: Pools):
 def _probe(pools: Pools):
     return {
         "rank": pools.rank,
-        "is_actor": pools.is_actor,
-        "is_critic": pools.is_critic,
-        "in_rollout_pool": pools.in_rollout_pool,
+        "is_actor": pools.holds("actor"),
+        "is_critic": pools.holds("critic"),
+        "in_rollout_pool": pools.placement.apart("rollout") and pools.holds("rollout"),
         "rollout": _rollout_report(pools),
         "actor": _pool_report(pools, "actor"),
         "critic": _pool_report(pools, "critic"),
-        "same_group": pools.actor_group is pools.critic_group and pools.actor_group is not None,
-        "same_mesh": pools.actor_mesh is pools.critic_mesh and pools.actor_mesh is not None,
+        "same_group": pools.group("actor") is pools.group("critic") and pools.group("actor") is not None,
+        "same_mesh": pools.mesh("actor") is pools.mesh("critic") and pools.mesh("actor") is not None,
     }
 
 

@@ -36,8 +36,8 @@ def test_preset_fits_its_launch(name):
     (world, local, nnodes), actor, critic, *rollout = LAUNCHES[name]
     cfg = load_config(str(CONFIGS / name))
     placement = plan_from_config(cfg.placement, world, local, nnodes)
-    assert list(placement.actor_ranks) == actor and list(placement.critic_ranks) == critic
-    assert list(placement.rollout_ranks) == (rollout[0] if rollout else actor)
+    assert list(placement.ranks("actor")) == actor and list(placement.ranks("critic")) == critic
+    assert list(placement.ranks("rollout")) == (rollout[0] if rollout else actor)
     check_against_placement(cfg, placement)
     assert config_warnings(cfg) == []  # e.g. staleness without a correction
     if rollout:  # the role-group presets' headers name the launch shape they are written for
@@ -76,7 +76,7 @@ def test_vllm_memory_share_follows_what_else_holds_the_gpu(name):
     (world, local, nnodes), *_ = LAUNCHES[name]
     cfg = load_config(str(CONFIGS / name))
     placement = plan_from_config(cfg.placement, world, local, nnodes)
-    if placement.rollout_apart:
+    if placement.apart("rollout"):
         assert cfg.rollout.gpu_memory_utilization >= 0.85
     else:
         assert cfg.rollout.gpu_memory_utilization <= 0.5

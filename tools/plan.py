@@ -92,7 +92,7 @@ def rejection(overrides: list[str], unit: str, a: int, c: int, world: int, lws: 
     try:
         cfg = load_config(None, list(overrides) + override_line(unit, a, c).split())
         placement = plan_placement("custom", [a, c], unit, world, lws, world // lws)
-        check_against_pools(cfg, len(placement.actor_ranks), len(placement.critic_ranks))
+        check_against_pools(cfg, {"actor": len(placement.ranks("actor")), "critic": len(placement.ranks("critic"))})
     except (ConfigError, PlacementError) as e:
         return str(e)
     return None

@@ -1,8 +1,11 @@
-"""Builds each pool's roles from the config: the models, their engines over the pool's mesh, and
-the objects the step loop calls. Kept out of the trainer so that the loop reads as the algorithm.
+"""Builds each role group's parts from the config: the models, their engines over the mesh of the
+group's pool, and the objects the programs call. Kept out of the trainer so that the loop reads as
+the algorithm.
 
-    actor pool : Actor (policy, trained) + reference (frozen Actor) + rollout engine
-    critic pool: Critic (value model, trained; GAE only) + reward (rule, custom fn, or reward model)
+    actor  : Actor (policy, trained) + reference (frozen Actor)
+    rollout: the engine (HF or vLLM), whose weights come from the actor
+    critic : Critic (value model, trained; GAE only) + the KL controller
+    reward : rule reward (custom fn or built-in scorers), or a reward model
 """
 
 from __future__ import annotations
@@ -25,16 +28,15 @@ from spmdsplit.rollout import Rollout, build_rollout
 
 
 @dataclass
-class ActorPoolRoles:
+class ActorRoles:
     actor: Actor
     ref: Actor
-    rollout: Rollout | None  # None with a rollout pool of its own
+    rollout: Rollout | None  # the rollout group's engine when it shares the pool, else None
 
 
 @dataclass
-class CriticPoolRoles:
+class CriticRoles:
     critic: Critic | None  # None for critic-free estimators (GRPO, RLOO, REINFORCE++)
-    reward: RuleReward | RewardModel
     kl_ctrl: algo.FixedKLController
 
 
@@ -45,11 +47,11 @@ def compute_dtypes(cfg, device: torch.device) -> tuple[torch.dtype, torch.dtype 
     return dtype, (dtype if dtype != torch.float32 else None)
 
 
-def build_actor_pool(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> ActorPoolRoles:
+def build_actor_roles(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> ActorRoles:
     device, seed, remote, path = pools.device, cfg.trainer.seed, cfg.model.trust_remote_code, cfg.model.path
     dtype, mixed = compute_dtypes(cfg, device)
     temperature = cfg.rollout.temperature
-    mesh = pools.actor_mesh
+    mesh = pools.mesh("actor")
     # Trained: fp32 masters, computing in `mixed`. Frozen: held in the compute dtype outright.
     attention, packed = cfg.model.attn_implementation, cfg.model.use_remove_padding
     policy = ModelSource("causal_lm", path, torch.float32, seed, remote, attention)
@@ -59,8 +61,8 @@ def build_actor_pool(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> ActorP
     ref = Actor(build_engine(cfg, "ref", reference, mesh, device), ref_config(cfg), temperature, device,
                 remove_padding=packed)
     # A rollout pool of its own holds the engines; this pool then only trains and scores.
-    rollout = None if pools.placement.rollout_apart else build_rollout_engine(cfg, pools, tokenizer, eos_ids)
-    return ActorPoolRoles(actor, ref, rollout)
+    rollout = None if pools.placement.apart("rollout") else build_rollout_engine(cfg, pools, tokenizer, eos_ids)
+    return ActorRoles(actor, ref, rollout)
 
 
 def ref_config(cfg):
@@ -83,32 +85,40 @@ def build_rollout_engine(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> Ro
     return build_rollout(cfg, cfg.model.path, tokenizer, eos_ids, pools.device, dtype, cfg.trainer.seed)
 
 
-def build_critic_pool(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> CriticPoolRoles:
+def build_critic_roles(cfg, pools: Pools) -> CriticRoles:
     device, seed, remote = pools.device, cfg.trainer.seed, cfg.model.trust_remote_code
-    dtype, mixed = compute_dtypes(cfg, device)
+    _, mixed = compute_dtypes(cfg, device)
     attention, packed = cfg.model.attn_implementation, cfg.model.use_remove_padding
     critic = None
     if algo.get_adv_estimator(cfg.algorithm.adv_estimator).needs_critic:
         value_model = ModelSource("value", cfg.critic.model_path or cfg.model.path, torch.float32, seed, remote,
                                   attention)
-        critic = Critic(build_engine(cfg, "critic", value_model, pools.critic_mesh, device, mixed), cfg.critic,
+        critic = Critic(build_engine(cfg, "critic", value_model, pools.mesh("critic"), device, mixed), cfg.critic,
                         device, rollout_n=cfg.rollout.n, remove_padding=packed,
                         loss_horizon=cfg.data.max_response_length)
+    kl = cfg.algorithm.kl_ctrl
+    return CriticRoles(critic, algo.get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon))
+
+
+def build_reward(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> RuleReward | RewardModel:
+    """The reward group's reward: the rule reward, or a reward model on the mesh of its pool."""
+    device, seed, remote = pools.device, cfg.trainer.seed, cfg.model.trust_remote_code
+    dtype, _ = compute_dtypes(cfg, device)
+    attention, packed = cfg.model.attn_implementation, cfg.model.use_remove_padding
     reward = build_rule_reward(cfg, tokenizer, eos_ids)
     if cfg.reward.model.path:  # a reward model replaces the rule scores, as in verl
         rm = cfg.reward.model
         rm_engine = build_engine(cfg, "reward_model", ModelSource("reward", rm.path, dtype, seed, remote, attention),
-                                 pools.critic_mesh, device)
+                                 pools.mesh("reward"), device)
         reward = RewardModel(rm_engine, load_tokenizer(rm.path, remote), tokenizer, rm.micro_batch_size_per_gpu,
                              device, eos_ids, max_tokens=rm.forward_max_token_len_per_gpu if rm.use_dynamic_bsz else None,
                              remove_padding=packed)
-    kl = cfg.algorithm.kl_ctrl
-    return CriticPoolRoles(critic, reward, algo.get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon))
+    return reward
 
 
 def build_rule_reward(cfg, tokenizer, eos_ids: list[int]) -> RuleReward:
     """The rule reward (the custom function, or the built-in scorers by data_source), with DAPO's
-    overlong shaping when reward.overlong_buffer says so: the critic group's, and dynamic sampling's
+    overlong shaping when reward.overlong_buffer says so: the reward group's, and dynamic sampling's
     on the generating ranks."""
     custom = cfg.reward.custom_fn
     custom_fn = load_custom_reward_fn(custom.path, custom.name) if custom.path else None

@@ -41,8 +41,7 @@ def check_vllm(cfg, placement, model_path: str, device_type: str) -> None:
     tensor-parallel group across the pools, and a head size the CPU attention kernel rejects."""
     if cfg.rollout.name != "vllm":
         return
-    check_rollout_placement(cfg, placement.actor_ranks, placement.critic_ranks, placement.world_size,
-                            placement.rollout_ranks)
+    check_rollout_placement(cfg, placement)
     if device_type == "cpu":
         head = head_size(model_path, cfg.model.trust_remote_code)
         if head not in CPU_HEAD_SIZES:

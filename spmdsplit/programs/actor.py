@@ -1,5 +1,6 @@
-"""The actor pool's program: roll out, score the rollout under the policy and the reference, and
-update the policy once the critic pool's advantages are in. Messages: spmdsplit/messages.py."""
+"""The actor group's program: roll out (the rollout group's engines on this pool generate, or the rows
+come from its pool of their own), score the rollout under the policy and the reference, and update
+the policy once the critic group's advantages are in. Messages: spmdsplit/messages.py."""
 
 from __future__ import annotations
 
@@ -11,21 +12,20 @@ import torch.distributed as dist
 from spmdsplit import algo
 from spmdsplit.balance import balanced_group_order, seqlen_metrics, slice_sums
 from spmdsplit.batch import Batch
-from spmdsplit.data.prompts import PromptDataset, collate_prompts
+from spmdsplit.data.prompts import PromptDataset
 from spmdsplit.dynamic_sampling import DynamicSampling
-from spmdsplit.exchange import PendingSend, row_ranges
-from spmdsplit.groups import critic_pool_generates
+from spmdsplit.exchange import PendingSend
+from spmdsplit.generation import engine_shares, generate_step_rows, generate_validation_rows, generating_ranks
 from spmdsplit.messages import PoolChannel, check_rows
 from spmdsplit.metrics import PhaseTimer, rollout_correction_metrics, rollout_probs_diff_metrics
 from spmdsplit.placement import Pools
-from spmdsplit.roles.build import ActorPoolRoles, compute_dtypes
-from spmdsplit.rollout import row_seeds
+from spmdsplit.roles.build import ActorRoles, compute_dtypes
 from spmdsplit.staleness import check_weights_version, weights_needed
 from spmdsplit.weight_sync import WeightBroadcast
 
 
-class ActorPool:
-    def __init__(self, cfg, pools: Pools, roles: ActorPoolRoles, channel: PoolChannel, timer: PhaseTimer,
+class ActorProgram:
+    def __init__(self, cfg, pools: Pools, roles: ActorRoles, channel: PoolChannel, timer: PhaseTimer,
                  dataset: PromptDataset, tokenizer, handoff, weights: WeightBroadcast | None = None,
                  sampler: DynamicSampling | None = None):
         self.cfg, self.pools, self.channel, self.timer = cfg, pools, channel, timer
@@ -35,15 +35,21 @@ class ActorPool:
         self.sampler = sampler  # algorithm.filter_groups, when this pool generates
         self.chunks = cfg.rollout.stream_chunks
         self.sends = PendingSend()  # this step's sends to the critic pool, waited for at its end
+        self.rollout_batch: Batch | None = None  # this step's rollout, from roll_out to update
         self.rollout_metrics: dict[str, float] = {}
         self.tokens_per_rank: dict[str, list[list[int]]] = {}  # pool -> [before, after] balancing, per rank
 
-    def roll_out(self, step: int) -> Batch:
+    @property
+    def engine(self):
+        """What a checkpoint saves of this group: the policy (the reference is frozen)."""
+        return self.actor.engine
+
+    def roll_out(self, step: int) -> None:
         """gen (chunk by chunk, each sent on at once), or the rows from a rollout pool of its own
         -> old_log_prob -> ref [-> log-probs sent]."""
         phase, channel = self.timer.phase, self.channel
         self.tokens_per_rank = {}  # this step's, for the balance metrics
-        parts = self.receive_generated(step) if self.pools.placement.rollout_apart else self.generate_step(step)
+        parts = self.receive_generated(step) if self.pools.placement.apart("rollout") else self.generate_step(step)
         # Each chunk is as wide as its longest response (rollout/base.py): pad them to one width.
         rollout = Batch.concat(parts, pad_to_widest=True)
         self.rollout_metrics = self.sampler.pop_metrics(step) if self.sampler else {}
@@ -64,7 +70,7 @@ class ActorPool:
         if self.cfg.algorithm.use_kl_in_reward:  # the critic pool needs them for the KL penalty
             for c, part in enumerate(rollout.split(len(parts[0]))):
                 self.sends.add(channel.send_log_probs(step, c, part))
-        return rollout
+        self.rollout_batch = rollout
 
     def generate_step(self, step: int) -> list[Batch]:
         """The rollout group on this pool: the engines wake with the policy's weights and generate
@@ -107,9 +113,9 @@ class ActorPool:
         self.sends.add(self.channel.send_rollout(step, 0, rows))
         return [rows]
 
-    def update(self, step: int, rollout: Batch) -> dict[str, float]:
+    def update(self, step: int) -> dict[str, float]:
         """Advantages in -> update_actor. Returns the actor's metrics."""
-        advantages = []
+        rollout, advantages = self.rollout_batch, []
         for c in range(self.chunks):
             with self.timer.phase("exchange/advantages", step, chunk=c) as stats:
                 advantages.append(self.channel.recv_advantages(step, c, stats))
@@ -124,7 +130,7 @@ class ActorPool:
                 metrics = self.actor.update_policy(rollout, seed=self.cfg.trainer.seed * 7919 + step)
         self.sends.wait()
         self.sends = PendingSend()
-        if self.pools.placement.rollout_apart and weights_needed(self.cfg, step):
+        if self.pools.placement.apart("rollout") and weights_needed(self.cfg, step):
             with self.timer.phase("sync_weights", step):  # the weights of this update, to the rollout pool
                 self.push_weights()
         metrics.update(self.rollout_metrics)
@@ -139,7 +145,7 @@ class ActorPool:
         takes (a column of the rows, so they follow them into every micro-batch)."""
         if "rollout_log_probs" not in rollout:
             return
-        corr, group, device = self.cfg.algorithm.rollout_correction, self.pools.actor_group, self.pools.device
+        corr, group, device = self.cfg.algorithm.rollout_correction, self.pools.group("actor"), self.pools.device
         engine, actor, mask = rollout["rollout_log_probs"], rollout["old_log_probs"], rollout["response_mask"]
         self.rollout_metrics.update(rollout_probs_diff_metrics(engine, actor, mask, group, device))
         self.rollout_metrics.update(rollout_correction_metrics(actor, engine, mask, corr.rollout_is,
@@ -151,8 +157,9 @@ class ActorPool:
     def balance(self, step: int, chunk: int, part: Batch) -> Batch:
         """trainer.balance_batch: this rank's rows of the chunk, exchanged within the actor pool
         so that the chunk's global order is the balanced one (spmdsplit/balance.py). The order
-        cuts the chunk's prompt groups into lcm(actor pool, critic pool) parts of equal count, so
-        both pools' contiguous slices of it (row_ranges) are even. Rows keep their `row_index`."""
+        cuts the chunk's prompt groups into the lcm of the actor's, critic's and reward's pool sizes
+        in parts of equal count, so every pool's contiguous slices of it (row_ranges) are even. Rows
+        keep their `row_index`."""
         if not self.cfg.trainer.balance_batch:
             return part
         placement, n = self.pools.placement, self.cfg.rollout.n
@@ -162,14 +169,14 @@ class ActorPool:
             # Over the pool's meeting group (gloo, the long timeout): ranks come here straight
             # from generating (their long tails differ) or from rows another pool sent.
             mine = part["attention_mask"].sum(1).view(-1, n).sum(1).cpu()
-            gathered = [torch.empty_like(mine) for _ in placement.actor_ranks]
-            dist.all_gather(gathered, mine, group=self.pools.actor_meet)
+            gathered = [torch.empty_like(mine) for _ in placement.ranks("actor")]
+            dist.all_gather(gathered, mine, group=self.pools.meet_group("actor"))
             group_tokens = torch.cat(gathered).tolist()
-            parts = math.lcm(len(placement.actor_ranks), len(placement.critic_ranks))
+            parts = math.lcm(*(len(placement.ranks(g)) for g in ("actor", "critic", "reward")))
             groups = balanced_group_order(group_tokens, parts)
             balanced = self.channel.balance(step, chunk, part, [g * n + i for g in groups for i in range(n)],
-                                            self.pools.actor_group)
-        for pool, ranks in (("actor", placement.actor_ranks), ("critic", placement.critic_ranks)):
+                                            self.pools.group("actor"))
+        for pool, ranks in (("actor", placement.ranks("actor")), ("critic", placement.ranks("critic"))):
             before = slice_sums(group_tokens, len(ranks))
             after = slice_sums([group_tokens[g] for g in groups], len(ranks))
             totals = self.tokens_per_rank.setdefault(pool, [[0] * len(ranks), [0] * len(ranks)])
@@ -181,7 +188,7 @@ class ActorPool:
         """verl's global_seqlen/* of the step for the actor pool (the policy's data-parallel ranks,
         verl's meaning) and, when the critic pool is another, global_seqlen/critic/*."""
         metrics = seqlen_metrics(*self.tokens_per_rank["actor"], "global_seqlen")
-        if not self.pools.placement.colocated:
+        if not self.pools.placement.together("actor", "critic"):
             metrics.update(seqlen_metrics(*self.tokens_per_rank["critic"], "global_seqlen/critic"))
         return metrics
 
@@ -211,8 +218,9 @@ class ActorPool:
             self.weights.ready()
         self.pools.meet("actor")
 
-    def generate_validation(self, step: int, val_rows: list[dict]) -> int:
-        """Responses to the validation set, with the policy's current weights, to the critic pool."""
+    def validate(self, step: int, val_rows: list[dict]) -> int:
+        """The rollout group on this pool: responses to the validation set, with the policy's
+        current weights, to the reward group."""
         with self.timer.phase("sync_weights", step):
             self.wake_rollout(broadcast=False)  # only the actor pool generates validation responses
         num_rows = generate_validation_rows(self.cfg, self.pools, self.rollout, self.channel, self.timer,
@@ -221,145 +229,15 @@ class ActorPool:
             self.rollout.sleep()  # one wake for every batch of the set
         return num_rows
 
+    def state(self, step: int) -> dict:
+        """The data position: the order is a function of (seed, generation batch), so the step is
+        the position (dynamic sampling keeps its own); the rest is there to notice a different
+        dataset on resume."""
+        taken = self.sampler.next_gen_batch - 1 if self.sampler else step
+        return {"data": {"prompts_consumed": taken * self.dataset.batch_size, "dataset_rows": len(self.dataset.rows),
+                         "seed": self.cfg.data.seed, "shuffle": self.cfg.data.shuffle}}
 
-def generate_validation_rows(cfg, pools: Pools, rollout_engine, channel: PoolChannel, timer: PhaseTimer, tokenizer,
-                             step: int, val_rows: list[dict]) -> int:
-    """On the ranks of the rollout group, its engines awake: responses to the validation set
-    (rollout.val_kwargs, greedy by default), sent to the critic group to score. The set is cut to
-    a multiple of both pool sizes so every rank holds equal rows; returns the number of responses."""
-    placement = pools.placement
-    n = cfg.rollout.val_kwargs.n
-    rows = usable_val_rows(val_rows, placement)
-    ranks = list(placement.rollout_ranks)
-    ranges = row_ranges(len(rows), len(ranks))  # equal: usable_val_rows cut them so
-    peers = engine_peers(cfg, pools.rank)
-    per_batch = max(1, cfg.data.train_batch_size // len(ranks))  # training-sized batches
-
-    def val_prompts(rank: int, offset: int) -> Batch:
-        start, end = ranges[ranks.index(rank)]
-        first = start + offset
-        prompts = collate_prompts(rows[first:min(end, first + per_batch)], tokenizer,
-                                  cfg.data.max_prompt_length, step, first, truncation=cfg.data.truncation)
-        prompts = prompts.repeat_interleave(n)
-        prompts["row_index"] = torch.arange(first * n, first * n + len(prompts), dtype=torch.int64)
-        return prompts
-
-    parts = []
-    with timer.phase("val_gen", step):
-        for offset in range(0, len(rows) // len(ranks), per_batch):
-            shares = EngineShares([val_prompts(rank, offset) for rank in peers], peers.index(pools.rank))
-            parts.append(shares.generate(rollout_engine, pools.device, validate=True))
-    # Validation rows are not balanced: scoring them is cheap next to a training step.
-    channel.send_val_rollout(step, Batch.concat(parts, pad_to_widest=True), len(rows) * n).wait()
-    return len(rows) * n
-
-
-def generating_ranks(cfg, pools: Pools) -> list[int]:
-    """The ranks that generate a training step's rollout, in the order of its global batch."""
-    placement = pools.placement
-    if placement.rollout_apart:
-        return list(placement.rollout_ranks)
-    if critic_pool_generates(cfg, placement):
-        return list(placement.actor_ranks) + list(placement.critic_ranks)
-    return list(placement.actor_ranks)
-
-
-def engine_peers(cfg, rank: int) -> list[int]:
-    """The ranks that run one rollout engine together, `rank` among them: a vLLM tensor-parallel
-    group (consecutive ranks inside one pool, checked by config.check_rollout_placement), else
-    `rank` alone."""
-    tp = cfg.rollout.tensor_model_parallel_size if cfg.rollout.name == "vllm" else 1
-    first = rank // tp * tp
-    return list(range(first, first + tp))
-
-
-class EngineShares:
-    """The prompts of every rank of one engine, and which share is this rank's. A tensor-parallel
-    engine's ranks must all be given the same prompts and seeds (vLLM's collectives run in
-    lockstep), so each generates all its peers' shares together and keeps its own rows: every
-    rank still holds its own share of the batch, as the actor's data parallelism expects."""
-
-    def __init__(self, shares: list[Batch], mine: int, baselines: tuple[int, int] | None = None):
-        """`baselines`: (rollout.n, data.max_response_length) when the estimator compares each
-        response with its prompt's greedy one (ReMax)."""
-        self.shares, self.mine, self.baselines = shares, mine, baselines
-
-    def chunk(self, c: int, chunks: int) -> "EngineShares":
-        return EngineShares([share.split(len(share) // chunks)[c] for share in self.shares], self.mine,
-                            self.baselines)
-
-    def generate(self, rollout_engine, device, validate: bool = False) -> Batch:
-        prompts = Batch.concat(self.shares)
-        rollout = generate_rows(rollout_engine, prompts, device, validate)
-        if self.baselines and not validate:
-            rollout.update(greedy_baselines(rollout_engine, prompts.to(device), *self.baselines))
-        first = sum(len(share) for share in self.shares[: self.mine])
-        return rollout.slice(first, first + len(self.shares[self.mine]))
-
-
-def greedy_baselines(rollout_engine, prompts: Batch, n: int, width: int) -> Batch:
-    """ReMax (Li et al. 2023): each prompt's greedy response, on every row of its group, for the
-    critic group to score as the row's `reward_baselines`. As wide as data.max_response_length, so
-    that chunks and batches of other response widths concatenate (Batch.concat pads one width)."""
-    greedy = rollout_engine.generate(prompts.index(list(range(0, len(prompts), n))), greedy=True)
-
-    def per_row(t: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.pad(t, (0, width - t.shape[1])).repeat_interleave(n, dim=0)
-
-    return Batch({"baseline_responses": per_row(greedy["responses"]),
-                  "baseline_response_mask": per_row(greedy["response_mask"])})
-
-
-def generate_step_rows(cfg, dataset: PromptDataset, tokenizer, rollout_engine, pools: Pools, step: int,
-                       sampler: DynamicSampling | None = None) -> Batch:
-    """This rank's rows of step `step`, on whichever pool it generates: its share of the step's
-    prompts, or with algorithm.filter_groups its share of the kept groups of as many generation
-    batches as it takes (spmdsplit/dynamic_sampling.py)."""
-    generating = generating_ranks(cfg, pools)
-
-    def generate(batch: int) -> Batch:  # this rank's rows of generation batch `batch`
-        return engine_shares(cfg, dataset, tokenizer, batch, generating).generate(rollout_engine, pools.device)
-
-    return sampler.fill(step, generate) if sampler else generate(step)
-
-
-def engine_shares(cfg, dataset: PromptDataset, tokenizer, step: int, generating: list[int]) -> EngineShares:
-    """The step's prompts of this rank's engine (`step_prompts` of each of its peers)."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    peers = engine_peers(cfg, rank)
-    remax = "reward_baselines" in algo.get_adv_estimator(cfg.algorithm.adv_estimator).inputs
-    return EngineShares([step_prompts(cfg, dataset, tokenizer, step, generating, peer) for peer in peers],
-                        peers.index(rank), (cfg.rollout.n, cfg.data.max_response_length) if remax else None)
-
-
-def step_prompts(cfg, dataset: PromptDataset, tokenizer, step: int, generating: list[int], rank: int) -> Batch:
-    """Rank `rank`'s share of the step's prompts, each repeated rollout.n times in a row (one group
-    per prompt, sharing its uid); groups never straddle ranks since the batch divides. `row_index`
-    is each response's place in the step's global batch."""
-    n = cfg.rollout.n
-    part, parts = generating.index(rank), len(generating)
-    rows = dataset.shard(step, part, parts)
-    first_row = dataset.batch_size * (step - 1) + part * len(rows)
-    prompts = collate_prompts(rows, tokenizer, cfg.data.max_prompt_length, step, first_row,
-                              truncation=cfg.data.truncation).repeat_interleave(n)
-    first_response = part * len(rows) * n
-    prompts["row_index"] = torch.arange(first_response, first_response + len(prompts), dtype=torch.int64)
-    # Engines that can seed each row (vLLM) sample it the same whichever rank generates it, next
-    # to whichever rows, on any pool size (rollout.per_row_seed says what that costs on GPU).
-    if cfg.rollout.per_row_seed:
-        prompts["sample_seed"] = row_seeds(cfg.trainer.seed, step, prompts["row_index"])
-    return prompts
-
-
-def generate_rows(rollout_engine, prompts: Batch, device, validate: bool = False) -> Batch:
-    rollout = rollout_engine.generate(prompts.to(device), validate=validate)
-    rollout["row_index"] = prompts["row_index"].to(device)  # where each row sits in the global batch
-    return rollout
-
-
-def usable_val_rows(val_rows: list[dict], placement) -> list[dict]:
-    unit = math.lcm(len(placement.rollout_ranks), len(placement.critic_ranks))
-    rows = val_rows[: len(val_rows) // unit * unit]
-    if not rows:
-        raise ValueError(f"validation needs at least {unit} rows (one per rank of each pool), got {len(val_rows)}")
-    return rows
+    def load_state(self, state: dict, same_layout: bool) -> None:
+        if state["data"]["dataset_rows"] != len(self.dataset.rows) and self.pools.rank == 0:
+            print(f"spmdsplit: warning: the checkpoint was trained on {state['data']['dataset_rows']} prompts, "
+                  f"the data now has {len(self.dataset.rows)}: the data order differs from the stopped run", flush=True)

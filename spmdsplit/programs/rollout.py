@@ -1,4 +1,4 @@
-"""The rollout pool's program, when the rollout group has ranks of its own (placement.roles): it
+"""The rollout group's program, when it has a pool of its own (placement.roles.rollout): it
 generates every step's prompts with the newest weights the staleness allows and hands the rows to
 the actor pool; it generates the validation responses for the critic group. Messages and their
 order: spmdsplit/messages.py.
@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from spmdsplit.actor_pool import generate_step_rows, generate_validation_rows
 from spmdsplit.batch import Batch
 from spmdsplit.data.prompts import PromptDataset
 from spmdsplit.dynamic_sampling import DynamicSampling
 from spmdsplit.exchange import PendingSend
+from spmdsplit.generation import generate_step_rows, generate_validation_rows
 from spmdsplit.messages import PoolChannel
 from spmdsplit.metrics import PhaseTimer
 from spmdsplit.placement import Pools
@@ -27,7 +27,9 @@ from spmdsplit.staleness import validates_after, weights_needed
 from spmdsplit.weight_sync import WeightBroadcast
 
 
-class RolloutPool:
+class RolloutProgram:
+    engine = None  # nothing trained: a checkpoint keeps the batches generated ahead
+
     def __init__(self, cfg, pools: Pools, rollout, weights: WeightBroadcast, channel: PoolChannel, timer: PhaseTimer,
                  dataset: PromptDataset, tokenizer, sampler: DynamicSampling | None = None):
         self.cfg, self.pools, self.rollout, self.weights = cfg, pools, rollout, weights
@@ -38,13 +40,12 @@ class RolloutPool:
         self.ahead: dict[int, Batch] = {}  # batches generated, not yet handed over (at most s)
         self.sends = PendingSend()
 
-    def start(self, step: int, ahead: dict[int, Batch] | None = None) -> None:
+    def start(self, step: int) -> None:
         """Before the first step (1, or the one after a checkpoint): the weights the actor pool
-        holds, and the batches the checkpoint kept."""
-        self.ahead = dict(ahead or {})
+        holds (the batches the checkpoint kept are in self.ahead already)."""
         self.take_weights(step - 1, step)
 
-    def step(self, step: int) -> None:
+    def step(self, step: int) -> dict[str, float]:
         """Batch `step` out, the batches up to step+s generated, the weights of update `step` in."""
         batch = self.ahead.pop(step) if step in self.ahead else self.generate(step)
         self.sends.add(self.channel.send_generated(step, batch))
@@ -54,6 +55,7 @@ class RolloutPool:
         if weights_needed(self.cfg, step) and not validates_after(self.cfg, step):  # else validate takes them
             self.take_weights(step, step)
         self.sends.wait()
+        return self.sampler.pop_metrics(step) if self.sampler else {}  # dynamic sampling's train/num_gen_batches
 
     def validate(self, step: int, val_rows: list[dict]) -> None:
         """The validation responses, with the weights of update `step`, to the critic group."""
@@ -70,10 +72,6 @@ class RolloutPool:
         rows["weights_version"] = torch.full((len(rows),), self.version, dtype=torch.int64, device=self.pools.device)
         return rows
 
-    def pop_metrics(self, step: int) -> dict[str, float]:
-        """What generating batch `step` measured (dynamic sampling's train/num_gen_batches, ...)."""
-        return self.sampler.pop_metrics(step) if self.sampler else {}
-
     def take_weights(self, version: int, step: int) -> None:
         with self.timer.phase("sync_weights", step):
             self.weights.ready()
@@ -81,6 +79,15 @@ class RolloutPool:
                 self.rollout.sleep()  # the engine wakes with the new weights
             self.rollout.wake_up(self.weights.receive())
         self.version = version
+
+    def state(self, step: int) -> dict:
+        """The batches generated ahead (rollout.staleness), each rank its own rows of them."""
+        return {"ahead": {batch: rows.to("cpu") for batch, rows in self.ahead.items()}}
+
+    def load_state(self, state: dict, same_layout: bool) -> None:
+        # Another rollout pool size cuts the batches into other shares: they are generated again,
+        # with the checkpoint's weights (within the staleness bound, not the same rows).
+        self.ahead = {b: rows.to(self.pools.device) for b, rows in state["ahead"].items()} if same_layout else {}
 
     def finish(self) -> None:
         if self.version >= 0:

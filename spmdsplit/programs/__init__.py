@@ -1,0 +1,25 @@
+"""Each role group's program, side by side, none importing another: rollout.py (a rollout pool of its
+own), actor.py, critic.py, reward.py (a reward pool of its own). Generation is spmdsplit/generation.py
+and scoring spmdsplit/scoring.py, whichever program runs them; the messages between the programs
+are spmdsplit/messages.py.
+
+A rank runs the programs of the role groups on its pool, each step's phases in the order of
+STEP_PHASES (the schedule's). The actor and critic groups always run their own; the rollout and
+reward groups run theirs only on a pool apart from their host, else the host's program does their
+work (the actor's generates, the critic's scores), as it always has in split and colocate."""
+
+from __future__ import annotations
+
+from spmdsplit.placement import Placement
+
+# The role groups whose work their host's program does when they share its pool.
+HOSTED = {"rollout": "actor", "reward": "critic"}
+# A step's phases: (role group, method), in the order of the message schedule.
+STEP_PHASES = (("rollout", "step"), ("actor", "roll_out"), ("reward", "step"), ("critic", "step"),
+               ("actor", "update"))
+
+
+def own_programs(placement: Placement, rank: int) -> list[str]:
+    """The role groups that run a program of their own on `rank`, in the order they are built."""
+    return [g for g in ("rollout", "actor", "critic", "reward")
+            if rank in placement.ranks(g) and (g not in HOSTED or placement.apart(g))]

@@ -1,0 +1,122 @@
+"""The critic group's program: values of the rollout as it arrives, its scores (the reward group's,
+computed here when it shares the pool, else received from its pool), advantages sent back, then the
+critic's update (which may run on while the actor pool generates the next step).
+Messages: spmdsplit/messages.py."""
+
+from __future__ import annotations
+
+from spmdsplit import algo, scoring
+from spmdsplit.batch import Batch
+from spmdsplit.distributed import pool_sum
+from spmdsplit.generation import CriticShareOfGeneration
+from spmdsplit.messages import PoolChannel, check_rows
+from spmdsplit.metrics import PhaseTimer, compute_data_metrics
+from spmdsplit.placement import Pools
+from spmdsplit.roles.build import CriticRoles
+from spmdsplit.roles.reward import RuleReward
+from spmdsplit.roles.reward_model import RewardModel
+
+
+class CriticProgram:
+    def __init__(self, cfg, pools: Pools, roles: CriticRoles, channel: PoolChannel, timer: PhaseTimer, handoff,
+                 reward: RuleReward | RewardModel | None, generation: CriticShareOfGeneration | None = None):
+        """`reward`: the reward group's reward when it shares this pool (None: its own pool scores);
+        `generation`: rollout.ranks=all, this rank generates its share too."""
+        self.cfg, self.pools, self.channel, self.timer, self.handoff = cfg, pools, channel, timer, handoff
+        self.critic, self.kl_ctrl, self.reward, self.generation = roles.critic, roles.kl_ctrl, reward, generation
+        self.chunks = cfg.rollout.stream_chunks
+
+    @property
+    def engine(self):
+        """What a checkpoint saves of this group (None for critic-free estimators)."""
+        return self.critic.engine if self.critic is not None else None
+
+    def step(self, step: int) -> dict[str, float]:
+        """[weights in -> gen -> rows out] -> rollout in (values + scores per chunk) [-> log-probs
+        in] -> adv -> advantages out -> update_critic. Returns the group's metrics of the step."""
+        phase, channel = self.timer.phase, self.channel
+        if self.generation:
+            generated = self.generation.generate(step)
+        parts = []
+        for c in range(self.chunks):
+            with phase("exchange/rollout", step, chunk=c) as stats:
+                part = channel.recv_rollout(step, c, stats)
+            if c == 0:
+                self.handoff()  # blocking mode: values start once the actor pool's log-probs are done
+            if self.critic is not None:
+                with phase("values", step, chunk=c):
+                    part["values"] = self.critic.compute_values(part)
+            if self.reward is not None:
+                with phase("reward", step, chunk=c):
+                    part.update(scoring.score_rollout(self.reward, part))
+            else:  # scored on the reward group's own pool meanwhile
+                with phase("exchange/scores", step, chunk=c) as stats:
+                    scores = channel.recv_scores(step, c, stats)
+                check_rows(scores, part, "scores")
+                del scores.tensors["row_index"]
+                part.update(scores.with_width(part["responses"].shape[1]))
+            parts.append(part)
+        # Each chunk is as wide as the longest response in it (rollout/base.py): pad them to one width.
+        batch = Batch.concat(parts, pad_to_widest=True)
+        if self.cfg.algorithm.use_kl_in_reward:  # sent after every rollout chunk, so taken after them
+            log_probs = []
+            for c in range(self.chunks):
+                with phase("exchange/log_probs", step, chunk=c) as stats:
+                    log_probs.append(channel.recv_log_probs(step, c, stats))
+            log_probs = Batch.concat(log_probs, pad_to_widest=True)
+            check_rows(log_probs, batch, "log-probs")
+            # As wide as the actor ranks' rollouts, which need not be this rank's width.
+            width = batch["responses"].shape[1]
+            batch.update(log_probs.select(["old_log_probs", "ref_log_prob"]).with_width(width))
+        with phase("adv", step):
+            metrics = self.compute_advantage(batch)
+        if self.reward is not None:
+            metrics.update(self.reward.pop_extra_metrics(self.pools.group("reward"), self.pools.device))  # e.g. "acc"
+        # Back in the chunks they came in, so each actor rank gets exactly its rows.
+        sends = [channel.send_advantages(step, c, part) for c, part in enumerate(batch.split(len(parts[0])))]
+        if self.critic is not None:
+            with phase("update_critic", step):
+                metrics.update(self.critic.update_critic(batch, seed=self.cfg.trainer.seed * 7919 + step))
+        metrics.update(compute_data_metrics(batch, self.pools.group("critic"), self.pools.device,
+                                            self.cfg.data.max_response_length))
+        self.handoff()  # blocking mode: the actor updates only after the critic did
+        for sent in sends:
+            sent.wait()
+        if self.generation:
+            generated.wait()
+        return metrics
+
+    def compute_advantage(self, batch: Batch) -> dict[str, float]:
+        alg = self.cfg.algorithm
+        reduce_sum = pool_sum(self.pools.group("critic"))  # statistics of the whole global batch
+        metrics = {}
+        if alg.use_kl_in_reward:
+            batch["token_level_rewards"], metrics = algo.apply_kl_penalty(
+                batch["token_level_scores"], batch["old_log_probs"], batch["ref_log_prob"],
+                batch["response_mask"], self.kl_ctrl, alg.kl_penalty, reduce_sum=reduce_sum,
+            )
+        else:
+            batch["token_level_rewards"] = batch["token_level_scores"]
+        # Every estimator gets the same keywords and takes what it uses (algo.py, "registries"),
+        # plus the batch columns its registration names: values (gae), reward_baselines (remax).
+        estimator = algo.get_adv_estimator(alg.adv_estimator)
+        missing = [column for column in estimator.inputs if column not in batch]
+        if missing:
+            raise ValueError(f"algorithm.adv_estimator={alg.adv_estimator} needs the batch column(s) {missing}, "
+                             "which this step's rollout did not provide")
+        batch["advantages"], batch["returns"] = estimator.fn(
+            token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"],
+            index=batch["uid"], gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
+            reduce_sum=reduce_sum, **{column: batch[column] for column in estimator.inputs},
+        )
+        return metrics
+
+    def score_validation(self, step: int, num_rows: int, sources: list[str]) -> dict[str, float]:
+        return scoring.score_validation(self.cfg, self.pools, self.reward, self.channel, self.timer, step, num_rows,
+                                        sources)
+
+    def state(self, step: int) -> dict:
+        return {"kl_ctrl": self.kl_ctrl.state_dict()}
+
+    def load_state(self, state: dict, same_layout: bool) -> None:
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])

@@ -1,0 +1,45 @@
+"""The reward group's program, when it has a pool of its own (placement.roles.reward): it scores each
+chunk of the rollout as it arrives, while the critic group computes its values, and sends the
+scores to the critic group; it scores the validation responses. Its reward model runs on its own
+pool's mesh with its own token budgets (reward.model.*). Messages: spmdsplit/messages.py."""
+
+from __future__ import annotations
+
+from spmdsplit import scoring
+from spmdsplit.exchange import PendingSend
+from spmdsplit.messages import PoolChannel
+from spmdsplit.metrics import PhaseTimer
+from spmdsplit.placement import Pools
+from spmdsplit.roles.reward import RuleReward
+from spmdsplit.roles.reward_model import RewardModel
+
+
+class RewardProgram:
+    engine = None  # nothing trained: a checkpoint keeps only the ranks' state
+
+    def __init__(self, cfg, pools: Pools, reward: RuleReward | RewardModel, channel: PoolChannel, timer: PhaseTimer):
+        self.cfg, self.pools, self.reward, self.channel, self.timer = cfg, pools, reward, channel, timer
+        self.chunks = cfg.rollout.stream_chunks
+
+    def step(self, step: int) -> dict[str, float]:
+        """rollout in -> scores out, chunk by chunk. Returns the reward's metrics (e.g. "acc")."""
+        sends = PendingSend()
+        for c in range(self.chunks):
+            with self.timer.phase("exchange/rollout/reward", step, chunk=c) as stats:  # the critic's is exchange/rollout
+                part = self.channel.recv_rollout(step, c, stats, to="reward")
+            with self.timer.phase("reward", step, chunk=c):
+                part.update(scoring.score_rollout(self.reward, part))
+            sends.add(self.channel.send_scores(step, c, part))
+        metrics = self.reward.pop_extra_metrics(self.pools.group("reward"), self.pools.device)
+        sends.wait()
+        return metrics
+
+    def score_validation(self, step: int, num_rows: int, sources: list[str]) -> dict[str, float]:
+        return scoring.score_validation(self.cfg, self.pools, self.reward, self.channel, self.timer, step, num_rows,
+                                        sources)
+
+    def state(self, step: int) -> dict:
+        return {}
+
+    def load_state(self, state: dict, same_layout: bool) -> None:
+        pass

@@ -1,0 +1,55 @@
+"""What the reward group does with rows, wherever it sits (with the critic, or on a pool of its own):
+each row's token-level score, ReMax's greedy baseline, and the validation set's scores. The
+reward itself (rule, custom function or reward model) is spmdsplit/roles/reward*.py."""
+
+from __future__ import annotations
+
+import torch
+
+from spmdsplit.batch import Batch
+from spmdsplit.distributed import pool_reduce_metrics
+
+
+def score_rollout(reward, part: Batch) -> Batch:
+    """The columns scoring adds to a chunk of the rollout: `token_level_scores` (the score on each
+    response's last policy token) and, with ReMax, `reward_baselines`. Extras such as "acc" stay
+    with the reward, for pop_extra_metrics."""
+    scores, _ = reward.compute(part, keep_extras=True)
+    columns = {"token_level_scores": scores}
+    if "baseline_responses" in part:  # ReMax
+        columns["reward_baselines"] = score_baselines(reward, part)
+    return Batch(columns)
+
+
+def score_baselines(reward, part: Batch) -> torch.Tensor:
+    """ReMax's `reward_baselines`: the reward of each row's greedy response to its prompt,
+    scored once per prompt group (its rows share the greedy response) by the same reward."""
+    first_of = {}
+    for i, uid in enumerate(part["uid"]):
+        first_of.setdefault(uid, i)
+    firsts = part.index(list(first_of.values()))
+    P = firsts["input_ids"].shape[1] - firsts["responses"].shape[1]
+    responses, mask = firsts["baseline_responses"], firsts["baseline_response_mask"]
+    greedy = Batch({"responses": responses, "response_mask": mask,
+                    "input_ids": torch.cat([firsts["input_ids"][:, :P], responses], dim=1),
+                    "attention_mask": torch.cat([firsts["attention_mask"][:, :P], mask], dim=1)},
+                   {k: firsts[k] for k in ("data_source", "ground_truth", "extra_info")})
+    _, scores = reward.compute(greedy)
+    group = {uid: g for g, uid in enumerate(first_of)}
+    return scores[torch.tensor([group[uid] for uid in part["uid"]], device=scores.device)]
+
+
+def score_validation(cfg, pools, reward, channel, timer, step: int, num_rows: int, sources: list[str]) -> dict[str, float]:
+    """The validation responses in (VAL_ROLLOUT), scored: verl's val-core/<data_source>/reward/mean@n,
+    reduced over the reward group's pool. `sources`: every data_source of the set, so that every
+    rank reduces the same keys."""
+    n = cfg.rollout.val_kwargs.n
+    batch = channel.recv_val_rollout(step, num_rows)
+    with timer.phase("val_reward", step):
+        _, scores = reward.compute(batch)
+    sums = {f"val-core/{ds}/reward/mean@{n}": 0.0 for ds in sources}
+    counts = dict.fromkeys(sums, 0.0)
+    for ds, score in zip(batch["data_source"], scores.tolist()):
+        sums[f"val-core/{ds}/reward/mean@{n}"] += score
+        counts[f"val-core/{ds}/reward/mean@{n}"] += 1
+    return pool_reduce_metrics(sums, counts, pools.group("reward"), pools.device)

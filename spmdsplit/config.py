@@ -923,7 +923,7 @@ def check_against_pools(cfg: DictConfig, sizes: dict[str, int], together: bool |
     (None: placement.mode=colocate says)."""
     B = cfg.data.train_batch_size
     chunks = cfg.rollout.stream_chunks
-    sizes = {"reward": sizes["critic"], **sizes}
+    sizes = {**sizes, "reward": sizes.get("reward", sizes["critic"])}
     named = " and ".join(f"the {group} pool ({size} ranks)" for group, size in sizes.items()
                          if group != "reward" or size != sizes["critic"])
     # Every rank of a pool must hold equal rows of every chunk (FSDP runs in lockstep).

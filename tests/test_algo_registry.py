@@ -67,7 +67,7 @@ def test_estimator_matches_verl(b, i, name):
     inputs, case = BATCHES[b]["inputs"], BATCHES[b]["estimators"][i]
     estimator = algo.get_adv_estimator(name)
     mask = inputs["response_mask"]
-    # called as CriticPool.compute_advantage calls it: the same keywords for every estimator
+    # called as CriticProgram.compute_advantage calls it: the same keywords for every estimator
     advantages, returns = estimator.fn(
         token_level_rewards=inputs["token_level_rewards"], response_mask=mask,
         index=inputs["passk_index" if name == "grpo_passk" else "index"], reduce_sum=None, **case["hyper"],
@@ -214,14 +214,14 @@ def test_every_loss_mode_and_its_keys_load():
         assert cfg.actor.policy_loss.loss_mode == name and cfg.actor.tau_pos == 2
 
 
-# ----------------------------------------------------------------------------- CriticPool.compute_advantage
+# ----------------------------------------------------------------------------- CriticProgram.compute_advantage
 
 def critic_pool(*overrides):
-    from spmdsplit.critic_pool import CriticPool
+    from spmdsplit.programs.critic import CriticProgram
 
-    pool = CriticPool.__new__(CriticPool)  # compute_advantage needs only the config and the pool's group
+    pool = CriticProgram.__new__(CriticProgram)  # compute_advantage needs only the config and the pool's group
     pool.cfg = load_config(None, ["placement.mode=colocate", "rollout.n=2", *overrides])
-    pool.pools, pool.kl_ctrl = SimpleNamespace(critic_group=None), None
+    pool.pools, pool.kl_ctrl = SimpleNamespace(group=lambda role_group: None), None
     return pool
 
 

@@ -17,14 +17,17 @@ CASES = [
     (2, ["trainer.totl_steps=3"], "trainer.totl_steps"),
     (2, ["trainer.total_steps=many"], "trainer.total_steps"),
     (2, ["model.path=/no/such/model"], "model.path"),
-    (2, ["algorithm.adv_estimator=grpo", "rollout.n=4"], "the critic pool would only run a rule reward"),
+    (2, ["algorithm.adv_estimator=grpo", "rollout.n=4"], "the critic pool would only compute advantages"),
     (2, ["placement.pools={actor:[1],critic:[2]}"], "placement.pools='{actor:[1],critic:[2]}': cannot be parsed"),
     # A value of the wrong shape (placement.pools takes a list or a mapping now, so the example is roles).
     (2, ["placement.roles=[gen,train]"], "placement.roles: expected a mapping, got a list"),
+    # A role group that is not one (the four are rollout, actor, critic, reward).
+    (2, ["placement.mode=custom", "placement.pools={train: 1, judge: 1}", "placement.roles={actor: train, judge: judge}"],
+     "placement.roles.judge=judge: unknown role group; the role groups are rollout, actor, critic, reward"),
 ]
 IDS = ["odd-split", "pools-dont-add-up", "batch-not-divisible", "unknown-key", "wrong-type", "missing-model",
        "critic-free-split-with-nothing-to-do",
-       "override-yaml-cannot-parse", "list-where-a-mapping-is"]
+       "override-yaml-cannot-parse", "list-where-a-mapping-is", "role-group-not-in-the-map"]
 
 
 @pytest.fixture(scope="module")

@@ -212,7 +212,7 @@ def test_batch_not_divisible_by_a_pool_size():
     msg = pools_error(3, 1)  # 128 prompts over 3 actor ranks
     assert "data.train_batch_size=128" in msg and "actor" in msg and "3" in msg
     msg = pools_error(2, 3, "data.train_batch_size=64")
-    assert "data.train_batch_size=64" in msg and "critic" in msg and "3" in msg
+    assert "data.train_batch_size=64" in msg and "critic" in msg and "3" in msg, msg
 
 
 def test_mini_batch_not_divisible_by_the_pool_size():
@@ -368,11 +368,11 @@ def test_a_refused_role_map_exits_2_in_one_line_on_every_rank_before_any_process
     assert rc == 2, (out, err)
     lines = [line for line in err.splitlines() if line.strip()]
     assert lines == [f"spmdsplit [rank {rank}]: error: placement.roles.rollout=gen: the rollout group sits either "
-                     "with the actor (placement.roles.rollout=train) or on a pool of its own, not with the critic "
-                     "alone (the engines take their weights from the actor); the maps that work: "
-                     "rollout+actor+critic (= placement.mode=colocate); rollout+actor | critic (= placement.mode=split); "
-                     "rollout | actor+critic (GRPO: rollout | actor, the reward computed with the actor); "
-                     "rollout | actor | critic"], err
+                     "with the actor (placement.roles.rollout=train) or on a pool of its own, not on the critic pool; "
+                     "the maps that work: rollout+actor+critic+reward (= placement.mode=colocate); "
+                     "rollout+actor | critic+reward (= placement.mode=split); rollout | actor+critic+reward "
+                     "(GRPO: rollout | actor); rollout | actor | critic+reward; any of these with reward on a pool of "
+                     "its own"], err
     assert not joined, "the job tried to join a process group before checking its placement"
     assert took < CLI_TIMEOUT
 
@@ -679,13 +679,17 @@ def test_grpo_without_a_reward_model_refused_where_the_critic_group_has_a_pool_o
 
 def test_vllm_tensor_parallel_groups_lie_inside_one_of_three_pools():
     from spmdsplit.config import check_rollout_placement
+    from spmdsplit.placement import plan_placement
 
     cfg = load_config()
     cfg.rollout.name, cfg.rollout.tensor_model_parallel_size = "vllm", 2  # set after loading: no vLLM needed
-    check_rollout_placement(cfg, [0, 1], [4, 5], 6, [2, 3])  # actor [0,1], rollout [2,3], critic [4,5]
-    with pytest.raises(ConfigError, match=r"straddles the rollout pool \[1, 2\] and the actor pool \[0\] and "
+    roles = {"rollout": "gen", "actor": "policy", "critic": "value"}
+    check_rollout_placement(cfg, plan_placement("custom", {"gen": 2, "policy": 2, "value": 2}, "ranks_per_node", 6, 6, 1,
+                                                roles))
+    with pytest.raises(ConfigError, match=r"straddles the actor pool \[0\] and the rollout pool \[1, 2\] and "
                                           r"the critic pool \[3\]; use a size that divides every pool"):
-        check_rollout_placement(cfg, [0], [3], 4, [1, 2])
+        check_rollout_placement(cfg, plan_placement("custom", {"gen": 2, "policy": 1, "value": 1}, "ranks_per_node",
+                                                    4, 4, 1, roles))
 
 
 # --------------------------------------------------------------------------- packed attention on a GPU

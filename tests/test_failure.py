@@ -68,7 +68,7 @@ def test_a_rank_that_segfaults_ends_the_job_with_its_python_stack(tmp_path):
     assert ended - raised_at < 30, f"the job took {ended - raised_at:.0f}s to end after rank 1 crashed"
     assert "Fatal Python error: Segmentation fault" in result.stderr, result.stderr[-3000:]
     # The crashed rank's stack says where it was: entering update_actor in the actor pool's update.
-    assert re.search(r'actor_pool\.py", line \d+ in update\n', result.stderr), result.stderr[-3000:]
+    assert re.search(r'programs/actor\.py", line \d+ in update\n', result.stderr), result.stderr[-3000:]
     assert "step 3:" not in result.stdout
 
 

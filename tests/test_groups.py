@@ -13,23 +13,26 @@ import torch.distributed as dist
 
 from tests.launch import run_ranks
 
-# overrides, and how many groups: actor pool, critic pool, bulk, control, stop, a meeting group per
-# trained pool (colocate: one pool group, one meeting group), + handoff with placement.overlap=false,
-# + one weight group per source: the actor pool's first rank with rollout.ranks=all, every actor
-# rank with a rollout pool of its own (which also has a group of its own).
+# overrides, and how many groups: one per pool, bulk, control, stop, a meeting group per pool, +
+# handoff with placement.overlap=false, + one weight group per source: the actor pool's first rank
+# with rollout.ranks=all, every actor rank with a rollout pool of its own.
 LAYOUTS = {
     "split": (["placement.mode=split"], 7),
     "colocate": (["placement.mode=colocate"], 5),
     "custom 3+1, blocking": (["placement.mode=custom", "placement.pools=[3,1]", "placement.overlap=false"], 8),
     "split, rollout.ranks=all": (["placement.mode=split", "rollout.ranks=all"], 8),
     "rollout | actor+critic": (["placement.mode=custom", "placement.pools={gen: 1, train: 3}",
-                                "placement.roles={rollout: gen, actor: train, critic: train}"], 2 + 3 + 1 + 3),
+                                "placement.roles={rollout: gen, actor: train, critic: train}"], 2 + 3 + 2 + 3),
     "rollout | actor | critic": (["placement.mode=custom", "placement.pools={gen: 1, policy: 2, value: 1}",
-                                  "placement.roles={rollout: gen, actor: policy, critic: value}"], 3 + 3 + 2 + 2),
+                                  "placement.roles={rollout: gen, actor: policy, critic: value}"], 3 + 3 + 3 + 2),
     # The hand-off spans the actor and critic pools only: the rollout pool runs ahead, never calls it.
     "rollout | actor | critic, blocking": (["placement.mode=custom", "placement.pools={gen: 1, policy: 2, value: 1}",
                                             "placement.roles={rollout: gen, actor: policy, critic: value}",
-                                            "placement.overlap=false"], 3 + 3 + 2 + 1 + 2),
+                                            "placement.overlap=false"], 3 + 3 + 3 + 1 + 2),
+    # A fourth role group on a pool of its own adds its pool's group and meeting group, nothing else.
+    "rollout | actor | critic | reward": (["placement.mode=custom", "placement.pools={gen: 1, policy: 1, value: 1, rm: 1}",
+                                           "placement.roles={rollout: gen, actor: policy, critic: value, reward: rm}"],
+                                          4 + 3 + 4 + 1),
 }
 
 
@@ -55,8 +58,8 @@ def _create(rank, world, overrides):
         dist.new_group = real
     # Every group works for its members, in the order created.
     one = torch.ones(1)
-    for group in (groups.pools.actor_group, groups.pools.critic_group, groups.pools.rollout_group, groups.bulk,
-                  groups.control, groups.stop, groups.pools.actor_meet, groups.pools.critic_meet, groups.handoff):
+    for group in (*groups.pools.groups.values(), groups.bulk, groups.control, groups.stop,
+                  *groups.pools.meets.values(), groups.handoff):
         if group is not None:
             dist.all_reduce(one.clone(), group=group)
     for src, group in zip(groups.weight_sources, groups.weights):
@@ -80,12 +83,13 @@ def test_every_rank_creates_the_same_groups_in_the_same_order():
         assert all(c == calls[0] for c in calls), (layout, calls)
         assert len(calls[0]) == expected, (layout, calls[0])
         # The links between pools and the stop vote span the world; control and stop are gloo.
-        pools = {"colocate": 1, "rollout | actor+critic": 2}.get(layout, 3 if layout.startswith("rollout") else 2)
+        pools = {"colocate": 1, "rollout | actor+critic": 2, "rollout | actor | critic | reward": 4}.get(
+            layout, 3 if layout.startswith("rollout") else 2)
         world = tuple(range(4))
         assert calls[0][pools:pools + 3] == [(world, None), (world, "gloo"), (world, "gloo")], layout
-        if layout.endswith("blocking"):  # after two meeting groups, the hand-off: the actor and critic pools' ranks
+        if layout.endswith("blocking"):  # after the meeting groups, the hand-off: the actor and critic pools' ranks
             handoff = (0, 1, 2, 3) if layout.startswith("custom") else (0, 1, 3)  # gen is rank 2: rank 0 is always the actor pool's
-            assert calls[0][pools + 5] == (handoff, None), calls[0]
+            assert calls[0][pools + 3 + pools] == (handoff, None), calls[0]
 
 
 def test_no_group_is_created_anywhere_else():

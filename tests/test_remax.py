@@ -5,10 +5,10 @@ sampled ones, where they are generated, and scored by the critic group's reward 
 import pytest
 import torch
 
-from spmdsplit.actor_pool import greedy_baselines
+from spmdsplit.generation import greedy_baselines
 from spmdsplit.batch import Batch
 from spmdsplit.config import RolloutConfig
-from spmdsplit.critic_pool import score_baselines
+from spmdsplit.scoring import score_baselines
 from spmdsplit.data.prompts import collate_prompts
 from spmdsplit.data.synthetic import make_dataset
 from spmdsplit.embedded import ensure_embedded_model

@@ -20,14 +20,14 @@ def _log_probs_at_temperature(rank, world_size, model_dir):
     from spmdsplit.data.synthetic import make_dataset
     from spmdsplit.models import load_tokenizer
     from spmdsplit.placement import build_pools, plan_placement
-    from spmdsplit.roles.build import build_actor_pool
+    from spmdsplit.roles.build import build_actor_roles
     from transformers import LogitsProcessorList
 
     cfg = load_config(None, [f"model.path={model_dir}", "placement.mode=colocate", "data.max_response_length=6",
                              f"rollout.temperature={TEMPERATURE}", "trainer.device=cpu"])
     pools = build_pools(plan_placement("colocate", None, "ranks_per_node", 1, 1, 1), torch.device("cpu"))
     tokenizer = load_tokenizer(model_dir)
-    roles = build_actor_pool(cfg, pools, tokenizer, [tokenizer.eos_token_id])
+    roles = build_actor_roles(cfg, pools, tokenizer, [tokenizer.eos_token_id])
     prompts = collate_prompts(make_dataset("repeat", 24, seed=2), tokenizer, cfg.data.max_prompt_length,
                               step=1, first_row=0)
 

@@ -366,7 +366,7 @@ def test_engines_on_the_actor_pool_do_not_hang_the_critic_pool(model_dir):
 
 def placement(actor, critic):
     world = len(set(actor) | set(critic))
-    return Placement("split", world, world, 1, actor, critic)
+    return Placement("split", world, world, 1, {"actor": actor, "critic": critic}, {"actor": "actor", "critic": "critic"})
 
 
 @needs_vllm  # job_config chooses rollout.name=vllm, which needs it installed

@@ -208,7 +208,7 @@ class VLLMRollout:
     # memory: blocks cached by torch's allocator for the trainer (the update's peak) are not free
     # until `torch.cuda.empty_cache()` returns them. `sleep` also synchronises the whole device,
     # which on NCCL waits for pending point-to-point sends: the callers sleep the engine before the
-    # step's last rows go out (spmdsplit/actor_pool.py).
+    # step's last rows go out (spmdsplit/programs/actor.py).
 
     def wake_up(self, weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> None:
         """The start of a step's generation, with the policy's new weights: free the trainer's

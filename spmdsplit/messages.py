@@ -60,9 +60,12 @@ Per training step k, with N = rollout.stream_chunks and s = rollout.staleness:
                                                        (and balanced), c = 0 .. N-1
   bulk     actor -> reward    ROLLOUT k, chunk c       only with reward on a pool of its own, right
                                                        after the critic's copy of the chunk
-  bulk     reward -> critic   SCORES k, chunk c        only with reward on a pool of its own: each
+  bulk     reward -> critic   SCORES k, chunk 0..N-1   only with reward on a pool of its own: each
                                                        chunk's token_level_scores (and ReMax's
-                                                       reward_baselines), once scored
+                                                       reward_baselines), sent once every ROLLOUT
+                                                       chunk is in (with the critic on the actor's
+                                                       ranks the two directions between a pair of
+                                                       ranks must not interleave)
   bulk     actor -> critic    LOG_PROBS k, chunk 0..N-1 after all ROLLOUT chunks; only with
                                                        algorithm.use_kl_in_reward
   bulk     critic -> actor    ADVANTAGES k, chunk 0..N-1 after GAE, before update_critic

@@ -39,6 +39,9 @@ FAULTS = [
     (3, "1:gen:3", "rollout pool", ["placement.mode=custom", "placement.pools={gen: 1, policy: 1, value: 1}",
                                     "placement.roles={rollout: gen, actor: policy, critic: value}",
                                     "rollout.staleness=1"]),
+    # A reward pool of its own: it fails while the critic computes values.
+    (4, "3:reward:2", "reward pool", ["placement.mode=custom", "placement.pools={gen: 1, policy: 1, value: 1, rm: 1}",
+                                      "placement.roles={rollout: gen, actor: policy, critic: value, reward: rm}"]),
 ]
 
 

@@ -49,13 +49,14 @@ class CriticProgram:
             if self.reward is not None:
                 with phase("reward", step, chunk=c):
                     part.update(scoring.score_rollout(self.reward, part))
-            else:  # scored on the reward group's own pool meanwhile
+            parts.append(part)
+        if self.reward is None:  # scored on the reward group's own pool meanwhile, sent once all chunks were in
+            for c, part in enumerate(parts):
                 with phase("exchange/scores", step, chunk=c) as stats:
                     scores = channel.recv_scores(step, c, stats)
                 check_rows(scores, part, "scores")
                 del scores.tensors["row_index"]
                 part.update(scores.with_width(part["responses"].shape[1]))
-            parts.append(part)
         # Each chunk is as wide as the longest response in it (rollout/base.py): pad them to one width.
         batch = Batch.concat(parts, pad_to_widest=True)
         if self.cfg.algorithm.use_kl_in_reward:  # sent after every rollout chunk, so taken after them

@@ -22,13 +22,19 @@ class RewardProgram:
         self.chunks = cfg.rollout.stream_chunks
 
     def step(self, step: int) -> dict[str, float]:
-        """rollout in -> scores out, chunk by chunk. Returns the reward's metrics (e.g. "acc")."""
-        sends = PendingSend()
+        """rollout in (each chunk scored as it arrives) -> scores out. Returns the reward's metrics
+        (e.g. "acc"). The scores go out only once every chunk is in: where the critic shares the
+        actor's ranks, the actor still sends chunks to this rank while the critic would take
+        scores from it, and NCCL runs both directions between two ranks on one stream in posting
+        order (spmdsplit/messages.py). The critic needs them all for the advantages anyway."""
+        scored = []
         for c in range(self.chunks):
             with self.timer.phase("exchange/rollout/reward", step, chunk=c) as stats:  # the critic's is exchange/rollout
                 part = self.channel.recv_rollout(step, c, stats, to="reward")
             with self.timer.phase("reward", step, chunk=c):
-                part.update(scoring.score_rollout(self.reward, part))
+                scored.append(part.update(scoring.score_rollout(self.reward, part)))
+        sends = PendingSend()
+        for c, part in enumerate(scored):
             sends.add(self.channel.send_scores(step, c, part))
         metrics = self.reward.pop_extra_metrics(self.pools.group("reward"), self.pools.device)
         sends.wait()

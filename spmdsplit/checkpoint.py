@@ -5,13 +5,15 @@
             actor/engine/                  the actor's weights, optimizer, LR schedule (DCP)
             actor/rank_0.pt ...            per-rank state: RNG, step, data position
             critic/engine/ ...             the critic's; critic/rank_2.pt ... (KL controller too)
-            meta.json                      step, layout, config; written just before publishing
+            rollout/rank_1.pt ...          a rollout pool of its own: the batches generated ahead
+            reward/rank_3.pt ...           a reward pool of its own: RNG, step
+            meta.json                      step, each role group's ranks, config; written just before publishing
         global_step_60.partial/            being written (or left by a crash: never read)
         latest_checkpointed_iteration.txt  "60", replaced atomically after the rename
 
-Each pool writes its own half, inside its own group, at its own pace. World rank 0 (the actor
-pool's first rank) publishes once the critic pool's first rank reports its half written
-(a point-to-point message, so no world collective): rename `.partial` to the final name, then
+Each role group's program writes its part, inside its pool's group, at its own pace. World rank 0
+(the actor pool's first rank) publishes once every other pool's first rank reports its parts
+written (a point-to-point message, so no world collective): rename `.partial` to the final name, then
 replace the pointer. A crash before the rename leaves a `.partial` nobody reads; a crash
 between rename and pointer leaves the pointer on the previous checkpoint, which is whole.
 The pointer is what `trainer.resume=auto` trusts. Names follow verl's.
@@ -100,7 +102,7 @@ def find_resume_after_restart(resume: str, root: str, restarts: int) -> str | No
 
 
 def publish(root: str, step: int, meta: dict, max_to_keep: int) -> str:
-    """World rank 0, once both pools wrote their halves: meta, rename, pointer, pruning."""
+    """World rank 0, once every pool wrote its parts: meta, rename, pointer, pruning."""
     partial, final = partial_dir(root, step), step_dir(root, step)
     write_atomic(os.path.join(partial, "meta.json"), json.dumps(meta, indent=1))
     if os.path.exists(final):

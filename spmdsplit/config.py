@@ -152,8 +152,9 @@ class PlacementConfig:
     # custom: [actor, critic] sizes, or named pools {gen: 2, train: 6} for placement.roles
     pools: Any = pool_sizes()
     # custom with named pools: the pool of each role group, rollout (the engines) | actor (policy +
-    # reference) | critic (critic + reward model + rule reward); critic and rollout default to the
-    # actor's pool, e.g. {rollout: gen, actor: train}. docs/placement.md lists the maps that work.
+    # reference) | critic (value model, advantages) | reward (reward model, rule reward); a group
+    # placed nowhere sits with its host (rollout and critic with the actor, reward with the critic),
+    # e.g. {rollout: gen, actor: train}. docs/placement.md lists the maps that work.
     roles: dict[str, str] = field(default_factory=dict)
     pool_unit: str = choice("ranks_per_node", "nodes")  # what custom sizes count
     overlap: bool = True  # false: the pools wait for each other at each phase (verl's blocking calls)
@@ -905,7 +906,7 @@ def check_against_placement(cfg: DictConfig, placement) -> None:
         if placement.apart("rollout"):
             generating = len(placement.ranks("rollout"))
         elif r.ranks == "all" and not together:
-            generating = placement.world_size
+            generating = len(placement.ranks("actor")) + len(placement.ranks("critic"))
         else:
             generating = len(placement.ranks("actor"))
         gen = cfg.data.gen_batch_size or cfg.data.train_batch_size

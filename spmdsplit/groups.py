@@ -105,7 +105,8 @@ def create_process_groups(cfg, placement: Placement, device: torch.device) -> Pr
     weights = [member_or_none(dist.new_group(sorted({src, *receivers}), timeout=between)) for src in sources]  # 7
     generating = None
     if cfg.algorithm.filter_groups.enable and critic_pool_generates(cfg, placement):  # 8
-        generating = member_or_none(dist.new_group(world, timeout=between))
+        generating = member_or_none(dist.new_group(sorted({*placement.ranks("actor"), *placement.ranks("critic")}),
+                                                   timeout=between))
     if cfg.rollout.name == "vllm":  # 9
         from spmdsplit.roles.build import compute_dtypes
         from spmdsplit.rollout.vllm_engine import init_vllm_distributed

@@ -63,7 +63,7 @@ class ActorProgram:
         else:
             with phase("old_log_prob", step):
                 rollout["old_log_probs"] = self.actor.compute_log_prob(rollout)
-            self.correct_for_the_engine(rollout)
+            self.apply_rollout_correction(rollout)
         with phase("ref", step):
             rollout["ref_log_prob"] = self.ref.compute_log_prob(rollout)
         self.handoff()  # blocking mode: the critic pool starts its values only now
@@ -138,7 +138,7 @@ class ActorProgram:
             metrics.update(self.balance_metrics())
         return metrics
 
-    def correct_for_the_engine(self, rollout: Batch) -> None:
+    def apply_rollout_correction(self, rollout: Batch) -> None:
         """The engine's own log-probs against the actor's (every engine returns them): verl's
         training/rollout_probs_diff_* and rollout_corr/* metrics, and, with
         algorithm.rollout_correction.rollout_is, the truncated importance weights the policy loss

@@ -52,7 +52,7 @@ class Actor:
             log_prob, entropy = self._log_probs(micro, "grad" if cfg.entropy_coeff else "detached")
             pg_loss, pg_metrics = policy_loss(
                 micro["old_log_probs"], log_prob, micro["advantages"], mask, cfg.loss_agg_mode, cfg,
-                # algorithm.rollout_correction.rollout_is (programs/actor.py correct_for_the_engine)
+                # algorithm.rollout_correction.rollout_is (programs/actor.py apply_rollout_correction)
                 rollout_is_weights=micro["rollout_is_weights"] if "rollout_is_weights" in micro else None,
                 **counts,
             )

@@ -17,8 +17,14 @@ CONFIGS = pathlib.Path(__file__).parent.parent / "configs"
 
 def test_the_dapo_preset_learns_the_embedded_task(tmp_path):
     """configs/dapo_rollout_actor.yaml as a user runs it (seed 1), cut to its first 125 steps to
-    spare CI half a minute: the preset's rates are constant, so those steps are the full run's,
-    whose validation was 0.0 at step 25, 0.58 at 125 and 1.0 from 175 on (docs/algorithms.md)."""
+    spare CI half a minute (the preset's rates are constant, so those steps are the full run's).
+    How fast it learns depends on the CPU's rounding and the seed: on the machine docs/algorithms.md
+    was measured on, validation was 0.58 at step 125; on an AMD EPYC (2026-11-27) 0.07 (seeds 2-5:
+    0.46, 0.40, 0.13, 0.22), at HEAD before and after the placement change alike. So the check is
+    that it learned the task at all, on any of them: held-out greedy answers above the 0.0 of a
+    policy that only learned to stop early (and the -0.12 of the random start), and the training
+    score up by 0.1 (+0.16 to +0.39 over those seeds); a filter that starves the update of groups,
+    or advantages of the wrong sign, stays below both."""
     result = job(2, "--config", str(CONFIGS / "dapo_rollout_actor.yaml"), "trainer.total_steps=125",
                  "trainer.val_before_train=true", "trainer.val_freq=125", f"trainer.log_dir={tmp_path}/tb",
                  "trainer.timeline=", "trainer.output_dir=", timeout=600)
@@ -27,7 +33,9 @@ def test_the_dapo_preset_learns_the_embedded_task(tmp_path):
     val = dict(logged["val-core/synthetic/repeat/reward/mean@1"])
     assert sorted(val) == [0, 125]
     assert val[0] < 0.2, f"the random policy already scores {val[0]:.3f}: the check has no power"
-    assert val[125] >= 0.4, f"validation {val}: the DAPO preset did not learn"
+    assert val[125] >= 0.05, f"validation {val}: the DAPO preset did not learn"
+    score = [v for _, v in logged["critic/score/mean"]]
+    assert sum(score[-10:]) / 10 - sum(score[:10]) / 10 >= 0.1, f"training score {score[:10]} ... {score[-10:]}"
     batches = [v for _, v in logged["train/num_gen_batches"]]
     assert len(batches) == 125 and max(batches) > 1  # the filter had work
 

@@ -20,6 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 from spmdsplit.algo import (ADV_ESTIMATOR_REGISTRY, LOSS_AGG_MODES, POLICY_LOSS_REGISTRY, ROLLOUT_IS_LEVELS,
                             get_adv_estimator)
 from spmdsplit.data.synthetic import TASKS
+from spmdsplit.messages import ROWS_TO  # the role groups that take every step's rows
 
 
 class ConfigError(ValueError):
@@ -913,7 +914,7 @@ def check_against_placement(cfg: DictConfig, placement) -> None:
         if gen % generating:
             raise ConfigError(f"data.gen_batch_size={gen} is not divisible by the {generating} generating ranks "
                               f"(each generates whole prompt groups); use a multiple of {generating}")
-    check_against_pools(cfg, {group: len(placement.ranks(group)) for group in ("actor", "critic", "reward")},
+    check_against_pools(cfg, {group: len(placement.ranks(group)) for group in ("actor", *ROWS_TO)},
                         together=together)
 
 

@@ -115,6 +115,9 @@ SCORES, VAL_ROLLOUT = "SCORES", "VAL_ROLLOUT"
 POOL_METRICS, VAL_METRICS, CHECKPOINT_WRITTEN = "POOL_METRICS", "VAL_METRICS", "CHECKPOINT_WRITTEN"
 FILTER_GROUPS = "FILTER_GROUPS"  # a collective among the generating ranks (spmdsplit/dynamic_sampling.py)
 
+# The role groups that take every step's rows (ROLLOUT), each rank of their pools an equal share:
+# balancing cuts the rows for them all, and the batch must divide over each (config.check_against_pools).
+ROWS_TO = ("critic", "reward")
 # What the critic and reward groups need of a rollout (the rest stays with the actor pool). Everything a
 # reward function is called with travels: `extra_info` too (verl's scorers for code and tool
 # answers read it), for training and validation rows alike, in every placement.

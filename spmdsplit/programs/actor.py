@@ -16,7 +16,7 @@ from spmdsplit.data.prompts import PromptDataset
 from spmdsplit.dynamic_sampling import DynamicSampling
 from spmdsplit.exchange import PendingSend
 from spmdsplit.generation import engine_shares, generate_step_rows, generate_validation_rows, generating_ranks
-from spmdsplit.messages import PoolChannel, check_rows
+from spmdsplit.messages import ROWS_TO, PoolChannel, check_rows
 from spmdsplit.metrics import PhaseTimer, rollout_correction_metrics, rollout_probs_diff_metrics
 from spmdsplit.placement import Pools
 from spmdsplit.roles.build import ActorRoles, compute_dtypes
@@ -157,8 +157,8 @@ class ActorProgram:
     def balance(self, step: int, chunk: int, part: Batch) -> Batch:
         """trainer.balance_batch: this rank's rows of the chunk, exchanged within the actor pool
         so that the chunk's global order is the balanced one (spmdsplit/balance.py). The order
-        cuts the chunk's prompt groups into the lcm of the actor's, critic's and reward's pool sizes
-        in parts of equal count, so every pool's contiguous slices of it (row_ranges) are even. Rows
+        cuts the chunk's prompt groups into the lcm of the pool sizes of the actor and of the groups
+        the rows go to (messages.ROWS_TO) in parts of equal count, so every pool's contiguous slices of it (row_ranges) are even. Rows
         keep their `row_index`."""
         if not self.cfg.trainer.balance_batch:
             return part
@@ -172,7 +172,7 @@ class ActorProgram:
             gathered = [torch.empty_like(mine) for _ in placement.ranks("actor")]
             dist.all_gather(gathered, mine, group=self.pools.meet_group("actor"))
             group_tokens = torch.cat(gathered).tolist()
-            parts = math.lcm(*(len(placement.ranks(g)) for g in ("actor", "critic", "reward")))
+            parts = math.lcm(*(len(placement.ranks(g)) for g in ("actor", *ROWS_TO)))
             groups = balanced_group_order(group_tokens, parts)
             balanced = self.channel.balance(step, chunk, part, [g * n + i for g in groups for i in range(n)],
                                             self.pools.group("actor"))

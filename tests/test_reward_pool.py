@@ -9,7 +9,6 @@ import os
 import pathlib
 
 import pytest
-import torch
 
 from spmdsplit.checkpoint import step_dir
 from tests.launch import cached_job, job

@@ -16,7 +16,7 @@ import os
 import sys
 import tempfile
 
-from tools.jobs import read_scalars, run_job
+from tools.jobs import run_job
 
 # (preset, ranks): the presets a CPU runs, at the rank count their headers give.
 PRESETS = [

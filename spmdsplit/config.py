@@ -20,6 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 from spmdsplit.algo import (ADV_ESTIMATOR_REGISTRY, LOSS_AGG_MODES, POLICY_LOSS_REGISTRY, ROLLOUT_IS_LEVELS,
                             get_adv_estimator)
 from spmdsplit.data.synthetic import TASKS
+from spmdsplit.groups import generating_ranks
 from spmdsplit.messages import ROWS_TO  # the role groups that take every step's rows
 
 
@@ -904,12 +905,7 @@ def check_against_placement(cfg: DictConfig, placement) -> None:
             "actor's (placement.mode=custom placement.pools='{gen: 1, train: 1}' "
             "placement.roles='{rollout: gen, actor: train}'), or give the critic pool a reward model")
     if cfg.algorithm.filter_groups.enable:
-        if placement.apart("rollout"):
-            generating = len(placement.ranks("rollout"))
-        elif r.ranks == "all" and not together:
-            generating = len(placement.ranks("actor")) + len(placement.ranks("critic"))
-        else:
-            generating = len(placement.ranks("actor"))
+        generating = len(generating_ranks(cfg, placement))
         gen = cfg.data.gen_batch_size or cfg.data.train_batch_size
         if gen % generating:
             raise ConfigError(f"data.gen_batch_size={gen} is not divisible by the {generating} generating ranks "
@@ -925,7 +921,6 @@ def check_against_pools(cfg: DictConfig, sizes: dict[str, int], together: bool |
     (None: placement.mode=colocate says)."""
     B = cfg.data.train_batch_size
     chunks = cfg.rollout.stream_chunks
-    sizes = {**sizes, "reward": sizes.get("reward", sizes["critic"])}
     named = " and ".join(f"the {group} pool ({size} ranks)" for group, size in sizes.items()
                          if group != "reward" or size != sizes["critic"])
     # Every rank of a pool must hold equal rows of every chunk (FSDP runs in lockstep).

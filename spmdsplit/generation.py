@@ -16,7 +16,7 @@ from spmdsplit.batch import Batch
 from spmdsplit.data.prompts import PromptDataset, collate_prompts
 from spmdsplit.dynamic_sampling import DynamicSampling
 from spmdsplit.exchange import PendingSend, row_ranges
-from spmdsplit.groups import critic_pool_generates
+from spmdsplit.groups import generating_ranks
 from spmdsplit.messages import PoolChannel
 from spmdsplit.metrics import PhaseTimer
 from spmdsplit.placement import Pools
@@ -54,16 +54,6 @@ def generate_validation_rows(cfg, pools: Pools, rollout_engine, channel: PoolCha
     # Validation rows are not balanced: scoring them is cheap next to a training step.
     channel.send_val_rollout(step, Batch.concat(parts, pad_to_widest=True), len(rows) * n).wait()
     return len(rows) * n
-
-
-def generating_ranks(cfg, pools: Pools) -> list[int]:
-    """The ranks that generate a training step's rollout, in the order of its global batch."""
-    placement = pools.placement
-    if placement.apart("rollout"):
-        return list(placement.ranks("rollout"))
-    if critic_pool_generates(cfg, placement):
-        return list(placement.ranks("actor")) + list(placement.ranks("critic"))
-    return list(placement.ranks("actor"))
 
 
 def engine_peers(cfg, rank: int) -> list[int]:
@@ -117,7 +107,7 @@ def generate_step_rows(cfg, dataset: PromptDataset, tokenizer, rollout_engine, p
     """This rank's rows of step `step`, on whichever pool it generates: its share of the step's
     prompts, or with algorithm.filter_groups its share of the kept groups of as many generation
     batches as it takes (spmdsplit/dynamic_sampling.py)."""
-    generating = generating_ranks(cfg, pools)
+    generating = generating_ranks(cfg, pools.placement)
 
     def generate(batch: int) -> Batch:  # this rank's rows of generation batch `batch`
         return engine_shares(cfg, dataset, tokenizer, batch, generating).generate(rollout_engine, pools.device)

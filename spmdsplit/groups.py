@@ -74,6 +74,15 @@ def critic_pool_generates(cfg, placement: Placement) -> bool:
     return cfg.rollout.ranks == "all" and not placement.together("actor", "critic")
 
 
+def generating_ranks(cfg, placement: Placement) -> list[int]:
+    """The ranks that generate a training step's rollout, in the order of its global batch."""
+    if placement.apart("rollout"):
+        return list(placement.ranks("rollout"))
+    if critic_pool_generates(cfg, placement):
+        return list(placement.ranks("actor")) + list(placement.ranks("critic"))
+    return list(placement.ranks("actor"))
+
+
 def weight_sources_and_receivers(cfg, placement: Placement) -> tuple[list[int], list[int]]:
     """Who sends the policy's weights to engines outside the actor pool, and who receives them."""
     actor = list(placement.ranks("actor"))

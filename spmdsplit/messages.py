@@ -151,17 +151,16 @@ class PoolChannel:
     """Every message between the pools goes through here, under the names of the table above.
     `bulk_group`, `control_group`: the two links' groups over the world (spmdsplit/groups.py)."""
 
-    def __init__(self, placement: Placement, device: torch.device, rows_per_step: int, chunks: int,
-                 bulk_group, control_group, meet=lambda group: None):
+    def __init__(self, placement: Placement, generating: list[int], device: torch.device, rows_per_step: int,
+                 chunks: int, bulk_group, control_group, meet=lambda group: None):
         self.bulk = Link([GENERATED, ROLLOUT, SCORES, LOG_PROBS, ADVANTAGES, VAL_ROLLOUT], bulk_group, device, "bulk")
         self.control_group = control_group
         self.control = Link([POOL_METRICS, VAL_METRICS, CHECKPOINT_WRITTEN], self.control_group, "cpu", "control")
         self.placement = placement
         self.ranks = {group: list(placement.ranks(group)) for group in ROLE_GROUPS}
-        # Who sends GENERATED: a rollout pool of its own, or with rollout.ranks=all every rank;
-        # without either there is no such message.
-        self.generating = (self.ranks["rollout"] if placement.apart("rollout")
-                           else self.ranks["actor"] + self.ranks["critic"])
+        # Who sends GENERATED (groups.generating_ranks): a rollout pool of its own, or with
+        # rollout.ranks=all every actor and critic rank; else the actor's ranks, which send no such message.
+        self.generating = generating
         self.scored_apart = placement.apart("reward")  # ROLLOUT to the reward group too, SCORES back
         self.rows_per_step, self.chunk_rows = rows_per_step, rows_per_step // chunks
         self.meet = meet  # Pools.meet: see "A receive from another pool" above

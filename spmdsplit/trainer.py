@@ -28,8 +28,8 @@ from omegaconf import OmegaConf
 from spmdsplit import checkpoint
 from spmdsplit.data.prompts import PromptDataset
 from spmdsplit.dynamic_sampling import DynamicSampling
-from spmdsplit.generation import CriticShareOfGeneration, generating_ranks, usable_val_rows
-from spmdsplit.groups import ProcessGroups, critic_pool_generates
+from spmdsplit.generation import CriticShareOfGeneration, usable_val_rows
+from spmdsplit.groups import ProcessGroups, critic_pool_generates, generating_ranks
 from spmdsplit.messages import PoolChannel
 from spmdsplit.metrics import MetricsLogger, PhaseTimer, write_timeline
 from spmdsplit.models import eos_token_ids, load_tokenizer
@@ -45,8 +45,14 @@ from spmdsplit.roles.build import (build_actor_roles, build_critic_roles, build_
 from spmdsplit.staleness import validates_after
 from spmdsplit.weight_sync import WeightBroadcast
 
-# When two pools report the same metric, rank 0 logs the one of the group that comes first here.
+# When two groups (or their pools) report the same metric, rank 0 logs the one of the group first here.
 REPORT_ORDER = ("actor", "critic", "reward", "rollout")
+
+
+def merge_reports(parts: dict[str, dict], first) -> dict:
+    """The parts' metrics as one dict; of two parts reporting a key, the one with the lower
+    `first(name)` wins."""
+    return {k: v for name in sorted(parts, key=first, reverse=True) for k, v in parts[name].items()}
 
 
 class Trainer:
@@ -62,8 +68,9 @@ class Trainer:
         self.batch_size = cfg.data.train_batch_size  # prompts per step
         self.val_rows = rows.get("val", [])
         self.timer = PhaseTimer(self.rank, self.device)
-        self.channel = PoolChannel(self.placement, self.device, self.batch_size * cfg.rollout.n,
-                                   cfg.rollout.stream_chunks, groups.bulk, groups.control, pools.meet)
+        self.channel = PoolChannel(self.placement, generating_ranks(cfg, self.placement), self.device,
+                                   self.batch_size * cfg.rollout.n, cfg.rollout.stream_chunks, groups.bulk,
+                                   groups.control, pools.meet)
         val_responses = (len(usable_val_rows(self.val_rows, self.placement)) * cfg.rollout.val_kwargs.n
                          if self.val_rows else 0)
         self.channel.connect(generated=critic_pool_generates(cfg, self.placement) or self.placement.apart("rollout"),
@@ -92,7 +99,10 @@ class Trainer:
         self.start_step = 1
         # Rank 0: step -> {pool: its metrics} until every pool's part is in.
         self.unlogged: dict[int, dict] = {}
-        self.metrics_received = {pool: 0 for pool in self.placement.pools if pool != self.my_pool}  # rank 0's
+        # The pools other than rank 0's (each one's first rank reports to rank 0), and rank 0's count
+        # of their metrics taken, step by step.
+        self.other_pools = [pool for pool in self.placement.pools if pool != self.placement.pool_at(0)]
+        self.metrics_received = dict.fromkeys(self.other_pools, 0)
         self.tracking_runs: dict[str, str] = {}  # wandb / MLflow runs a resumed job goes on in
         if resume_from:
             self.load_checkpoint(resume_from)
@@ -138,7 +148,7 @@ class Trainer:
         """DAPO's dynamic sampling on the ranks that generate, over their group: a rollout pool's,
         the actor pool's, or with rollout.ranks=all the one over both pools (groups.py)."""
         pools, placement = self.pools, self.placement
-        generating = generating_ranks(self.cfg, pools)
+        generating = generating_ranks(self.cfg, placement)
         if not self.cfg.algorithm.filter_groups.enable or self.rank not in generating:
             return None
         if placement.apart("rollout"):
@@ -192,7 +202,7 @@ class Trainer:
         for group, phase in STEP_PHASES:
             if group in self.programs:
                 reported.setdefault(group, {}).update(getattr(self.programs[group], phase)(step) or {})
-        metrics = {k: v for group in reversed(REPORT_ORDER) for k, v in reported.get(group, {}).items()}
+        metrics = merge_reports(reported, REPORT_ORDER.index)
         timings = self.timer.pop_timings()
         if self.rank == 0:
             # The other pools sent step k-1's metrics before step k's advantages: taking them now never waits.
@@ -206,8 +216,9 @@ class Trainer:
         """Responses to the validation set from the rollout group's engines (a rollout pool's, with
         the newest weights, or the actor pool's), scored by the reward group; rank 0 logs verl's
         val-core/<data_source>/reward/mean@n."""
-        if self.running("rollout"):
-            self.running("rollout").validate(step, self.val_rows)
+        generator = self.running("rollout")
+        if generator:
+            generator.validate(step, self.val_rows)
         scorer = self.running("reward")
         if scorer:
             rows = usable_val_rows(self.val_rows, self.placement)
@@ -242,10 +253,8 @@ class Trainer:
         parts = self.unlogged.setdefault(step, {})
         parts[pool] = metrics
         if len(parts) == len(self.placement.pools):
-            def rank_of(name):  # the pool of the group first in REPORT_ORDER wins a key both report
-                return min(REPORT_ORDER.index(g) for g in self.placement.groups_on(name))
-            self.logger.log(step, {k: v for name in sorted(parts, key=rank_of, reverse=True)
-                                   for k, v in parts[name].items()})
+            self.logger.log(step, merge_reports(parts, lambda pool: min(
+                REPORT_ORDER.index(g) for g in self.placement.groups_on(pool))))
             del self.unlogged[step]
 
     def finish(self, completed: bool) -> None:
@@ -297,19 +306,18 @@ class Trainer:
                 if program.engine is not None:
                     program.engine.save_checkpoint(os.path.join(folder, "engine"))
                 dist.barrier(group=pool_group)  # every rank's files are written
-        others = [pool for pool in placement.pools if pool != placement.pool_at(0)]
-        if self.my_pool in others and self.rank == placement.pools[self.my_pool][0]:
+        if self.my_pool in self.other_pools and self.rank == placement.pools[self.my_pool][0]:
             self.channel.send_checkpoint_written(step)
         if self.rank == 0:
             self.receive_pool_metrics(upto=step)  # a resumed run logs from step + 1 on
-            for pool in others:
+            for pool in self.other_pools:
                 self.channel.recv_checkpoint_written(step, pool)
             meta = {"step": step, "world_size": placement.world_size,
                     "ranks": {group: list(placement.ranks(group)) for group in ROLE_GROUPS}, "time": time.time(),
                     "config": OmegaConf.to_container(cfg, resolve=True), "tracking_runs": self.logger.run_ids()}
             path = checkpoint.publish(root, step, meta, cfg.trainer.max_ckpt_to_keep)
             print(f"spmdsplit: checkpoint of step {step} written to {path}", flush=True)
-        if others and self.my_pool not in others:
+        if self.other_pools and self.my_pool not in self.other_pools:
             # Rank 0 waited for the other pools' parts (a large critic's save may take minutes);
             # its pool's next collectives need it, so the pool waits for it here instead.
             self.pools.meet("actor")

@@ -15,7 +15,8 @@ from spmdsplit.batch import Batch
 from spmdsplit.data.prompts import PromptDataset
 from spmdsplit.dynamic_sampling import DynamicSampling
 from spmdsplit.exchange import PendingSend
-from spmdsplit.generation import engine_shares, generate_step_rows, generate_validation_rows, generating_ranks
+from spmdsplit.generation import engine_shares, generate_step_rows, generate_validation_rows
+from spmdsplit.groups import generating_ranks
 from spmdsplit.messages import ROWS_TO, PoolChannel, check_rows
 from spmdsplit.metrics import PhaseTimer, rollout_correction_metrics, rollout_probs_diff_metrics
 from spmdsplit.placement import Pools
@@ -77,7 +78,7 @@ class ActorProgram:
         the step's prompts chunk by chunk, each sent on to the critic pool at once."""
         phase, channel = self.timer.phase, self.channel
         if self.chunks > 1:  # the step's prompts, generated chunk by chunk
-            shares = engine_shares(self.cfg, self.dataset, self.tokenizer, step, generating_ranks(self.cfg, self.pools))
+            shares = engine_shares(self.cfg, self.dataset, self.tokenizer, step, generating_ranks(self.cfg, self.pools.placement))
         with phase("sync_weights", step) as event:
             self.wake_rollout()
             event.update(self.timer.device_in_use())  # the engine's share included (tools/gpu_check.py)

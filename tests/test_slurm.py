@@ -165,6 +165,26 @@ def test_the_requeued_job_reruns_the_submitted_arguments():
     assert launcher.SlurmTrain(submitted).checkpoint().function.train_args == submitted
 
 
+def fake_slurm_commands(monkeypatch, folder: Path, **printed: str) -> None:
+    """`squeue`/`sacct` found first on PATH, scripts that print the given text."""
+    for name, text in printed.items():
+        script = folder / name
+        script.write_text(f"#!/bin/sh\nprintf '{text}'\n")
+        script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{folder}:{os.environ['PATH']}")
+
+
+def test_the_job_state_is_slurmctlds_while_the_job_is_queued(tmp_path, monkeypatch):
+    """sacct lags behind slurmctld (PENDING for a job squeue already runs: a CI run saw it once
+    the job had trained 10 steps, and the job then did not requeue itself after a preemption),
+    which no real cluster here produces on demand; so fake commands print what each said then."""
+    fake_slurm_commands(monkeypatch, tmp_path, squeue="RUNNING\\n", sacct="   PENDING \\n")
+    assert launcher.slurm_job_states("7") == {"RUNNING"}
+    # Once the job has left the queue, the database is all there is.
+    fake_slurm_commands(monkeypatch, tmp_path, squeue="", sacct="CANCELLED by 0\\n")
+    assert launcher.slurm_job_states("7") == {"CANCELLED"}
+
+
 def test_cpu_job_needs_ranks_per_node(tmp_path):
     with pytest.raises(SystemExit):
         launcher.main(["--folder", str(tmp_path)])

@@ -41,16 +41,21 @@ RUN_PATHS = {
 }
 
 def slurm_job_states(job_id: str) -> set[str]:
-    """The job's state as squeue and sacct see it now (they can differ while Slurm requeues it:
-    COMPLETING and REQUEUED)."""
-    states = set()
-    for cmd in (["squeue", "-h", "-j", job_id, "-o", "%T"], ["sacct", "-X", "-n", "-j", job_id, "-o", "State"]):
-        try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout
-        except (OSError, subprocess.TimeoutExpired):
-            continue
-        states |= {line.split()[0] for line in out.splitlines() if line.strip()}  # "CANCELLED by 0" -> CANCELLED
-    return states
+    """The job's state now: slurmctld's own (squeue) while the job is in the queue, the accounting
+    database's (sacct) only once it has left it. sacct lags behind slurmctld: on the test cluster
+    it still said PENDING 0.5 s after squeue said RUNNING when idle, and in a CI run still once the
+    job had trained 10 steps, where that stale PENDING, read as "Slurm has requeued this job",
+    kept a preempted job from requeueing itself. The spmdsplit.sbatch template reads squeue alone for the same question."""
+    return (_states(["squeue", "-h", "-j", job_id, "-o", "%T"])
+            or _states(["sacct", "-X", "-n", "-j", job_id, "-o", "State"]))
+
+
+def _states(cmd: list[str]) -> set[str]:
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return set()
+    return {line.split()[0] for line in out.splitlines() if line.strip()}  # "CANCELLED by 0" -> CANCELLED
 
 
 def resolvable(host: str) -> bool:

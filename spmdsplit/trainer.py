@@ -78,7 +78,12 @@ class Trainer:
                              balance_group=pools.group("actor") if cfg.trainer.balance_batch else None)
         self.stop_vote = StopVote(groups.stop)
         # The hand-off barrier spans the actor and critic pools on purpose: it is the thing measured.
-        self.handoff = (lambda: dist.barrier(group=groups.handoff)) if groups.handoff else (lambda: None)
+        # device_ids: torch's barrier on an NCCL group all-reduces one element on a device it picks
+        # (distributed_c10d.barrier: device_ids, else init_process_group's device_id, which we do
+        # not pass, else the current device, with a warning); named here, it is this rank's.
+        on_device = [self.device.index] if self.device.type == "cuda" else None
+        self.handoff = ((lambda: dist.barrier(group=groups.handoff, device_ids=on_device)) if groups.handoff
+                        else (lambda: None))
         # Engines outside the actor pool (a rollout pool of its own, or rollout.ranks=all's on the
         # critic pool) get the policy's weights by a bucketed broadcast.
         self.weights = None
@@ -295,17 +300,21 @@ class Trainer:
         root = cfg.trainer.default_local_dir
         partial = checkpoint.partial_dir(root, step)
         for group, program in self.programs.items():
-            pool_group, leader = self.pools.group(group), placement.ranks(group)[0]
+            leader = placement.ranks(group)[0]
             folder = os.path.join(partial, group)
             with self.timer.phase(f"save_checkpoint/{group}", step):
                 if self.rank == leader:  # a crash may have left a half of this step behind
                     shutil.rmtree(folder, ignore_errors=True)
                     os.makedirs(folder)
-                dist.barrier(group=pool_group)
+                # The pool's gloo meeting group, not its NCCL one: a wait for files on the host,
+                # under the long timeout (one rank's write of a large part may outlast
+                # trainer.dist_timeout_s), and no device picked for a barrier (the first GPU run
+                # warned of it here).
+                self.pools.meet(group)
                 checkpoint.save_rank_state(os.path.join(folder, f"rank_{self.rank}.pt"), self.rank_state(group, step))
                 if program.engine is not None:
                     program.engine.save_checkpoint(os.path.join(folder, "engine"))
-                dist.barrier(group=pool_group)  # every rank's files are written
+                self.pools.meet(group)  # every rank's files are written
         if self.my_pool in self.other_pools and self.rank == placement.pools[self.my_pool][0]:
             self.channel.send_checkpoint_written(step)
         if self.rank == 0:

@@ -1,0 +1,31 @@
+#!/bin/bash
+# bash tools/gpu_smoke.sh [OUT_DIR]   (DEVICE=cpu PY=.venv/bin/python to try it here, ~40 s)
+#
+# One-rank jobs of 3 steps each on DEVICE (default cuda) through the paths the default job does not
+# take: multi-turn tool calls, DAPO's dynamic sampling and overlong shaping, a reward model with
+# ReMax baselines and chunked rollouts, GRPO with the KL penalty in the reward, packed token-budget
+# micro-batches in bf16. A tensor left on the wrong device, or a CPU-only call, shows here first.
+# One line per job: its exit code, its time and its step 3; each job's log in OUT_DIR.
+DEV=${DEVICE:-cuda}; PY=${PY:-python3}; OUT_DIR=${1:-outputs/gpu_smoke}; mkdir -p "$OUT_DIR"
+RM=$($PY -c "from spmdsplit.embedded import ensure_embedded_model as e; print(e())") || exit 1
+ONE_POOL=(placement.mode=custom 'placement.pools={train: 1}' 'placement.roles={rollout: train, actor: train}'
+          rollout.staleness=0)  # the presets' rollout pool folded onto the one rank
+run() {
+    local name=$1 t0=$SECONDS; shift
+    timeout 300 "$PY" -m torch.distributed.run --nproc-per-node 1 -m spmdsplit.train placement.mode=colocate \
+        placement.pools=[] trainer.device="$DEV" trainer.total_steps=3 trainer.resume=disable trainer.save_freq=-1 \
+        trainer.output_dir= trainer.progress_bar=false trainer.default_local_dir="$OUT_DIR/$name/ckpt" \
+        trainer.log_dir="$OUT_DIR/$name/tb" trainer.timeline="$OUT_DIR/$name/timeline.json" "$@" \
+        >"$OUT_DIR/$name.log" 2>&1
+    local rc=$?
+    echo "$name: rc=$rc in $((SECONDS - t0))s | $(grep -E '^step 3:' "$OUT_DIR/$name.log" | head -1)"
+    [ $rc = 0 ] || grep -E "error|Error" "$OUT_DIR/$name.log" | tail -4
+}
+run agent --config configs/agent_lookup.yaml
+run dapo --config configs/dapo_rollout_actor.yaml "${ONE_POOL[@]}" data.train_batch_size=16 actor.ppo_mini_batch_size=16
+run remax_rm algorithm.adv_estimator=remax rollout.n=2 reward.model.path="$RM" reward.model.micro_batch_size_per_gpu=8 \
+    rollout.stream_chunks=2 data.train_batch_size=8 actor.ppo_mini_batch_size=8 critic.ppo_mini_batch_size=8 \
+    trainer.val_freq=3
+run grpo_kl --config configs/grpo_rollout_actor.yaml "${ONE_POOL[@]}" algorithm.use_kl_in_reward=true
+run packed model.use_remove_padding=true actor.use_dynamic_bsz=true critic.use_dynamic_bsz=true \
+    actor.ppo_max_token_len_per_gpu=512 critic.ppo_max_token_len_per_gpu=512 model.dtype=bfloat16

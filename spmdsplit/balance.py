@@ -6,8 +6,8 @@ step's prompt groups (rollout.n rows sharing a prompt, which GRPO/RLOO score tog
 never split) are cut into parts of equal group count whose token sums are as even as the
 largest-differencing method of Karmarkar and Karp makes them; the parts laid end to end are the
 balanced order of the rows, and the pools' contiguous slices of it (exchange.row_ranges) are
-then balanced too. Pure functions, no torch.distributed: the actor's program (programs/actor.py)
-gathers the counts and moves the rows.
+then balanced too. Pure functions, no torch.distributed: spmdsplit/batch_balancer.py, on the actor pool, gathers
+the counts and moves the rows.
 """
 
 from __future__ import annotations

@@ -4,20 +4,15 @@ the policy once the critic group's advantages are in. Messages: spmdsplit/messag
 
 from __future__ import annotations
 
-import math
-
-import torch
-import torch.distributed as dist
-
 from spmdsplit import algo
-from spmdsplit.balance import balanced_group_order, seqlen_metrics, slice_sums
 from spmdsplit.batch import Batch
+from spmdsplit.batch_balancer import BatchBalancer
 from spmdsplit.data.prompts import PromptDataset
 from spmdsplit.dynamic_sampling import DynamicSampling
 from spmdsplit.exchange import PendingSend
 from spmdsplit.generation import engine_shares, generate_step_rows, generate_validation_rows
 from spmdsplit.groups import generating_ranks
-from spmdsplit.messages import ROWS_TO, PoolChannel, check_rows
+from spmdsplit.messages import PoolChannel, check_rows
 from spmdsplit.metrics import PhaseTimer, rollout_correction_metrics, rollout_probs_diff_metrics
 from spmdsplit.placement import Pools
 from spmdsplit.roles.build import ActorRoles, compute_dtypes
@@ -38,7 +33,8 @@ class ActorProgram:
         self.sends = PendingSend()  # this step's sends to the critic pool, waited for at its end
         self.rollout_batch: Batch | None = None  # this step's rollout, from roll_out to update
         self.rollout_metrics: dict[str, float] = {}
-        self.tokens_per_rank: dict[str, list[list[int]]] = {}  # pool -> [before, after] balancing, per rank
+        # trainer.balance_batch: the rows' order over the actor pool by tokens (spmdsplit/batch_balancer.py)
+        self.balancer = BatchBalancer(cfg, pools, channel, timer) if cfg.trainer.balance_batch else None
 
     @property
     def engine(self):
@@ -49,7 +45,8 @@ class ActorProgram:
         """gen (chunk by chunk, each sent on at once), or the rows from a rollout pool of its own
         -> old_log_prob -> ref [-> log-probs sent]."""
         phase, channel = self.timer.phase, self.channel
-        self.tokens_per_rank = {}  # this step's, for the balance metrics
+        if self.balancer:
+            self.balancer.start_step()
         parts = self.receive_generated(step) if self.pools.placement.apart("rollout") else self.generate_step(step)
         # Each chunk is as wide as its longest response (rollout/base.py): pad them to one width.
         rollout = Batch.concat(parts, pad_to_widest=True)
@@ -96,7 +93,8 @@ class ActorProgram:
                 with phase("rollout_sleep", step):
                     self.rollout.sleep()
             if not self.weights:
-                parts[-1] = self.balance(step, c, parts[-1])
+                if self.balancer:
+                    parts[-1] = self.balancer(step, c, parts[-1])
                 self.sends.add(channel.send_rollout(step, c, parts[-1]))
         if self.weights:  # rollout.ranks=all: the critic pool generated the rest of the rows
             self.sends.add(channel.send_generated(step, parts[0]))
@@ -110,7 +108,8 @@ class ActorProgram:
             rows = self.channel.recv_generated(step, stats)
         if "weights_version" in rows:
             check_weights_version(rows, step, self.cfg.rollout.staleness)
-        rows = self.balance(step, 0, rows)
+        if self.balancer:
+            rows = self.balancer(step, 0, rows)
         self.sends.add(self.channel.send_rollout(step, 0, rows))
         return [rows]
 
@@ -135,8 +134,8 @@ class ActorProgram:
             with self.timer.phase("sync_weights", step):  # the weights of this update, to the rollout pool
                 self.push_weights()
         metrics.update(self.rollout_metrics)
-        if self.tokens_per_rank:
-            metrics.update(self.balance_metrics())
+        if self.balancer:
+            metrics.update(self.balancer.metrics())
         return metrics
 
     def apply_rollout_correction(self, rollout: Batch) -> None:
@@ -154,44 +153,6 @@ class ActorProgram:
         if corr.rollout_is:
             rollout["rollout_is_weights"] = algo.compute_rollout_is_weights(actor, engine, mask, corr.rollout_is,
                                                                             corr.rollout_is_threshold)
-
-    def balance(self, step: int, chunk: int, part: Batch) -> Batch:
-        """trainer.balance_batch: this rank's rows of the chunk, exchanged within the actor pool
-        so that the chunk's global order is the balanced one (spmdsplit/balance.py). The order
-        cuts the chunk's prompt groups into the lcm of the pool sizes of the actor and of the groups
-        the rows go to (messages.ROWS_TO) in parts of equal count, so every pool's contiguous slices of it (row_ranges) are even. Rows
-        keep their `row_index`."""
-        if not self.cfg.trainer.balance_batch:
-            return part
-        placement, n = self.pools.placement, self.cfg.rollout.n
-        with self.timer.phase("balance", step, chunk=chunk):
-            # Every actor rank holds equal whole groups (config.check_against_pools), so one
-            # all_gather over the pool gives every rank the chunk's token counts in global order.
-            # Over the pool's meeting group (gloo, the long timeout): ranks come here straight
-            # from generating (their long tails differ) or from rows another pool sent.
-            mine = part["attention_mask"].sum(1).view(-1, n).sum(1).cpu()
-            gathered = [torch.empty_like(mine) for _ in placement.ranks("actor")]
-            dist.all_gather(gathered, mine, group=self.pools.meet_group("actor"))
-            group_tokens = torch.cat(gathered).tolist()
-            parts = math.lcm(*(len(placement.ranks(g)) for g in ("actor", *ROWS_TO)))
-            groups = balanced_group_order(group_tokens, parts)
-            balanced = self.channel.balance(step, chunk, part, [g * n + i for g in groups for i in range(n)],
-                                            self.pools.group("actor"))
-        for pool, ranks in (("actor", placement.ranks("actor")), ("critic", placement.ranks("critic"))):
-            before = slice_sums(group_tokens, len(ranks))
-            after = slice_sums([group_tokens[g] for g in groups], len(ranks))
-            totals = self.tokens_per_rank.setdefault(pool, [[0] * len(ranks), [0] * len(ranks)])
-            for total, chunk_sums in zip(totals, (before, after)):
-                total[:] = [a + b for a, b in zip(total, chunk_sums)]
-        return balanced
-
-    def balance_metrics(self) -> dict[str, float]:
-        """verl's global_seqlen/* of the step for the actor pool (the policy's data-parallel ranks,
-        verl's meaning) and, when the critic pool is another, global_seqlen/critic/*."""
-        metrics = seqlen_metrics(*self.tokens_per_rank["actor"], "global_seqlen")
-        if not self.pools.placement.together("actor", "critic"):
-            metrics.update(seqlen_metrics(*self.tokens_per_rank["critic"], "global_seqlen/critic"))
-        return metrics
 
     # ------------------------------------------------------------------ pieces
 

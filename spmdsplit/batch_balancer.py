@@ -20,10 +20,8 @@ from spmdsplit.placement import Pools
 class BatchBalancer:
     def __init__(self, cfg, pools: Pools, channel: PoolChannel, timer: PhaseTimer):
         self.pools, self.channel, self.timer, self.n = pools, channel, timer, cfg.rollout.n
-        self.tokens_per_rank: dict[str, list[list[int]]] = {}  # pool -> [before, after] balancing, per rank
-
-    def start_step(self) -> None:
-        self.tokens_per_rank = {}
+        # role group -> [before, after] balancing, per rank: the step's sums so far, chunk by chunk
+        self.tokens_per_rank: dict[str, list[list[int]]] = {}
 
     def __call__(self, step: int, chunk: int, part: Batch) -> Batch:
         """This rank's rows of the chunk, exchanged within the actor pool so that the chunk's global
@@ -45,21 +43,23 @@ class BatchBalancer:
             groups = balanced_group_order(group_tokens, parts)
             balanced = self.channel.balance(step, chunk, part, [g * n + i for g in groups for i in range(n)],
                                             self.pools.group("actor"))
-        for pool in ("actor", "critic"):
-            ranks = placement.ranks(pool)
+        for group in ("actor", "critic"):
+            ranks = placement.ranks(group)
             before = slice_sums(group_tokens, len(ranks))
             after = slice_sums([group_tokens[g] for g in groups], len(ranks))
-            totals = self.tokens_per_rank.setdefault(pool, [[0] * len(ranks), [0] * len(ranks)])
+            totals = self.tokens_per_rank.setdefault(group, [[0] * len(ranks), [0] * len(ranks)])
             for total, chunk_sums in zip(totals, (before, after)):
                 total[:] = [a + b for a, b in zip(total, chunk_sums)]
         return balanced
 
-    def metrics(self) -> dict[str, float]:
+    def pop_metrics(self) -> dict[str, float]:
         """verl's global_seqlen/* of the step for the actor pool (the policy's data-parallel ranks,
-        verl's meaning) and, when the critic pool is another, global_seqlen/critic/*."""
-        if not self.tokens_per_rank:
+        verl's meaning) and, when the critic pool is another, global_seqlen/critic/*; the next
+        step's sums start from zero."""
+        tokens, self.tokens_per_rank = self.tokens_per_rank, {}
+        if not tokens:
             return {}
-        metrics = seqlen_metrics(*self.tokens_per_rank["actor"], "global_seqlen")
+        metrics = seqlen_metrics(*tokens["actor"], "global_seqlen")
         if not self.pools.placement.together("actor", "critic"):
-            metrics.update(seqlen_metrics(*self.tokens_per_rank["critic"], "global_seqlen/critic"))
+            metrics.update(seqlen_metrics(*tokens["critic"], "global_seqlen/critic"))
         return metrics

@@ -65,6 +65,11 @@ def test_job_writes_verl_metrics_timeline_and_hf_model(tmp_path, nproc, override
     assert all(v > 0 for _, v in logged["timing_s/update_critic"])
     if len(actor_ranks) > 1:  # the rows were balanced between the actor pool's ranks
         assert [s for s, _ in logged["global_seqlen/balanced_max"]] == [1, 2, 3, 4]
+        # Each step's own tokens, not a sum carried over: tokens per actor rank over tokens per row
+        # is the rows per actor rank, the same every step.
+        per_row = [p + r for (_, p), (_, r) in zip(logged["prompt_length/mean"], logged["response_length/mean"])]
+        rows_per_rank = [tokens / t for (_, tokens), t in zip(logged["global_seqlen/mean"], per_row)]
+        assert rows_per_rank == pytest.approx([rows_per_rank[0]] * 4, rel=1e-4)
 
     events = timeline_events(str(out / "timeline.json"))
     assert {e["pid"] for e in events} == set(range(nproc))

@@ -45,8 +45,6 @@ class ActorProgram:
         """gen (chunk by chunk, each sent on at once), or the rows from a rollout pool of its own
         -> old_log_prob -> ref [-> log-probs sent]."""
         phase, channel = self.timer.phase, self.channel
-        if self.balancer:
-            self.balancer.start_step()
         parts = self.receive_generated(step) if self.pools.placement.apart("rollout") else self.generate_step(step)
         # Each chunk is as wide as its longest response (rollout/base.py): pad them to one width.
         rollout = Batch.concat(parts, pad_to_widest=True)
@@ -135,7 +133,7 @@ class ActorProgram:
                 self.push_weights()
         metrics.update(self.rollout_metrics)
         if self.balancer:
-            metrics.update(self.balancer.metrics())
+            metrics.update(self.balancer.pop_metrics())
         return metrics
 
     def apply_rollout_correction(self, rollout: Batch) -> None:

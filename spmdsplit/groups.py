@@ -28,7 +28,9 @@ protocol between ranks, and it is written here, once:
      and for gloo), only with rollout.name=vllm: vLLM creates them itself, engine or not; with
      tensor parallel > 1 a rank without an engine also builds, eagerly, vLLM's communicators for
      its own tensor-parallel group (PyNccl, custom all-reduce buffers), which it never uses:
-     spmdsplit/rollout/vllm_engine.py init_vllm_distributed says what that costs
+     spmdsplit/rollout/vllm_engine.py init_vllm_distributed says what that costs. Then the
+     engine world: one group per engine's ranks (device and gloo), which an engine's vLLM takes
+     as its world group, so that nothing vLLM runs over "the world" reaches another rank
 
 Whether a group exists depends only on the config and the placement, which every rank has
 alike, so every rank makes the same calls. The one exception is DeepSpeed's one-rank model-

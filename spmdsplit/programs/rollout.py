@@ -76,7 +76,8 @@ class RolloutProgram:
         with self.timer.phase("sync_weights", step):
             self.weights.ready()
             if self.version >= 0:
-                self.rollout.sleep()  # the engine wakes with the new weights
+                with self.timer.phase("rollout_sleep", step):
+                    self.rollout.sleep()  # the engine wakes with the new weights
             self.rollout.wake_up(self.weights.receive())
         self.version = version
 

@@ -266,8 +266,6 @@ class Trainer:
         cfg = self.cfg
         self.timer.record_peak_memory()
         self.channel.close()
-        if "rollout" in self.programs:
-            self.programs["rollout"].finish()
         if "actor" in self.programs and cfg.trainer.output_dir and completed:  # a stopped run's weights are in its checkpoint
             self.programs["actor"].engine.save_hf(cfg.trainer.output_dir, self.tokenizer,
                                                   is_writer=self.rank == self.placement.ranks("actor")[0])

@@ -71,6 +71,16 @@ def test_the_rollout_pool_generates_the_next_batch_while_the_train_pool_trains(r
         assert start < max(e for _, e in train), f"gen of batch {k + 1} waited for step {k}'s update"
 
 
+def test_the_rollout_pools_engine_wakes_once_and_never_sleeps(reference):
+    """Its device is its own: the engine wakes with the first weights and takes every later version
+    in place (a sleep and a wake per version would unmap and map its whole share of a GPU)."""
+    events = [e for e in timeline_events(str(reference / "timeline.json")) if e["pid"] == 1]
+    sleeps = [e["args"]["step"] for e in events if e["name"] == "rollout_sleep"]
+    assert not sleeps, f"the rollout pool's engine slept at steps {sleeps}"
+    syncs = [e["args"]["engine"] for e in events if e["name"] == "sync_weights"]
+    assert syncs == ["wake_up"] + ["update_weights"] * (len(syncs) - 1) and len(syncs) == STEPS, syncs
+
+
 @pytest.mark.e2e
 def test_a_stop_and_resume_with_batches_generated_ahead_repeats_the_uninterrupted_run(tmp_path, reference):
     """The batch generated ahead is part of the checkpoint (the rollout pool's part), so the

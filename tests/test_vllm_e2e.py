@@ -121,3 +121,8 @@ def test_vllm_tensor_parallel_on_a_rollout_pool_of_its_own_one_step_ahead(tmp_pa
     assert [s for s, _ in logged["val-core/synthetic/repeat/reward/mean@1"]] == [3]
     gen_ranks = {e["pid"] for e in events if e["name"] == "gen"}
     assert gen_ranks == {2, 3}
+    for rank in gen_ranks:  # the engine's device is its own: it wakes once and never sleeps
+        mine = [e for e in events if e["pid"] == rank]
+        assert not [e for e in mine if e["name"] == "rollout_sleep"]
+        syncs = [e["args"]["engine"] for e in mine if e["name"] == "sync_weights"]
+        assert syncs == ["wake_up"] + ["update_weights"] * (len(syncs) - 1), syncs

@@ -133,6 +133,11 @@ def engine_checks(engine, tokenizer):
     engine.wake_up(new_model.state_dict().items())
     after = engine.generate(long, validate=True)
     res["update"] = (before.tensors, after.tensors, hf(new_model).generate(long).tensors)
+    # The same, in place and awake (a rollout pool's engine, which never sleeps): back to the first
+    # weights, on the long prompts whose cached prefixes the new weights' run left behind.
+    engine.update_weights(model.state_dict().items())
+    res["update_in_place"] = (engine.generate(long, validate=True).tensors, hf(model).generate(long).tensors,
+                              before.tensors)
 
     # Weights whose every next token is EOS (the LM head too: the silently stale case on CPU).
     from tests.test_rollout import forcing_state_dict
@@ -164,7 +169,9 @@ def engine_checks(engine, tokenizer):
     unseeded = prompts.select(["input_ids", "attention_mask"])
     res["unseeded"] = (engine.generate(unseeded)["responses"], engine.generate(unseeded)["responses"])
     engine.sleep()
-    res["cycles"] = (engine.wake_ups, engine.sleeps)
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.update_weights(model.state_dict().items())
+    res["cycles"] = (engine.wake_ups, engine.sleeps, engine.weight_updates)
     return res
 
 
@@ -228,6 +235,10 @@ def test_after_a_weight_update_vllm_equals_hf_with_the_new_weights(checks):
     assert not torch.equal(before["responses"], after["responses"]), "the new weights should change the rollout"
     for k in COLUMNS:
         assert torch.equal(after[k], hf_new[k]), k
+    in_place, hf_first, first = checks["update_in_place"]
+    for k in COLUMNS:  # no prefix cached under the other weights was reused
+        assert torch.equal(in_place[k], hf_first[k]), k
+        assert torch.equal(in_place[k], first[k]), k
 
 
 @pytest.mark.e2e
@@ -294,9 +305,10 @@ def test_row_seeds_give_the_same_rows_whatever_the_batch(checks):
 @needs_vllm
 @needs_vllm
 def test_the_engine_wakes_with_weights_and_generates_only_awake(checks):
-    """engine_checks raised on a generate before the first wake_up and on a second wake_up; it
-    woke four times, each with new weights, and slept after each."""
-    assert checks["cycles"] == (4, 4)
+    """engine_checks raised on a generate before the first wake_up, on a second wake_up and on an
+    update_weights asleep; it woke four times, each with new weights, slept after each, and took
+    new weights once awake."""
+    assert checks["cycles"] == (4, 4, 1)
 
 
 @pytest.mark.e2e

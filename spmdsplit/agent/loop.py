@@ -77,6 +77,9 @@ class AgentRollout:
     def wake_up(self, weights) -> None:
         self.engine.wake_up(weights)
 
+    def update_weights(self, weights) -> None:
+        self.engine.update_weights(weights)
+
     def sleep(self) -> None:
         self.engine.sleep()
 

@@ -9,6 +9,7 @@ up to k+s that are not generated yet, then take the weights of update k from the
 with s >= 1 batch k+s is generated while the other pools train on batch k, and the only wait is
 for the weights: the actor pool sends them after its update, which the next batch needs anyway.
 The batches generated ahead stay here until their step (a checkpoint keeps them: exact resume).
+The engine never sleeps here: it shares its device with no training (`take_weights`).
 """
 
 from __future__ import annotations
@@ -73,12 +74,17 @@ class RolloutProgram:
         return rows
 
     def take_weights(self, version: int, step: int) -> None:
-        with self.timer.phase("sync_weights", step):
+        """The weights of update `version`. This pool's device is the engine's alone, so the engine
+        wakes with the first weights and stays awake, taking every later version in place (a
+        sleep and a wake would unmap and map again its whole share of the device each time)."""
+        with self.timer.phase("sync_weights", step) as event:
             self.weights.ready()
-            if self.version >= 0:
-                with self.timer.phase("rollout_sleep", step):
-                    self.rollout.sleep()  # the engine wakes with the new weights
-            self.rollout.wake_up(self.weights.receive())
+            if self.version < 0:
+                event["engine"] = "wake_up"
+                self.rollout.wake_up(self.weights.receive())
+            else:
+                event["engine"] = "update_weights"
+                self.rollout.update_weights(self.weights.receive())
         self.version = version
 
     def state(self, step: int) -> dict:
@@ -89,7 +95,3 @@ class RolloutProgram:
         # Another rollout pool size cuts the batches into other shares: they are generated again,
         # with the checkpoint's weights (within the staleness bound, not the same rows).
         self.ahead = {b: rows.to(self.pools.device) for b, rows in state["ahead"].items()} if same_layout else {}
-
-    def finish(self) -> None:
-        if self.version >= 0:
-            self.rollout.sleep()

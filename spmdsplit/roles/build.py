@@ -82,7 +82,9 @@ def build_rollout_engine(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> Ro
     """This rank's rollout engine (rollout.name). Its weights come from the actor before each
     rollout. vLLM: every rank must have run rollout.vllm_engine.init_vllm_distributed before."""
     dtype, _ = compute_dtypes(cfg, pools.device)
-    return build_rollout(cfg, cfg.model.path, tokenizer, eos_ids, pools.device, dtype, cfg.trainer.seed)
+    # An engine on a rollout pool of its own shares its device with no training: it never sleeps.
+    return build_rollout(cfg, cfg.model.path, tokenizer, eos_ids, pools.device, dtype, cfg.trainer.seed,
+                         sleeps=not pools.placement.apart("rollout"))
 
 
 def build_critic_roles(cfg, pools: Pools) -> CriticRoles:

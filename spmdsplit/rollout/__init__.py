@@ -10,14 +10,15 @@ from spmdsplit.rollout.base import Rollout, row_seeds  # noqa: F401 - the packag
 
 
 def build_rollout(cfg, model_path: str, tokenizer, eos_ids: list[int], device: torch.device, dtype: torch.dtype,
-                  seed: int) -> Rollout:
+                  seed: int, sleeps: bool = True) -> Rollout:
     """The engine `cfg.rollout.name` names, holding the checkpoint at `model_path` (its weights are
-    replaced by `wake_up(weights)` before each step's generation). vLLM: call only on ranks that generate, after
-    every rank ran `vllm_engine.init_vllm_distributed`."""
+    replaced by `wake_up(weights)` before each step's generation, or `update_weights` while it stays
+    awake). `sleeps`: it shares its device with training. vLLM: call only on ranks that generate,
+    after every rank ran `vllm_engine.init_vllm_distributed`."""
     if cfg.rollout.name == "vllm":
         from spmdsplit.rollout.vllm_engine import VLLMRollout
 
-        engine = VLLMRollout(cfg, model_path, tokenizer, eos_ids, device, dtype)
+        engine = VLLMRollout(cfg, model_path, tokenizer, eos_ids, device, dtype, sleeps)
     else:
         from spmdsplit.models import load_causal_lm
         from spmdsplit.rollout.hf import HFRollout

@@ -31,9 +31,13 @@ class Rollout(Protocol):
         """The start of a step's generation: the policy's new weights, as a stream of (Hugging Face
         name, full tensor), and whatever the engine needs on the device to generate."""
 
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """New weights into an awake engine that keeps its device memory: an engine on a device of
+        its own (a rollout pool apart) wakes once and takes every later version of the policy so."""
+
     def sleep(self) -> None:
-        """The end of a step's generation (every chunk, every validation batch): the engine gives
-        the device memory it can back to the trainer."""
+        """The end of a step's generation (every chunk, every validation batch) where the engine
+        shares its device with training: it gives the device memory it can back to the trainer."""
 
 
 # The sampling settings of a greedy generation (the engines read these fields of rollout.*).

@@ -68,6 +68,9 @@ class HFRollout:
     def wake_up(self, weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> None:
         self.load_weights(weights)  # the copy stays on the device: nothing else to do
 
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> None:
+        self.load_weights(weights)
+
     def sleep(self) -> None:
         pass
 

@@ -1,7 +1,7 @@
 """Rollout with vLLM, in-process, one engine per generating rank (or tensor-parallel group), under
 torchrun (`rollout.name=vllm`). vLLM is imported only from here, and only when it is chosen.
 
-Three things make an in-process vLLM engine safe inside an SPMD trainer (measured facts in the
+Four things make an in-process vLLM engine safe inside an SPMD trainer (measured facts in the
 project's VLLM_NOTES; every vLLM path that can reach other ranks is listed, with what we do about
 it, in docs/rollout.md "What vLLM runs over the world"):
 
@@ -21,6 +21,8 @@ it, in docs/rollout.md "What vLLM runs over the world"):
 * On CPU, vLLM repacks linear weights for oneDNN when it loads them, so writing new tensors into
   the engine's model (`model.load_weights`, the fast path on CUDA) fails or, for the LM head,
   silently leaves the old weights; `reload_weights` re-runs the loading and does update it.
+* An engine that shares its device with training sleeps between its generations (GPU sleep mode);
+  one on a device of its own (a rollout pool apart) stays awake and takes new weights in place.
 """
 
 from __future__ import annotations
@@ -65,8 +67,9 @@ def head_size(model_path: str, trust_remote_code: bool = False) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def engine_kwargs(cfg, model_path: str, device: torch.device, dtype: torch.dtype) -> dict:
-    """`LLM(...)` arguments, the same on every rank (the distributed set-up reads them too)."""
+def engine_kwargs(cfg, model_path: str, device: torch.device, dtype: torch.dtype, sleeps: bool = True) -> dict:
+    """`LLM(...)` arguments, the same on every rank (the distributed set-up reads them too).
+    `sleeps`: the engine shares its device with training, so it sleeps between generations."""
     r = cfg.rollout
     kv_gb = r.kv_cache_memory_gb or (CPU_DEFAULT_KV_CACHE_GB if device.type == "cpu" else 0)
     return dict(
@@ -85,7 +88,9 @@ def engine_kwargs(cfg, model_path: str, device: torch.device, dtype: torch.dtype
         kv_cache_memory_bytes=int(kv_gb * 2**30) if kv_gb else None,
         enforce_eager=r.enforce_eager,
         enable_prefix_caching=r.enable_prefix_caching,
-        enable_sleep_mode=r.free_cache_engine and device.type == "cuda",  # CPU refuses sleep mode
+        # CPU refuses sleep mode; an engine on a device of its own never sleeps, and without sleep
+        # mode vLLM allocates through torch's allocator, not its own mapped one (device_allocator/).
+        enable_sleep_mode=r.free_cache_engine and device.type == "cuda" and sleeps,
         # Log-probs of the distribution tokens were sampled from (after temperature), which is what
         # the actor scores; the default ("raw") ignores the temperature.
         logprobs_mode="processed_logprobs",
@@ -189,7 +194,9 @@ class VLLMRollout:
     prompts (and seeds) and return the same rollout."""
 
     def __init__(self, cfg, model_path: str, tokenizer, eos_token_ids: list[int], device: torch.device,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, sleeps: bool = True):
+        """`sleeps`: the engine shares its device with training (the actor's or the critic's pool), so
+        it sleeps between generations; one on a pool of its own stays awake (`update_weights`)."""
         from vllm import LLM
 
         self.max_response_length = cfg.data.max_response_length
@@ -205,7 +212,8 @@ class VLLMRollout:
         # generator: one seed per engine, shared by its tensor-parallel peers, so that two engines
         # never draw the same random numbers.
         engine_index = dist.get_rank() // cfg.rollout.tensor_model_parallel_size if dist.is_initialized() else 0
-        self.llm = LLM(**{**engine_kwargs(cfg, model_path, device, dtype), "seed": cfg.trainer.seed * 1009 + engine_index})
+        self.llm = LLM(**{**engine_kwargs(cfg, model_path, device, dtype, sleeps),
+                          "seed": cfg.trainer.seed * 1009 + engine_index})
         # The engine freezes every object alive now (gc.freeze) so GC never scans them: the
         # trainer's too, whose cyclic garbage would then never be freed.
         gc.unfreeze()
@@ -214,11 +222,12 @@ class VLLMRollout:
         self.greedy_sampling = self._sampling_params(GREEDY)  # ReMax's baseline
         # Asleep until the trainer's first wake_up, which brings the policy's weights: the ones
         # read from model_path are never used for a rollout.
-        self.sleep_mode = cfg.rollout.free_cache_engine and not self.on_cpu
+        self.sleep_mode = cfg.rollout.free_cache_engine and not self.on_cpu and sleeps
         if self.sleep_mode:
             self.llm.sleep(level=2)
         self.awake = False
-        self.wake_ups = self.sleeps = 0  # counted on CPU too, where vLLM has no sleep: tests check the cycle
+        # Counted on CPU too, where vLLM has no sleep: tests check the cycle.
+        self.wake_ups = self.sleeps = self.weight_updates = 0
 
     def _sampling_params(self, cfg):
         from vllm import SamplingParams
@@ -262,11 +271,25 @@ class VLLMRollout:
         if self.sleep_mode:
             torch.cuda.empty_cache()
             self.llm.wake_up(tags=["kv_cache"])  # fully awake: vLLM resumes its scheduler
-        # Cached KV of earlier prompts was computed with the old weights (after a level-2 sleep
-        # vLLM has dropped it already; on CPU, without sleep, this is what drops it).
+        self.reset_prefix_cache()
+        self.awake = True
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> None:
+        """New weights into the awake engine, which keeps its memory (the weights are written in
+        place, the KV cache stays allocated): an engine on a device of its own (a rollout pool
+        apart) takes each new version of the policy so, instead of a sleep and a wake that
+        would unmap and map again its whole share of the device for nothing."""
+        if not self.awake:
+            raise RuntimeError("VLLMRollout.update_weights: the engine is asleep; wake_up(weights) first")
+        self.weight_updates += 1
+        self.load_weights(weights)
+        self.reset_prefix_cache()
+
+    def reset_prefix_cache(self) -> None:
+        """Cached KV of earlier prompts was computed with the old weights (after a level-2 sleep
+        vLLM has dropped it already; otherwise this is what drops it)."""
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM did not reset its prefix cache after a weight update (requests still running?)")
-        self.awake = True
 
     def sleep(self) -> None:
         """The end of a step's generation: give the device back to the trainer (GPU), keeping nothing."""
@@ -363,7 +386,10 @@ def shutdown_vllm_distributed() -> None:
     from vllm.distributed import parallel_state
 
     parallel_state.destroy_model_parallel()
-    for coordinator in _WORLDS.values():  # vLLM's world group is one of them (the engine's, on an engine rank)
-        coordinator.destroy()
+    # An engine collected before (a test's) ran vLLM's clean-up, which destroys torch's world and
+    # every group with it: then nothing is left to destroy.
+    if dist.is_initialized():
+        for coordinator in _WORLDS.values():  # vLLM's world group is one of them (the engine's, on an engine rank)
+            coordinator.destroy()
     _WORLDS.clear()
     parallel_state._WORLD = None  # noqa: SLF001 - vLLM has no call that spares torch's world

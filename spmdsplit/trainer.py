@@ -156,12 +156,11 @@ class Trainer:
         generating = generating_ranks(self.cfg, placement)
         if not self.cfg.algorithm.filter_groups.enable or self.rank not in generating:
             return None
-        if placement.apart("rollout"):
-            group = count_group = pools.group("rollout")
-        elif groups.generating is not None:
+        if groups.generating is not None:  # rollout.ranks=all over two pools: created with the long timeout
             group = count_group = groups.generating
-        else:  # the counts over the pool's meeting group: its ranks' generation ends at different times
-            group, count_group = pools.group("actor"), pools.meet_group("actor")
+        else:  # one pool generates (the actor's or a rollout pool): the counts over its meeting group, whose
+            # timeout is the long one, as its ranks' generation (a long tail, an agent's tools) ends when it ends
+            group, count_group = pools.group("rollout"), pools.meet_group("rollout")
         return DynamicSampling(self.cfg, build_rule_reward(self.cfg, self.tokenizer, self.eos_ids), generating, group,
                                self.device, count_group)
 

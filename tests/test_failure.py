@@ -95,6 +95,19 @@ def test_a_custom_reward_function_that_raises_ends_the_job(tmp_path):
     assert ended - start < 90  # start-up included; the raise itself is not timed from inside
 
 
+def test_an_engine_whose_dapo_generation_runs_long_is_not_a_dead_one(tmp_path):
+    """DAPO on a rollout pool of two ranks: after each generation batch the ranks gather how many
+    prompt groups each kept. One engine's generation of step 2 runs longer than
+    trainer.dist_timeout_s: the other waits for its count under trainer.pool_wait_timeout_s
+    (the pool's gloo meeting group), not the pool's short one, and the job completes."""
+    dapo = ["placement.mode=custom", "placement.pools={gen: 2, train: 1}", "placement.roles={rollout: gen, actor: train}",
+            "algorithm.adv_estimator=grpo", "rollout.n=4", "algorithm.filter_groups.enable=true",
+            "algorithm.filter_groups.metric=seq_reward", "algorithm.use_kl_in_reward=false"]
+    result, _ = run_job(tmp_path, 3, "1:gen:2:sleep=12", *dapo, "trainer.total_steps=2", "trainer.dist_timeout_s=6")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "step 2:" in result.stdout
+
+
 def test_a_busy_pool_is_not_a_dead_one(tmp_path):
     """Three waits on another pool, each longer than trainer.dist_timeout_s, and the job completes:
     - the actor pool generates its validation set: the critic pool waits for it under

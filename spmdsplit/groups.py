@@ -118,9 +118,30 @@ def create_process_groups(cfg, placement: Placement, device: torch.device) -> Pr
     if cfg.algorithm.filter_groups.enable and critic_pool_generates(cfg, placement):  # 8
         generating = member_or_none(dist.new_group(sorted({*placement.ranks("actor"), *placement.ranks("critic")}),
                                                    timeout=between))
+    groups = ProcessGroups(pools, bulk, control, stop, handoff, sources, weights, generating)
+    warm_up(groups, device)
     if cfg.rollout.name == "vllm":  # 9
         from spmdsplit.roles.build import compute_dtypes
         from spmdsplit.rollout.vllm_engine import init_vllm_distributed
 
         init_vllm_distributed(cfg, cfg.model.path, device, compute_dtypes(cfg, device)[0])
-    return ProcessGroups(pools, bulk, control, stop, handoff, sources, weights, generating)
+    return groups
+
+
+def warm_up(groups: ProcessGroups, device: torch.device) -> list[ProcessGroup]:
+    """One collective on each of this rank's device groups (1, 6, 7, 8: NCCL on GPUs), in the order
+    they were created, before any engine exists; returns them. torch creates an NCCL communicator
+    lazily, at a group's first collective (we pass no device_id to init_process_group), and NCCL
+    then allocates its buffers on the device: at the first weight sync in the loop, that was after a
+    vLLM engine had reserved its share of the GPU (gpu_memory_utilization, on top of what is
+    resident), so the buffers had to fit in what was left. Now they are resident before, and
+    tools/memory.py counts them. Every rank walks its groups in the one creation order, so no two
+    ranks wait on each other in opposite orders. The links between pools (2) are warmed pair by
+    pair by PoolChannel.connect; the gloo groups need nothing."""
+    mine = [g for g in (*groups.pools.groups.values(), groups.handoff, *groups.weights, groups.generating)
+            if g is not None]
+    for group in mine:
+        token = torch.ones(1, device=device)
+        dist.all_reduce(token, group=group)
+        token.item()  # the host waits for NCCL too: the communicator exists when this returns
+    return mine

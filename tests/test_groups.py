@@ -43,19 +43,28 @@ def _create(rank, world, overrides):
 
     cfg = load_config(None, overrides)
     placement = plan_from_config(cfg.placement, world, world, 1)
-    calls = []
-    real = dist.new_group
+    calls, warmed = [], []
+    real, real_all_reduce = dist.new_group, dist.all_reduce
 
     def recording(*args, **kwargs):
         ranks = kwargs.get("ranks", args[0] if args else None)
         calls.append((tuple(ranks) if ranks is not None else "world", kwargs.get("backend")))
         return real(*args, **kwargs)
 
-    dist.new_group = recording
+    def all_reduce(tensor, *args, group=None, **kwargs):
+        warmed.append(tuple(dist.get_process_group_ranks(group)))
+        return real_all_reduce(tensor, *args, group=group, **kwargs)
+
+    dist.new_group, dist.all_reduce = recording, all_reduce
     try:
         groups = create_process_groups(cfg, placement, torch.device("cpu"))
     finally:
-        dist.new_group = real
+        dist.new_group, dist.all_reduce = real, real_all_reduce
+    # Every device group of this rank (not the world's P2P links, not gloo) had its one collective
+    # at start-up, in the order created: NCCL builds a communicator there, before any engine.
+    bulk = len(placement.pools)  # the links' group comes right after the pools'
+    assert warmed == [r for i, (r, backend) in enumerate(calls) if backend is None and i != bulk and rank in r], \
+        (warmed, calls)
     # Every group works for its members, in the order created.
     one = torch.ones(1)
     for group in (*groups.pools.groups.values(), groups.bulk, groups.control, groups.stop,

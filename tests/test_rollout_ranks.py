@@ -101,15 +101,20 @@ def test_the_weight_broadcast_sends_its_layout_once():
 
 
 def broadcast_from_two_sources(rank, world_size):
-    """Actor ranks 0 and 1 each send every other bucket to rank 2 (a rollout pool apart), twice;
-    rank 2 counts its broadcasts still pending when it takes each bucket."""
+    """Actor ranks 0 and 1 each hold their chunk of every weight (as FSDP2 cuts them: ceil(rows /
+    2) rows on rank 0, the rest on rank 1) and each sends the buckets it owns, gathered from
+    both, to rank 2 (a rollout pool apart), twice; rank 2 counts its broadcasts still pending
+    when it takes each bucket."""
+    import time
+
     import torch
     import torch.distributed as dist
 
-    from spmdsplit.weight_sync import WeightBroadcast
+    from spmdsplit.weight_sync import WeightBroadcast, WeightShard
 
     groups = [dist.new_group([0, 2]), dist.new_group([1, 2])]
     groups = [g if rank in (i, 2) else None for i, g in enumerate(groups)]
+    actor_pool = dist.new_group([0, 1])
     sync = WeightBroadcast([0, 1], groups, torch.device("cpu"), bucket_mb=0.00004)
     pending, most = [], [0]
     plain = dist.broadcast
@@ -127,7 +132,10 @@ def broadcast_from_two_sources(rank, world_size):
         weights = [(f"w{i}", torch.full((4 + i,), float(version * 10 + i))) for i in range(6)]
         sync.ready()
         if rank < 2:
-            sync.push(iter(weights))
+            # The sources start a moment after the receiver: what it has posted before taking its
+            # first bucket is then counted, not a race with how fast the first one arrives.
+            time.sleep(0.5)
+            sync.push((WeightShard(n, t.chunk(2)[rank], tuple(t.shape), sharded=True) for n, t in weights), actor_pool)
         else:
             got.append([(n, t.tolist()) for n, t in sync.receive()])
         if version == 0:

@@ -39,6 +39,7 @@ from spmdsplit.engines.deepspeed_compat import (active_group, checkpoint_config,
                                                 import_before_zero_init, init_deepspeed_comm,
                                                 install_pool_scoping, zero_init)
 from spmdsplit.models import ModelSource, hf_tensors
+from spmdsplit.weight_sync import WeightShard
 
 CHECKPOINT_TAG = "engine"  # fixed: the caller owns the directory and publishes it; no "latest" file
 
@@ -216,6 +217,13 @@ class DeepSpeedEngine(HFExport):
                 gathered = [(names.pop(id(t)), cast(t)) for t in own + buffers]
             yield from gathered
             del gathered
+
+    def iter_weight_shards(self, dtype: torch.dtype | None = None) -> Iterator[WeightShard]:
+        """Every weight whole on every rank (`iter_full_weights`): ZeRO-3's flat partitions are not
+        chunks of the tensors, so a sync to a rollout pool moves the whole model to every rank here,
+        as before; FSDP2 hands out its shards (engines/fsdp.py)."""
+        for name, tensor in self.iter_full_weights(dtype):
+            yield WeightShard(name, tensor, tuple(tensor.shape), sharded=False)
 
     def save_checkpoint(self, path: str) -> None:
         """Weights, optimizer and LR schedule under `path` (which the caller publishes); every rank

@@ -18,10 +18,11 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from spmdsplit.engines.common import HFExport, adamw_with_warmup, apply_ac
 from spmdsplit.models import ModelSource, hf_tensors
+from spmdsplit.weight_sync import WeightShard
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | None = None) -> nn.Module:
@@ -169,6 +170,22 @@ class FSDPEngine(HFExport):
             del cast
             yield name, full
             del full
+
+    @torch.no_grad()
+    def iter_weight_shards(self, dtype: torch.dtype | None = None) -> Iterator[WeightShard]:
+        """Each weight as this rank holds it, cast to `dtype`, with no communication: FSDP2 cuts
+        every parameter along dim 0 into the pool's chunks (its Shard(0) placement: torch.chunk,
+        ceil(rows / pool) rows a rank), and buffers are whole on every rank. What
+        weight_sync.push brings bucket by bucket to one rank only. A parameter under another
+        placement is gathered whole (on every rank, in order: a pool collective then)."""
+        for name, tensor in hf_tensors(self.model):
+            cast = tensor.detach().to(dtype) if dtype is not None else tensor.detach()
+            if not isinstance(cast, DTensor):
+                yield WeightShard(name, cast, tuple(cast.shape), sharded=False)
+            elif tuple(cast.placements) == (Shard(0),):
+                yield WeightShard(name, cast.to_local(), tuple(cast.shape), sharded=True)
+            else:
+                yield WeightShard(name, cast.full_tensor(), tuple(cast.shape), sharded=False)
 
     def save_checkpoint(self, path: str) -> None:
         """Weights, optimizer and LR schedule under `path`, each rank writing its own shards

@@ -155,10 +155,11 @@ class ActorProgram:
     # ------------------------------------------------------------------ pieces
 
     def push_weights(self) -> None:
-        """A rollout pool of its own: every actor rank gathers the whole stream from the shards
-        and broadcasts its share of the buckets (spmdsplit/weight_sync.py)."""
+        """A rollout pool of its own: each bucket of the stream is gathered from the actor ranks'
+        shards to the one that broadcasts it (spmdsplit/weight_sync.py)."""
         self.wait_for_weight_receivers()
-        self.weights.push(self.actor.engine.iter_full_weights(compute_dtypes(self.cfg, self.pools.device)[0]))
+        dtype = compute_dtypes(self.cfg, self.pools.device)[0]
+        self.weights.push(self.actor.engine.iter_weight_shards(dtype), self.pools.group("actor"))
 
     def wake_rollout(self, broadcast: bool = True) -> None:
         """The rollout engine wakes with the policy's current weights, streamed from the shards

@@ -88,7 +88,9 @@ def test_vllm_adds_its_share_of_the_device_to_the_resident_state_only():
     assert rank["keep"]["rollout weights"] == 0.0
     assert rank["phases"]["vLLM awake"] == pytest.approx(40 * memory.GB)
     resident = sum(rank["keep"].values())
-    assert resident == pytest.approx((12 / 4 + 2 / 4) * s.params)  # fp32 shards + Adam, bf16 reference shards
+    assert rank["keep"]["NCCL communicators"] == 500 * memory.MB  # the pool's group (no other pool here)
+    # fp32 shards + Adam, bf16 reference shards
+    assert resident - rank["keep"]["NCCL communicators"] == pytest.approx((12 / 4 + 2 / 4) * s.params)
     training = {k: v for k, v in rank["phases"].items() if k != "vLLM awake"}
     assert rank["total"] == pytest.approx(resident + max(40 * memory.GB, *training.values()))
     hf_keep = memory.actor_rank(s, 4, hf)["keep"]
@@ -142,6 +144,38 @@ def test_the_fit_table_says_which_micro_batching_it_assumes(capsys):
     assert memory.main(["--max-token-len", "16384"]) == 0
     out = capsys.readouterr().out
     assert "token budgets (use_dynamic_bsz + use_remove_padding, no padding): update 16384 tokens" in out
-    assert "| Qwen2.5-7B | 7.62B | 4+4 | 66.3 (update) |" in out
+    assert "| Qwen2.5-7B | 7.62B | 4+4 | 67.4 (update) |" in out
     with pytest.raises(SystemExit):  # a budget must take the longest row whole
         memory.main(["--max-token-len", "1000"])
+
+
+def test_nccl_buffers_count_the_communicators_a_rank_has_used():
+    """Each rank: its pool's group, a two-rank communicator per rank of another pool it trades rows
+    with, and the weight groups; none on CPU (gloo's buffers are host memory)."""
+    s, w = QWEN25["Qwen2.5-7B"], Workload()
+    ranks = memory.layout_ranks(s, 8, (6, 2), w)
+    assert ranks["actor"]["keep"]["NCCL communicators"] == 2 * w.nccl_mb * memory.MB  # pool + 1 critic rank
+    assert ranks["critic"]["keep"]["NCCL communicators"] == 4 * w.nccl_mb * memory.MB  # pool + 3 actor ranks
+    assert memory.layout_ranks(s, 8, None, w)["all"]["keep"]["NCCL communicators"] == w.nccl_mb * memory.MB
+    assert memory.actor_rank(s, 4, replace(w, cpu=True))["keep"]["NCCL communicators"] == 0
+
+
+def test_a_rollout_pool_apart_never_sleeps_and_takes_a_weight_group_per_actor_rank():
+    """rollout 2 | actor+critic 6 with vLLM: the rollout rank holds vLLM's whole share all the time,
+    10 communicators (its pool, 6 weight groups, 3 train ranks it sends rows to) and, while it takes
+    weights, the largest bucket (the embeddings), `in_flight` more and one tensor put together;
+    the train ranks hold no engine and stream their buckets."""
+    s, w = QWEN25["Qwen2.5-7B"], Workload(rollout="vllm", gpu_memory_utilization=0.8, device_gb=80)
+    ranks = memory.layout_ranks(s, 8, ("rollout", 2, 6), w)
+    rollout, train = ranks["rollout"], ranks["all"]
+    assert rollout["keep"]["vLLM (never sleeps)"] == pytest.approx(0.8 * 80 * memory.GB)
+    assert rollout["keep"]["NCCL communicators"] == 10 * w.nccl_mb * memory.MB
+    embeddings = 2 * s.embed_params
+    assert rollout["phases"]["weight sync"] == pytest.approx(2 * embeddings + 4 * 256 * memory.MB)
+    assert train["keep"]["rollout weights"] == 0 and not any("vLLM" in k for k in train["phases"])
+    assert train["phases"]["actor weight sync"] == pytest.approx(embeddings + 3 * 256 * memory.MB)
+    # The presets' 0.8 fits at 7B with the 4 GB reserve; their old 0.9 did not, nor would 0.85.
+    assert rollout["total"] < 76 * memory.GB
+    for too_much in (0.85, 0.9):
+        w = replace(w, gpu_memory_utilization=too_much)
+        assert memory.layout_ranks(s, 8, ("rollout", 2, 6), w)["rollout"]["total"] > 76 * memory.GB

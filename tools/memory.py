@@ -29,7 +29,15 @@ and, on top, the largest of what one phase adds for a while:
 On CPU the RSS also counts the process itself (interpreter, torch, transformers: `--base-mb`)
 and, on a pool's first rank, the whole model it reads to hand out shards.
 
-Not modelled: allocator fragmentation and caching, NCCL buffers, the CUDA context (reserved as
+and, on GPUs, NCCL's buffers: each communicator a rank has used holds device memory of its own
+(`--nccl-mb`, an estimate, below): the pool's group, one two-rank communicator per rank of
+another pool it trades rows with, and the weight groups (spmdsplit/groups.py creates them all and
+warms them at start-up, before any engine exists). A rollout pool apart (`--rollout-pool N`)
+adds its own kind of rank: its engine awake for the whole job (it shares its device with no
+training, so it never sleeps), one weight group per actor rank, and the buckets of the weight
+stream in flight; the actor ranks there hold no engine and, while they stream, their buckets.
+
+Not modelled: allocator fragmentation and caching, the CUDA context (reserved as
 `--reserve-gb` when checking what fits), attention score matrices (sdpa/flash keep none), a
 reward model, vLLM's own share beyond `gpu_memory_utilization` (it keeps within it), and the
 [T, T] block-causal mask of a packed micro-batch under sdpa/eager (compute dtype x T^2: 0.5 GB
@@ -119,6 +127,12 @@ class Workload:
     device_gb: float = 80.0  # the device vLLM's share is a fraction of
     cpu: bool = False  # RSS: adds the process and the reader's whole copy at load time
     base_mb: float = 350.0  # RSS of a process that imported torch, transformers and spmdsplit (measured)
+    # Device memory of one NCCL communicator (GPUs only): an estimate from NCCL's defaults, not
+    # measured here: per channel and peer, a 4 MiB buffer for the Simple protocol (NCCL_BUFFSIZE)
+    # and about as much for LL128, with up to 32 channels on NVLink; NVLS buffers on top where
+    # NVSwitch allows them. Lower it with NCCL_BUFFSIZE / NCCL_MAX_NCHANNELS, raise it if measured.
+    nccl_mb: float = 500.0
+    weight_bucket_mb: float = 256.0  # rollout.weight_bucket_mb: the weight stream's buckets
 
 
 def trained_state(params: int, pool: int, w: Workload) -> float:
@@ -203,31 +217,57 @@ def generate(s: Shape, rows: int, w: Workload) -> tuple[str, float]:
     return "generate (KV cache)", kv_cache(s, rows, w)
 
 
-def actor_rank(s: Shape, pool: int, w: Workload) -> dict[str, float]:
-    """Bytes on one actor-pool rank: what it keeps, and the largest transient of any phase."""
+def nccl(communicators: int, w: Workload) -> float:
+    """NCCL's device buffers for this many communicators (none on CPU: gloo's are host memory)."""
+    return 0.0 if w.cpu else communicators * w.nccl_mb * MB
+
+
+def links(pool: int, other: int) -> int:
+    """The ranks of another pool of `other` ranks that one rank of a pool of `pool` trades rows with
+    (each pool holds equal, contiguous shares of a step's rows): one two-rank communicator each."""
+    return math.ceil(other / pool) if other else 0
+
+
+def in_flight(sources: int) -> int:
+    """The weight stream's buckets a source keeps pending (spmdsplit/weight_sync.py)."""
+    return min(4, max(2, sources))
+
+
+def actor_rank(s: Shape, pool: int, w: Workload, peers: int = 0, engine: bool = True,
+               streams_to: int = 0) -> dict[str, float]:
+    """Bytes on one actor-pool rank: what it keeps, and the largest transient of any phase. `peers`:
+    ranks of other pools it trades rows with; `engine`: the rollout engine is on this rank;
+    `streams_to`: a rollout pool apart of that many ranks takes the weights from this pool (every
+    actor rank a source: its weight group, and its buckets in flight while it streams)."""
     rows = w.prompts_per_step // pool
     log_prob_rows = micro_rows(w.log_prob_micro, w.log_prob_max_token_len, w)
     update_rows = micro_rows(w.micro, w.ppo_max_token_len, w)
     keep = {"policy (weights+AdamW)": trained_state(s.params, pool, w),
             "reference": w.dtype_bytes * s.params / pool,
-            "rollout weights": w.dtype_bytes * s.params if w.rollout == "hf" else 0.0,
+            "rollout weights": w.dtype_bytes * s.params if w.rollout == "hf" and engine else 0.0,
+            "NCCL communicators": nccl((pool > 1) + peers + (streams_to > 0), w),
             "process": w.base_mb * MB if w.cpu else 0.0}
-    generate_name, generate_bytes = generate(s, rows, w)
     # On CPU the pool's first rank reads each model whole (fp32 here) to hand out its shards.
     phases = {"load": 4 * s.params if w.cpu and pool > 1 else 0.0,
-              generate_name: generate_bytes,
               "log-probs": gathered_units(s, s.params, pool, w) + activations(s, log_prob_rows, w, False)
               + logits(s, log_prob_rows, w, False),
               "update": update_gradients(s.params, pool, w) + gathered_units(s, s.params, pool, w)
               + activations(s, update_rows, w, True) + logits(s, update_rows, w, True)}
+    if engine:
+        generate_name, generate_bytes = generate(s, rows, w)
+        phases[generate_name] = generate_bytes
+    if streams_to:  # its own buckets pending, the one it gathers among them, at worst the embeddings' (weight_sync.push)
+        largest = w.dtype_bytes * s.embed_params
+        phases["weight sync"] = max(largest, w.weight_bucket_mb * MB) + (in_flight(pool) - 1) * w.weight_bucket_mb * MB
     return _total(keep, phases)
 
 
-def critic_rank(s: Shape, pool: int, w: Workload) -> dict[str, float]:
+def critic_rank(s: Shape, pool: int, w: Workload, peers: int = 0) -> dict[str, float]:
     p = s.critic_params
     forward_rows = micro_rows(w.log_prob_micro, w.forward_max_token_len, w)
     update_rows = micro_rows(w.micro, w.ppo_max_token_len, w)
     keep = {"critic (weights+AdamW)": trained_state(p, pool, w),
+            "NCCL communicators": nccl((pool > 1) + peers, w),
             "process": w.base_mb * MB if w.cpu else 0.0}
     phases = {"load": 4 * p if w.cpu and pool > 1 else 0.0,
               "values": gathered_units(s, p, pool, w) + activations(s, forward_rows, w, False),
@@ -235,11 +275,30 @@ def critic_rank(s: Shape, pool: int, w: Workload) -> dict[str, float]:
     return _total(keep, phases)
 
 
-def colocated_rank(s: Shape, world: int, w: Workload) -> dict[str, float]:
-    """Every role on every rank, each sharded over the whole world; the phases run one by one."""
-    a, c = actor_rank(s, world, w), critic_rank(s, world, w)
-    keep = {**a["keep"], **{k: v for k, v in c["keep"].items() if k != "process"}}
+def colocated_rank(s: Shape, world: int, w: Workload, peers: int = 0, engine: bool = True,
+                   streams_to: int = 0) -> dict[str, float]:
+    """Every trained role on every rank, each sharded over the whole pool; the phases run one by
+    one (and the engine too, unless a rollout pool apart holds it)."""
+    a, c = actor_rank(s, world, w, peers, engine, streams_to), critic_rank(s, world, w)
+    keep = {**a["keep"], **{k: v for k, v in c["keep"].items() if k not in ("process", "NCCL communicators")}}
     phases = {**{f"actor {k}": v for k, v in a["phases"].items()}, **{f"critic {k}": v for k, v in c["phases"].items()}}
+    return _total(keep, phases)
+
+
+def rollout_rank(s: Shape, pool: int, sources: int, train: int, w: Workload) -> dict[str, float]:
+    """A rank of a rollout pool apart, fed by `sources` actor ranks and sending rows to a train pool
+    of `train` ranks: its engine keeps its share of the device for the whole job (vLLM: all of
+    `gpu_memory_utilization` x the device; HF: its copy and KV cache), and while it takes new
+    weights, the buckets it has posted and one tensor put together from its pieces."""
+    engine = ({"vLLM (never sleeps)": w.gpu_memory_utilization * w.device_gb * GB} if w.rollout == "vllm" else
+              {"rollout weights": w.dtype_bytes * s.params,
+               "generate (KV cache)": kv_cache(s, w.prompts_per_step // pool, w)})
+    keep = {**engine, "NCCL communicators": nccl((pool > 1) + sources + links(pool, train), w),
+            "process": w.base_mb * MB if w.cpu else 0.0}
+    largest = w.dtype_bytes * s.embed_params  # the embeddings' (or the head's) bucket: one tensor
+    bucket = w.weight_bucket_mb * MB
+    # Posted: the largest bucket and `in_flight` more; and the tensor its pieces are put together into.
+    phases = {"weight sync": max(largest, bucket) + in_flight(sources) * bucket + largest}
     return _total(keep, phases)
 
 
@@ -248,26 +307,35 @@ def _total(keep: dict[str, float], phases: dict[str, float]) -> dict:
     return {"keep": keep, "phases": phases, "peak_phase": worst, "total": sum(keep.values()) + phases[worst]}
 
 
-def layouts(world: int) -> dict[str, tuple[int, int] | None]:
-    """The layouts of one node that docs/memory.md's fit table compares (None = colocate)."""
+def layouts(world: int, rollout_pool: int = 0) -> dict[str, tuple[int, ...] | None]:
+    """The layouts of one node that docs/memory.md's fit table compares (None = colocate; (a, c):
+    actor | critic; (r, t): a rollout pool of r ranks | actor+critic on t, with `rollout_pool`)."""
     half = world // 2
-    return {f"{half}+{half}": (half, half), f"{world - 2}+2": (world - 2, 2), "colocate": None}
+    out = {f"{half}+{half}": (half, half), f"{world - 2}+2": (world - 2, 2), "colocate": None}
+    if rollout_pool:
+        out[f"rollout {rollout_pool}, actor+critic {world - rollout_pool}"] = ("rollout", rollout_pool, world - rollout_pool)
+    return out
 
 
-def layout_ranks(s: Shape, world: int, pools: tuple[int, int] | None, w: Workload) -> dict[str, dict]:
+def layout_ranks(s: Shape, world: int, pools: tuple | None, w: Workload) -> dict[str, dict]:
     """Each kind of rank of a layout (None = colocate) and its prediction."""
     if pools is None:
         return {"all": colocated_rank(s, world, w)}
-    return {"actor": actor_rank(s, pools[0], w), "critic": critic_rank(s, pools[1], w)}
+    if pools[0] == "rollout":
+        _, gen, train = pools
+        return {"all": colocated_rank(s, train, w, peers=links(train, gen), engine=False, streams_to=gen),
+                "rollout": rollout_rank(s, gen, train, train, w)}
+    a, c = pools
+    return {"actor": actor_rank(s, a, w, peers=links(a, c)), "critic": critic_rank(s, c, w, peers=links(c, a))}
 
 
-def fit_table(shapes, world: int, gpu_gb: float, reserve_gb: float, w: Workload) -> list[dict]:
+def fit_table(shapes, world: int, gpu_gb: float, reserve_gb: float, w: Workload, rollout_pool: int = 0) -> list[dict]:
     """Per model and layout: each rank's peak (GB) and its phase, whether the worst fits, and the
     worst rank's peak with no_sync_accumulation (what that option costs)."""
     rows = []
     budget = (gpu_gb - reserve_gb) * GB
     for s in shapes:
-        for name, pools in layouts(world).items():
+        for name, pools in layouts(world, rollout_pool).items():
             ranks = layout_ranks(s, world, pools, w)
             no_sync = layout_ranks(s, world, pools, replace(w, no_sync_accumulation=True))
             worst, worst_no_sync = (max(r["total"] for r in rs.values()) for rs in (ranks, no_sync))
@@ -300,18 +368,20 @@ def describe_rollout(w: Workload) -> str:
 
 def render_fit(rows: list[dict], world: int, gpu_gb: float, reserve_gb: float, w: Workload) -> str:
     lines = [f"Predicted peak per GPU, one node of {world} x {gpu_gb:.0f} GB (fits: <= {gpu_gb - reserve_gb:.0f} GB, "
-             f"{reserve_gb:.0f} GB left for the CUDA context, NCCL and fragmentation). Workload: bf16 compute, "
+             f"{reserve_gb:.0f} GB left for the CUDA context and fragmentation; NCCL's buffers counted at "
+             f"{w.nccl_mb:.0f} MB a communicator). Workload: bf16 compute, "
              f"{w.engine}{'' if w.engine == 'fsdp' else f' ZeRO-{w.zero_stage}'}, gradient checkpointing "
              f"{'on' if w.gradient_checkpointing else 'off'}, {w.prompts_per_step} rollouts per step, prompt "
              f"{w.prompt_len} + response {w.response_len} tokens, mini-batch {w.mini} rows, {describe_micro(w)}, "
              f"gradients reduced every micro-batch, {describe_rollout(w)}. Last "
              "columns: the worst rank with no_sync_accumulation (a whole fp32 gradient per rank while a mini-batch "
              "of several micro-batches accumulates).", "",
-             "| model | params | layout | actor rank (GB) | critic rank (GB) | colocated rank (GB) | fits "
-             "| no_sync_accumulation: worst rank (GB) | fits |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| model | params | layout | actor rank (GB) | critic rank (GB) | colocated rank (GB) | rollout rank (GB) "
+             "| fits | no_sync_accumulation: worst rank (GB) | fits |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        cells = [f"{r[f'{k}_gb']:.1f} ({r[f'{k}_phase']})" if f"{k}_gb" in r else "" for k in ("actor", "critic", "all")]
+        cells = [f"{r[f'{k}_gb']:.1f} ({r[f'{k}_phase']})" if f"{k}_gb" in r else ""
+                 for k in ("actor", "critic", "all", "rollout")]
         lines.append(f"| {r['model']} | {r['params'] / 1e9:.2f}B | {r['layout']} | " + " | ".join(cells)
                      + f" | {'yes' if r['fits'] else 'no'} | {r['no_sync_gb']:.1f} | {'yes' if r['no_sync_fits'] else 'no'} |")
     return "\n".join(lines)
@@ -358,6 +428,10 @@ def main(argv=None) -> int:
     p.add_argument("--world-size", type=int, default=8, help="GPUs of the node (default 8)")
     p.add_argument("--gpu-gb", type=float, default=80.0)
     p.add_argument("--reserve-gb", type=float, default=4.0, help="left free per GPU for what the model leaves out")
+    p.add_argument("--nccl-mb", type=float, default=Workload.nccl_mb, help="device memory of one NCCL communicator")
+    p.add_argument("--rollout-pool", type=int, default=0,
+                   help="adds a layout with a rollout pool of this many ranks apart (actor+critic on the rest)")
+    p.add_argument("--weight-bucket-mb", type=float, default=Workload.weight_bucket_mb)
     p.add_argument("--engine", choices=("fsdp", "deepspeed"), default="fsdp")
     p.add_argument("--zero-stage", type=int, default=3)
     p.add_argument("--no-gradient-checkpointing", action="store_true")
@@ -392,8 +466,9 @@ def main(argv=None) -> int:
                  log_prob_max_token_len=budgets["log_prob_max_token_len_per_gpu"],
                  forward_max_token_len=budgets["forward_max_token_len_per_gpu"],
                  no_sync_accumulation=args.no_sync_accumulation, rollout=args.rollout,
-                 gpu_memory_utilization=args.gpu_memory_utilization, device_gb=args.gpu_gb)
-    rows = fit_table(QWEN25.values(), args.world_size, args.gpu_gb, args.reserve_gb, w)
+                 gpu_memory_utilization=args.gpu_memory_utilization, device_gb=args.gpu_gb, nccl_mb=args.nccl_mb,
+                 weight_bucket_mb=args.weight_bucket_mb)
+    rows = fit_table(QWEN25.values(), args.world_size, args.gpu_gb, args.reserve_gb, w, args.rollout_pool)
     print(render_fit(rows, args.world_size, args.gpu_gb, args.reserve_gb, w))
     if args.check:
         with open(args.check) as f:

@@ -92,5 +92,7 @@ def build_agent_rollout(cfg, engine, tokenizer, eos_ids: list[int]):
     from spmdsplit.agent.parsers import build_parser
 
     tools = load_job_tools(cfg)
+    # An engine whose ranks generate in lockstep (vLLM) runs each turn's tool calls on its first rank only.
     return AgentRollout(engine, tokenizer, eos_ids, tools, build_parser(cfg.rollout.multi_turn.format, tools.schemas),
-                        cfg.rollout.multi_turn, cfg.data.max_response_length, cfg.rollout.agent.default_agent_loop)
+                        cfg.rollout.multi_turn, cfg.data.max_response_length, cfg.rollout.agent.default_agent_loop,
+                        run_once=getattr(engine, "run_on_first_rank", None))

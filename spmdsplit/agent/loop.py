@@ -6,7 +6,9 @@ turn holds tool calls, run them, append their responses, generate again; stop at
 a call, at rollout.multi_turn.max_assistant_turns, or at the response's token budget
 (data.max_response_length, policy and tool tokens together, as verl counts it). The live episodes
 of a turn generate together, one engine call per turn; the calls of a turn, every episode's,
-run at the same time (tools.Tools.run), off this thread.
+run at the same time (tools.Tools.run), off this thread. An engine of several ranks (vLLM's tensor
+parallel) runs each turn's calls once, on its first rank, and hands every rank the same results
+(`run_once`): its ranks must continue the same contexts, and a tool's side effects happen once.
 
 Token in, token out: the engine continues token ids; the policy's tokens and their log-probs are
 kept as sampled; only tool responses and template glue are tokenised (chat.ToolChat), and they
@@ -16,6 +18,7 @@ get response_mask 0 and log-prob 0: conditioned on, never trained on.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -59,8 +62,11 @@ class AgentRollout:
     """A rollout engine (HFRollout, VLLMRollout: anything with `continue_ids`) driven turn by turn."""
 
     def __init__(self, engine, tokenizer, eos_ids: list[int], tools: Tools, parser: ToolParser, multi_turn,
-                 max_response_length: int, default_agent: str):
+                 max_response_length: int, default_agent: str, run_once: Callable | None = None):
+        """`run_once(fn)`: fn() run once for all the engine's ranks, each given its result (the
+        engine's `run_on_first_rank`); None for an engine of one rank: fn() here."""
         self.engine, self.tokenizer, self.tools, self.parser = engine, tokenizer, tools, parser
+        self.run_once = run_once or (lambda fn: fn())
         self.eos_ids = list(eos_ids)
         stops = [tokenizer.convert_tokens_to_ids(t) for t in parser.stop_tokens]
         self.stop_ids = self.eos_ids + [s for s in stops if s not in self.eos_ids]
@@ -101,7 +107,8 @@ class AgentRollout:
                     calls, turn_end = self.take_turn(episode, ids, log_probs)
                     if calls:
                         calling.append((episode, calls, turn_end))
-            results = self.tools.run([c for _, calls, _ in calling for c in calls])
+            turn_calls = [c for _, calls, _ in calling for c in calls]
+            results = self.run_once(lambda: self.tools.run(turn_calls))
             for episode, calls, turn_end in calling:
                 mine, results = results[: len(calls)], results[len(calls):]
                 self.add_tool_responses(episode, calls, mine, turn_end)

@@ -352,6 +352,24 @@ class VLLMRollout:
         _, log_probs = sampled_tokens_and_log_probs(samples, max(budgets), self.pad_token_id)
         return [(list(s.token_ids), row[: len(s.token_ids)]) for s, row in zip(samples, log_probs.tolist())]
 
+    def run_on_first_rank(self, fn):
+        """fn() run once for the engine: on its first tensor-parallel rank, its result handed to
+        the other ranks, which wait for it. The agent loop runs each turn's tool calls so: were each
+        rank to run them, a timeout or a tool that answers differently would give the ranks
+        different contexts (vLLM's lockstep silently mixes them), and a side effect would happen
+        tp times. The result goes pickled over vLLM's gloo group of the engine's ranks (its
+        `cpu_group`, gloo on GPU too; vLLM 0.32 parallel_state.py), where the peers block in a
+        receive: not over the NCCL device group, and not by the group's `broadcast_object`, whose
+        shared-memory queue busy-waits its readers for a second and warns of a hang after 60 s."""
+        from vllm.distributed.parallel_state import get_tp_group
+
+        group = get_tp_group()
+        if group.world_size == 1:
+            return fn()
+        box = [fn() if group.is_first_rank else None]
+        dist.broadcast_object_list(box, src=group.first_rank, group=group.cpu_group)
+        return box[0]
+
 
 def sampled_tokens_and_log_probs(samples, width: int, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM's completions (`CompletionOutput`, one per row, asked for with logprobs=0 and

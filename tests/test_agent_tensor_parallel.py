@@ -1,0 +1,89 @@
+"""Tool calls of a tensor-parallel vLLM engine (rollout.tensor_model_parallel_size > 1) run once per
+call, on the engine's first rank, and every rank of the engine continues from the same answers
+(issue 36, item 3). The tool here answers each call with the number of calls made so far, on any
+rank, and writes down which process ran it: were each rank to run its own tools, the ranks' contexts
+would differ (and vLLM's lockstep with them) and the file would count every call twice."""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import os
+import re
+
+import pytest
+import torch
+import yaml
+
+from spmdsplit.agent.tools import BaseTool, ToolResponse
+from spmdsplit.config import load_config
+from tests.launch import run_ranks
+from tests.test_vllm_rollout import agent_model_dir  # noqa: F401 - the fixture: the embedded agent model, calling more
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPTS = 32
+
+pytestmark = [pytest.mark.e2e,
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")]
+
+
+class CountingTool(BaseTool):
+    """The lookup tool's name and schema; answers each call with how many calls have been made so
+    far (counted in `config.calls_file`, one line per call naming the process that ran it)."""
+
+    async def execute(self, instance_id: str, parameters: dict, **kwargs):
+        with open(self.config["calls_file"], "a+") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)  # the ranks of an engine share the file
+            f.write(f"{os.getpid()}\n")
+            f.flush()
+            f.seek(0)
+            count = len(f.readlines())
+        return ToolResponse(text=str(count)), 0.0, {}
+
+
+def tensor_parallel_episodes(rank, world_size, model_dir, tool_config):
+    """Every rank: one engine of tensor parallel 2, greedy multi-turn episodes of the same prompts."""
+    from spmdsplit.agent import check_multi_turn
+    from spmdsplit.data.prompts import collate_prompts
+    from spmdsplit.data.sources import build_rows
+    from spmdsplit.models import eos_token_ids, load_causal_lm, load_tokenizer
+    from spmdsplit.rollout import build_rollout
+    from spmdsplit.rollout.vllm_engine import init_vllm_distributed, shutdown_vllm_distributed
+
+    cfg = load_config(os.path.join(ROOT, "configs", "agent_lookup.yaml"), [
+        "rollout.name=vllm", f"model.path={model_dir}", "rollout.kv_cache_memory_gb=0.0625",
+        "rollout.tensor_model_parallel_size=2", f"rollout.multi_turn.tool_config_path={tool_config}"])
+    init_vllm_distributed(cfg, model_dir, torch.device("cpu"), torch.float32)
+    try:
+        tokenizer = load_tokenizer(model_dir)
+        rows, _ = build_rows(cfg.data, tokenizer, "train", tools=check_multi_turn(cfg, tokenizer).schemas)
+        prompts = collate_prompts(rows[:PROMPTS], tokenizer, cfg.data.max_prompt_length, step=1, first_row=0)
+        engine = build_rollout(cfg, model_dir, tokenizer, eos_token_ids(model_dir, tokenizer), torch.device("cpu"),
+                               torch.float32, 0)
+        engine.wake_up(load_causal_lm(model_dir, torch.float32, torch.device("cpu"), 0).state_dict().items())
+        out = engine.generate(prompts, validate=True)  # greedy: the ranks must agree token for token
+        width = out["responses"].shape[1]
+        tool_tokens = (out["response_mask"] == 0) & (out["attention_mask"][:, -width:] == 1)
+        answers = [int(a) for row, holes in zip(out["responses"], tool_tokens)
+                   for a in re.findall(r"\d+", tokenizer.decode(row[holes]))]
+        columns = {k: out[k] for k in ("responses", "response_mask", "num_turns", "tool_calls")}
+        return {"columns": columns, "answers": answers, "pid": os.getpid()}
+    finally:
+        shutdown_vllm_distributed()
+
+
+def test_a_tensor_parallel_engine_runs_each_tool_call_once_and_its_ranks_agree(tmp_path, agent_model_dir):  # noqa: F811
+    calls_file, tool_config = tmp_path / "calls.txt", tmp_path / "tools.yaml"
+    with open(os.path.join(ROOT, "spmdsplit", "agent", "lookup_tools.yaml")) as f:
+        entry = yaml.safe_load(f)["tools"][0]
+    entry.update(class_name=f"{__name__}.CountingTool", config={"type": "native", "calls_file": str(calls_file)})
+    tool_config.write_text(yaml.safe_dump({"tools": [entry]}))
+
+    first, second = run_ranks(tensor_parallel_episodes, 2, agent_model_dir, str(tool_config), timeout=300, kind="vllm")
+
+    for name, column in first["columns"].items():
+        assert torch.equal(column, second["columns"][name]), name
+    calls = int(first["columns"]["tool_calls"].sum())
+    assert calls >= 3, "the boosted model should call the tool in some episodes"
+    assert calls_file.read_text().split() == [str(first["pid"])] * calls  # once per call, on the first rank
+    assert first["answers"] == second["answers"] and sorted(first["answers"]) == list(range(1, calls + 1))

@@ -147,7 +147,7 @@ class RewardModel:
         positions = torch.tensor([p for r in rows for p in range(len(r))], dtype=torch.long).to(self.device)[None]
         self._per_token = None
         self.engine(input_ids=ids, position_ids=positions, use_cache=False,
-                    **packed_attention_kwargs(self.engine, lengths))
+                    **packed_attention_kwargs(self.engine, lengths, [len(r) for r in rows]))
         per_token, self._per_token = self._per_token, None
         return per_token[0, lengths.cumsum(0) - 1, 0].float()
 

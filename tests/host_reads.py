@@ -38,4 +38,4 @@ def counting_host_reads(where: bool = False):
 
 def _caller() -> str:
     frames = [f for f in traceback.extract_stack()[:-2] if "/spmdsplit/" in f.filename]
-    return f"{frames[-1].filename.rsplit('/', 2)[-2:]}:{frames[-1].lineno}" if frames else "elsewhere"
+    return f"{frames[-1].filename.split('/spmdsplit/')[-1]}:{frames[-1].lineno}" if frames else "elsewhere"

@@ -554,8 +554,11 @@ def _weighted(pg_losses: Tensor, rollout_is_weights: Tensor | None) -> Tensor:
     return pg_losses if rollout_is_weights is None else pg_losses * rollout_is_weights
 
 
-def _metrics(**values) -> dict[str, float]:
-    return {f"actor/{name}": float(value) for name, value in values.items()}
+def _metrics(**values) -> dict[str, Tensor | float]:
+    """verl's names for a policy loss's metrics; tensors stay tensors (detached), not read: the
+    caller sums them over micro-batches on the device and reads them once a step."""
+    return {f"actor/{name}": value.detach() if torch.is_tensor(value) else float(value)
+            for name, value in values.items()}
 
 
 @register_policy_loss("vanilla")

@@ -19,16 +19,22 @@ def pool_sum(group):
     return reduce_sum
 
 
-def pool_reduce_metrics(sums: dict[str, float], counts: dict[str, float], group, device) -> dict[str, float]:
+def pool_reduce_metrics(sums: dict, counts: dict, group, device) -> dict[str, float]:
     """Pool-wide weighted means: each metric's local sum and weight are summed over the pool in
-    one all-reduce, so a rank that saw more tokens counts for more, as in a single-rank run."""
+    one all-reduce, so a rank that saw more tokens counts for more, as in a single-rank run.
+    Sums and weights are Python numbers, or all of them tensors (a role's sums kept on the device
+    through its micro-batches: stacked there, nothing read before the one read of the totals)."""
     keys = sorted(sums)
     if not keys:
         return {}
-    packed = torch.tensor([float(sums[k]) for k in keys] + [float(counts[k]) for k in keys], device=device, dtype=torch.float64)
-    packed = pool_sum(group)(packed)
+    values = [sums[k] for k in keys] + [counts[k] for k in keys]
+    if all(torch.is_tensor(v) for v in values):
+        packed = torch.stack([v.to(device=device, dtype=torch.float64) for v in values])
+    else:
+        packed = torch.tensor([float(v) for v in values], device=device, dtype=torch.float64)
+    totals = pool_sum(group)(packed).tolist()
     n = len(keys)
-    return {k: (packed[i] / packed[n + i]).item() if packed[n + i] > 0 else float("nan") for i, k in enumerate(keys)}
+    return {k: totals[i] / totals[n + i] if totals[n + i] > 0 else float("nan") for i, k in enumerate(keys)}
 
 
 def pool_max_min(maxes: dict[str, float], mins: dict[str, float], group, device) -> tuple[dict, dict]:

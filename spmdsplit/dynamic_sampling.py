@@ -7,7 +7,9 @@ cuts it.
 It runs where the rows are generated (the actor pool, a rollout pool of its own, or every rank
 with rollout.ranks=all), so a rollout pool generates the extra batches ahead, while the other
 pools train. The filter's scores come from the rule reward on the generating ranks (the critic
-group scores the kept rows again for training; a rule score is cheap next to generating).
+group scores the kept rows again for training; a rule score is cheap next to generating). Each
+response is decoded once, here: the rows carry their texts (roles/reward.py RESPONSE_TEXT) to
+the critic group, whose rule reward reads them instead of decoding again.
 
 The data position is the number of generation batches taken: `next_gen_batch` (1-based), which
 equals the step without filtering. The checkpoint keeps it, and where each step generated ahead
@@ -31,6 +33,7 @@ import torch.distributed as dist
 from spmdsplit.batch import Batch
 from spmdsplit.exchange import Message, regroup_rows
 from spmdsplit.messages import FILTER_GROUPS
+from spmdsplit.roles.reward import RESPONSE_TEXT
 
 # The filter's metrics that are the row's total reward, not a number the scorer returned (verl's names).
 SEQUENCE_REWARDS = ("seq_reward", "seq_final_reward")
@@ -91,6 +94,7 @@ class DynamicSampling:
                     "the task may be too hard or too easy for the policy: raise the limit (0 = no limit), "
                     "or raise data.gen_batch_size")
             rows = generate(self.next_gen_batch)
+            rows[RESPONSE_TEXT] = self.scorer.texts(rows)  # decoded once, for the filter and for training
             self.next_gen_batch += 1
             num_gen_batches += 1
             uids, keep = groups_with_spread(self.metric_values(rows), rows["uid"])

@@ -288,13 +288,13 @@ def test_the_actor_update_uses_the_configured_loss_with_the_global_counts(monkey
     seen = {}
 
     def one_micro_batch(engine, batch, cfg, rollout_n, seed, device, micro_loss):  # the whole batch at once
-        seen["loss"], _, seen["pieces"] = micro_loss(batch, torch.tensor(20.0), torch.tensor(5))
+        seen["loss"], _, seen["pieces"] = micro_loss(batch, torch.tensor(20.0), torch.tensor(5), None)
         return {"grad_norm": 0.0, "lr": 0.0}
 
     monkeypatch.setattr(actor_module, "run_ppo_updates", one_micro_batch)
     actor = actor_module.Actor(SimpleNamespace(model=SimpleNamespace(train=lambda: None)), cfg.actor, 1.0, "cpu",
                                loss_horizon=9)
-    monkeypatch.setattr(actor, "_log_probs", lambda micro, entropy: (log_prob, torch.zeros_like(log_prob)))
+    monkeypatch.setattr(actor, "_log_probs", lambda micro, entropy, extent: (log_prob, torch.zeros_like(log_prob)))
     torch.manual_seed(0)
     actor.update_policy(Batch({"old_log_probs": old, "advantages": adv.contiguous(), "response_mask": mask}), seed=0)
     torch.manual_seed(0)

@@ -47,8 +47,9 @@ def rows_of(tokenizer, gen_batch: int, rank: int, world: int) -> Batch:
     mask = (torch.arange(width) < torch.tensor([len(t) for t in responses]).unsqueeze(1)).long()
     prompt = torch.ones(len(responses), 3, dtype=torch.long)
     first_row = rank * GROUPS_PER_RANK * N
+    attention_mask = torch.cat([torch.ones_like(prompt), mask], 1)
     return Batch({"responses": ids, "response_mask": mask, "input_ids": torch.cat([prompt, ids], 1),
-                  "attention_mask": torch.cat([torch.ones_like(prompt), mask], 1),
+                  "attention_mask": attention_mask, "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0),
                   "row_index": torch.arange(first_row, first_row + len(responses))},
                  {"data_source": ["synthetic/repeat"] * len(responses), "ground_truth": [TRUTH] * len(responses),
                   "extra_info": [{}] * len(responses), "uid": uids})
@@ -67,19 +68,24 @@ def expected_step(train_groups: int, world: int, first_batch: int) -> tuple[list
     return kept[:train_groups], batch
 
 
-def fill_steps(rank, world, model_path, train_groups, max_num_gen_batches, steps, metric="seq_reward"):
+def sampler_of(tokenizer, world, train_groups, max_num_gen_batches, metric="seq_reward") -> DynamicSampling:
     import torch.distributed as dist
 
-    from spmdsplit.models import load_tokenizer
     from spmdsplit.roles.reward import RuleReward
 
-    tokenizer = load_tokenizer(model_path)
     cfg = OmegaConf.create({"algorithm": {"filter_groups": {"metric": metric,
                                                             "max_num_gen_batches": max_num_gen_batches}},
                             "data": {"train_batch_size": train_groups, "gen_batch_size": GROUPS_PER_RANK * world},
                             "rollout": {"n": N}})
     group = dist.new_group(list(range(world)))
-    sampler = DynamicSampling(cfg, RuleReward(tokenizer), list(range(world)), group, torch.device("cpu"))
+    return DynamicSampling(cfg, RuleReward(tokenizer), list(range(world)), group, torch.device("cpu"))
+
+
+def fill_steps(rank, world, model_path, train_groups, max_num_gen_batches, steps, metric="seq_reward"):
+    from spmdsplit.models import load_tokenizer
+
+    tokenizer = load_tokenizer(model_path)
+    sampler = sampler_of(tokenizer, world, train_groups, max_num_gen_batches, metric)
     out = []
     for step in range(1, steps + 1):
         try:
@@ -134,6 +140,54 @@ def test_a_metric_the_reward_function_does_not_return_is_named_with_what_it_does
     kind, message = run_ranks(fill_steps, 1, model_path, 3, 0, 1, "acc")[0][0]
     assert kind == "error"
     assert "algorithm.filter_groups.metric=acc" in message and "a plain score" in message
+
+
+def decoding_one_step(rank, world, model_path, train_groups):
+    """One step of dynamic sampling, then the training score of its rows as the critic group
+    computes it (on the columns it receives, scoring.score_rollout): {what: (responses the
+    tokenizer decoded, decode calls)} for the filter and for the training score, the responses
+    generated, and the training scores next to those of the rows decoded afresh."""
+    from spmdsplit.messages import rollout_columns
+    from spmdsplit.models import load_tokenizer
+    from spmdsplit.roles.reward import RuleReward
+    from spmdsplit.scoring import score_rollout
+
+    tokenizer = load_tokenizer(model_path)
+    sampler = sampler_of(tokenizer, world, train_groups, 0)
+    # transformers 5: decode and batch_decode each end in one `_decode` per response decoded.
+    cls, counts = type(tokenizer), {}
+    _decode, decode = cls._decode, cls.decode
+
+    def counting(name, real):
+        def counted(self, *args, **kwargs):
+            counts[name] = counts.get(name, 0) + 1
+            return real(self, *args, **kwargs)
+        return counted
+
+    cls._decode, cls.decode = counting("responses", _decode), counting("calls", decode)
+    try:
+        rows = sampler.fill(1, lambda g: rows_of(tokenizer, g, rank, world))
+        filtered, counts = counts, {}
+        scores = score_rollout(RuleReward(tokenizer), rollout_columns(rows))["token_level_scores"]
+        trained = counts
+    finally:
+        cls._decode, cls.decode = _decode, decode
+    undecoded = Batch(rows.tensors, {k: v for k, v in rows.non_tensors.items() if k != "response_text"})
+    fresh, _ = RuleReward(tokenizer).compute(undecoded)
+    generation_batches = int(sampler.pop_metrics(1)["train/num_gen_batches"])
+    return filtered, trained, generation_batches, len(rows), scores, fresh
+
+
+def test_each_response_is_decoded_once_in_one_call_per_generation_batch(model_path):
+    """Issue 36: the filter decoded every generated response a row at a time, and the critic
+    group decoded the kept ones again to score them for training; now each response is decoded
+    once, one call per generation batch (its rows share one skip_special_tokens), and the kept
+    rows carry their texts to the training score, which is the same."""
+    for filtered, trained, batches, kept, scores, fresh in run_ranks(decoding_one_step, 2, model_path, 6):
+        assert kept == 6 // 2 * N and batches > 1
+        assert filtered == {"responses": batches * GROUPS_PER_RANK * N, "calls": batches}
+        assert trained == {}  # nothing decoded again
+        assert torch.equal(scores, fresh) and scores.sum() > 0
 
 
 def regroup_with_a_plan_of_its_own(rank, world):

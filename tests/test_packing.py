@@ -289,7 +289,7 @@ def test_fixed_bins_are_consecutive_runs():
     assert fixed_bins(5, 2) == [[0, 1], [2, 3], [4]]
     batch = ragged_batch(20)
     micros = list(micro_batches(batch, [[1, 0], []]))
-    assert [dummy for _, dummy in micros] == [False, True]
+    assert [dummy for _, dummy, _ in micros] == [False, True]
     assert torch.equal(micros[0][0]["input_ids"], batch["input_ids"][[1, 0]])
     assert micros[1][0]["attention_mask"].sum() == 2 and micros[1][0]["response_mask"].sum() == 1
 

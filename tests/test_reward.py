@@ -12,6 +12,7 @@ from spmdsplit.models import load_tokenizer
 from spmdsplit.rewards import rule
 from spmdsplit.rewards.rule import compute_score, positional_match_score
 from spmdsplit.roles.reward import RuleReward
+from tests.host_reads import counting_host_reads
 
 
 # --------------------------------------------------------------------------- positional_match_score
@@ -231,30 +232,14 @@ def test_each_call_gets_its_rows_extra_info_as_its_own_copy(tokenizer):
     assert batch["extra_info"] == [{"index": 7, "split": "train"}] * 2 + [{"index": 8}]
 
 
-def host_reads_during(fn, monkeypatch) -> int:
-    """How many times `fn` reads a tensor's values into Python (each one a device sync on a GPU):
-    calls of Tensor.tolist / item / __int__ / __index__ / __float__ / __bool__, counted."""
-    count = 0
-    for name in ("tolist", "item", "__int__", "__index__", "__float__", "__bool__"):
-        real = getattr(torch.Tensor, name)
-
-        def counted(self, *args, _real=real, **kwargs):
-            nonlocal count
-            count += 1
-            return _real(self, *args, **kwargs)
-        monkeypatch.setattr(torch.Tensor, name, counted)
-    try:
-        fn()
-    finally:
-        monkeypatch.undo()
-    return count
-
-
-def test_the_rule_reward_reads_the_device_a_fixed_number_of_times_per_batch(tokenizer, monkeypatch):
+def test_the_rule_reward_reads_the_device_a_fixed_number_of_times_per_batch(tokenizer):
     """Issue 25: the reward path read each row's length and tokens on their own (two device syncs
     per row); now the batch's tensors come to the host once, whatever the row count."""
     eos = tokenizer.eos_token_id
     row = (ids(tokenizer, "5555") + [eos], 5, "synthetic/repeat", "5555")
-    reads = {n: host_reads_during(lambda n=n: RuleReward(tokenizer).compute(make_batch(tokenizer, [row] * n)),
-                                  monkeypatch) for n in (2, 16)}
+    reads = {}
+    for n in (2, 16):
+        with counting_host_reads() as during:  # tests/host_reads.py
+            RuleReward(tokenizer).compute(make_batch(tokenizer, [row] * n))
+        reads[n] = len(during)
     assert reads[2] == reads[16] <= 4, reads

@@ -411,10 +411,10 @@ RM_ROWS = [  # (prompt, response, ends with EOS)
 ]
 
 
-def rm_batch(tokenizer):
+def rm_batch(tokenizer, rows=RM_ROWS):
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     prompts, prompt_mask, responses, response_mask = [], [], [], []
-    for prompt, response, end in RM_ROWS:
+    for prompt, response, end in rows:
         p = ids(tokenizer, prompt)
         r = ids(tokenizer, response) + ([eos] if end else [])
         prompts.append([pad] * (P - len(p)) + p)
@@ -427,7 +427,7 @@ def rm_batch(tokenizer):
         {"input_ids": torch.cat([prompts, responses], 1),
          "attention_mask": torch.cat([torch.tensor(prompt_mask), response_mask], 1),
          "responses": responses, "response_mask": response_mask},
-        {"data_source": ["synthetic/repeat"] * len(RM_ROWS), "ground_truth": ["0000"] * len(RM_ROWS)},
+        {"data_source": ["synthetic/repeat"] * len(rows), "ground_truth": ["0000"] * len(rows)},
     )
 
 
@@ -521,6 +521,45 @@ def test_reward_model_reads_the_last_real_token_even_when_it_is_the_pad_id(rm_di
     torch.testing.assert_close(scores, reference_scores(rm_dir, [p + r for p, r, _ in RM_ROWS]), rtol=1e-5, atol=1e-5)
     prompts, answers = rm.texts(batch)
     assert prompts == [p for p, _, _ in RM_ROWS] and answers == [r for _, r, _ in RM_ROWS]
+
+
+def test_reward_model_decodes_and_tokenises_the_batch_at_once_as_row_by_row(rm_dir, tokenizer, monkeypatch):
+    """Issue 36: the reward model decoded each prompt and tokenised each text alone, a tokenizer
+    call per row; now one call per batch (one per value of add_special_tokens, which differs for
+    texts that open with the BOS), with the ids that row by row gives, on rows of all lengths."""
+    from transformers import AutoModelForSequenceClassification
+
+    from spmdsplit.roles.reward_model import RewardModel
+
+    rm_tokenizer = load_tokenizer(rm_dir)
+    rm = RewardModel(PlainEngine(AutoModelForSequenceClassification.from_pretrained(rm_dir, num_labels=1)),
+                     rm_tokenizer, tokenizer, micro_batch_size=3, device="cpu")
+    rows = RM_ROWS + [("<s>7=", "55", True), ("<s>123=", "", False)]  # prompts that open with the BOS
+    batch = rm_batch(tokenizer, rows)
+    # Row by row, as the reward model did.
+    prompt_ids, prompt_mask = batch["input_ids"][:, :P].tolist(), batch["attention_mask"][:, :P].tolist()
+    prompts = [tokenizer.decode([t for t, keep in zip(ids, mask) if keep]) for ids, mask in zip(prompt_ids, prompt_mask)]
+    texts = [p + r for p, (_, r, _) in zip(prompts, rows)]
+    by_row = [rm_tokenizer(text, add_special_tokens=not text.startswith("<s>"))["input_ids"][-6:] for text in texts]
+    calls = {"decode": 0, "encode": 0}
+    cls = type(tokenizer)
+    decode, encode = cls.decode, cls.__call__
+
+    def counted_decode(self, *args, **kwargs):
+        calls["decode"] += self is tokenizer
+        return decode(self, *args, **kwargs)
+
+    def counted_encode(self, *args, **kwargs):
+        calls["encode"] += self is rm_tokenizer
+        return encode(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "decode", counted_decode)
+    monkeypatch.setattr(cls, "__call__", counted_encode)
+    got_prompts, answers = rm.texts(batch)
+    encoded = rm.encode([p + a for p, a in zip(got_prompts, answers)], 6)
+    assert got_prompts == prompts and answers == [r for _, r, _ in rows]
+    assert encoded == by_row and len({len(ids) for ids in encoded}) > 2  # rows of several lengths, cut at 6
+    assert calls == {"decode": 2, "encode": 2}  # prompts and responses; texts with and without the BOS
 
 
 def test_reward_model_sets_a_pad_id_and_truncates_from_the_left(rm_dir, tokenizer):

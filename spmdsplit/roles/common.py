@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import torch
 
 from spmdsplit.batch import Batch
 from spmdsplit.distributed import pool_reduce_metrics, pool_sum
-from spmdsplit.roles.micro_batches import micro_batches, plan_micro_batches
+from spmdsplit.roles.micro_batches import Extent, extent_of, micro_batches, plan_micro_batches, row_shapes
 
 # head(logits [..., N, V], tokens [..., N]) -> a tensor [..., N], or a tuple of them (None allowed):
 # what a role computes from the model's output at the N positions that predict response tokens.
 Head = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | tuple"]
 
 
-def forward_response(model, micro: Batch, head: Head, remove_padding: bool = False, response_only: bool = False):
+def forward_response(model, micro: Batch, head: Head, remove_padding: bool = False, response_only: bool = False,
+                     extent: Extent | None = None):
     """`head` of the model's output at the positions that *predict* each response token (one to
     the left), as [b, R] per output of `head`: column t scores response token t (its log-prob, or
     the value of the state before it), 0 past each response.
@@ -30,10 +31,15 @@ def forward_response(model, micro: Batch, head: Head, remove_padding: bool = Fal
     `logits_to_keep`), not on the prompt's: at a 152k vocabulary the LM head's output is the
     largest tensor of the forward. Causal LMs take it; the critic's token-classification head
     does not (and its one-wide output is small), so it leaves it off.
+
+    extent: where the micro-batch's tokens begin and end, known on the host from its plan
+    (roles/micro_batches.py), so that the forward reads nothing back from the device; None: read
+    here, once (a caller without a plan).
     """
     response_mask = micro["response_mask"].bool()
+    extent = extent_of(row_shapes(micro)) if extent is None else extent
     forward = _packed_forward if remove_padding else _trimmed_forward
-    return _each(lambda out: torch.where(response_mask, out, 0), forward(model, micro, head, response_only))
+    return _each(lambda out: torch.where(response_mask, out, 0), forward(model, micro, head, response_only, extent))
 
 
 def _each(fn, outputs):
@@ -43,16 +49,14 @@ def _each(fn, outputs):
     return fn(outputs)
 
 
-def _trimmed_forward(model, micro: Batch, head: Head, response_only: bool):
+def _trimmed_forward(model, micro: Batch, head: Head, response_only: bool, extent: Extent):
     mask = micro["attention_mask"]
     R = micro["responses"].shape[1]
     P = mask.shape[1] - R
-    used = mask.bool().any(0)
-    # The first column some row's prompt uses (a prompt has at least one real token), and how many
-    # response columns the longest response of this micro-batch fills (at least one).
-    first = int(used[:P].nonzero()[0]) if used[:P].any() else P - 1
-    width = int(used[P:].nonzero()[-1]) + 1 if used[P:].any() else 1
-    cols = slice(first, P + width)
+    # From the first column some row's prompt uses (a prompt has at least one real token) to the
+    # last response column the longest response of this micro-batch fills (at least one).
+    width = extent.width
+    cols = slice(extent.first, P + width)
     extra = {"logits_to_keep": width + 1} if response_only else {}
     out = model(input_ids=micro["input_ids"][:, cols], attention_mask=mask[:, cols],
                 position_ids=micro["position_ids"][:, cols], use_cache=False, **extra)
@@ -60,7 +64,7 @@ def _trimmed_forward(model, micro: Batch, head: Head, response_only: bool):
     return _each(lambda x: torch.nn.functional.pad(x, (0, R - width)), outputs)  # back to full width
 
 
-def _packed_forward(model, micro: Batch, head: Head, response_only: bool):
+def _packed_forward(model, micro: Batch, head: Head, response_only: bool, extent: Extent):
     """The micro-batch's valid tokens as one sequence [1, T], position ids restarting at each row.
 
     What keeps the rows apart depends on the attention kernel (`packed_attention_kwargs`).
@@ -74,52 +78,61 @@ def _packed_forward(model, micro: Batch, head: Head, response_only: bool):
     with no cache: with use_cache on, rows see each other, 0.24 off on the embedded model, and a
     remote-code model may not look at all; the explicit mask holds either way.) It takes
     O(T^2) memory, fine for CPU's small micro-batches, the reason to use flash_attention_2 on GPUs.
+
+    The token counts come from the extent, on the host: `nonzero_static` and indexing by its
+    positions select what `tensor[mask]` and `nonzero()` select, without the device-to-host read
+    of the count that sizes their output (torch runs `nonzero` on CUDA as a count, a copy of it
+    to the host and a wait, then the fill; `nonzero_static` has a CUDA kernel of its own).
     """
     mask = micro["attention_mask"].bool()
     R = micro["responses"].shape[1]
     P = mask.shape[1] - R
     b = mask.shape[0]
-    input_ids = micro["input_ids"][mask][None]  # row by row, each row's valid tokens in order
-    position_ids = micro["position_ids"][mask][None]
+    valid = mask.flatten().nonzero_static(size=sum(extent.lengths)).squeeze(1)  # row by row, in order
+    input_ids = micro["input_ids"].flatten()[valid][None]
+    position_ids = micro["position_ids"].flatten()[valid][None]
     # Where each valid (row, column) lands in the packed sequence; a response token is predicted
     # by the token before it in the packed sequence, its row's previous valid token (the prompt
     # has at least one).
     packed_index = (mask.flatten().cumsum(0) - 1).view(mask.shape)
-    rows, cols = mask[:, P:].nonzero(as_tuple=True)
+    rows, cols = mask[:, P:].nonzero_static(size=extent.response_tokens).unbind(1)
     predictors = packed_index[:, P:][rows, cols] - 1
     extra = {"logits_to_keep": predictors} if response_only else {}
     out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                **packed_attention_kwargs(model, mask.sum(1)), **extra)
+                **packed_attention_kwargs(model, mask.sum(1), extent.lengths), **extra)
     logits = out.logits if response_only else out.logits[:, predictors]
     outputs = head(logits, micro["responses"][rows, cols][None])
     # Each [1, N] output to its (row, column) of a zero [b, R] (differentiable).
     return _each(lambda x: x.new_zeros(b, R).index_put((rows, cols), x[0]), outputs)
 
 
-def packed_attention_kwargs(model, lengths: torch.Tensor) -> dict:
+def packed_attention_kwargs(model, lengths: torch.Tensor, host_lengths: Sequence[int]) -> dict:
     """The model's keyword arguments that keep rows of these lengths apart once packed into one
     sequence (see `_packed_forward`): under FlashAttention-2 no mask and the rows' boundaries
-    (`flash_varlen_kwargs`); under any other kernel a block-causal mask."""
+    (`flash_varlen_kwargs`); under any other kernel a block-causal mask. `host_lengths`: the same
+    lengths on the host, for the sizes (no read of the device)."""
     if str(_config(model)._attn_implementation).startswith("flash_attention"):
-        return {"attention_mask": None, **flash_varlen_kwargs(lengths)}
-    return {"attention_mask": block_causal_mask(lengths, _compute_dtype(model))}
+        return {"attention_mask": None, **flash_varlen_kwargs(lengths, max(host_lengths))}
+    return {"attention_mask": block_causal_mask(lengths, _compute_dtype(model), sum(host_lengths))}
 
 
-def flash_varlen_kwargs(lengths: torch.Tensor) -> dict:
+def flash_varlen_kwargs(lengths: torch.Tensor, longest: int | None = None) -> dict:
     """What transformers' FlashAttention path takes for packed rows of these lengths instead of
     deriving it from the position ids in every layer: `cu_seq_lens_q/k`, each row's start and the
     end ([b + 1] int32, on the lengths' device, as the varlen kernel wants), and `max_length_q/k`,
-    the longest row as a Python int (the kernel takes an int; one host read per micro-batch here
-    instead of one per layer). Queries and keys are the same tokens, so q and k share both."""
+    the longest row as a Python int (the kernel takes an int: `longest`, known on the host, or
+    else read from the lengths, once, instead of once per layer). Queries and keys are the same
+    tokens, so q and k share both."""
     starts = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
-    longest = int(lengths.max())
+    longest = int(lengths.max()) if longest is None else longest
     return {"cu_seq_lens_q": starts, "cu_seq_lens_k": starts, "max_length_q": longest, "max_length_k": longest}
 
 
-def block_causal_mask(lengths: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def block_causal_mask(lengths: torch.Tensor, dtype: torch.dtype, total: int | None = None) -> torch.Tensor:
     """[1, 1, T, T] additive mask for rows of these lengths packed one after another: 0 where a
-    token may attend (same row, not later), the dtype's minimum elsewhere."""
-    row = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
+    token may attend (same row, not later), the dtype's minimum elsewhere. `total`: T when the
+    host knows it (else `repeat_interleave` reads it from the device)."""
+    row = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths, output_size=total)
     position = torch.arange(len(row), device=lengths.device)
     allowed = (row[:, None] == row[None, :]) & (position[None, :] <= position[:, None])
     mask = torch.zeros(allowed.shape, dtype=dtype, device=lengths.device)
@@ -160,8 +173,32 @@ def global_counts(mini: Batch, group, device) -> tuple[torch.Tensor, torch.Tenso
     return num_tokens, num_seqs
 
 
-def run_ppo_updates(engine, batch: Batch, cfg, rollout_n: int, seed: int, device,
-                    micro_loss: Callable[[Batch, torch.Tensor, torch.Tensor], tuple]):
+class DeviceSums:
+    """Running float64 sums of metrics, and of their weights, as 0-d tensors on `device`: adding
+    queues an addition on the device and reads nothing back. float64, as the Python floats they
+    replace: added in the same order, the sums are those floats bit for bit."""
+
+    def __init__(self, device):
+        self.zero = torch.zeros((), dtype=torch.float64, device=device)
+        self.sums: dict[str, torch.Tensor] = {}
+        self.weights: dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, value) -> None:
+        """`value` (a tensor or a number) added to `name`'s sum."""
+        self.sums[name] = self.sums.get(name, self.zero) + _float64(value)
+
+    def add_weighted(self, name: str, value, weight) -> None:
+        """`value * weight` added to `name`'s sum, `weight` to its weight."""
+        weight = _float64(weight)
+        self.sums[name] = self.sums.get(name, self.zero) + _float64(value) * weight
+        self.weights[name] = self.weights.get(name, self.zero) + weight
+
+
+def _float64(value):
+    return value.detach().double() if torch.is_tensor(value) else float(value)
+
+
+def run_ppo_updates(engine, batch: Batch, cfg, rollout_n: int, seed: int, device, micro_loss: Callable[..., tuple]):
     """The PPO update loop (epochs x mini-batches x micro-batches with gradient accumulation into
 the sharded gradients, or, with `cfg.no_sync_accumulation`, into whole ones reduced once).
 
@@ -169,42 +206,46 @@ the sharded gradients, or, with `cfg.no_sync_accumulation`, into whole ones redu
     at most `cfg.ppo_max_token_len_per_gpu` tokens each, as many on every rank of the pool
     (roles/micro_batches.py); a dummy micro-batch's loss is multiplied by 0 and its numbers dropped.
 
-    `micro_loss(micro, num_tokens, num_seqs)` runs the forward of one micro-batch and returns
-    (loss, loss_shares, pieces): the loss to backpropagate, loss_shares {name: this micro-batch's
-    share of the mini-batch loss} (shares add up, over micro-batches and ranks, to the mini-batch
-    loss) and pieces {name: (local_mean, local_weight)} for token-weighted metrics. Returns
-    pool-wide means, losses averaged over optimizer steps, and grad_norm / lr.
+    `micro_loss(micro, num_tokens, num_seqs, extent)` runs the forward of one micro-batch (`extent`:
+    its shape, for forward_response) and returns (loss, loss_shares, pieces): the loss to
+    backpropagate, loss_shares {name: this micro-batch's share of the mini-batch loss} (shares add
+    up, over micro-batches and ranks, to the mini-batch loss) and pieces {name: (local_mean,
+    local_weight)} for token-weighted metrics; the numbers are tensors (or Python numbers), never
+    read here. Returns pool-wide means, losses averaged over optimizer steps, and grad_norm / lr.
     """
     mini_rows = cfg.ppo_mini_batch_size * rollout_n // engine.dp_size  # mini-batches count prompts, as in verl
-    loss_sums: dict[str, float] = {}
-    sums: dict[str, float] = {}
-    weights: dict[str, float] = {}
+    # The metrics' running sums stay on the device, float64 as the Python floats they once were
+    # (each addition rounds as Python's did, so the numbers are the same bit for bit): a
+    # micro-batch adds to them without reading anything back, and the step reads them once, in
+    # the pool's reduction (on a GPU every read waits for all the work queued before it).
+    sums = DeviceSums(device)
+    loss_names: set[str] = set()
     steps = []
     for mini in minibatches(batch, mini_rows, cfg.ppo_epochs, cfg.shuffle, seed):
         num_tokens, num_seqs = global_counts(mini, engine.group, device)
         bins = plan_micro_batches(mini, cfg.use_dynamic_bsz, cfg.ppo_micro_batch_size_per_gpu,
                                   cfg.ppo_max_token_len_per_gpu, engine.group, device)
-        for k, (micro, dummy) in enumerate(micro_batches(mini, bins)):
+        for k, (micro, dummy, extent) in enumerate(micro_batches(mini, bins)):
             # By default every micro-batch's backward reduces (FSDP2: reduce-scatters) its gradient,
             # so no rank holds more than its shard; no_sync_accumulation reduces once, on the last.
             with engine.grad_sync(not cfg.no_sync_accumulation or k == len(bins) - 1):
-                loss, loss_shares, pieces = micro_loss(micro, num_tokens, num_seqs)
+                loss, loss_shares, pieces = micro_loss(micro, num_tokens, num_seqs, extent)
                 # A dummy runs forward and backward only to join the pool's collectives: a zero
                 # gradient, and its numbers count 0 (their names still go in, so that every rank
                 # reduces the same metrics even if it ran nothing but dummies).
                 engine.backward(loss * 0 if dummy else loss)
+            loss_names.update(loss_shares)
             for name, share in loss_shares.items():
-                loss_sums[name] = loss_sums.get(name, 0.0) + (0.0 if dummy else float(share))
+                sums.add(name, 0.0 if dummy else share)
             for name, (value, weight) in pieces.items():
-                sums[name] = sums.get(name, 0.0) + (0.0 if dummy else float(value) * float(weight))
-                weights[name] = weights.get(name, 0.0) + (0.0 if dummy else float(weight))
+                sums.add_weighted(name, 0.0 if dummy else value, 0.0 if dummy else weight)
         steps.append(engine.step())
     engine.scheduler.step()  # once per trainer step, as verl: lr_warmup_steps counts trainer steps
     # Shares summed over the pool give each mini-batch's loss once: weighting each rank's sum by
     # steps / pool size makes the pool-wide mean the loss averaged over optimizer steps.
-    sums.update(loss_sums)
-    weights.update({name: len(steps) / engine.dp_size for name in loss_sums})
-    metrics = pool_reduce_metrics(sums, weights, engine.group, device)
+    for name in loss_names:
+        sums.weights[name] = sums.zero + len(steps) / engine.dp_size
+    metrics = pool_reduce_metrics(sums.sums, sums.weights, engine.group, device)
     metrics["grad_norm"] = sum(s["grad_norm"] for s in steps) / len(steps)
     metrics["lr"] = steps[-1]["lr"]
     return metrics

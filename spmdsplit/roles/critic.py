@@ -7,7 +7,7 @@ import torch
 from spmdsplit import algo
 from spmdsplit.batch import Batch
 from spmdsplit.roles.common import forward_response, run_ppo_updates
-from spmdsplit.roles.micro_batches import in_row_order, micro_batches, plan_micro_batches
+from spmdsplit.roles.micro_batches import Extent, in_row_order, micro_batches, plan_micro_batches
 
 
 def value_head(outputs: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -25,34 +25,36 @@ class Critic:
         self.remove_padding = remove_padding
         self.loss_horizon = loss_horizon
 
-    def _values(self, micro: Batch) -> torch.Tensor:
+    def _values(self, micro: Batch, extent: Extent | None = None) -> torch.Tensor:
         # 0 past the end of a response: forward_response leaves no value there.
-        return forward_response(self.engine, micro, value_head, self.remove_padding)
+        return forward_response(self.engine, micro, value_head, self.remove_padding, extent=extent)
 
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> torch.Tensor:
         cfg = self.cfg
         bins = plan_micro_batches(batch, cfg.use_dynamic_bsz, cfg.forward_micro_batch_size_per_gpu,
                                   cfg.forward_max_token_len_per_gpu, self.engine.group, self.device)
-        return in_row_order([self._values(micro) for micro, _ in micro_batches(batch, bins)], bins, len(batch))
+        values = [self._values(micro, extent) for micro, _, extent in micro_batches(batch, bins)]
+        return in_row_order(values, bins, len(batch))
 
     def update_critic(self, batch: Batch, seed: int) -> dict[str, float]:
         cfg = self.cfg
         self.engine.model.train()
 
-        def micro_loss(micro: Batch, num_tokens, num_seqs):
+        def micro_loss(micro: Batch, num_tokens, num_seqs, extent: Extent):
             mask = micro["response_mask"]
-            vpreds = self._values(micro)
+            vpreds = self._values(micro, extent)
             vf_loss, vf_clipfrac = algo.compute_value_loss(
                 vpreds, micro["returns"], micro["values"], mask, cfg.cliprange_value,
                 loss_agg_mode=cfg.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, horizon=self.loss_horizon,
             )
-            n = mask.sum().item()
+            # Tensors, summed on the device by run_ppo_updates and read once a step.
+            n = mask.sum()
             pieces = {
-                "critic/vf_clipfrac": (vf_clipfrac.item(), n),
-                "critic/vpred_mean": (algo.masked_mean(vpreds.detach(), mask).item(), n),
+                "critic/vf_clipfrac": (vf_clipfrac, n),
+                "critic/vpred_mean": (algo.masked_mean(vpreds.detach(), mask), n),
             }
-            return vf_loss, {"critic/vf_loss": vf_loss.item()}, pieces
+            return vf_loss, {"critic/vf_loss": vf_loss}, pieces
 
         metrics = run_ppo_updates(self.engine, batch, cfg, self.rollout_n, seed, self.device, micro_loss)
         metrics["critic/grad_norm"] = metrics.pop("grad_norm")

@@ -5,6 +5,10 @@ A plan is a list of bins, one per micro-batch, each the row indices (into the ra
 holds; an empty bin is a *dummy* micro-batch. Everything here is a pure function of the row
 lengths except `agree_on_count`, the one all-reduce over the pool's group.
 
+What a micro-batch's forward must know of its shape (where its rows' tokens begin and end: its
+`Extent`) comes to the host once for the whole batch (`row_shapes`, one read), not per
+micro-batch: on a GPU each read of a device value waits for all the work queued before it.
+
 Why every rank of a pool must run the same number of micro-batches: FSDP2 all-gathers each
 layer's weights in every forward (and reduce-scatters in every backward), ZeRO-3 the same, so a
 rank that ran one forward fewer would leave the others waiting in a collective forever. Token
@@ -15,6 +19,7 @@ output is thrown away (and whose loss is multiplied by 0).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
@@ -96,23 +101,64 @@ def plan_micro_batches(batch: Batch, dynamic: bool, rows_per_micro: int, max_tok
     return plan_bins(batch["attention_mask"].sum(-1).tolist(), dynamic, rows_per_micro, max_tokens, group, device)
 
 
-def dummy_micro_batch(batch: Batch) -> Batch:
+@dataclass(frozen=True)
+class Extent:
+    """The shape of a micro-batch's tokens, on the host: what its forward slices and packs by
+    (roles/common.py forward_response), so that the forward reads nothing from the device."""
+
+    first: int  # the first column any row's prompt uses (P - 1 if none does)
+    width: int  # the response columns its longest response reaches (at least 1)
+    lengths: tuple[int, ...]  # each row's valid tokens (attention mask)
+    response_tokens: int  # valid tokens in the response columns (attention mask)
+
+
+def row_shapes(batch: Batch) -> list[list[int]]:
+    """Per row [valid tokens, first prompt column used (P - 1 if none), response columns reached
+    (0 if none), valid response tokens]: one read of the device for the whole batch."""
+    mask = batch["attention_mask"].bool()
+    R = batch["responses"].shape[1]
+    P = mask.shape[1] - R
+    columns = torch.arange(mask.shape[1], device=mask.device)
+    first = torch.where(mask[:, :P], columns[:P], P - 1).amin(-1, keepdim=True)
+    reached = torch.where(mask[:, P:], columns[:R] + 1, 0).amax(-1, keepdim=True)
+    return torch.cat([mask.sum(-1, keepdim=True), first, reached, mask[:, P:].sum(-1, keepdim=True)], -1).tolist()
+
+
+def extent_of(shapes: Sequence[Sequence[int]]) -> Extent:
+    """The extent of a micro-batch of rows of these `row_shapes` (at least one row)."""
+    return Extent(first=min(s[1] for s in shapes), width=max(1, max(s[2] for s in shapes)),
+                  lengths=tuple(s[0] for s in shapes), response_tokens=sum(s[3] for s in shapes))
+
+
+def dummy_micro_batch(batch: Batch) -> tuple[Batch, Extent]:
     """One row shaped like `batch`'s tensor columns, all zeros but two real tokens: the prompt's
     last and the response's first (so the response mask counts one token and no loss divides by
-    zero). What it computes is thrown away or multiplied by 0; it runs only so that this rank
-    joins the pool's collectives."""
+    zero), and its extent. What it computes is thrown away or multiplied by 0; it runs only so
+    that this rank joins the pool's collectives."""
     tensors = {k: v.new_zeros((1, *v.shape[1:])) for k, v in batch.tensors.items()}
     P = tensors["input_ids"].shape[1] - tensors["responses"].shape[1]
     tensors["attention_mask"][0, P - 1 : P + 1] = 1
     tensors["position_ids"][0, P] = 1
     tensors["response_mask"][0, 0] = 1
-    return Batch(tensors)
+    return Batch(tensors), Extent(first=P - 1, width=1, lengths=(2,), response_tokens=1)
 
 
-def micro_batches(batch: Batch, bins: list[list[int]]) -> Iterator[tuple[Batch, bool]]:
-    """(micro-batch, is_dummy) for each bin, in order."""
+def micro_batches(batch: Batch, bins: list[list[int]]) -> Iterator[tuple[Batch, bool, Extent]]:
+    """(micro-batch, is_dummy, its extent) for each bin, in order. The rows are put in the bins'
+    order once and each micro-batch is a slice of that: one gather per column for the whole
+    batch (the row index it takes is copied to the device, which the host waits for), none per
+    micro-batch; the extents come from one read of the rows' shapes."""
+    shapes = row_shapes(batch)
+    order = [i for rows in bins for i in rows]
+    ordered = batch if order == list(range(len(batch))) else batch.index(order)
+    start = 0
     for rows in bins:
-        yield (batch.index(rows), False) if rows else (dummy_micro_batch(batch), True)
+        if rows:
+            yield ordered.slice(start, start + len(rows)), False, extent_of([shapes[i] for i in rows])
+            start += len(rows)
+        else:
+            dummy, extent = dummy_micro_batch(batch)
+            yield dummy, True, extent
 
 
 def in_row_order(outputs: list[torch.Tensor], bins: list[list[int]], num_rows: int) -> torch.Tensor:

@@ -26,6 +26,11 @@ from spmdsplit.batch import Batch
 from spmdsplit.rewards.rule import SEES_SPECIAL_TOKENS, find_scorer, score_sample
 
 SHOW_CHARS = 500  # how much of a response an error shows
+# The column of rows that carry their response texts, decoded as RuleReward decodes them: dynamic
+# sampling (spmdsplit/dynamic_sampling.py) decodes each generated response once, for its filter,
+# and the rows it keeps take their texts along (spmdsplit/messages.py), so that scoring them
+# again for training decodes nothing.
+RESPONSE_TEXT = "response_text"
 
 
 class RewardError(RuntimeError):
@@ -64,25 +69,35 @@ def host_lists(*tensors: torch.Tensor) -> list[list]:
     return [t.cpu().tolist() for t in tensors]
 
 
+def decode_rows(tokenizer, rows: list[list[int]], skip_special_tokens: bool | Sequence[bool] = False) -> list[str]:
+    """Each row of token ids decoded, in one `batch_decode` per value of `skip_special_tokens` (one
+    flag for all rows, or one per row): at most two calls for the batch, not one per row."""
+    flags = [skip_special_tokens] * len(rows) if isinstance(skip_special_tokens, bool) else list(skip_special_tokens)
+    texts: list[str] = [""] * len(rows)
+    for skip in sorted(set(flags)):
+        which = [i for i, flag in enumerate(flags) if flag == skip]
+        for i, text in zip(which, tokenizer.batch_decode([rows[i] for i in which], skip_special_tokens=skip)):
+            texts[i] = text
+    return texts
+
+
 def response_texts(tokenizer, responses: torch.Tensor, lengths: torch.Tensor, eos_token_ids: set[int],
                    skip_special_tokens: bool | Sequence[bool] = False) -> list[str]:
     """Each response's valid tokens, decoded, without the EOS that ends it. `skip_special_tokens`
     (one flag for all rows, or one per row) drops the other special tokens too, as verl's reward
     managers decode; kept, they show in the text (the reward model reads them)."""
-    if isinstance(skip_special_tokens, bool):
-        skip_special_tokens = [skip_special_tokens] * responses.shape[0]
     # One device-to-host copy of each tensor for the whole batch: indexing a GPU tensor row by row
     # (`int(lengths[i])`, `responses[i].tolist()`) would wait on the device twice per row.
     rows, row_lengths = host_lists(responses, lengths)
-    texts = []
-    for row, length, skip in zip(rows, row_lengths, skip_special_tokens):
+    valid = []
+    for row, length in zip(rows, row_lengths):
         ids = row[:length]
         # Dropped even when the tokenizer does not count it as special: it ends the response,
         # it is not part of the answer.
         if ids and ids[-1] in eos_token_ids:
             ids = ids[:-1]
-        texts.append(tokenizer.decode(ids, skip_special_tokens=skip))
-    return texts
+        valid.append(ids)
+    return decode_rows(tokenizer, valid, skip_special_tokens)
 
 
 def on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -171,6 +186,14 @@ class RuleReward:
         means = pool_reduce_metrics(sums, counts, group, device)
         return {f"critic/reward_extra/{k}/mean": v for k, v in means.items()}
 
+    def texts(self, batch: Batch) -> list[str]:
+        """Each response's text as this reward decodes it: the rows' RESPONSE_TEXT when they carry
+        it (decoded where they were generated, for dynamic sampling's filter), else decoded now."""
+        if RESPONSE_TEXT in batch:
+            return batch[RESPONSE_TEXT]
+        return response_texts(self.tokenizer, batch["responses"], response_lengths(batch), self.eos_token_ids,
+                              self.skips_special_tokens(batch["data_source"]))
+
     def skips_special_tokens(self, sources: list[str]) -> list[bool]:
         """Per row, whether its text is decoded as verl decodes it (special tokens dropped): every
         row, except those whose built-in scorer must see them (rule.SEES_SPECIAL_TOKENS)."""
@@ -187,9 +210,7 @@ class RuleReward:
         metric=score)."""
         responses, mask = batch["responses"], batch["response_mask"]
         sources, truths = batch["data_source"], batch["ground_truth"]
-        lengths = response_lengths(batch)
-        texts = response_texts(self.tokenizer, responses, lengths, self.eos_token_ids,
-                               self.skips_special_tokens(sources))
+        texts = self.texts(batch)
         # A batch without the column (made by hand) gives {}, as verl's reward managers do.
         extra_info = batch["extra_info"] if "extra_info" in batch else [{}] * len(batch)
         scores, per_sample = [], []
@@ -208,7 +229,7 @@ class RuleReward:
             scores.append(score)
             per_sample.append(extras)
         if self.overlong_buffer is not None and shaped:
-            self.shape_overlong(scores, per_sample, lengths.tolist())
+            self.shape_overlong(scores, per_sample, response_lengths(batch).tolist())
         keys = sorted({k for extras in per_sample for k in extras})
         collected = {k: [extras.get(k, math.nan) for extras in per_sample] for k in keys}
         scores = torch.tensor(scores, dtype=torch.float32, device=responses.device)

@@ -28,7 +28,8 @@ from torch import nn
 from spmdsplit.batch import Batch
 from spmdsplit.roles.common import packed_attention_kwargs
 from spmdsplit.roles.micro_batches import in_row_order, plan_bins
-from spmdsplit.roles.reward import RewardError, describe_sample, host_lists, on_last_token, response_lengths, response_texts
+from spmdsplit.roles.reward import (RewardError, decode_rows, describe_sample, host_lists, on_last_token, response_lengths,
+                                    response_texts)
 
 
 def default_max_length(prompt_len: int, response_len: int) -> int:
@@ -96,27 +97,27 @@ class RewardModel:
         """(prompt texts, response texts), decoded with the policy's tokenizer."""
         input_ids, attention_mask, responses = batch["input_ids"], batch["attention_mask"], batch["responses"]
         P = input_ids.shape[1] - responses.shape[1]
-        prompts = []
-        # The prompt columns copied to the host once, not a row (and a sync) at a time.
-        for ids, keep in zip(*host_lists(input_ids[:, :P], attention_mask[:, :P])):
-            ids = [token for token, kept in zip(ids, keep) if kept]
-            prompts.append(self.policy_tokenizer.decode(ids, skip_special_tokens=False))
+        # The prompt columns copied to the host once, not a row (and a sync) at a time; decoded in one call.
+        prompt_ids = [[token for token, kept in zip(ids, keep) if kept]
+                      for ids, keep in zip(*host_lists(input_ids[:, :P], attention_mask[:, :P]))]
+        prompts = decode_rows(self.policy_tokenizer, prompt_ids)
         answers = response_texts(self.policy_tokenizer, responses, response_lengths(batch), self.eos_token_ids)
         return prompts, answers
 
     def encode(self, texts: list[str], max_length: int) -> list[list[int]]:
-        """Reward-model token ids of each text, cut to its last `max_length` tokens."""
+        """Reward-model token ids of each text, cut to its last `max_length` tokens. The texts go
+        to the tokenizer as lists, one call per value of add_special_tokens (a fast tokenizer
+        encodes a list in one call into its Rust core, on all its threads), not one call per text."""
         bos = self.rm_tokenizer.bos_token
-        out = []
-        for text in texts:
-            # The decoded prompt may already open with the BOS (a chat template writes it):
-            # adding the tokenizer's own would double it.
-            add_special = not (bos and text.startswith(bos))
-            ids = self.rm_tokenizer(text, add_special_tokens=add_special)["input_ids"]
-            if len(ids) > max_length:
-                ids = ids[-max_length:]
-            out.append(ids or [self.pad_token_id])
-        return out
+        # The decoded prompt may already open with the BOS (a chat template writes it): adding
+        # the tokenizer's own would double it.
+        add_special = [not (bos and text.startswith(bos)) for text in texts]
+        out: list[list[int]] = [[] for _ in texts]
+        for flag in sorted(set(add_special)):
+            which = [i for i, f in enumerate(add_special) if f == flag]
+            for i, ids in zip(which, self.rm_tokenizer([texts[i] for i in which], add_special_tokens=flag)["input_ids"]):
+                out[i] = ids[-max_length:] if len(ids) > max_length else ids
+        return [ids or [self.pad_token_id] for ids in out]
 
     def _pad(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(r) for r in rows)
@@ -147,7 +148,7 @@ class RewardModel:
         positions = torch.tensor([p for r in rows for p in range(len(r))], dtype=torch.long).to(self.device)[None]
         self._per_token = None
         self.engine(input_ids=ids, position_ids=positions, use_cache=False,
-                    **packed_attention_kwargs(self.engine, lengths))
+                    **packed_attention_kwargs(self.engine, lengths, [len(r) for r in rows]))
         per_token, self._per_token = self._per_token, None
         return per_token[0, lengths.cumsum(0) - 1, 0].float()
 

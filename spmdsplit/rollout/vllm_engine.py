@@ -28,10 +28,10 @@ it, in docs/rollout.md "What vLLM runs over the world"):
 from __future__ import annotations
 
 import gc
-import itertools
 import os
 from typing import Iterable, Mapping
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -375,26 +375,24 @@ def sampled_tokens_and_log_probs(samples, width: int, pad_token_id: int) -> tupl
     """vLLM's completions (`CompletionOutput`, one per row, asked for with logprobs=0 and
     flat_logprobs=True) as [B, width] token ids (padded) and float32 log-probs of the sampled
     tokens (0 past each response). Each row's FlatLogprobs holds exactly one entry per generated
-    token (the sampled one; logprobs=0 asks for no others), in plain lists: the whole batch is
-    concatenated into one tensor per column and scattered under a length mask, with no dict or
-    Python loop per token (the loop is per row; the lists are vLLM's, filled as it decodes)."""
-    lengths = torch.tensor([len(sample.token_ids) for sample in samples], dtype=torch.long)
-    flat = [sample.logprobs for sample in samples]
-    if not all(hasattr(lp, "start_indices") and len(lp.logprobs) == n for lp, n in zip(flat, lengths.tolist())):
-        raise RuntimeError("vLLM returned log-probs that are not flat with one entry per sampled token "
-                           "(SamplingParams needs logprobs=0 and flat_logprobs=True)")
-    tokens = torch.tensor(list(itertools.chain.from_iterable(sample.token_ids for sample in samples)), dtype=torch.long)
-    # The flat lists' token ids are the sampled ones, in the same order: a check that costs one tensor.
-    scored = torch.tensor(list(itertools.chain.from_iterable(lp.token_ids for lp in flat)), dtype=torch.long)
-    if not torch.equal(scored, tokens):
-        raise RuntimeError("vLLM's log-probs are not of the sampled tokens")
-    filled = torch.arange(width)[None] < lengths[:, None]  # row-major: the concatenation's order
-    responses = torch.full((len(samples), width), pad_token_id, dtype=torch.long)
-    responses[filled] = tokens
-    log_probs = torch.zeros((len(samples), width), dtype=torch.float32)
-    log_probs[filled] = torch.tensor(list(itertools.chain.from_iterable(lp.logprobs for lp in flat)),
-                                     dtype=torch.float32)
-    return responses, log_probs
+    token (the sampled one; logprobs=0 asks for no others), in plain Python lists (vLLM 0.32 keeps
+    no array of them: `FlatLogprobs.append_fast` appends a token at a time as it decodes). Each
+    list goes into its row of a numpy array in one assignment, which numpy converts in C: no
+    Python step and no dict per token, and no concatenation of the batch (one row at a time, 512
+    rows x 1024 tokens: ~35 ms here, against ~180 ms through one flat Python list per column)."""
+    responses = np.full((len(samples), width), pad_token_id, dtype=np.int64)
+    log_probs = np.zeros((len(samples), width), dtype=np.float32)
+    for row, sample in enumerate(samples):
+        tokens, flat = list(sample.token_ids), sample.logprobs
+        if not (hasattr(flat, "start_indices") and len(flat.logprobs) == len(tokens)):
+            raise RuntimeError("vLLM returned log-probs that are not flat with one entry per sampled token "
+                               "(SamplingParams needs logprobs=0 and flat_logprobs=True)")
+        # The flat lists' token ids are the sampled ones, in the same order (a list compare, in C).
+        if flat.token_ids != tokens:
+            raise RuntimeError("vLLM's log-probs are not of the sampled tokens")
+        responses[row, : len(tokens)] = tokens
+        log_probs[row, : len(tokens)] = flat.logprobs
+    return torch.from_numpy(responses), torch.from_numpy(log_probs)
 
 
 def shutdown_vllm_distributed() -> None:

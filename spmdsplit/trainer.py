@@ -312,8 +312,8 @@ class Trainer:
                 # warned of it here).
                 self.pools.meet(group)
                 checkpoint.save_rank_state(os.path.join(folder, f"rank_{self.rank}.pt"), self.rank_state(group, step))
-                if program.engine is not None:
-                    program.engine.save_checkpoint(os.path.join(folder, "engine"))
+                if program.engine is not None:  # its waits on the meeting group too: the long timeout
+                    program.engine.save_checkpoint(os.path.join(folder, "engine"), self.pools.meet_group(group))
                 self.pools.meet(group)  # every rank's files are written
         if self.my_pool in self.other_pools and self.rank == placement.pools[self.my_pool][0]:
             self.channel.send_checkpoint_written(step)
@@ -341,7 +341,8 @@ class Trainer:
             if program.engine is None and not os.path.isdir(folder):
                 continue  # written without this group's pool apart: nothing generated ahead, nothing kept
             if program.engine is not None:
-                program.engine.load_checkpoint(os.path.join(folder, "engine"))  # DCP reshards if the pool size changed
+                # DCP reshards if the pool size changed; its waits run on the meeting group, as on save
+                program.engine.load_checkpoint(os.path.join(folder, "engine"), self.pools.meet_group(group))
             mine = os.path.join(folder, f"rank_{self.rank}.pt")
             state = checkpoint.load_rank_state(mine if same_layout else os.path.join(folder, f"rank_{saved[group][0]}.pt"))
             if same_layout:

@@ -96,6 +96,13 @@ def PoolExecutor():
     from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher
 
     class _PoolExecutor(ExecutorWithExternalLauncher):
+        def _distributed_args(self) -> tuple[str, int, int]:
+            # vLLM 0.32 takes LOCAL_RANK for the worker's device index (gpu_worker.py init_device:
+            # cuda:<local_rank> among the visible GPUs); the rank's own GPU is the current device
+            # (train.pick_device: cuda:0 where the cluster binds one GPU per task).
+            method, rank, local_rank = super()._distributed_args()
+            return method, rank, torch.cuda.current_device() if torch.cuda.is_available() else local_rank
+
         def determine_available_memory(self) -> list[int]:
             memory = torch.tensor(super(ExecutorWithExternalLauncher, self).determine_available_memory(),
                                   dtype=torch.int64)
@@ -141,8 +148,12 @@ def init_vllm_distributed(cfg, model_path: str, device: torch.device, dtype: tor
 
     vllm_config = EngineArgs(**engine_kwargs(cfg, model_path, device, dtype)).create_engine_config()
     with set_current_vllm_config(vllm_config):
-        init_worker_distributed_environment(vllm_config, dist.get_rank(), "env://",
-                                            int(os.environ.get("LOCAL_RANK", 0)), current_platform.dist_backend)
+        # vLLM's "local rank" is the device index its groups bind (parallel_state.py
+        # GroupCoordinator: cuda:<local_rank>): the rank's own GPU, which is not LOCAL_RANK where the
+        # cluster binds one GPU per task (train.pick_device).
+        local_rank = device.index if device.type == "cuda" else int(os.environ.get("LOCAL_RANK", 0))
+        init_worker_distributed_environment(vllm_config, dist.get_rank(), "env://", local_rank,
+                                            current_platform.dist_backend)
 
 
 class VLLMRollout:

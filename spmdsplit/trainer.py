@@ -43,6 +43,7 @@ from spmdsplit.programs.rollout import RolloutProgram
 from spmdsplit.roles.build import (build_actor_roles, build_critic_roles, build_reward, build_rollout_engine,
                                    build_rule_reward)
 from spmdsplit.staleness import validates_after
+from spmdsplit.stop_budget import StopBudget, signal_delay_s
 from spmdsplit.weight_sync import WeightBroadcast
 
 # When two groups (or their pools) report the same metric, rank 0 logs the one of the group first here.
@@ -77,6 +78,8 @@ class Trainer:
                              num_val_rows=val_responses,
                              balance_group=pools.group("actor") if cfg.trainer.balance_batch else None)
         self.stop_vote = StopVote(groups.stop)
+        # Rank 0 warns once if Slurm's warning before the time limit is shorter than a clean stop.
+        self.stop_budget = StopBudget(signal_delay_s if self.rank == 0 else None)
         # The hand-off barrier spans the actor and critic pools on purpose: it is the thing measured.
         # device_ids: torch's barrier on an NCCL group all-reduces one element on a device it picks
         # (distributed_c10d.barrier: device_ids, else init_process_group's device_id, which we do
@@ -183,14 +186,17 @@ class Trainer:
                 self.programs["rollout"].start(self.start_step)
         if validates_after(self.cfg, 0) and self.start_step == 1:
             self.validate(0)
+        self.stop_budget.start()
         for step in range(self.start_step, trainer.total_steps + 1):
             self.stop_vote.cast()
             self.train_step(step)
             if validates_after(self.cfg, step):  # the rule the weight schedule follows too
                 self.validate(step)
             stop = self.stop_vote.outcome()
+            self.stop_budget.lap("step")
             if stop or (trainer.save_freq > 0 and (step % trainer.save_freq == 0 or step == trainer.total_steps)):
                 self.save_checkpoint(step)
+                self.stop_budget.lap("checkpoint")
             if stop and step < trainer.total_steps:
                 last = step
                 break

@@ -37,6 +37,11 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be resumed from (the message says which and why)."""
 
 
+class ResumeDisagreement(CheckpointError):
+    """The ranks chose different checkpoints to resume from (train.agree_on_resume): raised on
+    every rank alike, so they leave together."""
+
+
 def step_dir(root: str, step: int) -> str:
     return os.path.join(root, f"global_step_{step}")
 
@@ -99,6 +104,21 @@ def find_resume_after_restart(resume: str, root: str, restarts: int) -> str | No
         if latest:
             return latest
     return find_resume(resume, root)
+
+
+def resume_disagreement(choices: list[str | None]) -> str | None:
+    """None when every rank chose the same checkpoint (`choices[rank]`: find_resume's answer on
+    that rank, None for a fresh start); else one line saying which ranks chose what."""
+    if len(set(choices)) <= 1:
+        return None
+    ranks: dict[str | None, list[int]] = {}
+    for rank, choice in enumerate(choices):
+        ranks.setdefault(choice, []).append(rank)
+    seen = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {choice or 'no checkpoint (a fresh start)'}"
+                     for choice, r in ranks.items())
+    return (f"the ranks do not agree on the checkpoint to resume from ({seen}): every node must see the same, "
+            "up-to-date trainer.default_local_dir (a shared filesystem whose view lags on some node?); "
+            "or name one with trainer.resume=<a checkpoint folder>")
 
 
 def publish(root: str, step: int, meta: dict, max_to_keep: int) -> str:

@@ -32,7 +32,8 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from spmdsplit import failure, preempt
-from spmdsplit.checkpoint import CheckpointError, find_resume_after_restart
+from spmdsplit.checkpoint import CheckpointError, ResumeDisagreement, find_resume_after_restart, resume_disagreement
+from spmdsplit.cluster import choose_gloo_interface, device_index
 from spmdsplit.data.parquet import DataError
 from spmdsplit.data.sources import build_rows, format_report
 from spmdsplit.agent import check_multi_turn
@@ -100,8 +101,9 @@ def pick_device(setting: str, local_rank: int) -> torch.device:
     if setting == "cuda" or (setting == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ConfigError("trainer.device=cuda but CUDA is not available on this machine")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        index = device_index(local_rank, torch.cuda.device_count())  # cuda:0 where one GPU is bound per task
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device("cpu")
 
 
@@ -139,6 +141,26 @@ def prepare(cfg):
     restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
     resume_from = find_resume_after_restart(cfg.trainer.resume, cfg.trainer.default_local_dir, restarts)
     return placement, device, data, resume_from
+
+
+def agree_on_resume(resume_from: str | None, group) -> None:
+    """Every rank chose its checkpoint alone, from its own view of trainer.default_local_dir, before
+    the world formed; a node whose filesystem lags behind (a pointer or folder not there yet) would
+    resume from another step, or start afresh, and the pools' first exchange would mismatch or
+    hang. So, once the world has formed and before any pool's work: one gather of the choices over
+    the control group (gloo, the long timeout), and the same verdict on every rank."""
+    choices = [None] * dist.get_world_size(group)
+    dist.all_gather_object(choices, resume_from, group=group)
+    disagreement = resume_disagreement(choices)
+    if disagreement:
+        raise ResumeDisagreement(disagreement)
+
+
+def leave_vllm(cfg) -> None:
+    if cfg.rollout.name == "vllm":  # before the trainer's world goes: vLLM's clean-up would take it along
+        from spmdsplit.rollout.vllm_engine import shutdown_vllm_distributed
+
+        shutdown_vllm_distributed()
 
 
 def quiet_libraries(rank: int) -> None:
@@ -179,6 +201,7 @@ def main(argv=None) -> int:
     preempt.install_handlers()  # from here on, SIGUSR2/SIGTERM mean "checkpoint and stop", not "die now"
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # a plain single-process `python -m` run
     os.environ.setdefault("MASTER_PORT", "29512")
+    gloo_line = choose_gloo_interface(placement.nnodes)  # before any gloo group: GLOO_SOCKET_IFNAME
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(
         backend, rank=rank, world_size=placement.world_size, timeout=timedelta(seconds=cfg.trainer.dist_timeout_s)
@@ -188,8 +211,10 @@ def main(argv=None) -> int:
     failure.start_watch(rank, role)
     try:
         groups = create_process_groups(cfg, placement, device)  # every group of the job, in one order
+        agree_on_resume(resume_from, groups.control)
         if rank == 0:
-            print(f"spmdsplit: {placement.describe()}; device={device.type}, backend={backend}", flush=True)
+            print(f"spmdsplit: {placement.describe()}; device={device.type}, backend={backend}"
+                  + (f"; {gloo_line}" if gloo_line else ""), flush=True)
             for _, data_report in data.values():
                 print(f"spmdsplit: {format_report(data_report, cfg.data.max_prompt_length)}", flush=True)
         from spmdsplit.trainer import Trainer
@@ -198,10 +223,14 @@ def main(argv=None) -> int:
         completed = trainer.fit()
         if rank == 0 and trainer.logger.history and completed:
             report(trainer.logger.history, cfg)
-        if cfg.rollout.name == "vllm":  # before the trainer's world goes: vLLM's clean-up would take it along
-            from spmdsplit.rollout.vllm_engine import shutdown_vllm_distributed
-
-            shutdown_vllm_distributed()
+        leave_vllm(cfg)
+    except ResumeDisagreement as e:  # every rank has the same answer: they leave together, one line said
+        failure.stop_watch()
+        if rank == 0:
+            print(f"spmdsplit: error: {e}", file=sys.stderr, flush=True)
+        leave_vllm(cfg)
+        dist.destroy_process_group()
+        return 2
     except BaseException as e:  # noqa: BLE001 - any error, a KeyboardInterrupt too, ends every rank now
         failure.fail(e, rank, role)
     failure.stop_watch()

@@ -43,6 +43,7 @@ from spmdsplit.programs.rollout import RolloutProgram
 from spmdsplit.roles.build import (build_actor_roles, build_critic_roles, build_reward, build_rollout_engine,
                                    build_rule_reward)
 from spmdsplit.staleness import validates_after
+from spmdsplit.stop_budget import StopBudget, signal_delay_s
 from spmdsplit.weight_sync import WeightBroadcast
 
 # When two groups (or their pools) report the same metric, rank 0 logs the one of the group first here.
@@ -77,6 +78,8 @@ class Trainer:
                              num_val_rows=val_responses,
                              balance_group=pools.group("actor") if cfg.trainer.balance_batch else None)
         self.stop_vote = StopVote(groups.stop)
+        # Rank 0 warns once if Slurm's warning before the time limit is shorter than a clean stop.
+        self.stop_budget = StopBudget(signal_delay_s if self.rank == 0 else None)
         # The hand-off barrier spans the actor and critic pools on purpose: it is the thing measured.
         # device_ids: torch's barrier on an NCCL group all-reduces one element on a device it picks
         # (distributed_c10d.barrier: device_ids, else init_process_group's device_id, which we do
@@ -182,14 +185,17 @@ class Trainer:
                 self.programs["rollout"].start(self.start_step)
         if validates_after(self.cfg, 0) and self.start_step == 1:
             self.validate(0)
+        self.stop_budget.start()
         for step in range(self.start_step, trainer.total_steps + 1):
             self.stop_vote.cast()
             self.train_step(step)
             if validates_after(self.cfg, step):  # the rule the weight schedule follows too
                 self.validate(step)
             stop = self.stop_vote.outcome()
+            self.stop_budget.lap("step")
             if stop or (trainer.save_freq > 0 and (step % trainer.save_freq == 0 or step == trainer.total_steps)):
                 self.save_checkpoint(step)
+                self.stop_budget.lap("checkpoint")
             if stop and step < trainer.total_steps:
                 last = step
                 break
@@ -309,8 +315,8 @@ class Trainer:
                 # warned of it here).
                 self.pools.meet(group)
                 checkpoint.save_rank_state(os.path.join(folder, f"rank_{self.rank}.pt"), self.rank_state(group, step))
-                if program.engine is not None:
-                    program.engine.save_checkpoint(os.path.join(folder, "engine"))
+                if program.engine is not None:  # its waits on the meeting group too: the long timeout
+                    program.engine.save_checkpoint(os.path.join(folder, "engine"), self.pools.meet_group(group))
                 self.pools.meet(group)  # every rank's files are written
         if self.my_pool in self.other_pools and self.rank == placement.pools[self.my_pool][0]:
             self.channel.send_checkpoint_written(step)
@@ -338,7 +344,8 @@ class Trainer:
             if program.engine is None and not os.path.isdir(folder):
                 continue  # written without this group's pool apart: nothing generated ahead, nothing kept
             if program.engine is not None:
-                program.engine.load_checkpoint(os.path.join(folder, "engine"))  # DCP reshards if the pool size changed
+                # DCP reshards if the pool size changed; its waits run on the meeting group, as on save
+                program.engine.load_checkpoint(os.path.join(folder, "engine"), self.pools.meet_group(group))
             mine = os.path.join(folder, f"rank_{self.rank}.pt")
             state = checkpoint.load_rank_state(mine if same_layout else os.path.join(folder, f"rank_{saved[group][0]}.pt"))
             if same_layout:

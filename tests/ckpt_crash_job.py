@@ -15,8 +15,8 @@ crash_rank, crash_step = os.environ["CRASH_RANK"], int(os.environ["CRASH_STEP"])
 original_save = FSDPEngine.save_checkpoint
 
 
-def save_then_die(self, path):
-    original_save(self, path)
+def save_then_die(self, path, *args, **kwargs):
+    original_save(self, path, *args, **kwargs)
     if os.environ["RANK"] == crash_rank and f"global_step_{crash_step}.partial" in path:
         os.kill(os.getpid(), signal.SIGKILL)
 

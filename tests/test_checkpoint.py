@@ -4,6 +4,7 @@ world does something else."""
 
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -11,10 +12,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from spmdsplit.checkpoint import (
-    LATEST, CheckpointError, find_resume, find_resume_after_restart, partial_dir, publish, step_dir,
+    LATEST, CheckpointError, find_resume, find_resume_after_restart, partial_dir, publish, resume_disagreement, step_dir,
 )
 from tests.helpers import full_weights
-from tests.launch import run_ranks
+from tests.launch import job, run_ranks
+
+SLOW_WRITE_JOB = os.path.join(os.path.dirname(__file__), "slow_write_job.py")
 
 
 def write_half(root, step, pool="actor"):
@@ -124,3 +127,53 @@ def test_fsdp_engine_checkpoint_round_trip_inside_its_pool(tmp_path):
         assert same_weights, "weights after save->load->step differ from save->step"
         assert after_save == again  # same grad norm, and the LR schedule resumed mid-warmup
         assert after_save["lr"] == pytest.approx(1e-2)  # step 3 of a 3-step warmup
+
+
+def test_the_ranks_choices_of_a_checkpoint_are_compared():
+    assert resume_disagreement([None, None]) is None
+    assert resume_disagreement(["/c/global_step_4"] * 3) is None
+    line = resume_disagreement(["/c/global_step_4", "/c/global_step_4", None, "/c/global_step_2"])
+    assert "\n" not in line
+    assert "ranks 0, 1: /c/global_step_4; rank 2: no checkpoint (a fresh start); rank 3: /c/global_step_2" in line
+
+
+SHORT = ("trainer.seed=1", "data.train_batch_size=16", "actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=8",
+         "actor.ppo_micro_batch_size_per_gpu=4", "critic.ppo_micro_batch_size_per_gpu=4", "trainer.timeline=",
+         "trainer.output_dir=")
+
+
+def test_ranks_that_see_different_checkpoints_stop_together_with_one_line(tmp_path):
+    """A node whose view of the shared filesystem lags: rank 0 finds a checkpoint of step 2, rank 1
+    (its own trainer.default_local_dir, by its RANK) finds none. Each rank picks alone before the
+    world forms; without the agreement rank 0 resumed at step 3 while rank 1 started at step 1."""
+    first = job(2, *SHORT, "trainer.total_steps=2", "trainer.save_freq=2", f"trainer.log_dir={tmp_path}/tb0",
+                f"trainer.default_local_dir={tmp_path}/ckpt0", timeout=180)
+    assert first.returncode == 0, first.stderr[-3000:]
+    started = time.monotonic()
+    result = job(2, *SHORT, "trainer.total_steps=4", f"trainer.log_dir={tmp_path}/tb1",
+                 f"trainer.default_local_dir={tmp_path}/ckpt${{oc.env:RANK}}", timeout=120)
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if "do not agree on the checkpoint" in line]
+    assert lines == [f"spmdsplit: error: the ranks do not agree on the checkpoint to resume from (rank 0: "
+                     f"{tmp_path}/ckpt0/global_step_2; rank 1: no checkpoint (a fresh start)): every node must see "
+                     "the same, up-to-date trainer.default_local_dir (a shared filesystem whose view lags on some "
+                     "node?); or name one with trainer.resume=<a checkpoint folder>"], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "step 1:" not in result.stdout and "resuming" not in result.stdout
+    assert time.monotonic() - started < 60
+
+
+@pytest.mark.parametrize("engine", ["fsdp", pytest.param("deepspeed", marks=pytest.mark.e2e)])
+def test_a_checkpoint_write_longer_than_the_pools_timeout_completes(tmp_path, engine):
+    """One rank of a 2-rank pool writes its part of the checkpoint 8 s longer than the other, past
+    trainer.dist_timeout_s=4: the engine's wait for the slowest writer (DCP's gather of the write
+    results; DeepSpeed's barrier after writing) runs on the pool's gloo meeting group under the
+    long timeout, not on the pool's own group, where it failed after 4 s."""
+    overrides = [*SHORT, "placement.mode=colocate", "trainer.total_steps=2", "trainer.save_freq=2",
+                 "trainer.dist_timeout_s=4", f"trainer.log_dir={tmp_path}/tb", f"trainer.default_local_dir={tmp_path}/ckpt"]
+    env = {"SLOW_WRITE": "1:8"}
+    if engine == "deepspeed":
+        overrides += ["actor.engine=deepspeed", "critic.engine=deepspeed"]
+        env["SLOW_WRITE_DEEPSPEED"] = "1"
+    result = job(2, *overrides, script=SLOW_WRITE_JOB, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "checkpoint of step 2 written" in result.stdout

@@ -10,6 +10,7 @@ stopped after a step, requeued itself, resumed from its checkpoint and ended wit
 
 from __future__ import annotations
 
+import io
 import os
 import random
 import re
@@ -24,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from spmdsplit.launch import slurm as launcher
+from spmdsplit.stop_budget import StopBudget, command_line_signal, script_signal, signal_seconds
 from tests.outputs import scalars
 
 REPO = Path(__file__).resolve().parents[1]
@@ -126,6 +128,11 @@ def resumes(log: Path) -> list[tuple[int, int]]:
                                                     text, re.M)]
 
 
+def signal_delay_warnings(log: Path) -> list[str]:
+    """The lines where a job said its --signal-delay is too short for a clean stop."""
+    return [line for line in log.read_text().splitlines() if "--signal-delay" in line]
+
+
 def assert_every_step_once(folder_tb: Path, total: int):
     logged = scalars(str(folder_tb))
     steps = [s for s, _ in logged["critic/score/mean"]]
@@ -190,6 +197,74 @@ def test_cpu_job_needs_ranks_per_node(tmp_path):
         launcher.main(["--folder", str(tmp_path)])
 
 
+def test_a_signal_delay_as_long_as_the_time_limit_is_refused(tmp_path, capsys):
+    """Slurm would signal such a job as it starts: it would stop and requeue itself at once."""
+    with pytest.raises(SystemExit):
+        launcher.main(["--ranks-per-node", "2", "--time", "10", "--folder", str(tmp_path)])  # the default 600 s
+    assert "--signal-delay 600 s is not shorter than --time (10 min)" in capsys.readouterr().err
+
+
+# -- the signal's delay against two steps and a checkpoint ---------------------------------------------------------
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def run_laps(laps: list[tuple[str, float]], delay: int | None) -> str:
+    """A StopBudget through `laps` (what, seconds), the delay Slurm gives; returns what it printed."""
+    clock, out = Clock(), io.StringIO()
+    budget = StopBudget(None if delay is None else (lambda: delay), clock=clock, out=out)
+    budget.start()
+    for what, seconds in laps:
+        clock.now += seconds
+        budget.lap(what)
+    return out.getvalue()
+
+
+def test_two_steps_and_a_checkpoint_longer_than_the_signals_delay_warn_once_in_one_line():
+    # The first step (start-up) is left out; then steps of 100 s and a checkpoint of 300 s: 500 s > 120 s.
+    laps = [("step", 900), ("step", 100), ("checkpoint", 300), ("step", 100), ("step", 100), ("step", 100)]
+    printed = run_laps(laps, 120)
+    assert printed.count("\n") == 1 and printed.count("--signal-delay") == 1
+    assert printed == ("spmdsplit: warning: Slurm signals this job 120 s before its time limit, but a clean stop takes "
+                       "up to two steps and a checkpoint, here 100 s + 100 s + a checkpoint's 300 s = 500 s: at the "
+                       "limit the job would be killed before its checkpoint is written; submit with --signal-delay 780 "
+                       "(sbatch --signal=USR2@780; 1.5x this run's)\n")
+    assert run_laps(laps, 600) == ""  # 500 s fit
+    assert run_laps(laps, None) == ""  # not under Slurm (and every rank but 0)
+    assert "signals this job 0 s before" in run_laps(laps, 0)  # --signal=USR2@0: at the limit itself
+    assert run_laps([("step", 900), ("step", 100)], 120) == ""  # one step after the first: nothing to judge yet
+    assert "here 100 s + 100 s (no checkpoint yet) = 200 s" in run_laps([("step", 9), ("step", 100), ("step", 100)], 150)
+
+
+def test_the_signals_delay_is_read_as_sbatch_applied_it():
+    assert signal_seconds("USR2@600") == 600 and signal_seconds("B:USR2@90") == 90 and signal_seconds("USR2") == 60
+    script = "#!/bin/bash\n#SBATCH --time=20\n#SBATCH --signal=USR2@600  # before the limit\n\necho\n#SBATCH --signal=USR2@1\n"
+    assert script_signal(script) == "USR2@600"  # sbatch stops reading #SBATCH lines at the first command
+    # The command line's option, not the batch script's arguments after it; both spellings.
+    line = "sbatch --parsable -o out/%j.out --signal USR2@900 run/spmdsplit.sbatch --signal=USR2@5 trainer.x=1"
+    assert command_line_signal(line, "/home/u/run/spmdsplit.sbatch") == "USR2@900"
+    assert command_line_signal("sbatch --signal=USR2@30 --wrap 'python x.py'", None) == "USR2@30"
+    assert command_line_signal("sbatch /home/u/job.sh", "/home/u/job.sh") is None
+
+
+def test_gpu_presets_save_periodically_and_keep_few_checkpoints():
+    """A 7B job killed before its stop's checkpoint (past KillWait) must not go back to step 1; and
+    checkpoints of ~180 GB are not kept by the dozen."""
+    from spmdsplit.config import load_config
+
+    presets = sorted((REPO / "configs").glob("gpu_*.yaml"))
+    assert presets
+    for preset in presets:
+        trainer = load_config(str(preset)).trainer
+        assert 0 < trainer.save_freq <= 50 and 0 < trainer.max_ckpt_to_keep <= 3, preset.name
+
+
 # -- real jobs on the cluster -----------------------------------------------------------------------------------
 
 
@@ -197,9 +272,14 @@ def test_cpu_job_needs_ranks_per_node(tmp_path):
 @pytest.mark.timeout(420)
 def test_launcher_job_runs_to_the_end_with_tensorboard_and_checkpoints(slurm_cluster, tmp_path):
     folder = tmp_path / "run"
-    out, job_id = launch(folder, "--wait", "--", *TINY, "trainer.total_steps=6", "trainer.save_freq=3", timeout=400)
+    # No warning before the time limit (USR2 at the limit itself): less than any two steps, which the
+    # job reads from its batch script (submitit writes --signal there) and says once.
+    out, job_id = launch(folder, "--signal-delay", "0", "--wait", "--", *TINY, "trainer.total_steps=6",
+                         "trainer.save_freq=3", timeout=400)
     assert out.returncode == 0, out.stdout + out.stderr
     assert slurm_runs(job_id) == ["COMPLETED"]
+    warnings = signal_delay_warnings(folder / "logs" / job_id / f"{job_id}_0_log.err")
+    assert len(warnings) == 1 and "Slurm signals this job 0 s before its time limit" in warnings[0], warnings
 
     assert_every_step_once(folder / "tensorboard", 6)
     ckpt = folder / "checkpoints"
@@ -209,7 +289,7 @@ def test_launcher_job_runs_to_the_end_with_tensorboard_and_checkpoints(slurm_clu
 
     # One Slurm task per rank, the warning signal, requeue allowed, a dead rank ends the job.
     script = (folder / "logs" / job_id / f"{job_id}_submission.sh").read_text()
-    for flag in ("--nodes=1", "--ntasks-per-node=2", "--signal=USR2@120", "--requeue", "--time=20",
+    for flag in ("--nodes=1", "--ntasks-per-node=2", "--signal=USR2@0", "--requeue", "--time=20",
                  "srun --unbuffered", "--kill-on-bad-exit=1"):
         assert flag in script, flag
     for rank in (0, 1):
@@ -257,6 +337,8 @@ def test_preempted_job_requeues_itself_resumes_and_ends_with_every_step(slurm_cl
 
     text = log.read_text()
     assert text.count("(1+1 nodes x 1)") == 3, "every run split the two nodes into the two pools"
+    # The default delay (600 s) covers two of these steps and a checkpoint: no warning in any run.
+    assert signal_delay_warnings(log.with_suffix(".err")) == []
     # After the first stop rank 0 handed over to submitit, whose handler requeued the job (its
     # own log line); after the second, Slurm had requeued it already.
     assert text.count("requeueing Slurm job") == 1 and text.count("Requeued job") == 1, text[-4000:]
@@ -271,13 +353,15 @@ def test_preempted_job_requeues_itself_resumes_and_ends_with_every_step(slurm_cl
 def test_sbatch_template_stops_checkpoints_and_requeues_itself(slurm_cluster, tmp_path):
     """The plain template on 2 nodes: SIGUSR2 as Slurm sends it before the time limit (--signal,
     here by scancel), every rank stops with a checkpoint, the script requeues the job, which
-    resumes."""
+    resumes. Submitted with --signal=USR2@0 over the script's 600 s: the job reads sbatch's command
+    line from Slurm's accounting and warns that no time is too short, once per run."""
     total, run = 16, tmp_path / "run"
     paths = [f"trainer.default_local_dir={run}/checkpoints", f"trainer.log_dir={run}/tensorboard",
              f"trainer.timeline={run}/timeline.json", f"trainer.output_dir={run}/actor_hf"]
     run.mkdir()
     submitted = subprocess.run(
-        ["sbatch", "--parsable", f"--output={run}/%j.out", "--time=20", "--nodes=2", "--ntasks-per-node=1",
+        ["sbatch", "--parsable", f"--output={run}/%j.out", "--time=20", "--signal=USR2@0", "--nodes=2",
+         "--ntasks-per-node=1",
          str(REPO / "spmdsplit" / "launch" / "spmdsplit.sbatch"),
          *TINY, f"trainer.total_steps={total}", *paths],
         capture_output=True, text=True, timeout=60, cwd=run, env={**job_env(), "PYTHON": sys.executable},
@@ -297,6 +381,8 @@ def test_sbatch_template_stops_checkpoints_and_requeues_itself(slurm_cluster, tm
     assert "stopped with a checkpoint; requeueing job" in text and "(restart 1)" in text
     assert text.count("2 ranks on 2 node(s)") == 2 and text.count("(1+1 nodes x 1)") == 2
     assert_every_step_once(run / "tensorboard", total)
+    warnings = signal_delay_warnings(log)
+    assert len(warnings) == 2 and all("Slurm signals this job 0 s before" in w for w in warnings), warnings
 
 
 @pytest.mark.e2e

@@ -225,24 +225,38 @@ class DeepSpeedEngine(HFExport):
         for name, tensor in self.iter_full_weights(dtype):
             yield WeightShard(name, tensor, tuple(tensor.shape), sharded=False)
 
-    def save_checkpoint(self, path: str) -> None:
+    def save_checkpoint(self, path: str, wait_group: dist.ProcessGroup | None = None) -> None:
         """Weights, optimizer and LR schedule under `path` (which the caller publishes); every rank
-        of the pool calls it, only the pool communicates."""
+        of the pool calls it, only the pool communicates.
+
+        `wait_group`: the pool's gloo meeting group (trainer.pool_wait_timeout_s). DeepSpeed 0.19.8's
+        save (runtime/engine.py `save_checkpoint`) waits for the pool in two group-less
+        `deepspeed.comm.barrier()`s, before and after every rank writes its files (the tag's
+        validation, an all-reduce, is off: deepspeed_compat.checkpoint_config); the scoping of
+        deepspeed_compat sends them to the active group, here the meeting group, so the wait for
+        the slowest rank's write runs under the long timeout instead of the pool's
+        trainer.dist_timeout_s. Nothing else in the save communicates."""
         os.makedirs(path, exist_ok=True)  # DeepSpeed makes it on *global* rank 0 only
         client_state = {"spmdsplit_scheduler": self.scheduler.state_dict() if self.scheduler else None,
                         "spmdsplit_pool_size": self.dp_size, "spmdsplit_zero_stage": self.zero_stage}
-        with self._pool_scope():
+        with active_group(wait_group or self.group):
             self.ds.save_checkpoint(path, tag=CHECKPOINT_TAG, client_state=client_state, save_latest=False)
 
-    def load_checkpoint(self, path: str) -> None:
+    def load_checkpoint(self, path: str, wait_group: dist.ProcessGroup | None = None) -> None:
         """The inverse of save_checkpoint, on a pool of the same size and the same ZeRO stage:
-        DeepSpeed's ZeRO files are one per data-parallel rank and do not reshard (FSDP's do)."""
+        DeepSpeed's ZeRO files are one per data-parallel rank and do not reshard (FSDP's do).
+        DeepSpeed 0.19.8's load has no group-less barrier (`wait_group` routes any to the meeting
+        group, as on save); after each rank reads its files, ZeRO's optimizer restores its
+        partitions with tensor collectives over the pool's own group (stage_1_and_2.py,
+        stage3.py `load_state_dict`), which stay there: on GPUs they are NCCL's, on device
+        tensors. A rank whose read outlasts another's by more than trainer.dist_timeout_s
+        still trips that timeout there (the files are one per rank, of about equal size)."""
         saved = self._saved_layout(path)
         if saved != (self.dp_size, self.zero_stage):
             raise ValueError(
                 f"{path}: saved by DeepSpeed ZeRO-{saved[1]} on a pool of {saved[0]} rank(s); this engine is "
                 f"ZeRO-{self.zero_stage} on {self.dp_size}: DeepSpeed checkpoints load only on the same layout")
-        with self._pool_scope():
+        with active_group(wait_group or self.group):
             _, client_state = self.ds.load_checkpoint(
                 path, tag=CHECKPOINT_TAG, load_optimizer_states=self.optimizer is not None,
                 load_lr_scheduler_states=False)

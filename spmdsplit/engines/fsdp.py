@@ -187,15 +187,26 @@ class FSDPEngine(HFExport):
             else:
                 yield WeightShard(name, cast.full_tensor(), tuple(cast.shape), sharded=False)
 
-    def save_checkpoint(self, path: str) -> None:
+    def save_checkpoint(self, path: str, wait_group: dist.ProcessGroup | None = None) -> None:
         """Weights, optimizer and LR schedule under `path`, each rank writing its own shards
-        (torch.distributed.checkpoint over the pool's group only); every pool rank calls it."""
-        dcp.save(self._training_state(), checkpoint_id=path, process_group=self.group)
+        (torch.distributed.checkpoint over the pool's ranks only); every pool rank calls it.
 
-    def load_checkpoint(self, path: str) -> None:
+        `wait_group`: the pool's gloo meeting group (Pools.meet_group, trainer.pool_wait_timeout_s),
+        over the same ranks in the same order, so DCP's file names and plans are the pool group's.
+        DCP's own collectives (torch 2.13, checkpoint/utils.py `_DistWrapper`; state_dict_saver.py
+        and state_dict_loader.py) are object collectives only, pickled plans and results on the
+        host: gather + scatter of the plans, then a gather of every rank's write results and a
+        broadcast of the metadata, which waits for the slowest rank's write (its read, on load).
+        On the pool's NCCL group that wait runs under trainer.dist_timeout_s, and one rank's write
+        of a large shard to a busy filesystem may outlast it; on gloo it waits as long as any
+        wait for another pool. The tensors themselves never travel: each rank writes and reads its
+        own shards, device to file (torch's async_save even requires a CPU backend for this)."""
+        dcp.save(self._training_state(), checkpoint_id=path, process_group=wait_group or self.group)
+
+    def load_checkpoint(self, path: str, wait_group: dist.ProcessGroup | None = None) -> None:
         """The inverse of save_checkpoint. DCP reshards, so the pool may have another size."""
         state = self._training_state()
-        dcp.load(state, checkpoint_id=path, process_group=self.group)
+        dcp.load(state, checkpoint_id=path, process_group=wait_group or self.group)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         self.scheduler.load_state_dict(state["scheduler"])
 

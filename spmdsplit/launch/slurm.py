@@ -30,6 +30,10 @@ from pathlib import Path
 import submitit
 
 DEFAULT_FOLDER = "outputs/slurm"
+# Sized for the 7B preset (two steps and a checkpoint of ~180 GB; docs/slurm.md says how), and the
+# longest delay that submitit still counts as a time-out (not a preemption) whatever --time: its
+# window is the last 10 minutes or the last 20% of the time limit, whichever is longer.
+DEFAULT_SIGNAL_DELAY_S = 600
 # Where the job writes, unless the command line or the --config file says otherwise: all under
 # the run folder, which must be on a filesystem that every node sees and that outlives the job
 # (the requeued job reads its checkpoints from there).
@@ -207,9 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run folder on a filesystem every node sees: submitit's logs/<job id>/ and, unless the "
                         "train config says otherwise, checkpoints/, tensorboard/, timeline.json, actor_hf/ "
                         f"(default {DEFAULT_FOLDER})")
-    g.add_argument("--signal-delay", type=int, default=120, metavar="SECONDS",
+    g.add_argument("--signal-delay", type=int, default=DEFAULT_SIGNAL_DELAY_S, metavar="SECONDS",
                    help="Slurm sends SIGUSR2 this long before the time limit: the job checkpoints and requeues "
-                        "itself (sbatch --signal=USR2@SECONDS; leave a few steps' time and a checkpoint's)")
+                        "itself (sbatch --signal=USR2@SECONDS). It must cover two steps and a checkpoint; the job "
+                        f"warns if not (default {DEFAULT_SIGNAL_DELAY_S}: two 7B steps and a checkpoint, docs/slurm.md)")
     g.add_argument("--max-requeues", type=int, default=3,
                    help="how many times the job may reach its time limit and requeue itself (submitit's "
                         "timeout countdown; preemptions do not count)")
@@ -306,6 +311,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--ranks-per-node is required without --gpus-per-node (e.g. 2 on CPU)")
     if args.nodes < 1:
         parser.error("--nodes must be at least 1")
+    if args.signal_delay >= args.time * 60:
+        parser.error(f"--signal-delay {args.signal_delay} s is not shorter than --time ({args.time} min): Slurm would "
+                     "signal the job as it starts, and it would stop and requeue itself at once; give a longer "
+                     "--time or a shorter --signal-delay")
     folder = Path(args.folder).expanduser().absolute()
     try:
         train_args = with_run_paths(train_args, folder)

@@ -116,7 +116,7 @@ def PoolExecutor(device: torch.device):
     from vllm.distributed import parallel_state
     from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher
 
-    local_rank = device_index(device)
+    local_rank = vllm_local_rank(device)
 
     class _PoolExecutor(ExecutorWithExternalLauncher):
         def _distributed_args(self) -> tuple[str, int, int]:
@@ -129,7 +129,7 @@ def PoolExecutor(device: torch.device):
     return _PoolExecutor
 
 
-def device_index(device: torch.device) -> int:
+def vllm_local_rank(device: torch.device) -> int:
     """The device index vLLM's worker takes as its local rank: the trainer's own device on CUDA."""
     return device.index if device.type == "cuda" else int(os.environ.get("LOCAL_RANK", 0))
 
@@ -177,14 +177,14 @@ def init_vllm_distributed(cfg, model_path: str, device: torch.device, dtype: tor
     vllm_config = EngineArgs(**engine_kwargs(cfg, model_path, device, dtype)).create_engine_config()
     tp, world = cfg.rollout.tensor_model_parallel_size, dist.get_world_size()
     with set_current_vllm_config(vllm_config):
-        init_worker_distributed_environment(vllm_config, dist.get_rank(), "env://", device_index(device),
+        init_worker_distributed_environment(vllm_config, dist.get_rank(), "env://", vllm_local_rank(device),
                                             current_platform.dist_backend)
         _WORLDS["vllm"] = parallel_state.get_world_group()
         # One group per engine (consecutive ranks, as vLLM's tensor-parallel groups and
         # generation.engine_peers cut them), made by every rank in the same order; no device
         # communicator: vLLM's world group never has one either.
         _WORLDS["engine"] = parallel_state.init_model_parallel_group(
-            [list(range(first, first + tp)) for first in range(0, world, tp)], device_index(device),
+            [list(range(first, first + tp)) for first in range(0, world, tp)], vllm_local_rank(device),
             current_platform.dist_backend, group_name="engine_world", use_device_communicator=False)
 
 

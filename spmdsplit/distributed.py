@@ -7,6 +7,15 @@ import torch
 import torch.distributed as dist
 
 
+def meet_on(group, device) -> None:
+    """Every member of `group` gets here before any goes on: a one-number all-reduce on it (on a
+    device group, NCCL's, the first one also builds its communicator), and the host waits for it
+    (`.item()`: a collective on NCCL only queues work on the device)."""
+    token = torch.ones(1, device=device)
+    dist.all_reduce(token, group=group)
+    token.item()
+
+
 def pool_sum(group):
     """A `reduce_sum` for algo.py: sums a small tensor of statistics over the pool."""
 

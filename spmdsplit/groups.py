@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from spmdsplit.distributed import meet_on
 from spmdsplit.placement import Placement, Pools, build_pools, member_or_none
 
 
@@ -141,7 +142,5 @@ def warm_up(groups: ProcessGroups, device: torch.device) -> list[ProcessGroup]:
     mine = [g for g in (*groups.pools.groups.values(), groups.handoff, *groups.weights, groups.generating)
             if g is not None]
     for group in mine:
-        token = torch.ones(1, device=device)
-        dist.all_reduce(token, group=group)
-        token.item()  # the host waits for NCCL too: the communicator exists when this returns
+        meet_on(group, device)  # the communicator exists when this returns
     return mine

@@ -52,6 +52,8 @@ from typing import Iterable, Iterator, NamedTuple
 import torch
 import torch.distributed as dist
 
+from spmdsplit.distributed import meet_on
+
 _ALIGN = 16
 
 
@@ -96,12 +98,10 @@ class WeightBroadcast:
     def ready(self) -> None:
         """Every source and every receiver, before a sync: the source's group (or, on a receiver,
         each source's group in turn) meets once, so a source starts streaming only when the
-        receivers take the stream. The `.item()` makes the host wait on NCCL too."""
-        mine = [g for g in self.groups if g is not None]
-        for group in mine:
-            token = torch.ones(1, device=self.device)
-            dist.all_reduce(token, group=group)
-            token.item()
+        receivers take the stream."""
+        for group in self.groups:
+            if group is not None:
+                meet_on(group, self.device)
 
     def owner(self, index: int) -> tuple[int, object]:
         """The source that broadcasts bucket `index`, and its group: the one that owns the fewest
@@ -127,12 +127,11 @@ class WeightBroadcast:
         whose ranks are the sources in order), which broadcasts it."""
         pool = dist.get_world_size(pool_group)
         buckets = _Buckets(self.bucket_bytes, self.layout, lambda metas: _gathered(metas, pool))
+        as_bytes = lambda index, layout, items: self._gathered_to_owner(index, layout, items, pool_group)  # noqa: E731
         for shard in shards:
-            for index, bucket in buckets.add(shard, (shard.name, shard.part.dtype, shard.shape, shard.sharded)):
-                self._post_bucket(index, buckets, self._gathered_to_owner(index, buckets.layout[index], bucket,
-                                                                          pool_group))
-        for index, bucket in buckets.finish():
-            self._post_bucket(index, buckets, self._gathered_to_owner(index, buckets.layout[index], bucket, pool_group))
+            self._post_closed(buckets, buckets.add(shard, (shard.name, shard.part.dtype, shard.shape, shard.sharded)),
+                              as_bytes)
+        self._post_closed(buckets, buckets.finish(), as_bytes)
         self._end_stream(buckets)
 
     def send(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -141,10 +140,9 @@ class WeightBroadcast:
         buckets = _Buckets(self.bucket_bytes, self.layout, _packed)
         for name, tensor in weights:
             yield name, tensor
-            for index, bucket in buckets.add(tensor, (name, tensor.dtype, tuple(tensor.shape), False)):
-                self._post_bucket(index, buckets, self._packed_bytes(index, buckets.layout[index], bucket))
-        for index, bucket in buckets.finish():
-            self._post_bucket(index, buckets, self._packed_bytes(index, buckets.layout[index], bucket))
+            self._post_closed(buckets, buckets.add(tensor, (name, tensor.dtype, tuple(tensor.shape), False)),
+                              self._packed_bytes)
+        self._post_closed(buckets, buckets.finish(), self._packed_bytes)
         self._end_stream(buckets)
 
     def _mine(self, index: int) -> bool:
@@ -188,6 +186,12 @@ class WeightBroadcast:
                     (offset, nbytes), = spec.pieces
                     buffer[offset: offset + nbytes].copy_(_bytes(s.part))
         return buffer
+
+    def _post_closed(self, buckets: "_Buckets", closed: list[tuple[int, list]], as_bytes) -> None:
+        """The buckets the walk just closed, each made into the bytes its owner broadcasts
+        (`as_bytes(index, layout, items)`: None on the other sources) and posted."""
+        for index, items in closed:
+            self._post_bucket(index, buckets, as_bytes(index, buckets.layout[index], items))
 
     def _post_bucket(self, index: int, buckets: "_Buckets", buffer: torch.Tensor | None) -> None:
         """Bucket `index`'s layout goes out first at the first sync (from its owner), then its owner

@@ -69,16 +69,23 @@ def host_lists(*tensors: torch.Tensor) -> list[list]:
     return [t.cpu().tolist() for t in tensors]
 
 
+def per_flag(items: list, flags: Sequence[bool], call) -> list:
+    """`call(items, flag)` once per value of the items' flags, on the items that have it; the
+    results back in the items' order. A tokenizer's batch call takes one flag for all its rows:
+    at most two calls for a batch, not one per row."""
+    out = [None] * len(items)
+    for flag in sorted(set(flags)):
+        which = [i for i, f in enumerate(flags) if f == flag]
+        for i, result in zip(which, call([items[i] for i in which], flag)):
+            out[i] = result
+    return out
+
+
 def decode_rows(tokenizer, rows: list[list[int]], skip_special_tokens: bool | Sequence[bool] = False) -> list[str]:
     """Each row of token ids decoded, in one `batch_decode` per value of `skip_special_tokens` (one
-    flag for all rows, or one per row): at most two calls for the batch, not one per row."""
+    flag for all rows, or one per row)."""
     flags = [skip_special_tokens] * len(rows) if isinstance(skip_special_tokens, bool) else list(skip_special_tokens)
-    texts: list[str] = [""] * len(rows)
-    for skip in sorted(set(flags)):
-        which = [i for i, flag in enumerate(flags) if flag == skip]
-        for i, text in zip(which, tokenizer.batch_decode([rows[i] for i in which], skip_special_tokens=skip)):
-            texts[i] = text
-    return texts
+    return per_flag(rows, flags, lambda some, skip: tokenizer.batch_decode(some, skip_special_tokens=skip))
 
 
 def response_texts(tokenizer, responses: torch.Tensor, lengths: torch.Tensor, eos_token_ids: set[int],

@@ -28,8 +28,8 @@ from torch import nn
 from spmdsplit.batch import Batch
 from spmdsplit.roles.common import packed_attention_kwargs
 from spmdsplit.roles.micro_batches import in_row_order, plan_bins
-from spmdsplit.roles.reward import (RewardError, decode_rows, describe_sample, host_lists, on_last_token, response_lengths,
-                                    response_texts)
+from spmdsplit.roles.reward import (RewardError, decode_rows, describe_sample, host_lists, on_last_token, per_flag,
+                                    response_lengths, response_texts)
 
 
 def default_max_length(prompt_len: int, response_len: int) -> int:
@@ -112,12 +112,10 @@ class RewardModel:
         # The decoded prompt may already open with the BOS (a chat template writes it): adding
         # the tokenizer's own would double it.
         add_special = [not (bos and text.startswith(bos)) for text in texts]
-        out: list[list[int]] = [[] for _ in texts]
-        for flag in sorted(set(add_special)):
-            which = [i for i, f in enumerate(add_special) if f == flag]
-            for i, ids in zip(which, self.rm_tokenizer([texts[i] for i in which], add_special_tokens=flag)["input_ids"]):
-                out[i] = ids[-max_length:] if len(ids) > max_length else ids
-        return [ids or [self.pad_token_id] for ids in out]
+        encoded = per_flag(texts, add_special,
+                           lambda some, flag: self.rm_tokenizer(some, add_special_tokens=flag)["input_ids"])
+        cut = [ids[-max_length:] if len(ids) > max_length else ids for ids in encoded]
+        return [ids or [self.pad_token_id] for ids in cut]
 
     def _pad(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(r) for r in rows)

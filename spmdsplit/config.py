@@ -250,6 +250,11 @@ class ActorConfig:
     tau_pos: float = positive(1.0)  # policy_loss.loss_mode=sapo: the gate's temperature where the advantage > 0
     tau_neg: float = positive(1.05)  # ... and where it is <= 0 (larger: negative updates fade faster)
     log_prob_micro_batch_size_per_gpu: int = positive(32)
+    # Where the update is one pass (one epoch, one mini-batch: ppo_mini_batch_size =
+    # data.train_batch_size), its own forward, detached, gives the old log-probs instead of a
+    # separate old_log_prob pass (as TRL's GRPO); false keeps the separate pass always
+    # (docs/algorithms.md, "Old log-probs from the update's own forward").
+    old_log_prob_from_update: bool = True
     engine: str = choice(*ENGINES)  # fsdp (FSDP2) | deepspeed (ZeRO, over the actor pool's group)
     # deepspeed: 1 (optimizer state), 2 (+ gradients), 3 (+ weights) sharded over the pool
     zero_stage: int = choice(1, 2, 3, default=3)

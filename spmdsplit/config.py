@@ -255,6 +255,13 @@ class ActorConfig:
     # separate old_log_prob pass (as TRL's GRPO); false keeps the separate pass always
     # (docs/algorithms.md, "Old log-probs from the update's own forward").
     old_log_prob_from_update: bool = True
+    # Response tokens whose logits exist at once, in the log-prob pass and the update (the reference
+    # too): the LM head, log-softmax and entropy run this many tokens at a time, each chunk's head
+    # recomputed in the backward (roles/lm_head.py; verl's use_fused_kernels, whose torch backend
+    # chunks 512 tokens, and entropy_from_logits_with_chunking in one key). At Qwen's 152k vocabulary
+    # 512 tokens are ~0.16 GB of bf16 logits, a 16k-token micro-batch's whole logits ~5 GB.
+    # 0: the whole micro-batch's logits at once (only the fp32 softmax chunked).
+    logits_chunk_size: int = bounded(512, lambda v: v >= 0, "expected >= 0 tokens (0 = not chunked)")
     engine: str = choice(*ENGINES)  # fsdp (FSDP2) | deepspeed (ZeRO, over the actor pool's group)
     # deepspeed: 1 (optimizer state), 2 (+ gradients), 3 (+ weights) sharded over the pool
     zero_stage: int = choice(1, 2, 3, default=3)

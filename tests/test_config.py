@@ -620,6 +620,11 @@ def test_named_pools_and_roles_load_and_plan():
     assert p.ranks("rollout") == (1,) and p.ranks("actor") == p.ranks("critic") == (0,)
 
 
+def test_logits_chunk_size_is_declared_non_negative():
+    assert load_config().actor.logits_chunk_size == 512 and load_config(None, ["actor.logits_chunk_size=0"])
+    assert error_of("actor.logits_chunk_size=-1") == "actor.logits_chunk_size=-1: expected >= 0 tokens (0 = not chunked)"
+
+
 def test_staleness_is_declared_non_negative():
     assert load_config().rollout.staleness == 0
     assert error_of("rollout.staleness=-1") == "rollout.staleness=-1: expected >= 0 (0 = on-policy)"

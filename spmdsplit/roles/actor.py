@@ -54,10 +54,15 @@ class Actor:
     def _log_probs(self, micro: Batch, entropy: str, extent: Extent | None = None):
         """(log-probs, entropy or None) of the response tokens; entropy: none | grad | detached
         (see algo.logprobs_and_entropy). Divided by the sampling temperature: the log-probs must
-        be those of the distribution the rollout actually sampled from."""
+        be those of the distribution the rollout actually sampled from. With logits_chunk_size, the
+        LM head and this run a chunk of tokens at a time (roles/lm_head.py): no inner chunks then."""
+        chunk = self.cfg.logits_chunk_size
+        inner = None if chunk else algo.CHUNK_ELEMENTS
+
         def head(logits, tokens):
-            return algo.logprobs_and_entropy(logits, tokens, self.temperature, entropy)
-        return forward_response(self.engine, micro, head, self.remove_padding, response_only=True, extent=extent)
+            return algo.logprobs_and_entropy(logits, tokens, self.temperature, entropy, chunk_elements=inner)
+        return forward_response(self.engine, micro, head, self.remove_padding, response_only=True, extent=extent,
+                                chunk=chunk)
 
     @torch.no_grad()
     def compute_log_prob(self, batch: Batch) -> torch.Tensor:

@@ -201,7 +201,7 @@ def test_a_model_that_changes_its_head_output_unannounced_is_refused():
 
     model = ScaledLogits(tiny_model().config)
     actor = Actor(model, ActorConfig(logits_chunk_size=3), TEMPERATURE, torch.device("cpu"))
-    with pytest.raises(RuntimeError, match=r"ScaledLogits changes its LM head's output .* actor.logits_chunk_size=0"):
+    with pytest.raises(RuntimeError, match=r"ScaledLogits changes its LM head's output .*: set actor.logits_chunk_size=0"):
         actor._log_probs(make_batch(40), "none")
     assert "forward" not in model.lm_head.__dict__
 

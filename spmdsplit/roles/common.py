@@ -66,8 +66,9 @@ def _trimmed_forward(model, micro: Batch, head: Head, response_only: bool, exten
     inputs = dict(input_ids=micro["input_ids"][:, cols], attention_mask=mask[:, cols],
                   position_ids=micro["position_ids"][:, cols], use_cache=False)
     tokens = micro["responses"][:, :width]
-    if response_only:  # the last kept position predicts past the response: the first `width` are read
-        outputs = _response_head(model, {**inputs, "logits_to_keep": width + 1}, head, tokens, chunk)
+    if response_only:  # the last kept position predicts past the response
+        outputs = _response_head(model, {**inputs, "logits_to_keep": width + 1}, head, tokens, chunk,
+                                 slice(-width - 1, -1))
     else:
         outputs = head(model(**inputs).logits[:, -width - 1 : -1], tokens)
     return _each(lambda x: torch.nn.functional.pad(x, (0, R - width)), outputs)  # back to full width
@@ -110,30 +111,30 @@ def _packed_forward(model, micro: Batch, head: Head, response_only: bool, extent
                   **packed_attention_kwargs(model, mask.sum(1), extent.lengths))
     tokens = micro["responses"][rows, cols][None]
     if response_only:
-        outputs = _response_head(model, {**inputs, "logits_to_keep": predictors}, head, tokens, chunk)
+        outputs = _response_head(model, {**inputs, "logits_to_keep": predictors}, head, tokens, chunk, slice(None))
     else:
         outputs = head(model(**inputs).logits[:, predictors], tokens)
     # Each [1, N] output to its (row, column) of a zero [b, R] (differentiable).
     return _each(lambda x: x.new_zeros(b, R).index_put((rows, cols), x[0]), outputs)
 
 
-def _response_head(model, inputs: dict, head: Head, tokens: torch.Tensor, chunk: int):
-    """`head` of the logits at the positions `inputs`' logits_to_keep keeps, the first N of them
-    predicting the N `tokens` ([b, N]). chunk 0: the model's logits whole. Otherwise `chunk`
+def _response_head(model, inputs: dict, head: Head, tokens: torch.Tensor, chunk: int, positions: slice):
+    """`head` of the logits at the positions that predict `tokens` ([b, N]): `positions` of those
+    `inputs`' logits_to_keep keeps. chunk 0: the model's logits whole. Otherwise `chunk`
     positions at a time, checkpointed (roles/lm_head.py): the LM head itself in chunks, inside
     the model's forward, where the model hands its head's output on untouched; else (soft-capped
     logits, `head_runs_in_chunks`) the logits whole and only `head` in chunks."""
-    n = tokens.shape[-1]
     if not chunk:
-        return head(model(**inputs).logits[:, :n], tokens)
+        return head(model(**inputs).logits[:, positions], tokens)
     module = _module(model)
     if not head_runs_in_chunks(module):
         logits = model(**inputs).logits
-        # Kept positions past the N (the trimmed forward's last) score token 0, then are dropped:
-        # the logits go to in_chunks whole, where a slice of them would be copied to flatten it.
-        padded = torch.nn.functional.pad(tokens, (0, logits.shape[-2] - n))
-        return _each(lambda out: out[..., :n], in_chunks(lambda x: x, head, logits, padded, chunk))
-    with HeadInChunks(module, head, tokens, chunk) as chunked:
+        # The other kept positions score token 0, then are dropped: the logits go to in_chunks
+        # whole, where a slice of them would be copied to flatten it.
+        padded = tokens.new_zeros(logits.shape[:-1])
+        padded[:, positions] = tokens
+        return _each(lambda out: out[:, positions], in_chunks(lambda x: x, head, logits, padded, chunk))
+    with HeadInChunks(module, head, tokens, chunk, positions) as chunked:
         return chunked.outputs(model(**inputs).logits)
 
 

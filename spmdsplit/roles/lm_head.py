@@ -50,8 +50,7 @@ def in_chunks(fn: Callable, head: Callable, inputs: torch.Tensor, tokens: torch.
     [..., N] or a tuple of them, Nones kept), chunks joined back."""
     lead = tokens.shape
     flat_inputs, flat_tokens = inputs.reshape(-1, inputs.shape[-1]), tokens.reshape(-1)
-
-    returns_tuple = []
+    returns_tuple = []  # what head returned, seen in its first call
 
     def one(part, part_tokens):
         out = head(fn(part), part_tokens)
@@ -68,19 +67,19 @@ def in_chunks(fn: Callable, head: Callable, inputs: torch.Tensor, tokens: torch.
 
 class HeadInChunks:
     """For one forward of `module` (a transformers causal LM, `head_runs_in_chunks`): its output
-    embedding computes `in_chunks(its own forward, head, hidden, tokens, chunk)` from the hidden
-    states it is given (the kept positions, `logits_to_keep`; the first N of them predict the N
-    `tokens`), and returns the head's outputs stacked [..., N, k] where the model puts its logits.
-    `outputs(out.logits)` then gives them back as `head` returned them.
+    embedding computes `in_chunks(its own forward, head, hidden[..., positions, :], tokens, chunk)`
+    from the hidden states it is given (those at the kept positions, `logits_to_keep`; `positions`
+    of them predict the N `tokens`), and returns the head's outputs stacked [..., N, k] where the
+    model puts its logits. `outputs(out.logits)` then gives them back as `head` returned them.
 
-        with HeadInChunks(module, head, tokens, chunk) as chunked:
+        with HeadInChunks(module, head, tokens, chunk, positions) as chunked:
             outputs = chunked.outputs(model(..., logits_to_keep=...).logits)
     """
 
-    def __init__(self, module: torch.nn.Module, head: Callable, tokens: torch.Tensor, chunk: int):
+    def __init__(self, module: torch.nn.Module, head: Callable, tokens: torch.Tensor, chunk: int, positions: slice):
         self.lm_head = module.get_output_embeddings()
         self.model_name = type(module).__name__
-        self.head, self.tokens, self.chunk = head, tokens, chunk
+        self.head, self.tokens, self.chunk, self.positions = head, tokens, chunk, positions
         self.stacked = None
 
     def __enter__(self):
@@ -89,12 +88,13 @@ class HeadInChunks:
         original = self.lm_head.forward
 
         def forward(hidden):
-            outputs = in_chunks(original, self.head, hidden[..., : self.tokens.shape[-1], :], self.tokens, self.chunk)
-            self.structure = outputs if isinstance(outputs, tuple) else None
+            outputs = in_chunks(original, self.head, hidden[..., self.positions, :], self.tokens, self.chunk)
+            # which outputs are None, or None when head returned one tensor
+            self.nones = [o is None for o in outputs] if isinstance(outputs, tuple) else None
             kept = [o for o in outputs if o is not None] if isinstance(outputs, tuple) else [outputs]
             self.with_grad = [o.requires_grad for o in kept]
             self.stacked = torch.stack(kept, -1)
-            self.version = self.stacked._version
+            self.version = None if self.stacked.is_inference() else self.stacked._version
             return self.stacked
 
         self.lm_head.forward = forward
@@ -111,12 +111,13 @@ class HeadInChunks:
         returned, untouched (an engine's hook may hand on a view of it: DeepSpeed's does)."""
         stacked = self.stacked
         untouched = (stacked is not None and logits.shape == stacked.shape and logits.data_ptr() == stacked.data_ptr()
-                     and logits._version == self.version)
+                     and (self.version is None or logits._version == self.version))
         if not untouched:
-            raise RuntimeError(f"{self.model_name} changes its LM head's output before returning the logits, so the "
-                               "head cannot run in chunks: set actor.logits_chunk_size=0")
+            raise RuntimeError(f"{self.model_name} changes its LM head's output before returning the logits (or "
+                               "does not call its output embedding), so the head cannot run in chunks: set "
+                               "actor.logits_chunk_size=0")
         # An output without a graph (entropy for logging only) stays without one once unstacked.
         columns = iter(c if grad else c.detach() for c, grad in zip(logits.unbind(-1), self.with_grad))
-        if self.structure is None:
+        if self.nones is None:
             return next(columns)
-        return tuple(None if o is None else next(columns) for o in self.structure)
+        return tuple(None if none else next(columns) for none in self.nones)

@@ -89,9 +89,11 @@ class StepProfiler:
     (Perfetto opens it; the phases are its `phase:<name>` ranges). CPU ops always; on a GPU also
     CUDA activity, which torch.profiler (torch/profiler/profiler.py -> autograd/profiler.py, with
     ProfilerActivity.CUDA in kineto's activities) takes from CUPTI's activity records: every
-    kernel, memcpy and memset with its start and end on the GPU, put on the host's clock by
-    kineto and linked to the `cudaLaunchKernel` that started it by a correlation id ("External
-    id"). Without CUPTI, torch falls back to legacy CUDA events and the trace holds no kernels."""
+    kernel, memcpy and memset with its start and end on the GPU, which kineto converts from
+    CUPTI's clock to time since the Unix epoch, the CPU events' base (torch's own trace validator,
+    profiler/_trace_validator.py, compares a kernel's start with its `cudaLaunchKernel`'s), and
+    links to that launch by a correlation id ("External id"). Without CUPTI, torch falls back to
+    legacy CUDA events (profiler.supported_activities) and the trace holds no kernels."""
 
     def __init__(self, steps, folder: str, rank: int, device: torch.device):
         self.steps = sorted(steps)

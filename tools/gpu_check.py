@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import os
 import statistics
 import sys
@@ -47,8 +48,6 @@ def attention_for(device: str) -> str:
     """The packed passes' kernel: FlashAttention-2 on a GPU that has the flash-attn package (the
     GPU presets' choice: boundaries passed once per micro-batch, no mask), else sdpa with its
     block-causal mask (small here: 8 rows x 192 tokens, a 4.5 MiB bf16 mask)."""
-    import importlib.util
-
     return "flash_attention_2" if device == "cuda" and importlib.util.find_spec("flash_attn") else "sdpa"
 
 
@@ -143,6 +142,12 @@ def main(argv=None) -> int:
     from spmdsplit.config import load_config
     from spmdsplit.embedded import build_tokenizer
 
+    if "vllm" in args.rollouts and importlib.util.find_spec("vllm") is None:
+        # The default asks for both engines; a machine without vLLM still gets the HF report.
+        print("gpu_check: vllm is not installed: rollout.name=vllm skipped", file=sys.stderr, flush=True)
+        args.rollouts = [r for r in args.rollouts if r != "vllm"]
+        if not args.rollouts:
+            return 1
     vocab = len(build_tokenizer())
     shape, w = (SMALL_SHAPE, SMALL_WORKLOAD) if args.small else (QWEN25_05B, WORKLOAD)
     timed, profiled = timed_steps(args.steps), [args.steps]

@@ -1,6 +1,7 @@
 """tools/efficiency.py: the FLOPs it counts per phase, against a hand count and against what
 torch's own FLOP counter sees the real passes run on a tiny Qwen2; what it reads from a trace.
-The whole report, from a real job's profile: tests/test_bench.py (the gpu_check test)."""
+The profile it reads, from every rank of a split job (trainer.profile_steps); the whole report
+from a real job's profile: tests/test_bench.py (the gpu_check test)."""
 
 import pytest
 import torch
@@ -10,7 +11,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from spmdsplit.batch import Batch
 from spmdsplit.engines.common import apply_ac
 from spmdsplit.roles.common import forward_response
-from tools.efficiency import ModelShape, Tokens, phase_activity, phase_flops, phase_tokens
+from tests.launch import job
+from tools.efficiency import ModelShape, Tokens, phase_activity, phase_flops, phase_tokens, read_trace
 
 # hidden 8, one layer, 2 query heads and 1 key/value head of width 4, MLP 16, vocabulary 10
 SHAPE = ModelShape(hidden=8, layers=1, heads=2, kv_heads=1, head_dim=4, mlp=16, vocab=10)
@@ -113,3 +115,21 @@ def test_phase_activity_reads_busy_time_and_kernels_from_a_trace():
     assert seen["busy_s"] == pytest.approx(70e-6)
     assert seen["kernels"] == {"gemm": [pytest.approx(20e-6), 1], "nccl": [pytest.approx(40e-6), 1]}
     assert phase_activity([phase, op("aten::mm", 110, 5)], gpu=True) == {}  # no CUPTI records: nothing to say
+
+
+def test_every_rank_profiles_its_own_phases_over_the_chosen_steps(tmp_path):
+    """trainer.profile_steps=[2,3] on split 1+1: each rank writes its trace when step 3 ends, its
+    own pool's phases in it as ranges, once per profiled step, and no step outside them."""
+    result = job(2, "placement.mode=split", "trainer.total_steps=4", "trainer.profile_steps=[2,3]",
+                 f"trainer.profile_dir={tmp_path}", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8",
+                 "critic.ppo_mini_batch_size=8", f"trainer.log_dir={tmp_path}/tb", "trainer.timeline=")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    own = {0: {"gen", "old_log_prob", "ref", "update_actor"}, 1: {"values", "reward", "adv", "update_critic"}}
+    for rank in (0, 1):
+        events = read_trace(str(tmp_path / f"rank{rank}.json.gz"))
+        ranges = [e["name"].removeprefix("phase:") for e in events
+                  if e.get("cat") == "user_annotation" and e["name"].startswith("phase:")]
+        assert own[rank] <= set(ranges) and not own[1 - rank] & set(ranges), (rank, sorted(set(ranges)))
+        assert all(ranges.count(name) == 2 for name in own[rank]), (rank, ranges)  # steps 2 and 3, not 1 or 4
+        seen = phase_activity(events, gpu=False)
+        assert all(seen[name]["busy_s"] > 0 and seen[name]["kernels"] for name in own[rank])

@@ -219,8 +219,9 @@ def _self_times(ops: list[dict]) -> list[float]:
 
 def phase_activity(events: list[dict], gpu: bool) -> dict[str, dict]:
     """Per phase of the trace: its ranges' wall time, the device's busy time inside them (s),
-    and its kernels {name: [seconds, calls]} (GPU: kernel time inside the ranges; CPU: ops' self
-    time, an op counted in the phase it starts in). Empty for a GPU trace without kernels."""
+    and its kernels {name: [seconds, calls]}, each counted in the range it starts in (GPU: the
+    kernel's time inside the range; CPU: the op's self time). Empty for a GPU trace without
+    kernels (no CUPTI: nothing to say about the GPU's idle time)."""
     ranges = [(e["name"][len(PHASE_RANGE):], float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events
               if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e.get("name", "").startswith(PHASE_RANGE)]
     work = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in (GPU_WORK if gpu else ("cpu_op",))),

@@ -73,6 +73,16 @@ def paths(default):
     return bounded(default, ok, "expected a path or a list of paths")
 
 
+def consecutive_steps():
+    """A list of consecutive step numbers from 1 up, or [] (trainer.profile_steps)."""
+    def check(key, value):
+        steps = list(value)
+        if not steps or (steps[0] > 0 and steps == list(range(steps[0], steps[0] + len(steps)))):
+            return None
+        return f"{key}={steps}: expected consecutive steps from 1 up, e.g. [3] or [2, 3] ([] = off)"
+    return field(default_factory=list, metadata={"check": check})
+
+
 def positive(default):
     return bounded(default, lambda v: v > 0, "expected a positive number")
 
@@ -107,6 +117,11 @@ class TrainerConfig:
     project_name: str = "spmdsplit"  # the wandb project, the MLflow experiment
     experiment_name: str = "default"  # the wandb / MLflow run's name
     timeline: str = "outputs/timeline.json"  # Chrome-trace JSON of every rank's phases; "" = off
+    # torch.profiler over these consecutive steps (e.g. [3] or [2, 3]) on every rank, the phases as
+    # ranges, each rank's trace written to <profile_dir>/rank<r>.json.gz (spmdsplit/metrics.py
+    # StepProfiler; tools.gpu_check reads it); [] = off. verl 0.4's trainer.profile_steps.
+    profile_steps: list[int] = consecutive_steps()
+    profile_dir: str = "outputs/profile"
     output_dir: str = "outputs/actor_hf"  # the trained actor in Hugging Face format; "" = don't save
     device: str = choice("auto", "cpu", "cuda")  # auto: cuda when available
     num_threads: int = 1  # torch threads per rank on CPU (1 avoids oversubscribing cores); 0 = torch's default
@@ -488,7 +503,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
 
 
-PATH_KEYS = ("trainer.log_dir", "trainer.timeline", "trainer.output_dir", "trainer.default_local_dir",
+PATH_KEYS = ("trainer.log_dir", "trainer.timeline", "trainer.profile_dir", "trainer.output_dir", "trainer.default_local_dir",
              "model.path", "model.embedded_dir", "critic.model_path", "rollout.multi_turn.tool_config_path")
 
 

@@ -136,6 +136,14 @@ def test_other_range_checks():
     assert "only rollout.name=vllm" in error_of("rollout.tensor_model_parallel_size=2")  # HF generate has no TP
 
 
+def test_profile_steps_are_consecutive_steps():
+    assert load_config(None, ["trainer.profile_steps=[2,3]"]).trainer.profile_steps == [2, 3]
+    assert load_config(None, []).trainer.profile_steps == []  # off
+    for bad in ("[2,4]", "[3,2]", "[0]"):
+        msg = error_of(f"trainer.profile_steps={bad}")
+        assert msg.startswith("trainer.profile_steps=") and "consecutive steps" in msg and "\n" not in msg
+
+
 def test_override_without_equals_is_an_error():
     assert "key=value" in error_of("trainer.total_steps")
 

@@ -84,6 +84,15 @@ def test_flops_match_torch_flop_counter_on_the_real_passes(tiny_qwen2):
     flops, _ = counted(lambda: forward_response(model, batch, lambda logits, tokens: logits.sum(-1),
                                                 remove_padding=True, response_only=True).sum().backward())
     assert flops == without_attention(phase_flops("update_actor", SHAPE, t, checkpointing=True))
+    # The LM head in chunks (actor.logits_chunk_size, roles/lm_head.py): recomputed in the backward
+    # where the head needs the logits back (a log-softmax does; a sum would not, and checkpoint's
+    # early stop would skip the recompute).
+    def log_probs(logits, tokens):
+        return logits.log_softmax(-1).gather(-1, tokens[..., None]).squeeze(-1)
+
+    flops, _ = counted(lambda: forward_response(model, batch, log_probs, remove_padding=True, response_only=True,
+                                                chunk=2).sum().backward())
+    assert flops == without_attention(phase_flops("update_actor", SHAPE, t, checkpointing=True, head_in_chunks=True))
     model.gradient_checkpointing_disable()
     flops, _ = counted(lambda: forward_response(model, batch, lambda logits, tokens: logits.sum(-1),
                                                 remove_padding=True, response_only=True).sum().backward())
@@ -121,7 +130,7 @@ def test_every_rank_profiles_its_own_phases_over_the_chosen_steps(tmp_path):
     """trainer.profile_steps=[2,3] on split 1+1: each rank writes its trace when step 3 ends, its
     own pool's phases in it as ranges, once per profiled step, and no step outside them."""
     result = job(2, "placement.mode=split", "trainer.total_steps=4", "trainer.profile_steps=[2,3]",
-                 f"trainer.profile_dir={tmp_path}", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8",
+                 f"trainer.profile_dir={tmp_path}", "data.train_batch_size=8", "actor.ppo_mini_batch_size=4",
                  "critic.ppo_mini_batch_size=8", f"trainer.log_dir={tmp_path}/tb", "trainer.timeline=")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     own = {0: {"gen", "old_log_prob", "ref", "update_actor"}, 1: {"values", "reward", "adv", "update_critic"}}

@@ -24,7 +24,8 @@ step's mean lengths; padding is never counted, so it shows as lost utilisation):
   gradients) plus, with gradient checkpointing, the decoder layers' forward once more less each
   layer's last matmul (MLP down, 2 h m T: torch.utils.checkpoint's non-reentrant recompute stops
   once backward has every tensor it saved, `set_checkpoint_early_stop`) and attention's forward.
-  The head is not recomputed. Recomputation counted makes this what PaLM calls hardware FLOPs
+  The actor's LM head is recomputed in the backward too where it runs in chunks
+  (actor.logits_chunk_size > 0, the default; roles/lm_head.py): its head then counts 4 forwards. Recomputation counted makes this what PaLM calls hardware FLOPs
   utilisation; without checkpointing both are the same.
 MFU = FLOPs / (phase time x the dense matmul rate measured in the same call: bf16 on a GPU, fp32
 on CPU at the job's threads per rank). Phase times are the medians over the steps not profiled.
@@ -104,18 +105,21 @@ def forward_flops(shape: ModelShape, tokens: float, rows: float, head_width: int
             "head": 2 * shape.hidden * head_width * head_tokens}
 
 
-def update_flops(shape: ModelShape, forward: dict, tokens: float, checkpointing: bool, epochs: int) -> dict:
+def update_flops(shape: ModelShape, forward: dict, tokens: float, checkpointing: bool, epochs: int,
+                 head_recomputed: bool = False) -> dict:
     """Forward, backward (twice the forward) and, with gradient checkpointing, the layers'
-    recompute less each layer's MLP down projection (see the module's docstring); per epoch."""
+    recompute less each layer's MLP down projection (see the module's docstring); with
+    `head_recomputed` (the LM head in chunks) the head's forward once more; per epoch."""
     recompute = forward["matmul"] - 2 * shape.layers * shape.hidden * shape.mlp * tokens if checkpointing else 0.0
     return {"matmul": epochs * (3 * forward["matmul"] + recompute),
             "attention": epochs * (3 + checkpointing) * forward["attention"],
-            "head": epochs * 3 * forward["head"]}
+            "head": epochs * (3 + head_recomputed) * forward["head"]}
 
 
 def phase_flops(phase: str, shape: ModelShape, t: Tokens, checkpointing: bool, actor_epochs: int = 1,
-                critic_epochs: int = 1) -> dict | None:
-    """FLOPs of one step of `phase` by part, or None for a phase without a model pass."""
+                critic_epochs: int = 1, head_in_chunks: bool = False) -> dict | None:
+    """FLOPs of one step of `phase` by part, or None for a phase without a model pass;
+    `head_in_chunks`: actor.logits_chunk_size > 0 (the update recomputes the LM head)."""
     actor = forward_flops(shape, t.total, t.rows, shape.vocab, t.response)
     critic = forward_flops(shape, t.total, t.rows, 1, t.total)
     if phase == "gen":
@@ -127,7 +131,7 @@ def phase_flops(phase: str, shape: ModelShape, t: Tokens, checkpointing: bool, a
     if phase == "values":
         return critic
     if phase == "update_actor":
-        return update_flops(shape, actor, t.total, checkpointing, actor_epochs)
+        return update_flops(shape, actor, t.total, checkpointing, actor_epochs, head_in_chunks)
     if phase == "update_critic":
         return update_flops(shape, critic, t.total, checkpointing, critic_epochs)
     return None
@@ -274,7 +278,7 @@ def efficiency(shape: ModelShape, cfg, scalars: dict, activity: dict, rate: dict
         per_step = []
         for s in steps:
             t = step_tokens(scalars, s, rows)
-            flops = phase_flops(name, shape, t, checkpointing, **epochs)
+            flops = phase_flops(name, shape, t, checkpointing, **epochs, head_in_chunks=cfg.actor.logits_chunk_size > 0)
             if flops is not None:
                 total = sum(flops.values())
                 per_step.append({"tokens": phase_tokens(name, t, **epochs), "flops": total, "parts": flops,

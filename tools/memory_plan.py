@@ -446,8 +446,11 @@ def plan(cfg, model: str, world_size: int, gpus_per_node: int, device_gb: float,
     placement = plan_from_config(cfg.placement, world_size, min(world_size, gpus_per_node),
                                  max(1, world_size // gpus_per_node))
     pools = {name: len(ranks) for name, ranks in placement.pools.items()}
+    need = max(pools.values())
+    if dist.is_initialized() and dist.get_world_size() < need:  # an earlier plan's world is too small
+        dist.destroy_process_group()
     if not dist.is_initialized():
-        dist.init_process_group("fake", rank=0, world_size=max(pools.values()), store=FakeStore())
+        dist.init_process_group("fake", rank=0, world_size=need, store=FakeStore())
     w = workload_of(cfg, device_gb)
     out = []
     with tempfile.TemporaryDirectory() as scratch:
@@ -482,6 +485,54 @@ def render(pools: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# docs/memory.md's table: (model, preset, GPUs). 32B and 72B take the 7B preset's workload.
+CASES = [("Qwen2.5-7B", "configs/gpu_qwen2.5_0.5b.yaml", 8), ("Qwen2.5-7B", "configs/gpu_qwen2.5_7b.yaml", 8),
+         ("Qwen2.5-32B", "configs/gpu_qwen2.5_7b.yaml", 16), ("Qwen2.5-32B", "configs/gpu_qwen2.5_7b.yaml", 32),
+         ("Qwen2.5-72B", "configs/gpu_qwen2.5_7b.yaml", 16), ("Qwen2.5-72B", "configs/gpu_qwen2.5_7b.yaml", 32)]
+RESERVE_GB = 4.0  # left per GPU for the CUDA context and fragmentation, as tools.plan --memory leaves
+MARK = "<!-- tools.memory_plan table -->"
+
+
+def fit_rows(pools: list[dict], w: Workload, gpu_gb: float) -> list[dict]:
+    """Each pool's planned peak with NCCL's buffers added (memory.py's estimate: the pool's group
+    and a two-rank communicator per rank of the other pool it trades rows with) and the margin to
+    the GPU less the reserve (negative: over)."""
+    rows = []
+    for p in pools:
+        others = [q["ranks"] for q in pools if q is not p]
+        communicators = (p["ranks"] > 1) + sum(memory.links(p["ranks"], o) for o in others)
+        nccl = memory.nccl(communicators, replace(w, nccl_mb=Workload.nccl_mb))
+        total = p["peak"] + nccl
+        rows.append({**p, "nccl": nccl, "with_nccl": total, "margin": (gpu_gb - RESERVE_GB) * GB - total})
+    return rows
+
+
+def table(cases=CASES, gpu_gb: float = 80.0, gpus_per_node: int = 8) -> str:
+    """docs/memory.md's table: each case's pools, planned peak (GB), memory.py's, and the fit."""
+    from spmdsplit.config import load_config
+
+    lines = ["| model | preset | GPUs | pool (ranks) | planned peak (phase) | + NCCL | tools/memory.py | fits 80 GB "
+             "(4 GB reserve) |", "|---|---|---|---|---|---|---|---|"]
+    for model, preset, gpus in cases:
+        cfg = load_config(preset, [f"model.path={model}"])
+        for r in fit_rows(plan(cfg, model, gpus, gpus_per_node, gpu_gb), workload_of(cfg, gpu_gb), gpu_gb):
+            fits = "yes" if r["margin"] >= 0 else "no"
+            lines.append(f"| {model} | {os.path.basename(preset)} | {gpus} | {r['pool']} ({r['ranks']}) | "
+                         f"{r['peak'] / GB:.1f} ({r['peak_phase']}) | {r['with_nccl'] / GB:.1f} | "
+                         f"{r['predicted']['peak'] / GB:.1f} | {fits}, {r['margin'] / GB:+.1f} GB |")
+            print(lines[-1], file=sys.stderr, flush=True)
+    return "\n".join(lines)
+
+
+def write_doc(path: str, text: str) -> None:
+    """`text` between the page's two MARK lines."""
+    with open(path) as f:
+        before, _, rest = f.read().partition(MARK + "\n")
+        _, _, after = rest.partition(MARK + "\n")
+    with open(path, "w") as f:
+        f.write(before + MARK + "\n" + text + "\n" + MARK + "\n" + after)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="tools.memory_plan", description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/gpu_qwen2.5_7b.yaml", help="a preset (its layout and workload)")
@@ -496,9 +547,13 @@ def main(argv=None) -> int:
                    help="the plan on fake tensors, then on real ones: {fake: pools, real: pools} as JSON (small shapes only)")
     p.add_argument("--json", action="store_true", help="one JSON object per pool (bytes)")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
+    p.add_argument("--doc", help="write docs/memory.md's table of CASES into this page (between its markers)")
     args = p.parse_args(argv)
     from spmdsplit.config import load_config
 
+    if args.doc:
+        write_doc(args.doc, table(gpu_gb=args.gpu_gb, gpus_per_node=args.gpus_per_node))
+        return 0
     cfg = load_config(args.config, [f"model.path={args.model}", *args.overrides])
     if args.compare_real:
         print(json.dumps({kind: plan(cfg, args.model, args.world_size, args.gpus_per_node, args.gpu_gb, fake=kind == "fake")

@@ -94,21 +94,39 @@ def model_folder(model: str, scratch: str) -> tuple[str, Shape]:
 # Running our code on fake tensors
 
 
-class _FakeScalars:
-    """A fake tensor has no value; where our code reads one on the host (a metric's `.tolist()`,
-    the grad norm's `.item()`, `if torch.isfinite(norm)`), it gets 1 (True), so the code takes
-    its ordinary path (the step is taken). Real tensors are read as they are."""
+class _FakeHost:
+    """What makes our host code run over fake tensors, and keeps the plan's own process small.
 
-    def __init__(self):
+    A fake tensor has no value; where our code reads one on the host (a metric's `.tolist()`, the
+    grad norm's `.item()`, `if torch.isfinite(norm)`), it gets 1 (True), so the code takes its
+    ordinary path (the step is taken). Real tensors are read as they are: the rollout rows are
+    real (the micro-batch plan reads their lengths).
+
+    A factory call with no tensor to follow (`torch.empty(size)`) makes a real tensor even while
+    the model's are fake: FSDP2 makes its all-gather outputs, unsharded parameters and
+    reduce-scatter inputs that way, gigabytes each at 7B and more. Under `fake_mode`, those of 64
+    KiB or more are made fake (the tracker counts them the same); smaller ones stay real, as the
+    0-d sums and index tensors the host reads."""
+
+    SMALL = 1 << 16
+
+    def __init__(self, fake_mode=None):
         from torch.utils._python_dispatch import TorchDispatchMode
 
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 from torch._subclasses.fake_tensor import FakeTensor
 
+                kwargs = kwargs or {}
                 if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
                     return True if args[0].dtype == torch.bool else (1.0 if args[0].is_floating_point() else 1)
-                return func(*args, **(kwargs or {}))
+                from torch._guards import active_fake_mode
+
+                # (not inside DTensor's own fake mode, which works out shardings on its own tensors)
+                if fake_mode is not None and active_fake_mode() is None and _large_factory(args, kwargs, _FakeHost.SMALL):
+                    with fake_mode:
+                        return func(*args, **kwargs)
+                return func(*args, **kwargs)
 
         self.mode = Mode()
 
@@ -117,6 +135,22 @@ class _FakeScalars:
 
     def __exit__(self, *exc):
         return self.mode.__exit__(*exc)
+
+
+def _large_factory(args, kwargs, small: int) -> bool:
+    """A call that takes no tensor and makes one of `small` bytes or more from a size (empty,
+    zeros, full, empty_strided...)."""
+    from torch.utils._pytree import tree_flatten
+
+    if any(torch.is_tensor(x) for x in tree_flatten((args, kwargs))[0]):
+        return False
+    if not args or not isinstance(args[0], (list, tuple, torch.Size)) or not all(isinstance(n, int) for n in args[0]):
+        return False
+    numel = 1
+    for n in args[0]:
+        numel *= n
+    dtype = kwargs.get("dtype") or torch.get_default_dtype()
+    return numel * dtype.itemsize >= small
 
 
 def _varlen_flash_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -252,7 +286,7 @@ def _categories(snapshot: dict) -> dict[str, int]:
     return out
 
 
-def _tracked(model: Model, run, allocator: bool = False) -> dict:
+def _tracked(model: Model, run, fake_mode=None, allocator: bool = False) -> dict:
     """The peak of one phase by category: `run()` under FSDPMemTracker rooted at this model
     (which counts its shards, gradients, optimizer state and everything allocated inside).
     `allocator` (real tensors only): also the peak by the CPU allocator's own count (below)."""
@@ -261,7 +295,7 @@ def _tracked(model: Model, run, allocator: bool = False) -> dict:
     tracker = FSDPMemTracker(model.engine.model, model.engine.optimizer)
     with contextlib.ExitStack() as stack:
         profiler = stack.enter_context(_allocator_events()) if allocator else None
-        stack.enter_context(_FakeScalars())
+        stack.enter_context(_FakeHost(fake_mode))
         stack.enter_context(tracker)
         run()
     out = {"bytes": _categories(tracker.get_tracker_snapshot("peak"))}
@@ -340,9 +374,11 @@ def pool_phases(cfg, folder: str, vocab: int, size: int, groups: set[str], fake:
         ref = Actor(_engine("causal_lm", folder, cfg, mesh, dtype, None, None, False, fake_mode), ref_cfg,
                     cfg.rollout.temperature, device, remove_padding=packed)
         models["actor"], models["ref"] = Model("actor", actor.engine, actor), Model("ref", ref.engine, ref)
-        runs["actor log-probs"] = ("actor", lambda: actor.compute_log_prob(rollout_rows(log_prob_rows, P, R, vocab)))
-        runs["ref log-probs"] = ("ref", lambda: ref.compute_log_prob(rollout_rows(ref_rows, P, R, vocab)))
-        runs["update actor"] = ("actor", lambda: actor.update_policy(rollout_rows(update_rows, P, R, vocab), seed=1))
+        # The rows are made here, real, before any fake factory could take them.
+        rows = {n: rollout_rows(n, P, R, vocab) for n in {log_prob_rows, ref_rows, update_rows}}
+        runs["actor log-probs"] = ("actor", lambda: actor.compute_log_prob(rows[log_prob_rows]))
+        runs["ref log-probs"] = ("ref", lambda: ref.compute_log_prob(rows[ref_rows]))
+        runs["update actor"] = ("actor", lambda: actor.update_policy(rows[update_rows], seed=1))
     if "critic" in groups and algo.get_adv_estimator(cfg.algorithm.adv_estimator).needs_critic:
         c = cfg.critic
         update_rows = rows_per_micro(c.use_dynamic_bsz, c.ppo_max_token_len_per_gpu, c.ppo_micro_batch_size_per_gpu, row)
@@ -354,16 +390,17 @@ def pool_phases(cfg, folder: str, vocab: int, size: int, groups: set[str], fake:
                                 checkpointing, fake_mode), critic_cfg, device, rollout_n=1, remove_padding=packed,
                         loss_horizon=R)
         models["critic"] = Model("critic", critic.engine, critic)
-        runs["values"] = ("critic", lambda: critic.compute_values(rollout_rows(value_rows, P, R, vocab)))
-        runs["update critic"] = ("critic", lambda: critic.update_critic(rollout_rows(update_rows, P, R, vocab), seed=1))
+        critic_rows = {n: rollout_rows(n, P, R, vocab) for n in {value_rows, update_rows}}
+        runs["values"] = ("critic", lambda: critic.compute_values(critic_rows[value_rows]))
+        runs["update critic"] = ("critic", lambda: critic.update_critic(critic_rows[update_rows], seed=1))
     for m in models.values():
         if m.engine.optimizer is not None:
-            with _FakeScalars():
+            with _FakeHost(fake_mode):
                 _warm_optimizer(m.engine)
     phases = {}
     with flash_attention_standin() if cfg.model.attn_implementation == "flash_attention_2" else contextlib.nullcontext():
         for phase, (name, run) in runs.items():
-            phases[phase] = {"model": name, **_tracked(models[name], run, allocator=not fake)}
+            phases[phase] = {"model": name, **_tracked(models[name], run, fake_mode, allocator=not fake)}
     return {"phases": phases, "resident": {name: m.resident() for name, m in models.items()}}
 
 
@@ -384,6 +421,7 @@ def workload_of(cfg, device_gb: float) -> Workload:
                     ppo_max_token_len=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else 0,
                     log_prob_max_token_len=a.log_prob_max_token_len_per_gpu if a.use_dynamic_bsz else 0,
                     forward_max_token_len=c.forward_max_token_len_per_gpu if c.use_dynamic_bsz else 0,
+                    critic_ppo_max_token_len=c.ppo_max_token_len_per_gpu if c.use_dynamic_bsz else 0,
                     rollout=cfg.rollout.name, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
                     device_gb=device_gb, nccl_mb=0.0)
 

@@ -549,7 +549,7 @@ def table(cases=CASES, gpu_gb: float = 80.0, gpus_per_node: int = 8) -> str:
     """docs/memory.md's table: each case's pools, planned peak (GB), memory.py's, and the fit."""
     from spmdsplit.config import load_config
 
-    lines = ["| model | preset | GPUs | pool (ranks) | planned peak (phase) | + NCCL | tools/memory.py | fits 80 GB "
+    lines = ["| model | preset | GPUs | pool (ranks) | planned peak (phase) | + NCCL | tools/memory.py, no NCCL | fits 80 GB "
              "(4 GB reserve) |", "|---|---|---|---|---|---|---|---|"]
     for model, preset, gpus in cases:
         cfg = load_config(preset, [f"model.path={model}"])

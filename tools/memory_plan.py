@@ -140,11 +140,12 @@ class _FakeHost:
 def _large_factory(args, kwargs, small: int) -> bool:
     """A call that takes no tensor and makes one of `small` bytes or more from a size (empty,
     zeros, full, empty_strided...)."""
+    # A size first (cheap: most ops take a tensor there), then no tensor anywhere else.
+    if not args or not isinstance(args[0], (list, tuple, torch.Size)) or not all(isinstance(n, int) for n in args[0]):
+        return False
     from torch.utils._pytree import tree_flatten
 
-    if any(torch.is_tensor(x) for x in tree_flatten((args, kwargs))[0]):
-        return False
-    if not args or not isinstance(args[0], (list, tuple, torch.Size)) or not all(isinstance(n, int) for n in args[0]):
+    if any(torch.is_tensor(x) for x in tree_flatten((args[1:], kwargs))[0]):
         return False
     numel = 1
     for n in args[0]:

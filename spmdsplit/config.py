@@ -750,7 +750,7 @@ def check_flash_attn_installed(cfg: DictConfig) -> None:
 
         if importlib.util.find_spec("flash_attn") is None:
             raise ConfigError("model.attn_implementation=flash_attention_2: the flash_attn package is not installed "
-                              "(GPU only: pip install flash-attn); use sdpa")
+                              "(GPU only: pip install flash-attn); use auto (torch's own varlen kernel)")
 
 
 # A packed micro-batch under sdpa/eager carries a dense [T, T] block-causal mask in the compute

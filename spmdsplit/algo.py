@@ -911,7 +911,7 @@ CHUNK_ELEMENTS = 1 << 26
 
 
 def logprobs_and_entropy(logits: Tensor, labels: Tensor, temperature: float = 1.0, entropy: str = "none",
-                         chunk_elements: int = CHUNK_ELEMENTS) -> tuple[Tensor, Tensor | None]:
+                         chunk_elements: int | None = CHUNK_ELEMENTS) -> tuple[Tensor, Tensor | None]:
     """Log-probs of `labels` (and, if asked, the entropy) under softmax(logits / temperature), in fp32.
 
     entropy: "none" | "grad" (part of the graph, for an entropy bonus) | "detached" (for logging
@@ -921,10 +921,13 @@ def logprobs_and_entropy(logits: Tensor, labels: Tensor, temperature: float = 1.
     needs) would dwarf the model's activations. So the positions go through in chunks of at most
     `chunk_elements` logits, each upcast and temperature-divided on its own; with grad, each chunk
     is checkpointed, so backward keeps only the logits in their own dtype and recomputes one fp32
-    chunk at a time.
+    chunk at a time. chunk_elements=None: all positions in one pass, no checkpoint, for a caller
+    that hands over one chunk at a time and checkpoints it together with its LM head (roles/lm_head.py).
     """
     if entropy not in ("none", "grad", "detached"):
         raise ValueError(f"entropy={entropy!r}: expected none | grad | detached")
+    if chunk_elements is None:
+        return _chunk_logprob_entropy(logits, labels, temperature, entropy)
     lead, vocab = labels.shape, logits.shape[-1]
     flat_logits, flat_labels = logits.reshape(-1, vocab), labels.reshape(-1)
     rows = max(1, chunk_elements // vocab)

@@ -73,6 +73,16 @@ def paths(default):
     return bounded(default, ok, "expected a path or a list of paths")
 
 
+def consecutive_steps():
+    """A list of consecutive step numbers from 1 up, or [] (trainer.profile_steps)."""
+    def check(key, value):
+        steps = list(value)
+        if not steps or (steps[0] > 0 and steps == list(range(steps[0], steps[0] + len(steps)))):
+            return None
+        return f"{key}={steps}: expected consecutive steps from 1 up, e.g. [3] or [2, 3] ([] = off)"
+    return field(default_factory=list, metadata={"check": check})
+
+
 def positive(default):
     return bounded(default, lambda v: v > 0, "expected a positive number")
 
@@ -107,6 +117,11 @@ class TrainerConfig:
     project_name: str = "spmdsplit"  # the wandb project, the MLflow experiment
     experiment_name: str = "default"  # the wandb / MLflow run's name
     timeline: str = "outputs/timeline.json"  # Chrome-trace JSON of every rank's phases; "" = off
+    # torch.profiler over these consecutive steps (e.g. [3] or [2, 3]) on every rank, the phases as
+    # ranges, each rank's trace written to <profile_dir>/rank<r>.json.gz (spmdsplit/metrics.py
+    # StepProfiler; tools.gpu_check reads it); [] = off. verl 0.4's trainer.profile_steps.
+    profile_steps: list[int] = consecutive_steps()
+    profile_dir: str = "outputs/profile"
     output_dir: str = "outputs/actor_hf"  # the trained actor in Hugging Face format; "" = don't save
     device: str = choice("auto", "cpu", "cuda")  # auto: cuda when available
     num_threads: int = 1  # torch threads per rank on CPU (1 avoids oversubscribing cores); 0 = torch's default
@@ -253,6 +268,18 @@ class ActorConfig:
     tau_pos: float = positive(1.0)  # policy_loss.loss_mode=sapo: the gate's temperature where the advantage > 0
     tau_neg: float = positive(1.05)  # ... and where it is <= 0 (larger: negative updates fade faster)
     log_prob_micro_batch_size_per_gpu: int = positive(32)
+    # Where the update is one pass (one epoch, one mini-batch: ppo_mini_batch_size =
+    # data.train_batch_size), its own forward, detached, gives the old log-probs instead of a
+    # separate old_log_prob pass (as TRL's GRPO); false keeps the separate pass always
+    # (docs/algorithms.md, "Old log-probs from the update's own forward").
+    old_log_prob_from_update: bool = True
+    # Response tokens whose logits exist at once, in the log-prob pass and the update (the reference
+    # too): the LM head, log-softmax and entropy run this many tokens at a time, each chunk's head
+    # recomputed in the backward (roles/lm_head.py; verl's use_fused_kernels, whose torch backend
+    # chunks 512 tokens, and entropy_from_logits_with_chunking in one key). At Qwen's 152k vocabulary
+    # 512 tokens are ~0.16 GB of bf16 logits, a 16k-token micro-batch's whole logits ~5 GB.
+    # 0: the whole micro-batch's logits at once (only the fp32 softmax chunked).
+    logits_chunk_size: int = bounded(512, lambda v: v >= 0, "expected >= 0 tokens (0 = not chunked)")
     engine: str = choice(*ENGINES)  # fsdp (FSDP2) | deepspeed (ZeRO, over the actor pool's group)
     # deepspeed: 1 (optimizer state), 2 (+ gradients), 3 (+ weights) sharded over the pool
     zero_stage: int = choice(1, 2, 3, default=3)
@@ -479,7 +506,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
 
 
-PATH_KEYS = ("trainer.log_dir", "trainer.timeline", "trainer.output_dir", "trainer.default_local_dir",
+PATH_KEYS = ("trainer.log_dir", "trainer.timeline", "trainer.profile_dir", "trainer.output_dir", "trainer.default_local_dir",
              "model.path", "model.embedded_dir", "critic.model_path", "rollout.multi_turn.tool_config_path")
 
 

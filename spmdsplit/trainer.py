@@ -31,7 +31,7 @@ from spmdsplit.dynamic_sampling import DynamicSampling
 from spmdsplit.generation import CriticShareOfGeneration, usable_val_rows
 from spmdsplit.groups import ProcessGroups, critic_pool_generates, generating_ranks
 from spmdsplit.messages import PoolChannel
-from spmdsplit.metrics import MetricsLogger, PhaseTimer, write_timeline
+from spmdsplit.metrics import MetricsLogger, PhaseTimer, StepProfiler, write_timeline
 from spmdsplit.models import eos_token_ids, load_tokenizer
 from spmdsplit.placement import ROLE_GROUPS
 from spmdsplit.preempt import StopVote
@@ -69,6 +69,7 @@ class Trainer:
         self.batch_size = cfg.data.train_batch_size  # prompts per step
         self.val_rows = rows.get("val", [])
         self.timer = PhaseTimer(self.rank, self.device)
+        self.profiler = StepProfiler(cfg.trainer.profile_steps, cfg.trainer.profile_dir, self.rank, self.device)
         self.channel = PoolChannel(self.placement, generating_ranks(cfg, self.placement), self.device,
                                    self.batch_size * cfg.rollout.n, cfg.rollout.stream_chunks, groups.bulk,
                                    groups.control, pools.meet)
@@ -188,7 +189,8 @@ class Trainer:
         self.stop_budget.start()
         for step in range(self.start_step, trainer.total_steps + 1):
             self.stop_vote.cast()
-            self.train_step(step)
+            with self.profiler.step(step):  # trainer.profile_steps
+                self.train_step(step)
             if validates_after(self.cfg, step):  # the rule the weight schedule follows too
                 self.validate(step)
             stop = self.stop_vote.outcome()
@@ -269,6 +271,7 @@ class Trainer:
 
     def finish(self, completed: bool) -> None:
         cfg = self.cfg
+        self.profiler.stop()  # a job stopped inside trainer.profile_steps: what it profiled
         self.timer.record_peak_memory()
         self.channel.close()
         if "actor" in self.programs and cfg.trainer.output_dir and completed:  # a stopped run's weights are in its checkpoint

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from tests import launch
-from tools import bench, bench_async, bench_tokens, jobs, plan
+from tools import bench, bench_async, bench_tokens, efficiency, jobs, plan
 
 SHORT = ["data.train_batch_size=16", "actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=8",
          "actor.ppo_micro_batch_size_per_gpu=4", "critic.ppo_micro_batch_size_per_gpu=4"]
@@ -520,10 +520,11 @@ def test_plan_prints_an_override_line_the_job_accepts(tmp_path, embedded_cache):
     assert json.loads((tmp_path / "plan.json").read_text())["candidates"][0]["override"] == line
 
 
-def test_gpu_check_runs_and_reports_against_the_memory_model(tmp_path):
+def test_gpu_check_runs_and_reports_against_the_memory_model_and_the_chip(tmp_path):
     """tools.gpu_check is what a session with a GPU runs first (issue 11's one-GPU check); its
-    --small CPU form keeps it from rotting where there is none."""
-    result = run_module("tools.gpu_check", "--device", "cpu", "--small", "--steps", "2", "--rollouts", "hf",
+    --small CPU form keeps it from rotting where there is none. Its efficiency report (issue 37
+    item 4) runs the same way on CPU: CPU ops for kernels, an fp32 matmul rate for the chip."""
+    result = run_module("tools.gpu_check", "--device", "cpu", "--small", "--steps", "3", "--rollouts", "hf",
                         "--out", str(tmp_path))
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     row = report["rollouts"]["hf"]
@@ -533,6 +534,32 @@ def test_gpu_check_runs_and_reports_against_the_memory_model(tmp_path):
     workload = report["meta"]["workload"]
     assert {"model.use_remove_padding=true", "model.attn_implementation=sdpa", "rollout.per_row_seed=false",
             "model.gradient_checkpointing=true"} <= set(workload)
+
+    table = report["efficiency"]["hf"]
+    assert (table["timed_steps"], table["profiled_steps"]) == ([2], [3]) and table["rows_per_step"] == 8
+    assert (tmp_path / "hf" / "profile" / "rank0.json.gz").is_file()  # the profiled step's trace, for Perfetto
+    assert table["matmul_rate"]["dtype"] == "float32" and table["matmul_rate"]["flops_per_s"] > 1e9
+    phases = table["phases"]
+    # One mini-batch: the update's forward gives the old log-probs (roles/actor.py update_is_one_pass).
+    passes = [name for name in efficiency.FLOP_PHASES if name != "old_log_prob"]
+    assert "old_log_prob" not in phases
+    assert set(passes) <= set(phases) and {"reward", "adv", "sync_weights"} <= set(phases)
+    assert all(0 <= p["idle"] <= 1 for p in phases.values())  # waits included (nothing to wait for here)
+    scalars = jobs.read_scalars(str(tmp_path / "hf" / "tb"))
+    for name in passes:
+        p = phases[name]
+        assert 0 < p["mfu"] < 1 and p["tokens_per_s"] > 0 and p["seconds"] > 0, (name, p)
+        assert p["top_kernels"] and all(k["name"] and k["calls"] >= 1 and 0 <= k["share"] <= 1
+                                        for k in p["top_kernels"]), name
+        # The step's tokens from TensorBoard's mean lengths x the rows, through the formulas.
+        tokens = efficiency.step_tokens(scalars, 2, 8)
+        shape = efficiency.ModelShape(hidden=64, layers=2, heads=2, kv_heads=1, head_dim=32, mlp=128, vocab=15)
+        flops = efficiency.phase_flops(name, shape, tokens, checkpointing=True, head_in_chunks=True)
+        assert p["flops"] == pytest.approx(sum(flops.values())) and p["flops_by_part"] == pytest.approx(flops)
+    assert phases["gen"]["tokens"] == pytest.approx(8 * 8)  # every response runs to its 8 tokens
+    assert any(k["name"].startswith("aten::") for k in phases["update_actor"]["top_kernels"])
+    md = (tmp_path / "gpu_check.md").read_text()
+    assert "### Efficiency per phase: rollout.name=hf" in md and "| update_actor | " in md
 
 
 @pytest.mark.slow

@@ -136,6 +136,14 @@ def test_other_range_checks():
     assert "only rollout.name=vllm" in error_of("rollout.tensor_model_parallel_size=2")  # HF generate has no TP
 
 
+def test_profile_steps_are_consecutive_steps():
+    assert load_config(None, ["trainer.profile_steps=[2,3]"]).trainer.profile_steps == [2, 3]
+    assert load_config(None, []).trainer.profile_steps == []  # off
+    for bad in ("[2,4]", "[3,2]", "[0]"):
+        msg = error_of(f"trainer.profile_steps={bad}")
+        assert msg.startswith("trainer.profile_steps=") and "consecutive steps" in msg and "\n" not in msg
+
+
 def test_override_without_equals_is_an_error():
     assert "key=value" in error_of("trainer.total_steps")
 
@@ -618,6 +626,11 @@ def _placed(overrides, shape=(2, 2, 1)):
 def test_named_pools_and_roles_load_and_plan():
     _, p = _placed(GEN_TRAIN + ["placement.roles={rollout: gen, actor: train, critic: train}"])
     assert p.ranks("rollout") == (1,) and p.ranks("actor") == p.ranks("critic") == (0,)
+
+
+def test_logits_chunk_size_is_declared_non_negative():
+    assert load_config().actor.logits_chunk_size == 512 and load_config(None, ["actor.logits_chunk_size=0"])
+    assert error_of("actor.logits_chunk_size=-1") == "actor.logits_chunk_size=-1: expected >= 0 tokens (0 = not chunked)"
 
 
 def test_staleness_is_declared_non_negative():

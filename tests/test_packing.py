@@ -388,7 +388,7 @@ def test_torch_accepts_the_varlen_kernel_call_on_meta_tensors():
 
 # ------------------------------------------------------------------ two ranks, both engines
 
-def _actor_on_pool(rank, world_size, model_dir, engine_name, packed, dynamic):
+def _actor_on_pool(rank, world_size, model_dir, engine_name, packed, dynamic, logits_chunk_size=512):
     """An actor pool of two: old log-probs of unequal shares (rank 0: 6 rows, rank 1: 2, so with a
     small token budget rank 1 runs dummy micro-batches), then one update of equal shares; the
     per-row log-probs in the batch's order, and the updated weights."""
@@ -402,7 +402,7 @@ def _actor_on_pool(rank, world_size, model_dir, engine_name, packed, dynamic):
     cfg = ActorConfig(optim=OptimConfig(lr=1e-2, grad_clip=1e9), ppo_mini_batch_size=8,
                       ppo_micro_batch_size_per_gpu=2, log_prob_micro_batch_size_per_gpu=2, entropy_coeff=0.01,
                       shuffle=False, use_dynamic_bsz=dynamic, ppo_max_token_len_per_gpu=11,
-                      log_prob_max_token_len_per_gpu=9)
+                      log_prob_max_token_len_per_gpu=9, logits_chunk_size=logits_chunk_size)
     model = load_causal_lm(model_dir, torch.float32, device, seed=3)
     if engine_name == "fsdp":
         engine = FSDPEngine(model, DeviceMesh.from_group(dist.group.WORLD, "cpu"), cfg.optim)

@@ -6,24 +6,32 @@ packed passes on flash_attention_2 when flash-attn is installed, else sdpa; vLLM
 per engine and CUDA graphs; `gpu_preset_overrides`), on a random Qwen2 of Qwen2.5-0.5B's shape
 (hidden 896, 24 layers, 14/2 heads, MLP 4864; the embedded tokenizer's 15-token vocabulary, so
 no download and a head of 13k parameters instead of 136M), for `--steps` steps per rollout
-engine. Prints, side by side: the median step time after the first step, the rank's
+engine. Prints, side by side: the median step time (steps 2 to the one before the profiled last), the rank's
 `torch.cuda.max_memory_allocated` (the timeline's `peak_memory` counter), with vLLM also what the
 whole device held right after each wake (`device_used_mb` of the `sync_weights` events:
 `torch.cuda.mem_get_info`, which sees vLLM's own memory pool where torch's statistics do not),
 and what the memory model (tools/memory.py) predicts for that shape and workload (for vLLM:
-the trainer's resident state plus `rollout.gpu_memory_utilization` x the device). Writes `gpu_check.json` / `.md`
-into `--out`. `--device cpu` runs the same jobs on CPU (RSS instead, fp32; to try the script).
+the trainer's resident state plus `rollout.gpu_memory_utilization` x the device). Its last step
+runs under torch.profiler (`trainer.profile_steps`), and an efficiency table per rollout engine
+follows (tools/efficiency.py, issue 37 item 4): per phase MFU (FLOPs from the model's shapes and
+the step's tokens over the dense bf16 matmul rate timed in this call), tokens/s, the GPU's idle
+share and the top kernels. Writes `gpu_check.json` / `.md` into `--out`, each job's log, timeline,
+TensorBoard files and profile (`<rollout>/profile/rank0.json.gz`, Perfetto opens it) under
+`--out/<rollout>/`. `--device cpu` runs the same jobs on CPU (RSS instead, fp32, CPU ops as the
+kernels, an fp32 matmul rate; to try the script and to test it).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import os
 import statistics
 import sys
 import tempfile
 
+from tools.efficiency import ModelShape, efficiency, matmul_rate, phase_activity, read_trace, render_efficiency
 from tools.jobs import BenchError, peak_memory, pools_by_rank, run_job
 from tools.memory import MB, Shape, Workload, colocated_rank
 from tools.models import build_random_qwen2
@@ -40,8 +48,6 @@ def attention_for(device: str) -> str:
     """The packed passes' kernel: FlashAttention-2 on a GPU that has the flash-attn package (the
     GPU presets' choice: boundaries passed once per micro-batch, no mask), else sdpa with its
     block-causal mask (small here: 8 rows x 192 tokens, a 4.5 MiB bf16 mask)."""
-    import importlib.util
-
     return "flash_attention_2" if device == "cuda" and importlib.util.find_spec("flash_attn") else "sdpa"
 
 
@@ -79,9 +85,15 @@ def predicted_mb(shape: dict, vocab: int, device: str, w: dict, rollout: str, ut
     return colocated_rank(s, 1, model)["total"] / MB
 
 
-def measure(trace: dict, scalars: dict) -> dict:
+def timed_steps(steps: int) -> list[int]:
+    """The steps whose times the report takes: after the first (start-up) and before the last,
+    which runs under the profiler (its overhead per op); the profiled one where no other is left."""
+    return list(range(2, steps)) or [steps]
+
+
+def measure(trace: dict, scalars: dict, timed: list[int]) -> dict:
     steps = scalars.get("timing_s/step", {})
-    after_first = [t for step, t in sorted(steps.items()) if step > 1]
+    after_first = [t for step, t in sorted(steps.items()) if step in timed]
     peak = peak_memory(trace, pools_by_rank(trace))[-1]
     awake = [e["args"]["device_used_mb"] for e in trace.get("traceEvents", [])
              if e.get("name") == "sync_weights" and "device_used_mb" in e.get("args", {})]
@@ -108,7 +120,10 @@ def render(report: dict) -> str:
         lines.append(f"| {name} | {step} | {row['peak_mb']:.0f} ({row['peak_kind']}) | "
                      f"{'n/a' if used is None else f'{used:.0f}'} | {row['predicted_mb']:.0f} | "
                      f"{row['predicted_mb'] / measured - 1:+.0%} |")
-    return "\n".join(lines) + "\n"
+    text = "\n".join(lines) + "\n"
+    for name, table in report.get("efficiency", {}).items():
+        text += "\n" + render_efficiency(table, meta["device"], f"rollout.name={name}")
+    return text
 
 
 def main(argv=None) -> int:
@@ -122,22 +137,35 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     import torch
+    from transformers import AutoConfig
 
+    from spmdsplit.config import load_config
     from spmdsplit.embedded import build_tokenizer
 
+    if "vllm" in args.rollouts and importlib.util.find_spec("vllm") is None:
+        # The default asks for both engines; a machine without vLLM still gets the HF report.
+        print("gpu_check: vllm is not installed: rollout.name=vllm skipped", file=sys.stderr, flush=True)
+        args.rollouts = [r for r in args.rollouts if r != "vllm"]
+        if not args.rollouts:
+            return 1
     vocab = len(build_tokenizer())
     shape, w = (SMALL_SHAPE, SMALL_WORKLOAD) if args.small else (QWEN25_05B, WORKLOAD)
-    rollouts = {}
+    timed, profiled = timed_steps(args.steps), [args.steps]
+    rollouts, jobs = {}, {}
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as folder:
         # Responses that run to data.max_response_length: a rollout is only as wide as its longest
         # response, and the memory model it is checked against sizes for the full width.
         params = build_random_qwen2(folder, **shape, long_answers=True)
         workload = [f"model.path={folder}", f"trainer.total_steps={args.steps}", *job_overrides(args.device, w),
                     *args.overrides]
+        model_shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(folder))
         for name in args.rollouts:
             print(f"gpu_check: rollout.name={name}", file=sys.stderr, flush=True)
+            job_dir = os.path.join(args.out, name)
+            overrides = workload + [f"rollout.name={name}", f"trainer.profile_steps={profiled}",
+                                    f"trainer.profile_dir={os.path.join(job_dir, 'profile')}"]
             try:
-                trace, scalars = run_job(1, workload + [f"rollout.name={name}"], os.path.join(args.out, name))
+                trace, scalars = run_job(1, overrides, job_dir)
             except BenchError as e:
                 print(f"gpu_check: error: {e}", file=sys.stderr)
                 return 1
@@ -145,11 +173,17 @@ def main(argv=None) -> int:
                                       if o.startswith("rollout.gpu_memory_utilization=")), 0.5))
             device_gb = torch.cuda.get_device_properties(0).total_memory / 2**30 if args.device == "cuda" else 0.0
             predicted = predicted_mb(shape, vocab, args.device, w, name, utilization, device_gb)
-            rollouts[name] = {**measure(trace, scalars), "predicted_mb": predicted}
+            rollouts[name] = {**measure(trace, scalars, timed), "predicted_mb": predicted}
+            jobs[name] = (load_config(None, overrides), scalars, os.path.join(job_dir, "profile", "rank0.json.gz"))
+    # Timed here, after the jobs: on a GPU the jobs had the device to themselves.
+    rate = matmul_rate(args.device, threads=jobs[args.rollouts[0]][0].trainer.num_threads)
+    tables = {name: efficiency(model_shape, cfg, scalars, phase_activity(read_trace(path), args.device == "cuda"),
+                               rate, timed, profiled)
+              for name, (cfg, scalars, path) in jobs.items()}
     meta = {"device": args.device, "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
             "torch": torch.__version__, "shape": shape, "params": params, "vocab": vocab, "steps": args.steps,
             "workload": workload[1:], "date": datetime.datetime.now().isoformat(timespec="seconds")}
-    report = {"schema": "spmdsplit.gpu_check/1", "meta": meta, "rollouts": rollouts}
+    report = {"schema": "spmdsplit.gpu_check/2", "meta": meta, "rollouts": rollouts, "efficiency": tables}
     write_report(args.out, "gpu_check", report, render(report))
     return 0
 

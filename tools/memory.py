@@ -98,6 +98,8 @@ QWEN25 = {
     "Qwen2.5-0.5B": Shape("Qwen2.5-0.5B", 896, 24, 14, 2, 4864, 151936, tied=True),
     "Qwen2.5-7B": Shape("Qwen2.5-7B", 3584, 28, 28, 4, 18944, 152064),
     "Qwen2.5-14B": Shape("Qwen2.5-14B", 5120, 48, 40, 8, 13824, 152064),
+    "Qwen2.5-32B": Shape("Qwen2.5-32B", 5120, 64, 40, 8, 27648, 152064),
+    "Qwen2.5-72B": Shape("Qwen2.5-72B", 8192, 80, 64, 8, 29568, 152064),
 }
 # tools.bench_memory's default model (vocabulary: the embedded tokenizer's).
 BENCH_76M = Shape("bench 76M", 768, 12, 12, 4, 2048, 15)
@@ -121,6 +123,7 @@ class Workload:
     ppo_max_token_len: int = 0  # actor.ppo_max_token_len_per_gpu and critic.ppo_max_token_len_per_gpu
     log_prob_max_token_len: int = 0  # actor.log_prob_max_token_len_per_gpu, ref.log_prob_max_token_len_per_gpu
     forward_max_token_len: int = 0  # critic.forward_max_token_len_per_gpu (values)
+    critic_ppo_max_token_len: int = -1  # critic.ppo_max_token_len_per_gpu where it differs (-1: ppo_max_token_len)
     no_sync_accumulation: bool = False  # FSDP2: reduce gradients once per mini-batch (actor and critic)
     rollout: str = "hf"  # hf (a whole copy, always held) | vllm (sleeps at level 2 between rollouts)
     gpu_memory_utilization: float = 0.5  # vllm: its share of the whole device, on top of what is resident
@@ -182,27 +185,60 @@ def gathered_units(s: Shape, params: int, pool: int, w: Workload) -> float:
     return w.dtype_bytes * (root + 2 * s.block_params) + 4 * s.block_params
 
 
+def block_saved(s: Shape, w: Workload) -> float:
+    """Bytes a token's pass through one block saves for backward, as autograd saves them: norm
+    inputs/outputs (the RMSNorm upcasts to fp32), q, k, v, attention output, o_proj input, gate,
+    up, SiLU(gate), their product."""
+    h = s.hidden
+    return w.dtype_bytes * (6 * h + 2 * s.kv_dim + 4 * s.intermediate) + 4 * 2 * h
+
+
 def activations(s: Shape, rows: int, w: Workload, training: bool) -> float:
     """Saved activations of one micro-batch's forward (training) or one block's (inference);
     `rows` of prompt_len + response_len tokens (see micro_rows)."""
     tokens = rows * (w.prompt_len + w.response_len)
     h, i = s.hidden, s.intermediate
-    # Per token and block, as autograd saves them: norm inputs/outputs (the RMSNorm upcasts to
-    # fp32), q, k, v, attention output, o_proj input, gate, up, SiLU(gate), their product.
-    per_block = w.dtype_bytes * (6 * h + 2 * s.kv_dim + 4 * i) + 4 * 2 * h
+    per_block = block_saved(s, w)
     if not training:
-        return tokens * per_block  # nothing is kept past a block
+        # Nothing is kept past a tensor's last use: the peak is the MLP's gate, up and SiLU(gate)
+        # with a few hidden-sized tensors (residual, norm, output). tools.memory_plan's tracked
+        # step measured 3i + 4h values a token at 0.5B and 7B (values pass: 1.20 and 2.34 GB).
+        return tokens * w.dtype_bytes * (3 * i + 4 * h)
     if w.gradient_checkpointing:
         return tokens * (s.layers * w.dtype_bytes * h + per_block)
     return tokens * s.layers * per_block
 
 
 def logits(s: Shape, rows: int, w: Workload, training: bool) -> float:
-    """Response-position logits (R + 1 per row) in the compute dtype, their gradient when
-    training, and the fp32 chunk (logits, softmax, gradient) of the chunked log-softmax."""
+    """Response-position logits (R + 1 per row) in the compute dtype, and the fp32 chunk (logits,
+    softmax, gradient) of the chunked log-softmax. Training: the logits and, in the head's
+    backward, three more logits-sized tensors: each chunk's gradient comes back through its
+    slice as a zero tensor of all the logits' size, added to the sum of the chunks before
+    (algo.logprobs_and_entropy; tools.memory_plan tracked 3 x the bf16 logits as temporaries)."""
     n = rows * (w.response_len + 1) * s.vocab
     chunk = 4 * min(n, 1 << 26) * (3 if training else 2)
-    return w.dtype_bytes * n * (2 if training else 1) + chunk
+    return w.dtype_bytes * n * (4 if training else 1) + chunk
+
+
+def update_phase(s: Shape, params: int, head_params: int, rows: float, pool: int, w: Workload,
+                 head_logits: float) -> float:
+    """What one update micro-batch adds on top of what is kept: the gathered units, and the larger
+    of the backward's two peaks (as tools.memory_plan's tracked step shows them):
+      * the head's backward: every block's saved activations (with checkpointing only their
+        inputs) and the logits with their backward's temporaries (`head_logits`);
+      * a block's backward: the larger of the saved activations (all there at the top block) and
+        the blocks' gradient shards (all there at the bottom one), the block's recomputed saved
+        tensors (with checkpointing), its backward's temporaries (the gradients of the MLP's
+        three intermediate tensors and of a hidden state, compute dtype) and the head's weight
+        gradient, whole in the compute dtype until the root unit's reduce-scatter at the end.
+    The root's own gradient shards come last, when the activations are gone."""
+    tokens = rows * (w.prompt_len + w.response_len)
+    h, i = s.hidden, s.intermediate
+    recomputed = tokens * block_saved(s, w) if w.gradient_checkpointing else 0.0
+    kept = activations(s, rows, w, True) - recomputed  # the block inputs (checkpointing) or every block's saved tensors
+    block_grads = update_gradients(params, pool, w) * s.layers * s.block_params / params
+    block = max(kept, block_grads) + recomputed + tokens * w.dtype_bytes * (3 * i + h) + w.dtype_bytes * head_params
+    return gathered_units(s, params, pool, w) + max(kept + head_logits, block, update_gradients(params, pool, w))
 
 
 def kv_cache(s: Shape, rows: int, w: Workload) -> float:
@@ -249,10 +285,10 @@ def actor_rank(s: Shape, pool: int, w: Workload, peers: int = 0, engine: bool = 
             "process": w.base_mb * MB if w.cpu else 0.0}
     # On CPU the pool's first rank reads each model whole (fp32 here) to hand out its shards.
     phases = {"load": 4 * s.params if w.cpu and pool > 1 else 0.0,
-              "log-probs": gathered_units(s, s.params, pool, w) + activations(s, log_prob_rows, w, False)
-              + logits(s, log_prob_rows, w, False),
-              "update": update_gradients(s.params, pool, w) + gathered_units(s, s.params, pool, w)
-              + activations(s, update_rows, w, True) + logits(s, update_rows, w, True)}
+              # the head runs after the last block: its logits never meet a block's activations
+              "log-probs": gathered_units(s, s.params, pool, w)
+              + max(activations(s, log_prob_rows, w, False), logits(s, log_prob_rows, w, False)),
+              "update": update_phase(s, s.params, s.embed_params, update_rows, pool, w, logits(s, update_rows, w, True))}
     if engine:
         generate_name, generate_bytes = generate(s, rows, w)
         phases[generate_name] = generate_bytes
@@ -265,13 +301,14 @@ def actor_rank(s: Shape, pool: int, w: Workload, peers: int = 0, engine: bool = 
 def critic_rank(s: Shape, pool: int, w: Workload, peers: int = 0) -> dict[str, float]:
     p = s.critic_params
     forward_rows = micro_rows(w.log_prob_micro, w.forward_max_token_len, w)
-    update_rows = micro_rows(w.micro, w.ppo_max_token_len, w)
+    budget = w.ppo_max_token_len if w.critic_ppo_max_token_len < 0 else w.critic_ppo_max_token_len
+    update_rows = micro_rows(w.micro, budget, w)
     keep = {"critic (weights+AdamW)": trained_state(p, pool, w),
             "NCCL communicators": nccl((pool > 1) + peers, w),
             "process": w.base_mb * MB if w.cpu else 0.0}
     phases = {"load": 4 * p if w.cpu and pool > 1 else 0.0,
               "values": gathered_units(s, p, pool, w) + activations(s, forward_rows, w, False),
-              "update": update_gradients(p, pool, w) + gathered_units(s, p, pool, w) + activations(s, update_rows, w, True)}
+              "update": update_phase(s, p, s.hidden + 1, update_rows, pool, w, 0.0)}
     return _total(keep, phases)
 
 
@@ -468,7 +505,7 @@ def main(argv=None) -> int:
                  no_sync_accumulation=args.no_sync_accumulation, rollout=args.rollout,
                  gpu_memory_utilization=args.gpu_memory_utilization, device_gb=args.gpu_gb, nccl_mb=args.nccl_mb,
                  weight_bucket_mb=args.weight_bucket_mb)
-    rows = fit_table(QWEN25.values(), args.world_size, args.gpu_gb, args.reserve_gb, w, args.rollout_pool)
+    rows = fit_table([QWEN25[k] for k in ("Qwen2.5-0.5B", "Qwen2.5-7B", "Qwen2.5-14B")], args.world_size, args.gpu_gb, args.reserve_gb, w, args.rollout_pool)
     print(render_fit(rows, args.world_size, args.gpu_gb, args.reserve_gb, w))
     if args.check:
         with open(args.check) as f:

@@ -15,6 +15,7 @@ from spmdsplit.groups import generating_ranks
 from spmdsplit.messages import PoolChannel, check_rows
 from spmdsplit.metrics import PhaseTimer, rollout_correction_metrics, rollout_probs_diff_metrics
 from spmdsplit.placement import Pools
+from spmdsplit.roles.actor import OldFromForward, update_is_one_pass
 from spmdsplit.roles.build import ActorRoles, compute_dtypes
 from spmdsplit.staleness import check_weights_version, weights_needed
 from spmdsplit.weight_sync import WeightBroadcast
@@ -56,7 +57,7 @@ class ActorProgram:
         if corr.bypass_mode:
             # verl's bypass mode: the engine's log-probs are PPO's old policy; no recomputation.
             rollout["old_log_probs"] = rollout["rollout_log_probs"]
-        else:
+        elif not self.old_from_forward(step):  # else the update's own forward gives them
             with phase("old_log_prob", step):
                 rollout["old_log_probs"] = self.actor.compute_log_prob(rollout)
             self.apply_rollout_correction(rollout)
@@ -122,10 +123,12 @@ class ActorProgram:
         # The critic pool's ranks padded their rows to their own widest response, not this rank's.
         rollout["advantages"] = advantages.with_width(rollout["responses"].shape[1])["advantages"]
         self.handoff()  # blocking mode: the actor updates only after the critic did
-        metrics = {}
+        metrics, old_from_forward = {}, self.old_from_forward(step)
         if step > self.cfg.trainer.critic_warmup:  # the first steps train only the critic
             with self.timer.phase("update_actor", step):
-                metrics = self.actor.update_policy(rollout, seed=self.cfg.trainer.seed * 7919 + step)
+                metrics = self.actor.update_policy(rollout, self.cfg.trainer.seed * 7919 + step, old_from_forward)
+        if old_from_forward:  # the metrics of the old log-probs the update's forward gave
+            self.apply_rollout_correction(rollout, weights=False)
         self.sends.wait()
         self.sends = PendingSend()
         if self.pools.placement.apart("rollout") and weights_needed(self.cfg, step):
@@ -136,11 +139,22 @@ class ActorProgram:
             metrics.update(self.balancer.pop_metrics())
         return metrics
 
-    def apply_rollout_correction(self, rollout: Batch) -> None:
+    def old_from_forward(self, step: int) -> OldFromForward | None:
+        """Whether this step's old log-probs are the update's own forward (roles/actor.py
+        update_is_one_pass): not where something needs them before the update (the critic pool's
+        KL penalty in the reward; a step of the critic's warm-up, which runs no update), nor in
+        bypass mode (the engine's log-probs stand in for them)."""
+        cfg, corr = self.cfg, self.cfg.algorithm.rollout_correction
+        if (corr.bypass_mode or cfg.algorithm.use_kl_in_reward or step <= cfg.trainer.critic_warmup
+                or not update_is_one_pass(cfg)):
+            return None
+        return OldFromForward(corr.rollout_is, corr.rollout_is_threshold)
+
+    def apply_rollout_correction(self, rollout: Batch, weights: bool = True) -> None:
         """The engine's own log-probs against the actor's (every engine returns them): verl's
         training/rollout_probs_diff_* and rollout_corr/* metrics, and, with
-        algorithm.rollout_correction.rollout_is, the truncated importance weights the policy loss
-        takes (a column of the rows, so they follow them into every micro-batch)."""
+        algorithm.rollout_correction.rollout_is and `weights`, the truncated importance weights the
+        policy loss takes (a column of the rows, so they follow them into every micro-batch)."""
         if "rollout_log_probs" not in rollout:
             return
         corr, group, device = self.cfg.algorithm.rollout_correction, self.pools.group("actor"), self.pools.device
@@ -148,7 +162,7 @@ class ActorProgram:
         self.rollout_metrics.update(rollout_probs_diff_metrics(engine, actor, mask, group, device))
         self.rollout_metrics.update(rollout_correction_metrics(actor, engine, mask, corr.rollout_is,
                                                                corr.rollout_is_threshold, group, device))
-        if corr.rollout_is:
+        if corr.rollout_is and weights:
             rollout["rollout_is_weights"] = algo.compute_rollout_is_weights(actor, engine, mask, corr.rollout_is,
                                                                             corr.rollout_is_threshold)
 

@@ -9,6 +9,7 @@ import torch
 from spmdsplit.attention import VARLEN
 from spmdsplit.batch import Batch
 from spmdsplit.distributed import pool_reduce_metrics, pool_sum
+from spmdsplit.roles.lm_head import HeadInChunks, head_runs_in_chunks, in_chunks
 from spmdsplit.roles.micro_batches import Extent, extent_of, micro_batches, plan_micro_batches, row_shapes
 
 # head(logits [..., N, V], tokens [..., N]) -> a tensor [..., N], or a tuple of them (None allowed):
@@ -17,7 +18,7 @@ Head = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | tuple"]
 
 
 def forward_response(model, micro: Batch, head: Head, remove_padding: bool = False, response_only: bool = False,
-                     extent: Extent | None = None):
+                     extent: Extent | None = None, chunk: int = 0):
     """`head` of the model's output at the positions that *predict* each response token (one to
     the left), as [b, R] per output of `head`: column t scores response token t (its log-prob, or
     the value of the state before it), 0 past each response.
@@ -33,6 +34,10 @@ def forward_response(model, micro: Batch, head: Head, remove_padding: bool = Fal
     largest tensor of the forward. Causal LMs take it; the critic's token-classification head
     does not (and its one-wide output is small), so it leaves it off.
 
+    chunk (with response_only): the LM head and `head` run `chunk` response positions at a time,
+    each chunk recomputed in the backward (`_response_head`): no [tokens, vocab] tensor larger
+    than one chunk. 0: the logits of the whole micro-batch at once.
+
     extent: where the micro-batch's tokens begin and end, known on the host from its plan
     (roles/micro_batches.py), so that the forward reads nothing back from the device; None: read
     here, once (a caller without a plan).
@@ -40,7 +45,8 @@ def forward_response(model, micro: Batch, head: Head, remove_padding: bool = Fal
     response_mask = micro["response_mask"].bool()
     extent = extent_of(row_shapes(micro)) if extent is None else extent
     forward = _packed_forward if remove_padding else _trimmed_forward
-    return _each(lambda out: torch.where(response_mask, out, 0), forward(model, micro, head, response_only, extent))
+    outputs = forward(model, micro, head, response_only, extent, chunk)
+    return _each(lambda out: torch.where(response_mask, out, 0), outputs)
 
 
 def _each(fn, outputs):
@@ -50,7 +56,7 @@ def _each(fn, outputs):
     return fn(outputs)
 
 
-def _trimmed_forward(model, micro: Batch, head: Head, response_only: bool, extent: Extent):
+def _trimmed_forward(model, micro: Batch, head: Head, response_only: bool, extent: Extent, chunk: int):
     mask = micro["attention_mask"]
     R = micro["responses"].shape[1]
     P = mask.shape[1] - R
@@ -58,14 +64,18 @@ def _trimmed_forward(model, micro: Batch, head: Head, response_only: bool, exten
     # last response column the longest response of this micro-batch fills (at least one).
     width = extent.width
     cols = slice(extent.first, P + width)
-    extra = {"logits_to_keep": width + 1} if response_only else {}
-    out = model(input_ids=micro["input_ids"][:, cols], attention_mask=mask[:, cols],
-                position_ids=micro["position_ids"][:, cols], use_cache=False, **extra)
-    outputs = head(out.logits[:, -width - 1 : -1], micro["responses"][:, :width])
+    inputs = dict(input_ids=micro["input_ids"][:, cols], attention_mask=mask[:, cols],
+                  position_ids=micro["position_ids"][:, cols], use_cache=False)
+    tokens = micro["responses"][:, :width]
+    if response_only:  # the last kept position predicts past the response
+        outputs = _response_head(model, {**inputs, "logits_to_keep": width + 1}, head, tokens, chunk,
+                                 slice(-width - 1, -1))
+    else:
+        outputs = head(model(**inputs).logits[:, -width - 1 : -1], tokens)
     return _each(lambda x: torch.nn.functional.pad(x, (0, R - width)), outputs)  # back to full width
 
 
-def _packed_forward(model, micro: Batch, head: Head, response_only: bool, extent: Extent):
+def _packed_forward(model, micro: Batch, head: Head, response_only: bool, extent: Extent, chunk: int):
     """The micro-batch's valid tokens as one sequence [1, T], position ids restarting at each row.
 
     What keeps the rows apart depends on the attention kernel (`packed_attention_kwargs`).
@@ -99,13 +109,35 @@ def _packed_forward(model, micro: Batch, head: Head, response_only: bool, extent
     packed_index = (mask.flatten().cumsum(0) - 1).view(mask.shape)
     rows, cols = mask[:, P:].nonzero_static(size=extent.response_tokens).unbind(1)
     predictors = packed_index[:, P:][rows, cols] - 1
-    extra = {"logits_to_keep": predictors} if response_only else {}
-    out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                **packed_attention_kwargs(model, mask.sum(1), extent.lengths), **extra)
-    logits = out.logits if response_only else out.logits[:, predictors]
-    outputs = head(logits, micro["responses"][rows, cols][None])
+    inputs = dict(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                  **packed_attention_kwargs(model, mask.sum(1), extent.lengths))
+    tokens = micro["responses"][rows, cols][None]
+    if response_only:
+        outputs = _response_head(model, {**inputs, "logits_to_keep": predictors}, head, tokens, chunk, slice(None))
+    else:
+        outputs = head(model(**inputs).logits[:, predictors], tokens)
     # Each [1, N] output to its (row, column) of a zero [b, R] (differentiable).
     return _each(lambda x: x.new_zeros(b, R).index_put((rows, cols), x[0]), outputs)
+
+
+def _response_head(model, inputs: dict, head: Head, tokens: torch.Tensor, chunk: int, positions: slice):
+    """`head` of the logits at the positions that predict `tokens` ([b, N]): `positions` of those
+    `inputs`' logits_to_keep keeps. chunk 0: the model's logits whole. Otherwise `chunk`
+    positions at a time, checkpointed (roles/lm_head.py): the LM head itself in chunks, inside
+    the model's forward, where the model hands its head's output on untouched; else (soft-capped
+    logits, `head_runs_in_chunks`) the logits whole and only `head` in chunks."""
+    if not chunk:
+        return head(model(**inputs).logits[:, positions], tokens)
+    module = _module(model)
+    if not head_runs_in_chunks(module):
+        logits = model(**inputs).logits
+        # The other kept positions score token 0, then are dropped: the logits go to in_chunks
+        # whole, where a slice of them would be copied to flatten it.
+        padded = tokens.new_zeros(logits.shape[:-1])
+        padded[:, positions] = tokens
+        return _each(lambda out: out[:, positions], in_chunks(lambda x: x, head, logits, padded, chunk))
+    with HeadInChunks(module, head, tokens, chunk, positions) as chunked:
+        return chunked.outputs(model(**inputs).logits)
 
 
 def packed_attention_kwargs(model, lengths: torch.Tensor, host_lengths: Sequence[int]) -> dict:

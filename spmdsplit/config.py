@@ -188,14 +188,17 @@ class ModelConfig:
     # the layer count (tools/memory.py models both). Off for the CPU toy; on in every GPU preset.
     gradient_checkpointing: bool = False
     # Padding-free forward passes (verl's name) for the actor, reference, critic and reward model:
-    # each micro-batch's real tokens packed into one sequence, so no compute goes to padding. With
-    # sdpa/eager an explicit [T, T] block-causal mask keeps rows apart (memory grows with the
-    # micro-batch's tokens squared: keep token budgets small on CPU; on cuda a mask past 1 GiB is
-    # refused, check_packed_attention); flash_attention_2 needs none (the GPU presets use it).
+    # each micro-batch's real tokens packed into one sequence, so no compute goes to padding.
+    # varlen and flash_attention_2 are given the rows' boundaries and attend each row on its own;
+    # with sdpa/eager an explicit [T, T] block-causal mask keeps rows apart (memory and compute grow
+    # with the micro-batch's tokens squared; on cuda a mask past 1 GiB is refused,
+    # check_packed_attention).
     use_remove_padding: bool = False
-    # The attention kernel of every trained and frozen model (not the rollout engines'): sdpa |
-    # eager | flash_attention_2 (GPU only; needs the flash_attn package).
-    attn_implementation: str = choice("sdpa", "eager", "flash_attention_2")
+    # The attention kernel of every trained and frozen model (not the rollout engines'), chosen in
+    # models.attention_implementation: auto (flash_attention_2 on cuda with the flash_attn package,
+    # else varlen) | varlen (spmdsplit/attention.py: packed rows one by one, torch's varlen kernel
+    # on cuda; sdpa otherwise) | sdpa | eager | flash_attention_2 (GPU only; needs flash_attn).
+    attn_implementation: str = choice("auto", "varlen", "sdpa", "eager", "flash_attention_2")
 
 
 @dataclass
@@ -774,7 +777,7 @@ def check_flash_attn_installed(cfg: DictConfig) -> None:
 
         if importlib.util.find_spec("flash_attn") is None:
             raise ConfigError("model.attn_implementation=flash_attention_2: the flash_attn package is not installed "
-                              "(GPU only: pip install flash-attn); use sdpa")
+                              "(GPU only: pip install flash-attn); use auto (torch's own varlen kernel)")
 
 
 # A packed micro-batch under sdpa/eager carries a dense [T, T] block-causal mask in the compute
@@ -819,11 +822,11 @@ def packed_token_budgets(cfg: DictConfig) -> dict[str, int]:
 
 def check_packed_attention(cfg: DictConfig, device_type: str) -> None:
     """On a GPU, packing (model.use_remove_padding) under sdpa/eager only while the largest packed
-    micro-batch's dense mask stays under MAX_DENSE_MASK_BYTES; flash_attention_2 needs no mask.
+    micro-batch's dense mask stays under MAX_DENSE_MASK_BYTES; the other kernels need no mask.
     Run where the device is known: with trainer.device=cuda when the config loads, and on every
     rank at start-up with the device picked (train.py prepare)."""
     m = cfg.model
-    if device_type != "cuda" or not m.use_remove_padding or m.attn_implementation == "flash_attention_2":
+    if device_type != "cuda" or not m.use_remove_padding or m.attn_implementation not in ("sdpa", "eager"):
         return
     key, tokens = max(packed_token_budgets(cfg).items(), key=lambda item: item[1])
     dtype_bytes = 4 if m.dtype == "float32" else 2  # auto is bf16 on cuda
@@ -833,7 +836,8 @@ def check_packed_attention(cfg: DictConfig, device_type: str) -> None:
             f"model.use_remove_padding=true with model.attn_implementation={m.attn_implementation} on cuda: {key} "
             f"lets a packed micro-batch hold {tokens} tokens, whose dense [T, T] mask takes {tokens}^2 x "
             f"{dtype_bytes} B = {mask_bytes / 2**30:.1f} GiB (at most {MAX_DENSE_MASK_BYTES / 2**30:g} GiB); "
-            "set model.attn_implementation=flash_attention_2 (pip install flash-attn), or lower the budget")
+            "set model.attn_implementation=auto (torch's varlen kernel, or flash-attn's where installed), "
+            "or lower the budget")
 
 
 def check_filter_groups(cfg: DictConfig) -> None:

@@ -12,11 +12,28 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
+from spmdsplit import attention
+
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def attention_implementation(requested: str, device: torch.device | str) -> str:
+    """transformers' attention kernel for every trained and frozen model (model.attn_implementation),
+    the one place it is chosen. "auto" (the default): flash_attention_2 on cuda where the flash_attn
+    package is installed; else "varlen" (spmdsplit/attention.py): packed passes attend each row on
+    its own, with torch's varlen kernel on cuda or one sdpa call per row elsewhere, no [T, T] mask;
+    other passes are sdpa's. Any other value is taken as it is."""
+    if requested != "auto":
+        return requested
+    import importlib.util
+
+    if torch.device(device).type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return attention.VARLEN
 
 
 def _no_dropout(model: nn.Module) -> nn.Module:
@@ -78,7 +95,7 @@ class ModelSource:
     dtype: torch.dtype
     seed: int = 0
     trust_remote_code: bool = False
-    # transformers' attention kernel (model.attn_implementation); None = transformers' default.
+    # transformers' attention kernel (`attention_implementation`'s choice); None = transformers' default.
     attn_implementation: str | None = None
 
     def _auto(self):
@@ -90,6 +107,8 @@ class ModelSource:
         return {} if self.kind == "causal_lm" else {"num_labels": 1}
 
     def _attention_kwargs(self) -> dict:
+        if self.attn_implementation == attention.VARLEN:  # ours: transformers must know it before a model is built
+            attention.register()
         return {"attn_implementation": self.attn_implementation} if self.attn_implementation else {}
 
     def read(self, device: torch.device | str = "cpu") -> nn.Module:

@@ -711,7 +711,7 @@ def test_vllm_tensor_parallel_groups_lie_inside_one_of_three_pools():
 def packed_mask_error(device: str, *overrides):
     from spmdsplit.config import check_packed_attention
 
-    cfg = load_config(None, ["model.use_remove_padding=true", *overrides])
+    cfg = load_config(None, ["model.use_remove_padding=true", "model.attn_implementation=sdpa", *overrides])
     try:
         check_packed_attention(cfg, device)
     except ConfigError as e:
@@ -724,7 +724,7 @@ def test_sdpa_packing_past_a_1_gib_mask_is_refused_on_cuda_naming_the_budget():
     msg = packed_mask_error("cuda", "critic.use_dynamic_bsz=true", "critic.forward_max_token_len_per_gpu=32768")
     assert msg.startswith("model.use_remove_padding=true with model.attn_implementation=sdpa on cuda")
     assert "critic.forward_max_token_len_per_gpu" in msg and "2.0 GiB" in msg and "\n" not in msg
-    assert "model.attn_implementation=flash_attention_2" in msg
+    assert "model.attn_implementation=auto" in msg
     # fp32 doubles it: 20000 tokens is 0.75 GiB in bf16 (allowed), 1.5 GiB in fp32 (refused).
     budget = ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=20000"]
     assert packed_mask_error("cuda", *budget, "model.dtype=bfloat16") is None
@@ -738,9 +738,11 @@ def test_sdpa_packing_past_a_1_gib_mask_is_refused_on_cuda_naming_the_budget():
 def test_the_mask_check_spares_cpu_flash_attention_and_unpacked_passes():
     big = ["critic.use_dynamic_bsz=true", "critic.forward_max_token_len_per_gpu=65536"]
     assert packed_mask_error("cpu", *big) is None  # CPU's budgets are the user's to keep small
-    assert packed_mask_error("cuda", *big, "model.attn_implementation=flash_attention_2") is None
+    for mask_free in ("flash_attention_2", "varlen", "auto"):
+        assert packed_mask_error("cuda", *big, f"model.attn_implementation={mask_free}") is None
     from spmdsplit.config import check_packed_attention
 
     check_packed_attention(load_config(None, big), "cuda")  # not packed: no mask at all
     # trainer.device=cuda says so when the config loads; auto waits for start-up (train.py prepare).
-    assert "critic.forward_max_token_len_per_gpu" in error_of("model.use_remove_padding=true", "trainer.device=cuda", *big)
+    assert "critic.forward_max_token_len_per_gpu" in error_of("model.use_remove_padding=true", "trainer.device=cuda",
+                                                              "model.attn_implementation=sdpa", *big)

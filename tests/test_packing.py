@@ -91,13 +91,20 @@ def test_in_row_order_puts_rows_back_and_drops_dummies():
 
 def test_packed_and_trimmed_actor_log_probs_entropy_and_gradients_match(model_dir):
     from spmdsplit.models import load_causal_lm
+
+    padded_and_packed_match(load_causal_lm(model_dir, torch.float32, torch.device("cpu"), seed=3))
+
+
+def padded_and_packed_match(model, after=lambda stage: None):
+    """The actor's log-probs, entropy and gradients, padded and packed, equal each row run alone;
+    `after(stage)` runs after each stage: "alone" (the reference), "padded", "packed"."""
     from spmdsplit.roles.common import forward_response
 
-    model = load_causal_lm(model_dir, torch.float32, torch.device("cpu"), seed=3)
     batch = ragged_batch(model.config.vocab_size)
     weights = torch.randn(len(batch), R, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = unpadded_reference(model, batch, logprob_head())
+    after("alone")
     grads = {}
     for packed in (False, True):
         model.zero_grad()
@@ -106,12 +113,13 @@ def test_packed_and_trimmed_actor_log_probs_entropy_and_gradients_match(model_di
         torch.testing.assert_close(entropy, expected[1], **TOLERANCE, msg=f"entropy, packed={packed}")
         ((log_prob + 0.1 * entropy) * weights).sum().backward()
         grads[packed] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        after("packed" if packed else "padded")
     assert max(g.abs().max() for g in grads[False].values()) > 1e-3
     for name, grad in grads[False].items():
         torch.testing.assert_close(grads[True][name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager", "varlen"])
 def test_packed_critic_values_match(model_dir, attention):
     from spmdsplit.models import ModelSource
     from spmdsplit.roles.common import forward_response
@@ -232,6 +240,150 @@ def test_the_packed_reward_model_gives_flash_attention_the_boundaries_too(model_
     model.config._attn_implementation = "flash_attention_2"
     torch.testing.assert_close(scores(True), padded, **TOLERANCE)
     assert len(flash_stand_in) == 3 * model.config.num_hidden_layers  # 8 rows, 3 a micro-batch
+
+
+# ------------------------------------------------------------------ varlen: no mask, each row on its own
+
+def test_auto_picks_flash_attn_where_installed_on_cuda_else_varlen(monkeypatch):
+    import importlib.util
+
+    from spmdsplit.models import attention_implementation
+
+    assert attention_implementation("auto", "cpu") == attention_implementation("auto", "cuda:0") == "varlen"
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "flash_attn" else find_spec(name))
+    assert attention_implementation("auto", "cuda:0") == "flash_attention_2"
+    assert attention_implementation("auto", "cpu") == "varlen"
+    assert attention_implementation("sdpa", "cuda") == "sdpa"
+
+
+@pytest.fixture
+def varlen_calls(monkeypatch):
+    """What every layer hands spmdsplit's registered varlen function, recorded on the way through."""
+    from transformers import AttentionInterface
+
+    from spmdsplit.attention import VARLEN, register
+
+    register()
+    real, calls = AttentionInterface._global_mapping[VARLEN], []
+
+    def recorded(module, query, key, value, attention_mask, **kwargs):
+        calls.append(dict(kwargs, attention_mask=attention_mask, heads=(query.shape[1], key.shape[1])))
+        return real(module, query, key, value, attention_mask, **kwargs)
+    monkeypatch.setitem(AttentionInterface._global_mapping, VARLEN, recorded)
+    return calls
+
+
+def test_varlen_packed_passes_carry_no_mask_and_match_each_row_alone(model_dir, varlen_calls):
+    """The model loads with attn_implementation="varlen" (registered with transformers); a packed
+    pass hands every layer no mask and the one boundaries tensor, a padded pass sdpa's mask; both
+    give each row's log-probs, entropy and gradients as the row run alone."""
+    import itertools
+
+    from spmdsplit.models import ModelSource
+
+    model = ModelSource("causal_lm", model_dir, torch.float32, 3, attn_implementation="varlen").read("cpu")
+    assert model.config._attn_implementation == "varlen"
+    assert model.config.num_key_value_heads < model.config.num_attention_heads  # grouped-query heads reach it
+    lengths = [p + r for p, r in zip(PROMPT_LENGTHS, RESPONSE_LENGTHS)]
+
+    def each_layer_got(stage):
+        assert stage == "alone" or len(varlen_calls) == model.config.num_hidden_layers
+        if stage == "packed":
+            first = varlen_calls[0]
+            assert first["cu_seq_lens_q"].tolist() == [0, *itertools.accumulate(lengths)]
+            assert first["max_length_q"] == max(lengths) and first["heads"] == (2, 1)
+            assert all(c["attention_mask"] is None and c["cu_seq_lens_q"] is first["cu_seq_lens_q"]
+                       for c in varlen_calls)
+        elif stage == "padded":  # left-padded rows: sdpa's mask, built by transformers from the 2-D one
+            assert all(c["attention_mask"] is not None and "cu_seq_lens_q" not in c for c in varlen_calls)
+        varlen_calls.clear()
+    padded_and_packed_match(model, each_layer_got)
+
+
+def _dense_reference(query, key, value, lengths, scale, window=None):
+    """sdpa over the whole packed sequence with the dense block-causal mask (and a sliding window)."""
+    from spmdsplit.roles.common import block_causal_mask
+
+    allowed = block_causal_mask(torch.tensor(lengths), torch.float32) == 0
+    if window is not None:
+        position = torch.arange(sum(lengths))
+        allowed &= (position[:, None] - position[None, :] < window)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scale,
+                                                           enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+def varlen_attn_stand_in(calls: list, new_signature: bool):
+    """torch's varlen_attn on CPU, as its source documents it (torch/nn/attention/varlen.py): [T, heads,
+    D] tensors; torch 2.11+: causal iff window_size == (-1, 0), `scale` (default D^-0.5), and KV heads
+    fewer than query heads only with enable_gqa; torch 2.10: `is_causal` and none of the others."""
+    def stand_in(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, **kw):
+        calls.append(kw)
+        if new_signature:
+            causal, scale, gqa = kw.get("window_size") == (-1, 0), kw.get("scale"), kw.get("enable_gqa", False)
+        else:
+            assert set(kw) <= {"is_causal"}
+            causal, scale, gqa = kw.get("is_causal", False), None, False
+        if q.shape[1] != k.shape[1] and not gqa:
+            raise ValueError("Expect query and key/value to have the same number of heads")
+        assert cu_seq_q is cu_seq_k and cu_seq_q.dtype == torch.int32 and max_q == max_k == int(cu_seq_q.diff().max())
+        out = torch.empty_like(q)
+        for start, end in zip(cu_seq_q[:-1].tolist(), cu_seq_q[1:].tolist()):
+            rows = slice(start, end)
+            out[rows] = torch.nn.functional.scaled_dot_product_attention(
+                q[rows].transpose(0, 1), k[rows].transpose(0, 1), v[rows].transpose(0, 1), is_causal=causal,
+                scale=scale, enable_gqa=gqa).transpose(0, 1)
+        return out
+    return stand_in
+
+
+@pytest.mark.parametrize("kernel", ["rows one by one", "torch 2.11+ varlen_attn", "torch 2.10 varlen_attn"])
+def test_varlen_attention_equals_sdpa_with_the_dense_mask(monkeypatch, kernel):
+    """The registered function's math against sdpa with the block-causal mask: grouped-query heads,
+    a scale that is not D^-0.5, causal. On CPU it runs the rows one by one; the cuda kernel's call
+    runs against a CPU stand-in of torch's varlen_attn (the real one has no CPU kernel), in each
+    signature torch has had, so what a missing keyword would have done must be done around it."""
+    from types import SimpleNamespace
+
+    import spmdsplit.attention as attention
+
+    lengths, scale = [5, 1, 9, 3], 0.3
+    g = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(1, heads, sum(lengths), 16, generator=g) for heads in (4, 2, 2))
+    calls: list = []
+    if kernel != "rows one by one":
+        new = kernel.startswith("torch 2.11")
+        stand_in = varlen_attn_stand_in(calls, new)
+        params = {"window_size", "scale", "enable_gqa"} if new else {"is_causal"}
+        monkeypatch.setattr(attention, "_torch_varlen", lambda: (stand_in, frozenset(params)))
+        monkeypatch.setattr(attention, "_kernel_runs", lambda query: True)
+    module = SimpleNamespace(is_causal=True)
+    from spmdsplit.roles.common import flash_varlen_kwargs
+
+    out, _ = attention.varlen_attention_forward(module, query, key, value, None, scaling=scale,
+                                                **flash_varlen_kwargs(torch.tensor(lengths)))
+    torch.testing.assert_close(out, _dense_reference(query, key, value, lengths, scale), rtol=0, atol=1e-5)
+    assert len(calls) == (0 if kernel == "rows one by one" else 1)
+    if kernel == "rows one by one":  # and a sliding window shorter than a row
+        out, _ = attention.varlen_attention_forward(module, query, key, value, None, scaling=scale, sliding_window=3,
+                                                    **flash_varlen_kwargs(torch.tensor(lengths)))
+        torch.testing.assert_close(out, _dense_reference(query, key, value, lengths, scale, 3), rtol=0, atol=1e-5)
+
+
+def test_torch_accepts_the_varlen_kernel_call_on_meta_tensors():
+    """torch's own varlen_attn, given what torch_varlen passes, on the meta device (its fake kernel:
+    the argument checks and shapes of the real op, forward and backward, with no GPU)."""
+    from spmdsplit.attention import _torch_varlen, torch_varlen
+
+    if _torch_varlen() is None:
+        pytest.skip(f"torch {torch.__version__} has no torch.nn.attention.varlen")
+    q = torch.empty(11, 4, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    k = v = torch.empty(11, 1, 64, device="meta", dtype=torch.bfloat16)
+    out = torch_varlen(q, k, v, torch.tensor([0, 3, 11], dtype=torch.int32, device="meta"), 8, 0.125, True, None)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    out.sum().backward()
+    assert q.grad.shape == q.shape
 
 
 # ------------------------------------------------------------------ two ranks, both engines

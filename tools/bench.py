@@ -377,8 +377,8 @@ def parse_args(argv):
                    help="--long-tail: which modes (budgets: token budgets and balancing without packing)")
     p.add_argument("--default-steps", type=int, default=20, help="--long-tail: steps of each default-workload job")
     p.add_argument("--max-token-len", type=int,
-                   help="--long-tail: the long tail's token budget for every pass (default 1024; the default "
-                        "workload's budgets are its fixed micro-batches' tokens)")
+                   help="--long-tail: the long tail's token budget for every pass (default: each workload's "
+                        "budgets are its fixed micro-batches' tokens)")
     p.add_argument("--async-rollout", action="store_true",
                    help="colocate, split and rollout | train at rollout.staleness 0, 1, 2 on the same 2 ranks, plus "
                         "three pools on 3 (tools/bench_async.py); writes bench_async.json/.md")

@@ -14,7 +14,7 @@ Two workloads:
     ~50, a tail to 256), from prompts of 4-64 tokens (a parquet the bench writes). A custom reward
     function (the built-in positional match) also appends each row's prompt and response lengths
     to a file of the job's, so the length histogram and the padding are read from what the job
-    generated, not re-sampled. Token budgets: LONG_TAIL_MAX_TOKEN_LEN for every pass.
+    generated, not re-sampled. Token budgets: each fixed micro-batch's tokens (LONG_TAIL_MAX_TOKEN_LEN).
   * `default`: the embedded default job (lengths barely spread): tokens mode must cost nothing
     there. Token budgets: each fixed micro-batch's rows x (max prompt + max response).
 
@@ -60,12 +60,15 @@ DEFAULT = {"data.max_prompt_length": 8, "data.max_response_length": 6, "data.tra
 # which of the two changes pays on this machine: token budgets alone, each micro-batch still
 # padded to (trimmed at) its widest row, no packing.
 MODES = {"fixed": (False, False, False), "budgets": (True, False, True), "tokens": (True, True, True)}
-# The long tail's budget for every pass (--max-token-len changes it). On CPU the packed pass's
-# block-causal mask makes attention grow with the budget squared, so it is well below a fixed
-# micro-batch's tokens (1280 for updates, 5120 for log-probs) yet holds any one row (<= 320). A 1+1
-# sweep of tokens mode on this workload (5 steps, one run each, shared 2-core machine, 2026-11-25),
-# the five phases: 256 -> 4.91 s, 512 -> 5.30 s, 1024 -> 6.27 s, 2048 -> 7.41 s; fixed: 9.29 s.
-LONG_TAIL_MAX_TOKEN_LEN = 512
+# The long tail's budgets (--max-token-len sets one for every pass instead): by default each
+# pass's fixed micro-batch's tokens (1280 for updates, 5120 for log-probs and values), as on the
+# default workload, so a packed micro-batch never holds more tokens than a fixed one. Packed
+# attention no longer grows with the budget squared (model.attn_implementation=auto: each row on its
+# own, spmdsplit/attention.py), so larger budgets pay. 2+2 sweeps of tokens mode on this workload (6
+# steps, one run each, shared 2-core machine, 2026-11-27), the five phases: with the dense
+# block-causal mask (sdpa) 512 -> 5.41 s (a 1+1 sweep then: 256 -> 4.91 s, 512 -> 5.30 s,
+# 1024 -> 6.27 s, 2048 -> 7.41 s); varlen 512 -> 4.66 s, 1024 -> 4.39 s, 2048 -> 3.66 s.
+LONG_TAIL_MAX_TOKEN_LEN = None
 LAYOUTS = {"1+1": 2, "2+2": 4}
 TRAIN_PHASES = ("old_log_prob", "ref", "values", "update_actor", "update_critic")
 FINAL_METRICS = ("critic/score/mean", "actor/pg_loss", "critic/vf_loss", "actor/entropy", "actor/ppo_kl",

@@ -25,7 +25,7 @@ What it does not see: NCCL's buffers, the CUDA context, the caching allocator's 
 512 B and its fragmentation, vLLM's own use (taken as its share, not simulated), DeepSpeed (FSDP2
 only). The fake tensors live on the CPU device here (no CUDA on this machine): the tracker counts
 bytes per device the same way, except that CUDA rounds each block up to 512 B, which it adds on
-CUDA only. `model.attn_implementation=flash_attention_2` (the GPU presets) is planned with
+CUDA only. `model.attn_implementation=flash_attention_2`, `varlen` or `auto` (the GPU presets) is planned with
 torch's varlen flash kernel (`torch.nn.attention.varlen.varlen_attn`, whose fake kernel keeps
 what FlashAttention-2 keeps: the output and its log-sum-exp, no [T, T] matrix), since flash-attn
 does not install here.
@@ -167,6 +167,16 @@ def _varlen_flash_attention(module, query, key, value, attention_mask, dropout=0
     return out[None], None
 
 
+def gpu_attention(cfg) -> str:
+    """The attention a GPU job of this config runs (models.attention_implementation on cuda), as
+    planned here: spmdsplit's varlen (auto without flash-attn) runs torch's varlen kernel on cuda,
+    the kernel the flash_attention_2 stand-in runs, so both are planned with it."""
+    from spmdsplit.models import attention_implementation
+
+    attention = attention_implementation(cfg.model.attn_implementation, "cuda")
+    return "flash_attention_2" if attention == "varlen" else attention
+
+
 @contextlib.contextmanager
 def flash_attention_standin():
     """transformers' "flash_attention_2" served by `_varlen_flash_attention` while inside."""
@@ -229,7 +239,7 @@ def _engine(kind: str, folder: str, cfg, mesh, dtype, mixed, optim, checkpointin
     from spmdsplit.engines.fsdp import FSDPEngine, parallelize
     from spmdsplit.models import ModelSource
 
-    attention = cfg.model.attn_implementation
+    attention = gpu_attention(cfg)
     # The skeleton is built under sdpa (flash-attn does not install here); the plan's stand-in
     # takes flash_attention_2 over once it is set back on the config.
     source = ModelSource(kind, folder, dtype, cfg.trainer.seed, cfg.model.trust_remote_code,
@@ -399,7 +409,7 @@ def pool_phases(cfg, folder: str, vocab: int, size: int, groups: set[str], fake:
             with _FakeHost(fake_mode):
                 _warm_optimizer(m.engine)
     phases = {}
-    with flash_attention_standin() if cfg.model.attn_implementation == "flash_attention_2" else contextlib.nullcontext():
+    with flash_attention_standin() if gpu_attention(cfg) == "flash_attention_2" else contextlib.nullcontext():
         for phase, (name, run) in runs.items():
             phases[phase] = {"model": name, **_tracked(models[name], run, fake_mode, allocator=not fake)}
     return {"phases": phases, "resident": {name: m.resident() for name, m in models.items()}}

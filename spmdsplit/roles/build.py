@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from spmdsplit import algo
 from spmdsplit.engines import build_engine
-from spmdsplit.models import ModelSource, load_causal_lm, load_tokenizer, resolve_dtype
+from spmdsplit.models import ModelSource, attention_implementation, load_causal_lm, load_tokenizer, resolve_dtype
 from spmdsplit.placement import Pools
 from spmdsplit.rewards.custom import load_custom_reward_fn
 from spmdsplit.roles.actor import Actor
@@ -53,7 +53,7 @@ def build_actor_roles(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> Actor
     temperature = cfg.rollout.temperature
     mesh = pools.mesh("actor")
     # Trained: fp32 masters, computing in `mixed`. Frozen: held in the compute dtype outright.
-    attention, packed = cfg.model.attn_implementation, cfg.model.use_remove_padding
+    attention, packed = attention_implementation(cfg.model.attn_implementation, device), cfg.model.use_remove_padding
     policy = ModelSource("causal_lm", path, torch.float32, seed, remote, attention)
     actor = Actor(build_engine(cfg, "actor", policy, mesh, device, mixed), cfg.actor, temperature, device,
                   rollout_n=cfg.rollout.n, remove_padding=packed, loss_horizon=cfg.data.max_response_length)
@@ -90,7 +90,7 @@ def build_rollout_engine(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> Ro
 def build_critic_roles(cfg, pools: Pools) -> CriticRoles:
     device, seed, remote = pools.device, cfg.trainer.seed, cfg.model.trust_remote_code
     _, mixed = compute_dtypes(cfg, device)
-    attention, packed = cfg.model.attn_implementation, cfg.model.use_remove_padding
+    attention, packed = attention_implementation(cfg.model.attn_implementation, device), cfg.model.use_remove_padding
     critic = None
     if algo.get_adv_estimator(cfg.algorithm.adv_estimator).needs_critic:
         value_model = ModelSource("value", cfg.critic.model_path or cfg.model.path, torch.float32, seed, remote,
@@ -106,7 +106,7 @@ def build_reward(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> RuleReward
     """The reward group's reward: the rule reward, or a reward model on the mesh of its pool."""
     device, seed, remote = pools.device, cfg.trainer.seed, cfg.model.trust_remote_code
     dtype, _ = compute_dtypes(cfg, device)
-    attention, packed = cfg.model.attn_implementation, cfg.model.use_remove_padding
+    attention, packed = attention_implementation(cfg.model.attn_implementation, device), cfg.model.use_remove_padding
     reward = build_rule_reward(cfg, tokenizer, eos_ids)
     if cfg.reward.model.path:  # a reward model replaces the rule scores, as in verl
         rm = cfg.reward.model

@@ -6,6 +6,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from spmdsplit.attention import VARLEN
 from spmdsplit.batch import Batch
 from spmdsplit.distributed import pool_reduce_metrics, pool_sum
 from spmdsplit.roles.lm_head import HeadInChunks, head_runs_in_chunks, in_chunks
@@ -78,8 +79,9 @@ def _packed_forward(model, micro: Batch, head: Head, response_only: bool, extent
     """The micro-batch's valid tokens as one sequence [1, T], position ids restarting at each row.
 
     What keeps the rows apart depends on the attention kernel (`packed_attention_kwargs`).
-    FlashAttention-2: the rows' boundaries, `cu_seq_lens_q/k` and `max_length_q/k`, computed once
-    here and passed down to every layer, and attention_mask=None. (Given only the position ids,
+    FlashAttention-2 and varlen (spmdsplit/attention.py, torch's own varlen kernel on cuda): the
+    rows' boundaries, `cu_seq_lens_q/k` and `max_length_q/k`, computed once here and passed down
+    to every layer, and attention_mask=None. (Given only the position ids,
     transformers 5 would derive them again in every layer: `_flash_attention_forward` checks
     `_is_packed_sequence` and calls `prepare_fa_kwargs_from_position_ids`, a nonzero and a max on
     the device each, and the varlen kernel's int max_seqlen then costs a host sync per layer.)
@@ -87,7 +89,7 @@ def _packed_forward(model, micro: Batch, head: Head, response_only: bool, extent
     (transformers 5.19 also finds packed rows from restarting position ids by itself, but only
     with no cache: with use_cache on, rows see each other, 0.24 off on the embedded model, and a
     remote-code model may not look at all; the explicit mask holds either way.) It takes
-    O(T^2) memory, fine for CPU's small micro-batches, the reason to use flash_attention_2 on GPUs.
+    O(T^2) memory and computes every score between two rows: varlen, the default, needs neither.
 
     The token counts come from the extent, on the host: `nonzero_static` and indexing by its
     positions select what `tensor[mask]` and `nonzero()` select, without the device-to-host read
@@ -140,10 +142,12 @@ def _response_head(model, inputs: dict, head: Head, tokens: torch.Tensor, chunk:
 
 def packed_attention_kwargs(model, lengths: torch.Tensor, host_lengths: Sequence[int]) -> dict:
     """The model's keyword arguments that keep rows of these lengths apart once packed into one
-    sequence (see `_packed_forward`): under FlashAttention-2 no mask and the rows' boundaries
-    (`flash_varlen_kwargs`); under any other kernel a block-causal mask. `host_lengths`: the same
-    lengths on the host, for the sizes (no read of the device)."""
-    if str(_config(model)._attn_implementation).startswith("flash_attention"):
+    sequence (see `_packed_forward`): under FlashAttention-2 and spmdsplit's varlen kernel
+    (spmdsplit/attention.py) no mask and the rows' boundaries (`flash_varlen_kwargs`); under sdpa
+    or eager a block-causal mask. `host_lengths`: the same lengths on the host, for the sizes (no
+    read of the device)."""
+    kernel = str(_config(model)._attn_implementation)
+    if kernel.startswith("flash_attention") or kernel == VARLEN:
         return {"attention_mask": None, **flash_varlen_kwargs(lengths, max(host_lengths))}
     return {"attention_mask": block_causal_mask(lengths, _compute_dtype(model), sum(host_lengths))}
 

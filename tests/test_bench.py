@@ -532,7 +532,7 @@ def test_gpu_check_runs_and_reports_against_the_memory_model_and_the_chip(tmp_pa
     assert "| hf | " in result.stdout
     # It runs what the GPU presets changed (issue 25): packed passes, one seed per engine.
     workload = report["meta"]["workload"]
-    assert {"model.use_remove_padding=true", "model.attn_implementation=sdpa", "rollout.per_row_seed=false",
+    assert {"model.use_remove_padding=true", "model.attn_implementation=auto", "rollout.per_row_seed=false",
             "model.gradient_checkpointing=true"} <= set(workload)
 
     table = report["efficiency"]["hf"]

@@ -2,7 +2,7 @@
 
 The one-GPU check of issue 11 (item 8), ready for a session that has a GPU: a colocate job on
 one rank with NCCL, bf16, gradient checkpointing and the GPU presets' other settings (issue 25:
-packed passes on flash_attention_2 when flash-attn is installed, else sdpa; vLLM with one seed
+packed passes on attn_implementation=auto: flash_attention_2 where installed, else varlen; one seed
 per engine and CUDA graphs; `gpu_preset_overrides`), on a random Qwen2 of Qwen2.5-0.5B's shape
 (hidden 896, 24 layers, 14/2 heads, MLP 4864; the embedded tokenizer's 15-token vocabulary, so
 no download and a head of 13k parameters instead of 136M), for `--steps` steps per rollout
@@ -44,18 +44,13 @@ SMALL_SHAPE = dict(hidden=64, layers=2, heads=2, kv_heads=1, mlp=128)
 SMALL_WORKLOAD = dict(batch=8, prompt_len=16, response_len=8, micro=4, log_prob_micro=4)
 
 
-def attention_for(device: str) -> str:
-    """The packed passes' kernel: FlashAttention-2 on a GPU that has the flash-attn package (the
-    GPU presets' choice: boundaries passed once per micro-batch, no mask), else sdpa with its
-    block-causal mask (small here: 8 rows x 192 tokens, a 4.5 MiB bf16 mask)."""
-    return "flash_attention_2" if device == "cuda" and importlib.util.find_spec("flash_attn") else "sdpa"
-
-
 def gpu_preset_overrides(device: str) -> list[str]:
     """What the GPU presets change (issue 25 item 6), so the check runs those paths: packed
     passes, vLLM on its batched sampler (one seed per engine) and, on a GPU, with CUDA graphs.
     Log-probs from vLLM's flat lists and the reward's one host read run in every job."""
-    out = ["model.use_remove_padding=true", f"model.attn_implementation={attention_for(device)}",
+    # auto, the presets' choice (spmdsplit/models.py attention_implementation): FlashAttention-2
+    # where the flash-attn package is installed, else torch's varlen kernel; no mask either way.
+    out = ["model.use_remove_padding=true", "model.attn_implementation=auto",
            "rollout.per_row_seed=false"]
     if device == "cuda":  # on CPU it would mean torch.compile in vLLM: minutes of start-up for nothing checked
         out.append("rollout.enforce_eager=false")

@@ -2,7 +2,7 @@
 
 The one-GPU check of issue 11 (item 8), ready for a session that has a GPU: a colocate job on
 one rank with NCCL, bf16, gradient checkpointing and the GPU presets' other settings (issue 25:
-packed passes on attn_implementation=auto: flash_attention_2 where installed, else varlen; one seed
+packed passes on attn_implementation=auto: flash_attention_2 where installed, else varlen; vLLM with one seed
 per engine and CUDA graphs; `gpu_preset_overrides`), on a random Qwen2 of Qwen2.5-0.5B's shape
 (hidden 896, 24 layers, 14/2 heads, MLP 4864; the embedded tokenizer's 15-token vocabulary, so
 no download and a head of 13k parameters instead of 136M), for `--steps` steps per rollout

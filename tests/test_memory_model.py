@@ -50,7 +50,8 @@ def test_checkpointing_keeps_one_block_plus_block_inputs():
 
 
 def test_the_update_peaks_at_the_head_or_at_a_block_never_both():
-    """Measured by tools.memory_plan (Qwen2.5-7B, the 7B preset's 16384-token budget, 4 ranks): the
+    """Measured by tools.memory_plan with the logits whole (actor.logits_chunk_size=0; Qwen2.5-7B,
+    the 7B preset's 16384-token budget, 4 ranks): the
     actor's update peaked at a block's backward (44.9 GB with the reference's shards), the 0.5B
     preset's at the head's (its 152k logits are large beside 0.5B's blocks) with three more
     logits-sized temporaries in the head's backward. The model's sum of every part (block inputs,
@@ -58,7 +59,7 @@ def test_the_update_peaks_at_the_head_or_at_a_block_never_both():
     at 7B; without the backward's temporaries it was 12 % under at 0.5B (and 31 % for a critic
     whose own budget, 32768 tokens, it read as the actor's)."""
     s, w = QWEN25["Qwen2.5-7B"], Workload(ppo_max_token_len=16384, log_prob_max_token_len=16384,
-                                          forward_max_token_len=16384)
+                                          forward_max_token_len=16384, logits_chunk=0)
     rank = memory.actor_rank(s, 4, w)
     update = sum(rank["keep"].values()) - rank["keep"]["rollout weights"] - rank["keep"]["NCCL communicators"] \
         + rank["phases"]["update"]
@@ -69,6 +70,36 @@ def test_the_update_peaks_at_the_head_or_at_a_block_never_both():
     assert rank["phases"]["update"] < both + memory.update_gradients(s.params, 4, w)
     wide = replace(w, critic_ppo_max_token_len=32768)
     assert memory.critic_rank(s, 4, wide)["phases"]["update"] > memory.critic_rank(s, 4, w)["phases"]["update"]
+
+
+# tools.memory_plan's tracked peaks (GB, what the rank's other models keep and the HF copy
+# included), the 0.5B preset on Qwen2.5-0.5B (actor pool of 4), by actor.logits_chunk_size.
+PLANNED_05B = {512: {"actor log-probs": 4.45, "ref log-probs": 4.25, "update actor": 5.87},
+               0: {"actor log-probs": 6.84, "ref log-probs": 6.58, "update actor": 10.61}}
+
+
+@pytest.mark.parametrize("chunk", sorted(PLANNED_05B))
+def test_the_lm_head_in_chunks_holds_one_chunks_logits(chunk):
+    """actor.logits_chunk_size (roles/lm_head.py) runs the head and the log-softmax a chunk of
+    tokens at a time, recomputed in the backward: the update's head no longer holds the whole
+    logits and three logits-sized temporaries (0.5B preset: 4.96 GB), nor the log-prob pass the
+    whole logits. The model follows the option within 10 % of tools.memory_plan's tracked step in
+    every phase; the whole-logits term it had before was 95 % over on the update at 512."""
+    from spmdsplit.config import load_config
+    from tools.memory_plan import predicted, workload_of
+
+    cfg = load_config("configs/gpu_qwen2.5_0.5b.yaml", ["model.path=Qwen2.5-0.5B", f"actor.logits_chunk_size={chunk}"])
+    w = workload_of(cfg, 80.0)
+    assert w.logits_chunk == chunk
+    model = predicted(QWEN25["Qwen2.5-0.5B"], 4, {"actor", "rollout"}, w)["phases"]
+    planned = PLANNED_05B[chunk]
+    for phase, ours in (("actor log-probs", "actor log-probs"), ("ref log-probs", "actor log-probs"),
+                        ("update actor", "actor update")):
+        assert model[ours] / memory.GB == pytest.approx(planned[phase], rel=0.10), phase
+    # The head's backward grows 20 B per logit of a chunk (tracked at 256 to 2048 tokens, bf16 and fp32).
+    s, rows = QWEN25["Qwen2.5-0.5B"], 100
+    wider = memory.logits(s, rows, replace(w, logits_chunk=1024), True) - memory.logits(s, rows, replace(w, logits_chunk=512), True)
+    assert wider == 20 * 512 * s.vocab
 
 
 def test_inference_holds_the_mlp_peak_or_the_logits_never_both():
@@ -187,7 +218,7 @@ def test_the_fit_table_says_which_micro_batching_it_assumes(capsys):
     assert memory.main(["--max-token-len", "16384"]) == 0
     out = capsys.readouterr().out
     assert "token budgets (use_dynamic_bsz + use_remove_padding, no padding): update 16384 tokens" in out
-    assert "| Qwen2.5-7B | 7.62B | 4+4 | 61.1 (update) |" in out
+    assert "| Qwen2.5-7B | 7.62B | 4+4 | 60.3 (update) |" in out
     with pytest.raises(SystemExit):  # a budget must take the longest row whole
         memory.main(["--max-token-len", "1000"])
 

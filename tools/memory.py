@@ -24,8 +24,9 @@ and, on top, the largest of what one phase adds for a while:
   * every forward: gathered FSDP units (the root, i.e. embeddings + head, and two blocks: the one
     running and the one prefetched), activations (per token and block: all the block's saved
     tensors, or with checkpointing only its input plus one block's recomputed tensors), and the
-    logits of the response positions (compute dtype, their gradient, and one fp32 chunk of the
-    log-softmax, see algo.logprobs_and_entropy).
+    logits of the response positions: one chunk of `actor.logits_chunk_size` tokens and its
+    log-softmax's temporaries (roles/lm_head.py), or with 0 all of them (compute dtype, their
+    gradient, and one fp32 chunk of the log-softmax, see algo.logprobs_and_entropy).
 On CPU the RSS also counts the process itself (interpreter, torch, transformers: `--base-mb`)
 and, on a pool's first rank, the whole model it reads to hand out shards.
 
@@ -136,6 +137,7 @@ class Workload:
     # NVSwitch allows them. Lower it with NCCL_BUFFSIZE / NCCL_MAX_NCHANNELS, raise it if measured.
     nccl_mb: float = 500.0
     weight_bucket_mb: float = 256.0  # rollout.weight_bucket_mb: the weight stream's buckets
+    logits_chunk: int = 512  # actor.logits_chunk_size: the LM head's tokens at a time (0: the logits whole)
 
 
 def trained_state(params: int, pool: int, w: Workload) -> float:
@@ -209,15 +211,34 @@ def activations(s: Shape, rows: int, w: Workload, training: bool) -> float:
     return tokens * s.layers * per_block
 
 
-def logits(s: Shape, rows: int, w: Workload, training: bool) -> float:
-    """Response-position logits (R + 1 per row) in the compute dtype, and the fp32 chunk (logits,
-    softmax, gradient) of the chunked log-softmax. Training: the logits and, in the head's
-    backward, three more logits-sized tensors: each chunk's gradient comes back through its
-    slice as a zero tensor of all the logits' size, added to the sum of the chunks before
-    (algo.logprobs_and_entropy; tools.memory_plan tracked 3 x the bf16 logits as temporaries)."""
-    n = rows * (w.response_len + 1) * s.vocab
-    chunk = 4 * min(n, 1 << 26) * (3 if training else 2)
-    return w.dtype_bytes * n * (4 if training else 1) + chunk
+def logits(s: Shape, rows: float, w: Workload, training: bool) -> float:
+    """What the LM head and the log-softmax hold in one micro-batch's pass (inference) or at the
+    head's backward (training), on top of the blocks' saved activations.
+
+    `w.logits_chunk` tokens at a time (actor.logits_chunk_size, roles/lm_head.py): one chunk's
+    logits exist at a time, recomputed in the backward. tools.memory_plan tracked, at 0.5B with
+    chunks of 256 to 2048 tokens, the head's backward growing 20 B per logit of a chunk, in bf16
+    and in fp32 alike (the chunk's logits, their gradient, the fp32 log-softmax's input and its
+    backward's temporaries), and holding the head's whole weight gradient from the first chunk's
+    backward on; and the log-prob pass, with no grad, 6 B in bf16 (the logits and their fp32
+    copy). Both add the final norm's input and output (in training its input saved in fp32).
+
+    0: the logits of every response position (R + 1 per row) at once, in the compute dtype, and
+    the fp32 chunk (logits, softmax, gradient) of algo.logprobs_and_entropy's own chunks.
+    Training adds three more logits-sized tensors in the head's backward: each chunk's gradient
+    comes back through its slice as a zero tensor of all the logits' size, added to the sum of
+    the chunks before (tools.memory_plan tracked 3 x the bf16 logits as temporaries)."""
+    tokens = rows * (w.prompt_len + w.response_len)
+    positions = rows * (w.response_len + 1)
+    if not w.logits_chunk:
+        n = positions * s.vocab
+        chunk = 4 * min(n, 1 << 26) * (3 if training else 2)
+        return w.dtype_bytes * n * (4 if training else 1) + chunk
+    n = min(w.logits_chunk, positions) * s.vocab
+    upcast = 4 if w.dtype_bytes < 4 else 0  # logits.float() is the logits themselves in fp32
+    if not training:
+        return n * (w.dtype_bytes + upcast) + tokens * s.hidden * 2 * w.dtype_bytes
+    return n * 20 + w.dtype_bytes * s.vocab * s.hidden + tokens * s.hidden * (w.dtype_bytes + 4)
 
 
 def update_phase(s: Shape, params: int, head_params: int, rows: float, pool: int, w: Workload,
@@ -486,6 +507,8 @@ def main(argv=None) -> int:
     p.add_argument("--forward-max-token-len-per-gpu", type=int, help="the critic's values")
     p.add_argument("--no-sync-accumulation", action="store_true",
                    help="actor and critic reduce gradients once per mini-batch (a whole fp32 gradient per rank)")
+    p.add_argument("--logits-chunk-size", type=int, default=Workload.logits_chunk,
+                   help="actor.logits_chunk_size: the LM head's tokens at a time (0: the logits whole)")
     p.add_argument("--rollout", choices=("hf", "vllm"), default="hf")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="vllm: its share of the whole GPU")
     p.add_argument("--check", help="a bench_memory.json to compare the model with (CPU RSS)")
@@ -504,7 +527,7 @@ def main(argv=None) -> int:
                  forward_max_token_len=budgets["forward_max_token_len_per_gpu"],
                  no_sync_accumulation=args.no_sync_accumulation, rollout=args.rollout,
                  gpu_memory_utilization=args.gpu_memory_utilization, device_gb=args.gpu_gb, nccl_mb=args.nccl_mb,
-                 weight_bucket_mb=args.weight_bucket_mb)
+                 weight_bucket_mb=args.weight_bucket_mb, logits_chunk=args.logits_chunk_size)
     rows = fit_table([QWEN25[k] for k in ("Qwen2.5-0.5B", "Qwen2.5-7B", "Qwen2.5-14B")], args.world_size, args.gpu_gb, args.reserve_gb, w, args.rollout_pool)
     print(render_fit(rows, args.world_size, args.gpu_gb, args.reserve_gb, w))
     if args.check:

@@ -434,7 +434,7 @@ def workload_of(cfg, device_gb: float) -> Workload:
                     forward_max_token_len=c.forward_max_token_len_per_gpu if c.use_dynamic_bsz else 0,
                     critic_ppo_max_token_len=c.ppo_max_token_len_per_gpu if c.use_dynamic_bsz else 0,
                     rollout=cfg.rollout.name, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-                    device_gb=device_gb, nccl_mb=0.0)
+                    device_gb=device_gb, nccl_mb=0.0, logits_chunk=a.logits_chunk_size)
 
 
 def rank_peak(plan: dict, cfg, shape: Shape, size: int, groups: set[str], w: Workload) -> dict:
@@ -535,9 +535,11 @@ def render(pools: list[dict]) -> str:
 
 
 # docs/memory.md's table: (model, preset, GPUs, overrides). 32B and 72B take the 7B preset's
-# workload; the rows with overrides are the changes that make a case that does not fit fit.
-SEVEN = "configs/gpu_qwen2.5_7b.yaml"
-CASES = [("Qwen2.5-7B", "configs/gpu_qwen2.5_0.5b.yaml", 8, ()), ("Qwen2.5-7B", SEVEN, 8, ()),
+# workload; the rows with overrides are the changes that make a case that does not fit fit, and
+# 0.5B's logits whole (actor.logits_chunk_size=0) is what the LM head in chunks saves.
+SEVEN, HALF = "configs/gpu_qwen2.5_7b.yaml", "configs/gpu_qwen2.5_0.5b.yaml"
+CASES = [("Qwen2.5-0.5B", HALF, 8, ()), ("Qwen2.5-0.5B", HALF, 8, ("actor.logits_chunk_size=0",)),
+         ("Qwen2.5-7B", HALF, 8, ()), ("Qwen2.5-7B", SEVEN, 8, ()),
          ("Qwen2.5-32B", SEVEN, 16, ()), ("Qwen2.5-32B", SEVEN, 32, ()),
          ("Qwen2.5-72B", SEVEN, 16, ()), ("Qwen2.5-72B", SEVEN, 32, ()),
          # twice the GPUs, the update budgets halved, and vLLM's share what is left beside the

@@ -47,13 +47,19 @@ def compute_dtypes(cfg, device: torch.device) -> tuple[torch.dtype, torch.dtype 
     return dtype, (dtype if dtype != torch.float32 else None)
 
 
+def passes(cfg, device: torch.device) -> tuple[str, bool]:
+    """How every trained and frozen model runs its forward passes: (its attention kernel, chosen
+    in models.attention_implementation; whether micro-batches are packed, model.use_remove_padding)."""
+    return attention_implementation(cfg.model.attn_implementation, device), cfg.model.use_remove_padding
+
+
 def build_actor_roles(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> ActorRoles:
     device, seed, remote, path = pools.device, cfg.trainer.seed, cfg.model.trust_remote_code, cfg.model.path
     dtype, mixed = compute_dtypes(cfg, device)
     temperature = cfg.rollout.temperature
     mesh = pools.mesh("actor")
     # Trained: fp32 masters, computing in `mixed`. Frozen: held in the compute dtype outright.
-    attention, packed = attention_implementation(cfg.model.attn_implementation, device), cfg.model.use_remove_padding
+    attention, packed = passes(cfg, device)
     policy = ModelSource("causal_lm", path, torch.float32, seed, remote, attention)
     actor = Actor(build_engine(cfg, "actor", policy, mesh, device, mixed), cfg.actor, temperature, device,
                   rollout_n=cfg.rollout.n, remove_padding=packed, loss_horizon=cfg.data.max_response_length)
@@ -90,7 +96,7 @@ def build_rollout_engine(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> Ro
 def build_critic_roles(cfg, pools: Pools) -> CriticRoles:
     device, seed, remote = pools.device, cfg.trainer.seed, cfg.model.trust_remote_code
     _, mixed = compute_dtypes(cfg, device)
-    attention, packed = attention_implementation(cfg.model.attn_implementation, device), cfg.model.use_remove_padding
+    attention, packed = passes(cfg, device)
     critic = None
     if algo.get_adv_estimator(cfg.algorithm.adv_estimator).needs_critic:
         value_model = ModelSource("value", cfg.critic.model_path or cfg.model.path, torch.float32, seed, remote,
@@ -106,7 +112,7 @@ def build_reward(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> RuleReward
     """The reward group's reward: the rule reward, or a reward model on the mesh of its pool."""
     device, seed, remote = pools.device, cfg.trainer.seed, cfg.model.trust_remote_code
     dtype, _ = compute_dtypes(cfg, device)
-    attention, packed = attention_implementation(cfg.model.attn_implementation, device), cfg.model.use_remove_padding
+    attention, packed = passes(cfg, device)
     reward = build_rule_reward(cfg, tokenizer, eos_ids)
     if cfg.reward.model.path:  # a reward model replaces the rule scores, as in verl
         rm = cfg.reward.model

@@ -6,6 +6,10 @@ bit for bit (a refactor that should change no number).
 
 Each job validates and checkpoints at step 2, so those paths are in the numbers too. Wall-clock
 scalars (timing_s/*, perf/*) are left out; everything else must be equal, float for float.
+Besides the presets, the layouts and paths no preset takes (EXTRA_JOBS): a balanced batch, the
+critic pool generating its share (rollout.ranks=all, with and without dynamic sampling), a reward
+pool of its own, a PPO rollout pool one step ahead, rollout chunks sent on as they come, and the
+blocking hand-offs with the KL penalty in the reward.
 """
 
 from __future__ import annotations
@@ -24,18 +28,31 @@ PRESETS = [
     ("rollout_actor_critic.yaml", 3), ("grpo_rollout_actor.yaml", 2), ("dapo_rollout_actor.yaml", 2),
     ("agent_lookup.yaml", 4),
 ]
+# (name, preset, ranks, overrides): what no preset runs, each named by what it adds.
+EXTRA_JOBS = [
+    ("default+balance_batch", "default.yaml", 4, ["trainer.balance_batch=true"]),
+    ("default+rollout.ranks=all", "default.yaml", 4, ["rollout.ranks=all"]),
+    ("dapo+rollout.ranks=all", "dapo_rollout_actor.yaml", 4,
+     ["placement.mode=split", "placement.pools=[]", "placement.roles=[]", "rollout.ranks=all"]),
+    ("default+reward_pool", "default.yaml", 3,
+     ["placement.mode=custom", "placement.pools={train: 1, critic: 1, score: 1}",
+      "placement.roles={actor: train, critic: critic, reward: score}"]),
+    ("default+chunks+kl_in_reward", "split_blocking.yaml", 4,
+     ["rollout.stream_chunks=2", "algorithm.use_kl_in_reward=true"]),
+]
+JOBS = [(preset, preset, nproc, []) for preset, nproc in PRESETS] + EXTRA_JOBS
 
 
 def run(out: str, steps: int) -> None:
     prints = {}
-    for preset, nproc in PRESETS:
+    for name, preset, nproc, extra in JOBS:
         with tempfile.TemporaryDirectory() as job_dir:
-            overrides = ["--config", f"configs/{preset}", f"trainer.total_steps={steps}", "trainer.val_freq=2",
+            overrides = ["--config", f"configs/{preset}", *extra, f"trainer.total_steps={steps}", "trainer.val_freq=2",
                          "trainer.save_freq=2", f"trainer.default_local_dir={job_dir}/ckpt"]
             _, scalars = run_job(nproc, overrides, job_dir, timeout=900)
-        prints[preset] = {tag: {str(s): v for s, v in sorted(points.items())} for tag, points in scalars.items()
-                          if not tag.startswith(("timing_s/", "perf/"))}
-        print(f"{preset}: {len(prints[preset])} scalars", flush=True)
+        prints[name] = {tag: {str(s): v for s, v in sorted(points.items())} for tag, points in scalars.items()
+                        if not tag.startswith(("timing_s/", "perf/"))}
+        print(f"{name}: {len(prints[name])} scalars", flush=True)
     with open(out, "w") as f:
         json.dump(prints, f, indent=1, sort_keys=True)
 

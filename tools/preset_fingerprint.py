@@ -32,8 +32,9 @@ PRESETS = [
 EXTRA_JOBS = [
     ("default+balance_batch", "default.yaml", 4, ["trainer.balance_batch=true"]),
     ("default+rollout.ranks=all", "default.yaml", 4, ["rollout.ranks=all"]),
-    ("dapo+rollout.ranks=all", "dapo_rollout_actor.yaml", 4,
-     ["placement.mode=split", "placement.pools=[]", "placement.roles=[]", "rollout.ranks=all"]),
+    ("default+filter_groups+rollout.ranks=all", "default.yaml", 4,
+     ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_reward", "rollout.n=4",
+      "data.train_batch_size=32", "data.gen_batch_size=48", "rollout.ranks=all"]),
     ("default+reward_pool", "default.yaml", 3,
      ["placement.mode=custom", "placement.pools={train: 1, critic: 1, score: 1}",
       "placement.roles={actor: train, critic: critic, reward: score}"]),

@@ -14,7 +14,7 @@ from spmdsplit.balance import balanced_group_order, seqlen_metrics, slice_sums
 from spmdsplit.batch import Batch
 from spmdsplit.messages import ROWS_TO, PoolChannel
 from spmdsplit.metrics import PhaseTimer
-from spmdsplit.placement import Pools
+from spmdsplit.groups import Pools
 
 
 class BatchBalancer:

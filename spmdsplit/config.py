@@ -20,7 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 from spmdsplit.algo import (ADV_ESTIMATOR_REGISTRY, LOSS_AGG_MODES, POLICY_LOSS_REGISTRY, ROLLOUT_IS_LEVELS,
                             get_adv_estimator)
 from spmdsplit.data.synthetic import TASKS
-from spmdsplit.groups import generating_ranks
+
 from spmdsplit.messages import ROWS_TO  # the role groups that take every step's rows
 
 
@@ -936,7 +936,7 @@ def check_against_placement(cfg: DictConfig, placement) -> None:
             "actor's (placement.mode=custom placement.pools='{gen: 1, train: 1}' "
             "placement.roles='{rollout: gen, actor: train}'), or give the critic pool a reward model")
     if cfg.algorithm.filter_groups.enable:
-        generating = len(generating_ranks(cfg, placement))
+        generating = len(placement.generating_ranks)
         gen = cfg.data.gen_batch_size or cfg.data.train_batch_size
         if gen % generating:
             raise ConfigError(f"data.gen_batch_size={gen} is not divisible by the {generating} generating ranks "

@@ -1,11 +1,12 @@
-"""Every process group of a job, created by one function in one visible order.
+"""Every process group of a job, created by one function in one visible order, and `Pools`, the
+placement made real on a rank (each pool's group, mesh and meeting group, looked up by role group).
 
 `torch.distributed.new_group` is collective over the whole world: every rank must call it for
 every group, member or not, in the same order, or the groups' names (a per-process counter)
 drift apart and the job hangs at its first collective. The order is therefore part of the
 protocol between ranks, and it is written here, once:
 
-  1. the pools' groups (spmdsplit/placement.py build_pools): one per pool, in the order of
+  1. the pools' groups (build_pools below): one per pool, in the order of
      placement.pools (the actor's pool first); each pool trains with FSDP2/ZeRO over its own
   2. `bulk`     over the world, the backend's (NCCL on GPUs): rows between the pools
   3. `control`  over the world, gloo: small pickled objects (metrics, checkpoint hand-off)
@@ -43,15 +44,96 @@ pool's work runs a collective on the world.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 
 from spmdsplit.distributed import meet_on
-from spmdsplit.placement import Placement, Pools, build_pools, member_or_none
+from spmdsplit.placement import Placement, PlacementError
+
+
+@dataclass
+class Pools:
+    """The placement made real on one rank: each pool's process group, FSDP mesh and meeting group,
+    looked up by role group (None where this rank is not in the group's pool)."""
+
+    placement: Placement
+    rank: int
+    device: torch.device
+    groups: dict[str, ProcessGroup | None]  # pool name -> its group (the backend's)
+    meshes: dict[str, DeviceMesh | None]  # pool name -> its 1-D mesh (FSDP2, ZeRO)
+    # pool name -> its meeting group (gloo, trainer.pool_wait_timeout_s; spmdsplit/groups.py makes them)
+    meets: dict[str, ProcessGroup | None] = field(default_factory=dict)
+
+    def holds(self, group: str) -> bool:
+        """This rank is in the pool of role group `group`."""
+        return self.rank in self.placement.ranks(group)
+
+    def group(self, role_group: str) -> ProcessGroup | None:
+        return self.groups[self.placement.pool_of(role_group)]
+
+    def mesh(self, role_group: str) -> DeviceMesh | None:
+        return self.meshes[self.placement.pool_of(role_group)]
+
+    def meet_group(self, role_group: str) -> ProcessGroup | None:
+        """The gloo group over `role_group`'s pool with the long timeout (None off the pool)."""
+        return self.meets.get(self.placement.pool_of(role_group))
+
+    def meet(self, role_group: str) -> None:
+        """The ranks of `role_group`'s pool wait until all of them are here, under the long timeout:
+        after a wait on another pool, whose rows (or go-ahead) reach the pool's ranks at different
+        times. Without it the first rank through would wait for the last inside the pool's next
+        collective, under trainer.dist_timeout_s: a long generation elsewhere, or another pool's
+        checkpoint of a large model, would trip it (NCCL's watchdog then kills the job). A gloo
+        barrier on the host costs about a millisecond."""
+        group = self.meet_group(role_group)
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.barrier(group=group)
+
+
+def member_or_none(group) -> ProcessGroup | None:
+    """new_group returns GroupMember.NON_GROUP_MEMBER (a sentinel, not None) on ranks outside the
+    group; None reads better and cannot be passed to a collective by mistake."""
+    return None if group is None or group is dist.GroupMember.NON_GROUP_MEMBER else group
+
+
+def _mesh_for(group: ProcessGroup | None, device: torch.device) -> DeviceMesh | None:
+    if group is None:  # a mesh is only meaningful (and only needed, for FSDP2) on its own members
+        return None
+    # from_group wraps the existing group (DeviceMesh(..., _init_backend=False) plus a registry
+    # entry): no new group and no collective, so members may call it alone. It wants a bare device
+    # type ("cuda", "cpu"); "cuda:0" is rejected, hence .type.
+    return DeviceMesh.from_group(group, device.type, mesh_dim_names=("fsdp",))
+
+
+def build_pools(placement: Placement, device: torch.device, timeout: timedelta | None = None) -> Pools:
+    """Each pool's process group and 1-D mesh on this rank, one group per pool in the order of
+    placement.pools (the actor's pool first).
+
+    Every rank of the world calls this, after init_process_group, with the same placement, and
+    calls new_group for every pool, member or not (torch's rule): torch names a group from a
+    per-process counter of new_group calls, and the members meet in the store under that name, so
+    all ranks must make the same calls in the same order or the names drift apart and the job
+    hangs. `timeout`: how long a collective inside a pool may wait (trainer.dist_timeout_s); None =
+    torch's default for the backend."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("build_pools needs torch.distributed initialised (init_process_group) first")
+    world = dist.get_world_size()
+    # Checked before any new_group: every rank sees the same mismatch and raises together, rather
+    # than some ranks waiting in a group creation the others never reach.
+    if world != placement.world_size:
+        raise PlacementError(f"placement was planned for {placement.world_size} ranks but the running world has "
+                             f"{world}; plan it from launch_shape_from_env()")
+    device = torch.device(device)
+    # use_local_synchronization=False (the default): torch's whole-world rule, so correctness never
+    # depends on which ranks happen to be members.
+    groups = {name: member_or_none(dist.new_group(ranks=list(ranks), timeout=timeout))
+              for name, ranks in placement.pools.items()}
+    return Pools(placement, dist.get_rank(), device, groups, {n: _mesh_for(g, device) for n, g in groups.items()})
 
 
 @dataclass
@@ -64,36 +146,6 @@ class ProcessGroups:
     weight_sources: list[int]  # empty: no engine outside the actor pool
     weights: list[ProcessGroup | None]  # weights[j]: weight_sources[j] + the receiving ranks
     generating: ProcessGroup | None = None  # the ranks that generate, when they span two pools (8)
-
-
-def blocking_handoff(cfg, placement: Placement) -> bool:
-    """verl's blocking calls (placement.overlap=false), for comparison; meaningless when the
-    roles share ranks anyway."""
-    return not cfg.placement.overlap and not placement.together("actor", "critic")
-
-
-def critic_pool_generates(cfg, placement: Placement) -> bool:
-    """rollout.ranks=all with pools of their own: the critic pool's ranks generate their share too."""
-    return cfg.rollout.ranks == "all" and not placement.together("actor", "critic")
-
-
-def generating_ranks(cfg, placement: Placement) -> list[int]:
-    """The ranks that generate a training step's rollout, in the order of its global batch."""
-    if placement.apart("rollout"):
-        return list(placement.ranks("rollout"))
-    if critic_pool_generates(cfg, placement):
-        return list(placement.ranks("actor")) + list(placement.ranks("critic"))
-    return list(placement.ranks("actor"))
-
-
-def weight_sources_and_receivers(cfg, placement: Placement) -> tuple[list[int], list[int]]:
-    """Who sends the policy's weights to engines outside the actor pool, and who receives them."""
-    actor = list(placement.ranks("actor"))
-    if placement.apart("rollout"):
-        return actor, list(placement.ranks("rollout"))
-    if critic_pool_generates(cfg, placement):
-        return actor[:1], list(placement.ranks("critic"))
-    return [], []
 
 
 def create_process_groups(cfg, placement: Placement, device: torch.device) -> ProcessGroups:
@@ -110,22 +162,22 @@ def create_process_groups(cfg, placement: Placement, device: torch.device) -> Pr
     pools.meets = {name: member_or_none(dist.new_group(list(ranks), backend="gloo", timeout=between))  # 5
                    for name, ranks in placement.pools.items()}
     handoff = None
-    if blocking_handoff(cfg, placement):  # 6
+    if placement.hands_off:  # 6
         handoff = member_or_none(dist.new_group(sorted({*placement.ranks("actor"), *placement.ranks("critic")}),
                                                 timeout=between))
-    sources, receivers = weight_sources_and_receivers(cfg, placement)
+    sources, receivers = placement.weight_sources, placement.weight_receivers
     weights = [member_or_none(dist.new_group(sorted({src, *receivers}), timeout=between)) for src in sources]  # 7
     generating = None
-    if cfg.algorithm.filter_groups.enable and critic_pool_generates(cfg, placement):  # 8
-        generating = member_or_none(dist.new_group(sorted({*placement.ranks("actor"), *placement.ranks("critic")}),
-                                                   timeout=between))
-    groups = ProcessGroups(pools, bulk, control, stop, handoff, sources, weights, generating)
+    if cfg.algorithm.filter_groups.enable and placement.critic_pool_generates:  # 8
+        generating = member_or_none(dist.new_group(sorted(placement.generating_ranks), timeout=between))
+    groups = ProcessGroups(pools, bulk, control, stop, handoff, list(sources), weights, generating)
     warm_up(groups, device)
     if cfg.rollout.name == "vllm":  # 9
-        from spmdsplit.roles.build import compute_dtypes
+        from spmdsplit.models import resolve_dtype
         from spmdsplit.rollout.vllm_engine import init_vllm_distributed
 
-        init_vllm_distributed(cfg, cfg.model.path, device, compute_dtypes(cfg, device)[0])
+        # The engines hold the policy in the compute dtype (roles/build.py compute_dtypes).
+        init_vllm_distributed(cfg, cfg.model.path, device, resolve_dtype(cfg.model.dtype, device))
     return groups
 
 

@@ -18,23 +18,22 @@ The config's shorthands compile into the same map (:func:`compile_layout`):
   ``ranks_per_node`` (local ranks [0, a) of every node to the actor) or ``nodes`` (whole nodes).
 * ``custom`` with ``placement.pools`` a mapping and ``placement.roles``: the map itself.
 
-Two steps, in the manner of torchtitan's ``ParallelDims``: :func:`plan_placement` is pure and
-returns a frozen, self-validating :class:`Placement` (or a one-line :class:`PlacementError` naming
-the key); :func:`build_pools` runs after ``init_process_group`` and makes each pool's process group
-and 1-D device mesh (FSDP2), as :class:`Pools`, looked up by role group.
+* ``rollout.ranks=all``: the rollout group, with the actor, spans the critic's pool too.
+
+In the manner of torchtitan's ``ParallelDims``, :func:`plan_placement` is pure and returns a frozen,
+self-validating :class:`Placement` (or a one-line :class:`PlacementError` naming the key), whose
+properties are the facts derived from the map (the generating ranks, the weights' senders and
+receivers, the hand-offs). spmdsplit/groups.py makes it real after ``init_process_group``: each
+pool's process group and mesh (``Pools``) and every other group, in one order.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
-
-import torch
-import torch.distributed as dist
-from torch.distributed import ProcessGroup
-from torch.distributed.device_mesh import DeviceMesh
+from functools import cached_property
 
 MODES = ("split", "colocate", "custom")
 POOL_UNITS = ("ranks_per_node", "nodes")
@@ -108,23 +107,31 @@ def _alternatives(*hints: str | None) -> str:
 
 @dataclass(frozen=True)
 class Placement:
-    """Named pools of world ranks and the pool of each role group. Pure data, no groups.
+    """Named pools of world ranks and the pool of each role group. Pure data, no groups; the facts
+    the runtime derives from the map (who generates, who sends and receives the policy's weights,
+    who hands off) are its properties, each computed once, here.
 
     Invariants, checked on construction (a hand-built one is as safe as a planned one): every role
     group placed on a pool that exists; each pool non-empty, sorted, holding a role group; the pools
     disjoint and covering the world; world rank 0 (which logs) in the actor's pool; a role group
-    with its host or apart from every group it does not host."""
+    with its host or apart from every group it does not host; only the rollout group spans a second
+    pool, the critic's, and only from the actor's (rollout.ranks=all)."""
 
     mode: str
     world_size: int
     local_world_size: int
     nnodes: int
     pools: Mapping[str, tuple[int, ...]]  # name -> world ranks, the actor's pool first
-    roles: Mapping[str, str]  # role group -> pool name, every group of ROLE_GROUPS
+    roles: Mapping[str, str]  # role group -> its own pool's name, every group of ROLE_GROUPS
+    # Role group -> the other pools it also runs on: rollout.ranks=all puts the rollout group's
+    # engines on the critic's pool too ({"rollout": ("critic",)}); its own pool stays the actor's.
+    spans: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    overlap: bool = True  # placement.overlap: false adds the hand-offs that make the pools take turns
 
     def __post_init__(self):
         object.__setattr__(self, "pools", {str(n): tuple(int(r) for r in rs) for n, rs in self.pools.items()})
         object.__setattr__(self, "roles", placed_with_hosts(self.roles))
+        object.__setattr__(self, "spans", {g: tuple(ps) for g, ps in self.spans.items() if ps})
         if self.mode not in MODES:
             raise PlacementError(f"placement.mode={self.mode!r} is not one of {list(MODES)}")
         if self.world_size != self.local_world_size * self.nnodes:
@@ -158,14 +165,66 @@ class Placement:
                     f"(placement.roles.{group}={self.roles[host]}) or on a pool of its own, not on the "
                     f"{self.label(self.roles[group]).replace(group, '').strip('+')} pool; the maps that work: "
                     + "; ".join(ROLE_LAYOUTS))
+        for group, others in self.spans.items():
+            if (group != "rollout" or self.apart("rollout") or self.together("actor", "critic")
+                    or others != (self.pool_of("critic"),)):
+                raise PlacementError(f"the {group} group spans pools {[self.pool_of(group), *others]}: only the rollout "
+                                     "group, with the actor, spans the critic's pool of its own too (rollout.ranks=all)")
         if (self.mode == "colocate" and len(self.pools) != 1) or (
                 self.mode == "split" and (len(self.pools) != 2 or self.apart("rollout") or self.apart("reward"))):
             raise PlacementError(f"placement.mode={self.mode} does not match the pools {dict(self.pools)} and "
                                  f"roles {dict(self.roles)}")
 
     def ranks(self, group: str) -> tuple[int, ...]:
-        """The world ranks of the pool `group` sits on."""
+        """The world ranks of the pool `group` sits on (its own: `spans` adds none)."""
         return self.pools[self.pool_of(group)]
+
+    def pools_of(self, group: str) -> tuple[str, ...]:
+        """Every pool `group` runs on: its own, then the ones it spans."""
+        return (self.pool_of(group), *self.spans.get(group, ()))
+
+    # ---------------------------------------------------------------- derived: who runs where
+
+    @cached_property
+    def generating_ranks(self) -> tuple[int, ...]:
+        """The ranks that generate a training step's rollout, in the order of its global batch:
+        a rollout pool's, the actor pool's, or with rollout.ranks=all the actor's then the critic's."""
+        return tuple(r for pool in self.pools_of("rollout") for r in self.pools[pool])
+
+    @cached_property
+    def critic_pool_generates(self) -> bool:
+        """rollout.ranks=all with pools of their own: the critic pool's ranks generate their share."""
+        return self.pool_of("critic") in self.spans.get("rollout", ())
+
+    @cached_property
+    def generated_elsewhere(self) -> bool:
+        """Rows the actor pool trains on come from another pool (a rollout pool of its own, or the
+        critic pool's share): the GENERATED message (spmdsplit/messages.py) runs."""
+        return self.apart("rollout") or self.critic_pool_generates
+
+    @cached_property
+    def weight_sources(self) -> tuple[int, ...]:
+        """The actor ranks that send the policy's weights to engines outside the actor pool (a
+        rollout pool: every actor rank, a bucket each; the critic pool's engines: the first)."""
+        actor = self.ranks("actor")
+        return actor if self.apart("rollout") else actor[:1] if self.critic_pool_generates else ()
+
+    @cached_property
+    def weight_receivers(self) -> tuple[int, ...]:
+        """The ranks whose engines take the policy's weights from the weight sources."""
+        return tuple(r for pool in self.pools_of("rollout") if pool != self.pool_of("actor") for r in self.pools[pool])
+
+    @cached_property
+    def engines_share_device(self) -> bool:
+        """The rollout engines share their ranks' devices with training, so they sleep between
+        generations; on a rollout pool of its own an engine stays awake, taking each version in place."""
+        return not self.apart("rollout")
+
+    @cached_property
+    def hands_off(self) -> bool:
+        """verl's blocking calls (placement.overlap=false), for comparison: the actor and critic
+        pools take turns; meaningless when the two share ranks anyway."""
+        return not self.overlap and not self.together("actor", "critic")
 
     def pool_of(self, group: str) -> str:
         if group not in self.roles:
@@ -362,11 +421,14 @@ def lay_out(mode: str, sizes: Mapping, roles: Mapping, pool_unit: str, world_siz
 
 
 def plan_placement(mode: str, pools, pool_unit: str, world_size: int, local_world_size: int, nnodes: int,
-                   roles: Mapping[str, str] | None = None) -> Placement:
+                   roles: Mapping[str, str] | None = None, rollout_ranks: str = "actor",
+                   overlap: bool = True) -> Placement:
     """Work out the pools from the config and the launch shape. Pure: no torch.distributed, so
     every rank gets the same answer and a bad config fails before any group exists. `pools`: a
     list [actor, critic] or a mapping pool name -> size (in `pool_unit`s); with a mapping, `roles`
-    maps role groups to pool names."""
+    maps role groups to pool names. `rollout_ranks="all"` (rollout.ranks) puts the rollout group,
+    sitting with the actor, on the critic's pool too, where that is a pool of its own (a rollout
+    pool of its own keeps its ranks: preflight refuses that combination by name)."""
     for name, v in (("world size", world_size), ("ranks per node", local_world_size), ("nodes", nnodes)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise PlacementError(f"launch shape: {name} must be a positive integer, got {v!r}")
@@ -375,12 +437,16 @@ def plan_placement(mode: str, pools, pool_unit: str, world_size: int, local_worl
                              f"{nnodes} nodes; launch the same number of ranks on every node "
                              "(torchrun --nproc-per-node N on each node)")
     sizes, where, unit = compile_layout(mode, pools, pool_unit, local_world_size, nnodes, roles)
-    return lay_out(mode, sizes, where, unit, world_size, local_world_size, nnodes)
+    laid_out = lay_out(mode, sizes, where, unit, world_size, local_world_size, nnodes)
+    spans = {}
+    if rollout_ranks == "all" and not laid_out.apart("rollout") and not laid_out.together("actor", "critic"):
+        spans = {"rollout": (laid_out.pool_of("critic"),)}
+    return dataclasses.replace(laid_out, spans=spans, overlap=overlap)
 
 
-def plan_from_config(placement_cfg, world_size: int, local_world_size: int, nnodes: int) -> Placement:
-    """plan_placement from the config's `placement` section (OmegaConf or any object with
-    mode, pools, pool_unit and roles), its containers turned into plain lists and dicts."""
+def plan_from_config(cfg, world_size: int, local_world_size: int, nnodes: int) -> Placement:
+    """plan_placement from the config (OmegaConf or any object with `placement.mode`, `.pools`,
+    `.pool_unit`, `.roles`, `.overlap` and `rollout.ranks`), containers turned into plain lists and dicts."""
     def plain(value):
         if isinstance(value, Mapping):
             return {str(k): plain(v) for k, v in value.items()}
@@ -388,9 +454,11 @@ def plan_from_config(placement_cfg, world_size: int, local_world_size: int, nnod
             return [plain(v) for v in value]
         return value
 
+    placement_cfg = cfg.placement
     return plan_placement(
         placement_cfg.mode, plain(placement_cfg.pools), placement_cfg.pool_unit,
         world_size, local_world_size, nnodes, plain(getattr(placement_cfg, "roles", None)),
+        rollout_ranks=cfg.rollout.ranks, overlap=placement_cfg.overlap,
     )
 
 
@@ -431,86 +499,3 @@ def launch_shape_from_env(env: Mapping[str, str] | None = None) -> tuple[int, in
             f"LOCAL_WORLD_SIZE={local} = {nnodes} nodes"
         )
     return world, local, nnodes
-
-
-# --------------------------------------------------------------------------- runtime side
-
-
-@dataclass
-class Pools:
-    """The placement made real on one rank: each pool's process group, FSDP mesh and meeting group,
-    looked up by role group (None where this rank is not in the group's pool)."""
-
-    placement: Placement
-    rank: int
-    device: torch.device
-    groups: dict[str, ProcessGroup | None]  # pool name -> its group (the backend's)
-    meshes: dict[str, DeviceMesh | None]  # pool name -> its 1-D mesh (FSDP2, ZeRO)
-    # pool name -> its meeting group (gloo, trainer.pool_wait_timeout_s; spmdsplit/groups.py makes them)
-    meets: dict[str, ProcessGroup | None] = field(default_factory=dict)
-
-    def holds(self, group: str) -> bool:
-        """This rank is in the pool of role group `group`."""
-        return self.rank in self.placement.ranks(group)
-
-    def group(self, role_group: str) -> ProcessGroup | None:
-        return self.groups[self.placement.pool_of(role_group)]
-
-    def mesh(self, role_group: str) -> DeviceMesh | None:
-        return self.meshes[self.placement.pool_of(role_group)]
-
-    def meet_group(self, role_group: str) -> ProcessGroup | None:
-        """The gloo group over `role_group`'s pool with the long timeout (None off the pool)."""
-        return self.meets.get(self.placement.pool_of(role_group))
-
-    def meet(self, role_group: str) -> None:
-        """The ranks of `role_group`'s pool wait until all of them are here, under the long timeout:
-        after a wait on another pool, whose rows (or go-ahead) reach the pool's ranks at different
-        times. Without it the first rank through would wait for the last inside the pool's next
-        collective, under trainer.dist_timeout_s: a long generation elsewhere, or another pool's
-        checkpoint of a large model, would trip it (NCCL's watchdog then kills the job). A gloo
-        barrier on the host costs about a millisecond."""
-        group = self.meet_group(role_group)
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.barrier(group=group)
-
-
-def member_or_none(group) -> ProcessGroup | None:
-    """new_group returns GroupMember.NON_GROUP_MEMBER (a sentinel, not None) on ranks outside the
-    group; None reads better and cannot be passed to a collective by mistake."""
-    return None if group is None or group is dist.GroupMember.NON_GROUP_MEMBER else group
-
-
-def _mesh_for(group: ProcessGroup | None, device: torch.device) -> DeviceMesh | None:
-    if group is None:  # a mesh is only meaningful (and only needed, for FSDP2) on its own members
-        return None
-    # from_group wraps the existing group (DeviceMesh(..., _init_backend=False) plus a registry
-    # entry): no new group and no collective, so members may call it alone. It wants a bare device
-    # type ("cuda", "cpu"); "cuda:0" is rejected, hence .type.
-    return DeviceMesh.from_group(group, device.type, mesh_dim_names=("fsdp",))
-
-
-def build_pools(placement: Placement, device: torch.device, timeout: timedelta | None = None) -> Pools:
-    """Each pool's process group and 1-D mesh on this rank, one group per pool in the order of
-    placement.pools (the actor's pool first).
-
-    Every rank of the world calls this, after init_process_group, with the same placement, and
-    calls new_group for every pool, member or not (torch's rule): torch names a group from a
-    per-process counter of new_group calls, and the members meet in the store under that name, so
-    all ranks must make the same calls in the same order or the names drift apart and the job
-    hangs. `timeout`: how long a collective inside a pool may wait (trainer.dist_timeout_s); None =
-    torch's default for the backend."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("build_pools needs torch.distributed initialised (init_process_group) first")
-    world = dist.get_world_size()
-    # Checked before any new_group: every rank sees the same mismatch and raises together, rather
-    # than some ranks waiting in a group creation the others never reach.
-    if world != placement.world_size:
-        raise PlacementError(f"placement was planned for {placement.world_size} ranks but the running world has "
-                             f"{world}; plan it from launch_shape_from_env()")
-    device = torch.device(device)
-    # use_local_synchronization=False (the default): torch's whole-world rule, so correctness never
-    # depends on which ranks happen to be members.
-    groups = {name: member_or_none(dist.new_group(ranks=list(ranks), timeout=timeout))
-              for name, ranks in placement.pools.items()}
-    return Pools(placement, dist.get_rank(), device, groups, {n: _mesh_for(g, device) for n, g in groups.items()})

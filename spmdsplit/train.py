@@ -117,7 +117,7 @@ def prepare(cfg):
     if missing:
         raise ConfigError(missing)
     world, local, nnodes = launch_shape_from_env()
-    placement = plan_from_config(cfg.placement, world, local, nnodes)
+    placement = plan_from_config(cfg, world, local, nnodes)
     check_against_placement(cfg, placement)  # the rollout pool's checks (staleness), then batch sizes per pool
     check_model_path("model.path", cfg.model.path, cfg.model.trust_remote_code)
     check_model_path("critic.model_path", cfg.critic.model_path, cfg.model.trust_remote_code)

@@ -618,7 +618,7 @@ def _placed(overrides, shape=(2, 2, 1)):
     from spmdsplit.placement import plan_from_config
 
     cfg = load_config(None, overrides)
-    placement = plan_from_config(cfg.placement, *shape)
+    placement = plan_from_config(cfg, *shape)
     check_against_placement(cfg, placement)
     return cfg, placement
 

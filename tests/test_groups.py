@@ -42,7 +42,7 @@ def _create(rank, world, overrides):
     from spmdsplit.placement import plan_from_config
 
     cfg = load_config(None, overrides)
-    placement = plan_from_config(cfg.placement, world, world, 1)
+    placement = plan_from_config(cfg, world, world, 1)
     calls, warmed = [], []
     real, real_all_reduce = dist.new_group, dist.all_reduce
 
@@ -103,12 +103,12 @@ def test_every_rank_creates_the_same_groups_in_the_same_order():
 
 def test_no_group_is_created_anywhere_else():
     """The order lives in one function only if nothing else in the runtime package calls
-    new_group: build_pools (its step 1) and DeepSpeed's one-rank group (named from its ranks,
-    `use_local_synchronization`) are the only other callers."""
+    new_group: groups.py (build_pools, its step 1, lives there too) and DeepSpeed's one-rank group
+    (named from its ranks, `use_local_synchronization`) are the only callers."""
     import pathlib
 
     import spmdsplit
 
     root = pathlib.Path(spmdsplit.__file__).parent
     callers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py") if "new_group(" in p.read_text())
-    assert callers == ["engines/deepspeed.py", "groups.py", "placement.py"], callers
+    assert callers == ["engines/deepspeed.py", "groups.py"], callers

@@ -4,11 +4,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from spmdsplit.groups import Pools, build_pools
 from spmdsplit.placement import (
     Placement,
     PlacementError,
-    Pools,
-    build_pools,
     launch_shape_from_env,
     plan_placement,
 )
@@ -570,3 +569,43 @@ def test_build_pools_colocate_2_ranks(two_ranks):
 
 def test_build_pools_rejects_a_placement_for_another_world(two_ranks):
     assert all("planned for 4 ranks" in r["refused"] and "has 2" in r["refused"] for r in two_ranks)
+
+
+# --------------------------------------------------------------------------- derived facts
+
+
+def test_who_generates_and_who_takes_weights_in_each_layout():
+    """The facts the runtime reads off the placement (issue 38: once, here), in every layout:
+    the generating ranks in the global batch's order, whether rows come from another pool, who
+    sends the policy's weights and who receives them, whether engines sleep, who hands off."""
+    def facts(p):
+        return (p.generating_ranks, p.generated_elsewhere, p.critic_pool_generates, p.weight_sources,
+                p.weight_receivers, p.engines_share_device, p.hands_off)
+
+    split = plan("split", lws=4)
+    assert facts(split) == ((0, 1), False, False, (), (), True, False)
+    colocate = plan("colocate", lws=4)
+    assert facts(colocate) == ((0, 1, 2, 3), False, False, (), (), True, False)
+    # rollout.ranks=all compiles into the map: the rollout group spans the critic's pool too.
+    every = plan_placement("split", None, "ranks_per_node", 4, 4, 1, rollout_ranks="all")
+    assert every.pools_of("rollout") == ("actor", "critic") and every.ranks("rollout") == (0, 1)
+    assert facts(every) == ((0, 1, 2, 3), True, True, (0,), (2, 3), True, False)
+    # Across nodes the order is the actor pool's ranks, then the critic's (the batch's order).
+    every = plan_placement("custom", [2, 2], "ranks_per_node", 8, 4, 2, rollout_ranks="all")
+    assert every.generating_ranks == (0, 1, 4, 5, 2, 3, 6, 7)
+    # With one pool, or a rollout pool of its own, rollout.ranks=all changes nothing here.
+    assert plan_placement("colocate", None, "ranks_per_node", 4, 4, 1, rollout_ranks="all").spans == {}
+    gen = plan_placement("custom", {"gen": 1, "train": 2}, "ranks_per_node", 3, 3, 1,
+                         {"rollout": "gen", "actor": "train"}, rollout_ranks="all")
+    assert gen.spans == {} and facts(gen) == ((2,), True, False, (0, 1), (2,), False, False)
+    blocking = plan_placement("split", None, "ranks_per_node", 4, 4, 1, overlap=False)
+    assert blocking.hands_off and not plan_placement("colocate", None, "ranks_per_node", 4, 4, 1,
+                                                     overlap=False).hands_off
+
+
+def test_only_the_rollout_group_spans_and_only_onto_the_critics_pool():
+    with pytest.raises(PlacementError, match="only the rollout group"):
+        Placement("custom", 4, 4, 1, {"a": (0, 1), "c": (2, 3)}, {"actor": "a", "critic": "c"},
+                  spans={"reward": ("a",)})
+    with pytest.raises(PlacementError, match="only the rollout group"):  # one pool: nothing to span
+        Placement("colocate", 2, 2, 1, {"all": (0, 1)}, {"actor": "all"}, spans={"rollout": ("all",)})

@@ -35,7 +35,7 @@ def test_every_preset_is_listed():
 def test_preset_fits_its_launch(name):
     (world, local, nnodes), actor, critic, *rollout = LAUNCHES[name]
     cfg = load_config(str(CONFIGS / name))
-    placement = plan_from_config(cfg.placement, world, local, nnodes)
+    placement = plan_from_config(cfg, world, local, nnodes)
     assert list(placement.ranks("actor")) == actor and list(placement.ranks("critic")) == critic
     assert list(placement.ranks("rollout")) == (rollout[0] if rollout else actor)
     check_against_placement(cfg, placement)
@@ -77,7 +77,7 @@ def test_vllm_memory_share_follows_what_else_holds_the_gpu(name):
     device with the trainer's resident state: at most the default."""
     (world, local, nnodes), *_ = LAUNCHES[name]
     cfg = load_config(str(CONFIGS / name))
-    placement = plan_from_config(cfg.placement, world, local, nnodes)
+    placement = plan_from_config(cfg, world, local, nnodes)
     if placement.apart("rollout"):
         assert cfg.rollout.gpu_memory_utilization == 0.8
     else:

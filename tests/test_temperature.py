@@ -19,7 +19,8 @@ def _log_probs_at_temperature(rank, world_size, model_dir):
     from spmdsplit.data.prompts import collate_prompts
     from spmdsplit.data.synthetic import make_dataset
     from spmdsplit.models import load_tokenizer
-    from spmdsplit.placement import build_pools, plan_placement
+    from spmdsplit.groups import build_pools
+    from spmdsplit.placement import plan_placement
     from spmdsplit.roles.build import build_actor_roles
     from transformers import LogitsProcessorList
 

@@ -492,7 +492,7 @@ def plan(cfg, model: str, world_size: int, gpus_per_node: int, device_gb: float,
 
     from spmdsplit.placement import plan_from_config
 
-    placement = plan_from_config(cfg.placement, world_size, min(world_size, gpus_per_node),
+    placement = plan_from_config(cfg, world_size, min(world_size, gpus_per_node),
                                  max(1, world_size // gpus_per_node))
     pools = {name: len(ranks) for name, ranks in placement.pools.items()}
     need = max(pools.values())

@@ -10,10 +10,11 @@ work (the actor's generates, the critic's scores), as it always has in split and
 
 from __future__ import annotations
 
-from spmdsplit.placement import Placement
+from spmdsplit.placement import HOSTS, ROLE_GROUPS, TRAINED, Placement
 
-# The role groups whose work their host's program does when they share its pool.
-HOSTED = {"rollout": "actor", "reward": "critic"}
+# The role groups whose work their host's program does when they share its pool: those that train
+# nothing (the rollout's engines, the reward's scorers); a trained group always runs its own.
+HOSTED = {group: host for group, host in HOSTS.items() if group not in TRAINED}
 # A step's phases: (role group, method), in the order of the message schedule.
 STEP_PHASES = (("rollout", "step"), ("actor", "roll_out"), ("reward", "step"), ("critic", "step"),
                ("actor", "update"))
@@ -21,5 +22,4 @@ STEP_PHASES = (("rollout", "step"), ("actor", "roll_out"), ("reward", "step"), (
 
 def own_programs(placement: Placement, rank: int) -> list[str]:
     """The role groups that run a program of their own on `rank`, in the order they are built."""
-    return [g for g in ("rollout", "actor", "critic", "reward")
-            if rank in placement.ranks(g) and (g not in HOSTED or placement.apart(g))]
+    return [g for g in ROLE_GROUPS if rank in placement.ranks(g) and (g not in HOSTED or placement.apart(g))]

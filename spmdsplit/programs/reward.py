@@ -9,7 +9,7 @@ from spmdsplit import scoring
 from spmdsplit.exchange import PendingSend
 from spmdsplit.messages import PoolChannel
 from spmdsplit.metrics import PhaseTimer
-from spmdsplit.placement import Pools
+from spmdsplit.groups import Pools
 from spmdsplit.roles.reward import RuleReward
 from spmdsplit.roles.reward_model import RewardModel
 

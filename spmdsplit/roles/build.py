@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from spmdsplit import algo
 from spmdsplit.engines import build_engine
 from spmdsplit.models import ModelSource, attention_implementation, load_causal_lm, load_tokenizer, resolve_dtype
-from spmdsplit.placement import Pools
+from spmdsplit.groups import Pools
 from spmdsplit.rewards.custom import load_custom_reward_fn
 from spmdsplit.roles.actor import Actor
 from spmdsplit.roles.critic import Critic
@@ -88,9 +88,8 @@ def build_rollout_engine(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> Ro
     """This rank's rollout engine (rollout.name). Its weights come from the actor before each
     rollout. vLLM: every rank must have run rollout.vllm_engine.init_vllm_distributed before."""
     dtype, _ = compute_dtypes(cfg, pools.device)
-    # An engine on a rollout pool of its own shares its device with no training: it never sleeps.
     return build_rollout(cfg, cfg.model.path, tokenizer, eos_ids, pools.device, dtype, cfg.trainer.seed,
-                         sleeps=not pools.placement.apart("rollout"))
+                         sleeps=pools.placement.engines_share_device)
 
 
 def build_critic_roles(cfg, pools: Pools) -> CriticRoles:

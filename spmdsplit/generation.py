@@ -7,6 +7,7 @@ responses go to the reward group to score. Messages: spmdsplit/messages.py."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -15,13 +16,11 @@ from spmdsplit import algo
 from spmdsplit.batch import Batch
 from spmdsplit.data.prompts import PromptDataset, collate_prompts
 from spmdsplit.dynamic_sampling import DynamicSampling
-from spmdsplit.exchange import PendingSend, row_ranges
-from spmdsplit.groups import generating_ranks
+from spmdsplit.exchange import row_ranges
 from spmdsplit.messages import PoolChannel
 from spmdsplit.metrics import PhaseTimer
-from spmdsplit.placement import Pools
+from spmdsplit.groups import Pools
 from spmdsplit.rollout import row_seeds
-from spmdsplit.weight_sync import WeightBroadcast
 
 
 def generate_validation_rows(cfg, pools: Pools, rollout_engine, channel: PoolChannel, timer: PhaseTimer, tokenizer,
@@ -107,7 +106,7 @@ def generate_step_rows(cfg, dataset: PromptDataset, tokenizer, rollout_engine, p
     """This rank's rows of step `step`, on whichever pool it generates: its share of the step's
     prompts, or with algorithm.filter_groups its share of the kept groups of as many generation
     batches as it takes (spmdsplit/dynamic_sampling.py)."""
-    generating = generating_ranks(cfg, pools.placement)
+    generating = pools.placement.generating_ranks
 
     def generate(batch: int) -> Batch:  # this rank's rows of generation batch `batch`
         return engine_shares(cfg, dataset, tokenizer, batch, generating).generate(rollout_engine, pools.device)
@@ -115,7 +114,7 @@ def generate_step_rows(cfg, dataset: PromptDataset, tokenizer, rollout_engine, p
     return sampler.fill(step, generate) if sampler else generate(step)
 
 
-def engine_shares(cfg, dataset: PromptDataset, tokenizer, step: int, generating: list[int]) -> EngineShares:
+def engine_shares(cfg, dataset: PromptDataset, tokenizer, step: int, generating) -> EngineShares:
     """The step's prompts of this rank's engine (`step_prompts` of each of its peers)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     peers = engine_peers(cfg, rank)
@@ -124,7 +123,7 @@ def engine_shares(cfg, dataset: PromptDataset, tokenizer, step: int, generating:
                         peers.index(rank), (cfg.rollout.n, cfg.data.max_response_length) if remax else None)
 
 
-def step_prompts(cfg, dataset: PromptDataset, tokenizer, step: int, generating: list[int], rank: int) -> Batch:
+def step_prompts(cfg, dataset: PromptDataset, tokenizer, step: int, generating, rank: int) -> Batch:
     """Rank `rank`'s share of the step's prompts, each repeated rollout.n times in a row (one group
     per prompt, sharing its uid); groups never straddle ranks since the batch divides. `row_index`
     is each response's place in the step's global batch."""
@@ -157,26 +156,72 @@ def usable_val_rows(val_rows: list[dict], placement) -> list[dict]:
     return rows
 
 
-class CriticShareOfGeneration:
-    """rollout.ranks=all: a critic-pool rank's share of the generation. Its engine gets the
-    policy's weights from the actor pool's broadcast, generates this rank's prompts, and sends
-    the rows to the actor pool, which treats them as its own (spmdsplit/messages.py)."""
+class Generator:
+    """The rollout group's engine on this rank, the one way every generating place runs it (the
+    actor pool, a rollout pool of its own, rollout.ranks=all's critic pool): wake it with the
+    policy's weights from its source (`pull`: the actor pool's own shards, or the broadcast from
+    them), generate a step's rows chunk by chunk (dynamic sampling's generation batches and agent
+    episodes inside), and put the engine to sleep where it shares the device with training. The
+    program that owns it sends the rows on: which message, to whom, is the program's."""
 
-    def __init__(self, cfg, pools: Pools, rollout, weights: WeightBroadcast, channel: PoolChannel, timer: PhaseTimer,
-                 dataset: PromptDataset, tokenizer, sampler: DynamicSampling | None = None):
-        self.cfg, self.pools, self.rollout, self.weights = cfg, pools, rollout, weights
-        self.channel, self.timer, self.dataset, self.tokenizer = channel, timer, dataset, tokenizer
-        self.sampler = sampler  # algorithm.filter_groups: decided with the actor pool's ranks
+    def __init__(self, cfg, pools: Pools, engine, pull, timer: PhaseTimer, dataset: PromptDataset, tokenizer,
+                 sampler: DynamicSampling | None = None):
+        """`pull(broadcast)` -> the weights' stream (weight_sync: PolicyWeights.pull on the actor
+        pool, WeightBroadcast.pull elsewhere); `sampler`: algorithm.filter_groups, on every
+        generating rank, decided with the others."""
+        self.cfg, self.pools, self.engine, self.pull, self.timer = cfg, pools, engine, pull, timer
+        self.dataset, self.tokenizer, self.sampler = dataset, tokenizer, sampler
+        # A rollout pool's device is the engine's alone: it wakes once and takes every later
+        # version in place (a sleep and a wake would unmap and map its whole share each time).
+        self.shares_device = pools.placement.engines_share_device
+        self.chunks = cfg.rollout.stream_chunks
+        self.awake = False
 
-    def generate(self, step: int) -> PendingSend:
-        with self.timer.phase("sync_weights", step):
-            self.weights.ready()
-            self.rollout.wake_up(self.weights.receive())
-        with self.timer.phase("gen", step):
-            generated = generate_step_rows(self.cfg, self.dataset, self.tokenizer, self.rollout, self.pools, step,
-                                           self.sampler)
-        if self.sampler:
-            self.sampler.pop_metrics(step)  # the actor pool's ranks report the same numbers
-        with self.timer.phase("rollout_sleep", step):
-            self.rollout.sleep()  # before the rows go out (see ActorProgram.generate_step)
-        return self.channel.send_generated(step, generated)
+    def wake(self, step: int, broadcast: bool = True) -> None:
+        """The policy's current weights into the engine (`broadcast=False`: for this pool's engines
+        alone, as validation on the actor pool)."""
+        with self.timer.phase("sync_weights", step) as event:
+            weights = self.pull() if broadcast else self.pull(broadcast=False)
+            event["engine"] = "update_weights" if self.awake else "wake_up"
+            if self.awake:
+                self.engine.update_weights(weights)
+            else:
+                self.engine.wake_up(weights)
+                self.awake = True
+            event.update(self.timer.device_in_use())  # the engine's share included (tools/gpu_check.py)
+
+    def rows(self, step: int) -> Iterator[Batch]:
+        """This rank's rows of step `step`, chunk by chunk (rollout.stream_chunks), each as soon as
+        it is generated. Before the last one goes out, an engine that shares its device sleeps:
+        vLLM's sleep synchronises the device, which on NCCL would wait for the other pool to take a
+        pending send of the rows."""
+        if self.chunks > 1:
+            shares = engine_shares(self.cfg, self.dataset, self.tokenizer, step, self.pools.placement.generating_ranks)
+        for c in range(self.chunks):
+            with self.timer.phase("gen", step, chunk=c):
+                if self.chunks == 1:  # the whole step (dynamic sampling's generation batches included)
+                    rows = generate_step_rows(self.cfg, self.dataset, self.tokenizer, self.engine, self.pools, step,
+                                              self.sampler)
+                else:
+                    rows = shares.chunk(c, self.chunks).generate(self.engine, self.pools.device)
+            if c == self.chunks - 1:
+                self.sleep(step)
+            yield rows
+
+    def validate(self, step: int, val_rows: list[dict], channel: PoolChannel) -> int:
+        """Responses to the validation set with the weights the engine holds, to the reward group;
+        one wake for every batch of the set. Returns the number of responses."""
+        num_rows = generate_validation_rows(self.cfg, self.pools, self.engine, channel, self.timer, self.tokenizer,
+                                            step, val_rows)
+        self.sleep(step)
+        return num_rows
+
+    def sleep(self, step: int) -> None:
+        if self.shares_device:
+            with self.timer.phase("rollout_sleep", step):
+                self.engine.sleep()
+            self.awake = False
+
+    def pop_metrics(self, step: int) -> dict[str, float]:
+        """Dynamic sampling's metrics of the step (train/num_gen_batches, ...), where it runs."""
+        return self.sampler.pop_metrics(step) if self.sampler else {}

@@ -229,6 +229,23 @@ def rollout_correction_metrics(old_log_probs: torch.Tensor, rollout_log_probs: t
     return algo.finish_rollout_correction_metrics(reduced, maxes, mins)
 
 
+def rollout_correction(rollout: Batch, corr, group, device, weights: bool = True) -> dict[str, float]:
+    """The engine's own log-probs against the actor's old ones (every engine returns them):
+    verl's training/rollout_probs_diff_* and rollout_corr/* metrics; with
+    algorithm.rollout_correction.rollout_is (`corr`) and `weights`, the truncated importance weights
+    the policy loss takes, as a column of the rows, so they follow them into every micro-batch."""
+    if "rollout_log_probs" not in rollout:
+        return {}
+    engine, actor, mask = rollout["rollout_log_probs"], rollout["old_log_probs"], rollout["response_mask"]
+    metrics = rollout_probs_diff_metrics(engine, actor, mask, group, device)
+    metrics.update(rollout_correction_metrics(actor, engine, mask, corr.rollout_is, corr.rollout_is_threshold,
+                                              group, device))
+    if corr.rollout_is and weights:
+        rollout["rollout_is_weights"] = algo.compute_rollout_is_weights(actor, engine, mask, corr.rollout_is,
+                                                                        corr.rollout_is_threshold)
+    return metrics
+
+
 # The module each optional sink of trainer.logger imports (only when chosen).
 OPTIONAL_LOGGER_MODULES = {"wandb": "wandb", "mlflow": "mlflow"}
 

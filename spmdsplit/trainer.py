@@ -28,8 +28,9 @@ from omegaconf import OmegaConf
 from spmdsplit import checkpoint
 from spmdsplit.data.prompts import PromptDataset
 from spmdsplit.dynamic_sampling import DynamicSampling
-from spmdsplit.generation import CriticShareOfGeneration, usable_val_rows
-from spmdsplit.groups import ProcessGroups, critic_pool_generates, generating_ranks
+from spmdsplit.batch_balancer import BatchBalancer
+from spmdsplit.generation import Generator, usable_val_rows
+from spmdsplit.groups import ProcessGroups
 from spmdsplit.messages import PoolChannel
 from spmdsplit.metrics import MetricsLogger, PhaseTimer, StepProfiler, write_timeline
 from spmdsplit.models import eos_token_ids, load_tokenizer
@@ -41,10 +42,10 @@ from spmdsplit.programs.critic import CriticProgram
 from spmdsplit.programs.reward import RewardProgram
 from spmdsplit.programs.rollout import RolloutProgram
 from spmdsplit.roles.build import (build_actor_roles, build_critic_roles, build_reward, build_rollout_engine,
-                                   build_rule_reward)
+                                   build_rule_reward, compute_dtypes)
 from spmdsplit.staleness import validates_after
 from spmdsplit.stop_budget import StopBudget, signal_delay_s
-from spmdsplit.weight_sync import WeightBroadcast
+from spmdsplit.weight_sync import PolicyWeights, WeightBroadcast
 
 # When two groups (or their pools) report the same metric, rank 0 logs the one of the group first here.
 REPORT_ORDER = ("actor", "critic", "reward", "rollout")
@@ -70,12 +71,12 @@ class Trainer:
         self.val_rows = rows.get("val", [])
         self.timer = PhaseTimer(self.rank, self.device)
         self.profiler = StepProfiler(cfg.trainer.profile_steps, cfg.trainer.profile_dir, self.rank, self.device)
-        self.channel = PoolChannel(self.placement, generating_ranks(cfg, self.placement), self.device,
+        self.channel = PoolChannel(self.placement, list(self.placement.generating_ranks), self.device,
                                    self.batch_size * cfg.rollout.n, cfg.rollout.stream_chunks, groups.bulk,
                                    groups.control, pools.meet)
         val_responses = (len(usable_val_rows(self.val_rows, self.placement)) * cfg.rollout.val_kwargs.n
                          if self.val_rows else 0)
-        self.channel.connect(generated=critic_pool_generates(cfg, self.placement) or self.placement.apart("rollout"),
+        self.channel.connect(generated=self.placement.generated_elsewhere,
                              num_val_rows=val_responses,
                              balance_group=pools.group("actor") if cfg.trainer.balance_batch else None)
         self.stop_vote = StopVote(groups.stop)
@@ -121,26 +122,33 @@ class Trainer:
 
     # ------------------------------------------------------------------ the programs on this rank
 
+    def build_generator(self, engine, pull) -> Generator:
+        """The rollout group's engine on this rank, woken with the weights `pull` gives."""
+        return Generator(self.cfg, self.pools, engine, pull, self.timer, self.dataset, self.tokenizer, self.sampler)
+
     def build_rollout(self) -> RolloutProgram:
         engine = build_rollout_engine(self.cfg, self.pools, self.tokenizer, self.eos_ids)
-        return RolloutProgram(self.cfg, self.pools, engine, self.weights, self.channel, self.timer, self.dataset,
-                              self.tokenizer, self.sampler)
+        return RolloutProgram(self.cfg, self.build_generator(engine, self.weights.pull), self.channel)
 
     def build_actor(self) -> ActorProgram:
-        roles = build_actor_roles(self.cfg, self.pools, self.tokenizer, self.eos_ids)
-        return ActorProgram(self.cfg, self.pools, roles, self.channel, self.timer, self.dataset, self.tokenizer,
-                            self.handoff, self.weights, None if self.placement.apart("rollout") else self.sampler)
+        cfg, pools = self.cfg, self.pools
+        roles = build_actor_roles(cfg, pools, self.tokenizer, self.eos_ids)
+        weights = PolicyWeights(roles.actor.engine, compute_dtypes(cfg, self.device)[0], self.weights, pools)
+        generator = self.build_generator(roles.rollout, weights.pull) if roles.rollout is not None else None
+        # trainer.balance_batch: the rows' order over the actor pool by tokens (spmdsplit/batch_balancer.py)
+        balancer = BatchBalancer(cfg, pools, self.channel, self.timer) if cfg.trainer.balance_batch else None
+        return ActorProgram(cfg, pools, roles, self.channel, self.timer, self.handoff, self.dataset, generator,
+                            weights, balancer)
 
     def build_critic(self) -> CriticProgram:
         cfg, pools = self.cfg, self.pools
-        generation = None
-        if critic_pool_generates(cfg, self.placement):
+        generator = None
+        if self.placement.critic_pool_generates:  # rollout.ranks=all: the rollout group spans this pool
             engine = build_rollout_engine(cfg, pools, self.tokenizer, self.eos_ids)
-            generation = CriticShareOfGeneration(cfg, pools, engine, self.weights, self.channel, self.timer,
-                                                 self.dataset, self.tokenizer, self.sampler)
+            generator = self.build_generator(engine, self.weights.pull)
         roles = build_critic_roles(cfg, pools)
         reward = None if self.placement.apart("reward") else build_reward(cfg, pools, self.tokenizer, self.eos_ids)
-        return CriticProgram(cfg, pools, roles, self.channel, self.timer, self.handoff, reward, generation)
+        return CriticProgram(cfg, pools, roles, self.channel, self.timer, self.handoff, reward, generator)
 
     def build_reward(self) -> RewardProgram:
         reward = build_reward(self.cfg, self.pools, self.tokenizer, self.eos_ids)
@@ -157,7 +165,7 @@ class Trainer:
         """DAPO's dynamic sampling on the ranks that generate, over their group: a rollout pool's,
         the actor pool's, or with rollout.ranks=all the one over both pools (groups.py)."""
         pools, placement = self.pools, self.placement
-        generating = generating_ranks(self.cfg, placement)
+        generating = list(placement.generating_ranks)
         if not self.cfg.algorithm.filter_groups.enable or self.rank not in generating:
             return None
         if groups.generating is not None:  # rollout.ranks=all over two pools: created with the long timeout
@@ -181,7 +189,7 @@ class Trainer:
         last = trainer.total_steps
         if self.placement.apart("rollout"):  # the rollout pool's engines start with the actor's weights
             if "actor" in self.programs:
-                self.programs["actor"].push_weights()
+                self.programs["actor"].start(self.start_step)
             if "rollout" in self.programs:
                 self.programs["rollout"].start(self.start_step)
         if validates_after(self.cfg, 0) and self.start_step == 1:

@@ -145,6 +145,13 @@ class WeightBroadcast:
         self._post_closed(buckets, buckets.finish(), self._packed_bytes)
         self._end_stream(buckets)
 
+    # ---------------------------------------------------------------- receivers
+
+    def pull(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """On a receiver: meet the sources, then the stream, bucket by bucket (an engine's source)."""
+        self.ready()
+        return self.receive()
+
     def _mine(self, index: int) -> bool:
         return dist.get_rank() == self.owner(index)[0]
 
@@ -377,3 +384,38 @@ def _unpacked(bucket: Bucket, buffer: torch.Tensor) -> Iterator[tuple[str, torch
         else:
             flat = buffer[:0]
         yield spec.name, flat.view(spec.dtype).view(spec.shape)
+
+
+class PolicyWeights:
+    """The actor pool's side of every weight sync: the policy's weights from its shards, into
+    this rank's own engine (the rollout group on the actor pool; with rollout.ranks=all the first
+    rank broadcasting them on to the critic pool's engines as it feeds its own), or pushed to a
+    rollout pool of its own (`push`). `broadcast`: None where no engine sits outside the actor pool."""
+
+    def __init__(self, engine, dtype: torch.dtype, broadcast: WeightBroadcast | None, pools):
+        self.engine, self.dtype, self.broadcast, self.pools = engine, dtype, broadcast, pools
+
+    def pull(self, broadcast: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """The whole weights for this rank's engine, streamed from the shards; `broadcast=False`:
+        for this pool's engines alone (validation, which only the actor pool generates)."""
+        broadcast = broadcast and self.broadcast is not None
+        if broadcast:
+            self._wait_for_receivers()
+        weights = self.engine.iter_full_weights(self.dtype)
+        if broadcast and self.pools.rank in self.broadcast.sources:
+            weights = self.broadcast.send(weights)
+        return weights
+
+    def push(self) -> None:
+        """A rollout pool of its own: each bucket of the stream gathered from the actor ranks'
+        shards to the one that broadcasts it."""
+        self._wait_for_receivers()
+        self.broadcast.push(self.engine.iter_weight_shards(self.dtype), self.pools.group("actor"))
+
+    def _wait_for_receivers(self) -> None:
+        """The sources meet the engines they feed (busy generating or updating for as long as
+        they are), then the pool meets, all under the long timeout: the stream's gathers from the
+        shards are the pool's collectives, and none may wait for the receivers."""
+        if self.pools.rank in self.broadcast.sources:
+            self.broadcast.ready()
+        self.pools.meet("actor")

@@ -8,10 +8,11 @@ from __future__ import annotations
 from spmdsplit import algo, scoring
 from spmdsplit.batch import Batch
 from spmdsplit.distributed import pool_sum
-from spmdsplit.generation import CriticShareOfGeneration
+from spmdsplit.exchange import PendingSend
+from spmdsplit.generation import Generator
 from spmdsplit.messages import PoolChannel, check_rows
 from spmdsplit.metrics import PhaseTimer, compute_data_metrics
-from spmdsplit.placement import Pools
+from spmdsplit.groups import Pools
 from spmdsplit.roles.build import CriticRoles
 from spmdsplit.roles.reward import RuleReward
 from spmdsplit.roles.reward_model import RewardModel
@@ -19,11 +20,11 @@ from spmdsplit.roles.reward_model import RewardModel
 
 class CriticProgram:
     def __init__(self, cfg, pools: Pools, roles: CriticRoles, channel: PoolChannel, timer: PhaseTimer, handoff,
-                 reward: RuleReward | RewardModel | None, generation: CriticShareOfGeneration | None = None):
+                 reward: RuleReward | RewardModel | None, generator: Generator | None = None):
         """`reward`: the reward group's reward when it shares this pool (None: its own pool scores);
-        `generation`: rollout.ranks=all, this rank generates its share too."""
+        `generator`: rollout.ranks=all, this rank generates its share too."""
         self.cfg, self.pools, self.channel, self.timer, self.handoff = cfg, pools, channel, timer, handoff
-        self.critic, self.kl_ctrl, self.reward, self.generation = roles.critic, roles.kl_ctrl, reward, generation
+        self.critic, self.kl_ctrl, self.reward, self.generator = roles.critic, roles.kl_ctrl, reward, generator
         self.chunks = cfg.rollout.stream_chunks
 
     @property
@@ -35,8 +36,8 @@ class CriticProgram:
         """[weights in -> gen -> rows out] -> rollout in (values + scores per chunk) [-> log-probs
         in] -> adv -> advantages out -> update_critic. Returns the group's metrics of the step."""
         phase, channel = self.timer.phase, self.channel
-        if self.generation:
-            generated = self.generation.generate(step)
+        if self.generator:
+            generated = self.generate(step)
         parts = []
         for c in range(self.chunks):
             with phase("exchange/rollout", step, chunk=c) as stats:
@@ -83,9 +84,17 @@ class CriticProgram:
         self.handoff()  # blocking mode: the actor updates only after the critic did
         for sent in sends:
             sent.wait()
-        if self.generation:
+        if self.generator:
             generated.wait()
         return metrics
+
+    def generate(self, step: int) -> PendingSend:
+        """rollout.ranks=all: this rank's share of the step, generated with the policy's weights
+        from the actor pool's broadcast and sent to the actor pool, which treats it as its own."""
+        self.generator.wake(step)
+        [rows] = self.generator.rows(step)
+        self.generator.pop_metrics(step)  # dynamic sampling's: the actor pool's ranks report the same numbers
+        return self.channel.send_generated(step, rows)
 
     def compute_advantage(self, batch: Batch) -> dict[str, float]:
         alg = self.cfg.algorithm

@@ -9,7 +9,7 @@ up to k+s that are not generated yet, then take the weights of update k from the
 with s >= 1 batch k+s is generated while the other pools train on batch k, and the only wait is
 for the weights: the actor pool sends them after its update, which the next batch needs anyway.
 The batches generated ahead stay here until their step (a checkpoint keeps them: exact resume).
-The engine never sleeps here: it shares its device with no training (`take_weights`).
+The engine never sleeps here: it shares its device with no training (generation.Generator).
 """
 
 from __future__ import annotations
@@ -17,25 +17,17 @@ from __future__ import annotations
 import torch
 
 from spmdsplit.batch import Batch
-from spmdsplit.data.prompts import PromptDataset
-from spmdsplit.dynamic_sampling import DynamicSampling
 from spmdsplit.exchange import PendingSend
-from spmdsplit.generation import generate_step_rows, generate_validation_rows
+from spmdsplit.generation import Generator
 from spmdsplit.messages import PoolChannel
-from spmdsplit.metrics import PhaseTimer
-from spmdsplit.placement import Pools
 from spmdsplit.staleness import validates_after, weights_needed
-from spmdsplit.weight_sync import WeightBroadcast
 
 
 class RolloutProgram:
     engine = None  # nothing trained: a checkpoint keeps the batches generated ahead
 
-    def __init__(self, cfg, pools: Pools, rollout, weights: WeightBroadcast, channel: PoolChannel, timer: PhaseTimer,
-                 dataset: PromptDataset, tokenizer, sampler: DynamicSampling | None = None):
-        self.cfg, self.pools, self.rollout, self.weights = cfg, pools, rollout, weights
-        self.sampler = sampler  # algorithm.filter_groups: the extra generation batches run ahead too
-        self.channel, self.timer, self.dataset, self.tokenizer = channel, timer, dataset, tokenizer
+    def __init__(self, cfg, generator: Generator, channel: PoolChannel):
+        self.cfg, self.generator, self.channel = cfg, generator, channel
         self.staleness, self.total_steps = cfg.rollout.staleness, cfg.trainer.total_steps
         self.version = -1  # the update whose weights the engine holds (0: the initial weights)
         self.ahead: dict[int, Batch] = {}  # batches generated, not yet handed over (at most s)
@@ -56,35 +48,24 @@ class RolloutProgram:
         if weights_needed(self.cfg, step) and not validates_after(self.cfg, step):  # else validate takes them
             self.take_weights(step, step)
         self.sends.wait()
-        return self.sampler.pop_metrics(step) if self.sampler else {}  # dynamic sampling's train/num_gen_batches
+        return self.generator.pop_metrics(step)  # dynamic sampling's train/num_gen_batches
 
     def validate(self, step: int, val_rows: list[dict]) -> None:
         """The validation responses, with the weights of update `step`, to the critic group."""
         if self.version < step:
             self.take_weights(step, step)
-        generate_validation_rows(self.cfg, self.pools, self.rollout, self.channel, self.timer, self.tokenizer, step,
-                                 val_rows)
+        self.generator.validate(step, val_rows, self.channel)
 
     def generate(self, batch: int) -> Batch:
         """This rank's share of batch `batch`'s prompts, with the weights it holds now."""
-        with self.timer.phase("gen", batch):
-            rows = generate_step_rows(self.cfg, self.dataset, self.tokenizer, self.rollout, self.pools, batch,
-                                      self.sampler)
-        rows["weights_version"] = torch.full((len(rows),), self.version, dtype=torch.int64, device=self.pools.device)
+        [rows] = self.generator.rows(batch)
+        rows["weights_version"] = torch.full((len(rows),), self.version, dtype=torch.int64,
+                                           device=self.generator.pools.device)
         return rows
 
     def take_weights(self, version: int, step: int) -> None:
-        """The weights of update `version`. This pool's device is the engine's alone, so the engine
-        wakes with the first weights and stays awake, taking every later version in place (a
-        sleep and a wake would unmap and map again its whole share of the device each time)."""
-        with self.timer.phase("sync_weights", step) as event:
-            self.weights.ready()
-            if self.version < 0:
-                event["engine"] = "wake_up"
-                self.rollout.wake_up(self.weights.receive())
-            else:
-                event["engine"] = "update_weights"
-                self.rollout.update_weights(self.weights.receive())
+        """The weights of update `version`, from the actor pool's broadcast."""
+        self.generator.wake(step)
         self.version = version
 
     def state(self, step: int) -> dict:
@@ -94,4 +75,5 @@ class RolloutProgram:
     def load_state(self, state: dict, same_layout: bool) -> None:
         # Another rollout pool size cuts the batches into other shares: they are generated again,
         # with the checkpoint's weights (within the staleness bound, not the same rows).
-        self.ahead = {b: rows.to(self.pools.device) for b, rows in state["ahead"].items()} if same_layout else {}
+        device = self.generator.pools.device
+        self.ahead = {b: rows.to(device) for b, rows in state["ahead"].items()} if same_layout else {}

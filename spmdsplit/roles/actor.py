@@ -38,6 +38,18 @@ class OldFromForward:
     rollout_is_threshold: float = 2.0
 
 
+def old_from_forward(cfg, step: int) -> OldFromForward | None:
+    """Whether step `step`'s old log-probs are the update's own forward (`update_is_one_pass`):
+    not where something needs them before the update (the critic pool's KL penalty in the reward;
+    a step of the critic's warm-up, which runs no update), nor in bypass mode (the engine's
+    log-probs stand in for them)."""
+    corr = cfg.algorithm.rollout_correction
+    if (corr.bypass_mode or cfg.algorithm.use_kl_in_reward or step <= cfg.trainer.critic_warmup
+            or not update_is_one_pass(cfg)):
+        return None
+    return OldFromForward(corr.rollout_is, corr.rollout_is_threshold)
+
+
 class Actor:
     """remove_padding: each micro-batch's valid tokens packed into one sequence (model.use_remove_padding).
     loss_horizon: the response width `seq-mean-token-sum-norm` (Dr. GRPO) divides by, a constant
@@ -89,7 +101,7 @@ class Actor:
         def old_and_weights(micro: Batch, log_prob: torch.Tensor):
             """PPO's old log-probs and the rollout-correction weights of this micro-batch."""
             if not old_from_forward:
-                # algorithm.rollout_correction.rollout_is (programs/actor.py apply_rollout_correction)
+                # algorithm.rollout_correction.rollout_is (metrics.py rollout_correction)
                 return micro["old_log_probs"], micro["rollout_is_weights"] if "rollout_is_weights" in micro else None
             # The weights the rollout is scored against are the ones this forward runs under: its
             # log-probs are the old ones (ratio 1, gradient that of the ratio), as TRL's GRPO.

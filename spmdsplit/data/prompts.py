@@ -39,6 +39,19 @@ class PromptDataset:
         start, end = row_ranges(self.batch_size, num_parts)[part]
         return self.global_batch(step)[start:end]
 
+    def state(self, batches_taken: int) -> dict:
+        """The data position for a checkpoint: the order is a function of (seed, batch), so the
+        batches taken are the position; the rest is there to notice a different dataset on resume."""
+        return {"data": {"prompts_consumed": batches_taken * self.batch_size, "dataset_rows": len(self.rows),
+                         "seed": self.seed, "shuffle": self.shuffle}}
+
+    def check_state(self, state: dict) -> str | None:
+        """A warning when the checkpoint was trained on another number of prompts, else None."""
+        if state["data"]["dataset_rows"] == len(self.rows):
+            return None
+        return (f"the checkpoint was trained on {state['data']['dataset_rows']} prompts, the data now has "
+                f"{len(self.rows)}: the data order differs from the stopped run")
+
 
 def prompt_texts(rows: list[dict], tokenizer) -> list[str]:
     """Each row's prompt as the model sees it (chat messages rendered by the chat template)."""

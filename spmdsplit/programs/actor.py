@@ -128,15 +128,11 @@ class ActorProgram:
         return self.generator.validate(step, val_rows, self.channel)
 
     def state(self, step: int) -> dict:
-        """The data position: the order is a function of (seed, generation batch), so the step is
-        the position (dynamic sampling keeps its own); the rest is there to notice a different
-        dataset on resume."""
+        """The data position: a step takes one generation batch (dynamic sampling keeps its own count)."""
         sampler = self.generator.sampler if self.generator else None
-        taken = sampler.next_gen_batch - 1 if sampler else step
-        return {"data": {"prompts_consumed": taken * self.dataset.batch_size, "dataset_rows": len(self.dataset.rows),
-                         "seed": self.cfg.data.seed, "shuffle": self.cfg.data.shuffle}}
+        return self.dataset.state(sampler.next_gen_batch - 1 if sampler else step)
 
     def load_state(self, state: dict, same_layout: bool) -> None:
-        if state["data"]["dataset_rows"] != len(self.dataset.rows) and self.pools.rank == 0:
-            print(f"spmdsplit: warning: the checkpoint was trained on {state['data']['dataset_rows']} prompts, "
-                  f"the data now has {len(self.dataset.rows)}: the data order differs from the stopped run", flush=True)
+        warning = self.dataset.check_state(state)
+        if warning and self.pools.rank == 0:
+            print(f"spmdsplit: warning: {warning}", flush=True)

@@ -133,8 +133,9 @@ def check_engines(cfg: DictConfig) -> None:
                 f"{role}.no_sync_accumulation=true is an FSDP2 option: DeepSpeed ZeRO-2/3 partition gradients in "
                 "every backward (its no_sync refuses them) and ZeRO-1 keeps a whole gradient per rank anyway, "
                 "all-reduced once at the step; leave it false with engine=deepspeed")
-    # The models built and the key that chose each one's engine ("" follows the actor's, the critic's).
-    engine_keys = ["actor.engine", "ref.engine" if cfg.ref.engine else "actor.engine"]
+    # The key that chose the engine of each model built: the reference and the reward model follow
+    # the actor's and the critic's engine when theirs is "" (spmdsplit/engines engine_choice).
+    engine_keys = ["actor.engine"] + (["ref.engine"] if cfg.ref.engine else [])
     if critic:
         engine_keys.append("critic.engine")
     if cfg.reward.model.path:

@@ -86,3 +86,20 @@ def test_the_configuration_imports_nothing_of_the_runtime():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO,
                          env={**os.environ, "PYTHONPATH": REPO}).stdout
     assert out.strip() == "['spmdsplit', 'spmdsplit.config', 'spmdsplit.errors']"
+
+
+def test_deepspeed_is_required_only_by_the_models_built(monkeypatch):
+    """critic.engine=deepspeed under GRPO builds nothing on DeepSpeed, unless a reward model follows
+    the critic's engine (reward.model.engine="")."""
+    import importlib.util
+
+    from spmdsplit.preflight import check_engines
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    grpo = ["algorithm.adv_estimator=grpo", "rollout.n=2", "critic.engine=deepspeed"]
+    check_engines(load_config(None, grpo))
+    with pytest.raises(ConfigError, match=r"^critic\.engine=deepspeed: DeepSpeed is not installed"):
+        check_engines(load_config(None, grpo + ["reward.model.path=/models/a-reward-model"]))
+    with pytest.raises(ConfigError, match=r"^critic\.engine=deepspeed: DeepSpeed is not installed"):
+        check_engines(load_config(None, ["critic.engine=deepspeed"]))  # PPO: the value model runs on it

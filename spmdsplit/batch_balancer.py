@@ -31,7 +31,7 @@ class BatchBalancer:
         `row_index`."""
         placement, n = self.pools.placement, self.n
         with self.timer.phase("balance", step, chunk=chunk):
-            # Every actor rank holds equal whole groups (config.check_against_pools), so one
+            # Every actor rank holds equal whole groups (preflight.check_against_pools), so one
             # all_gather over the pool gives every rank the chunk's token counts in global order.
             # Over the pool's meeting group (gloo, the long timeout): ranks come here straight
             # from generating (their long tails differ) or from rows another pool sent.

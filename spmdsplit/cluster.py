@@ -26,7 +26,7 @@ import os
 import socket
 import struct
 
-from spmdsplit.config import ConfigError
+from spmdsplit.errors import ConfigError
 
 SIOCGIFADDR = 0x8915  # Linux <linux/sockios.h>: an interface's (primary) IPv4 address
 

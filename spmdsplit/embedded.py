@@ -35,28 +35,6 @@ MODEL_SHAPE = dict(
 )
 BUILD_SEED = 1234
 
-# The embedded toy's hyper-parameters, layered over the schema when model.path is empty (see
-# config.load_config; a --config file and key=value overrides still win). The schema holds verl's
-# values for a pretrained model; a random 2-layer model needs learning rates ~1000x larger.
-# configs/default.yaml spells out the same values. Why these: docs/embedded.md, "Why the default is what it is".
-EMBEDDED_PRESET = {
-    # No balancing: the toy's rows are all but equally long (611-615 tokens per rank of the 2+2
-    # job as generated), so it has nothing to even out and would only change which rows share a
-    # mini-batch, i.e. the run's trajectory, which the seed tables of docs/embedded.md were measured
-    # without (one 200-step run of the default with it ended at 0.33 instead of 0.99).
-    "trainer": {"total_steps": 200, "balance_batch": False},
-    # A cosine decay to a tenth of the peak: at a constant 2e-3 a policy that had solved the task
-    # could fall back (0.96 -> 0.81 over the last 60 steps of one seed).
-    "actor": {"optim": {"lr": 2.0e-3, "lr_warmup_steps": 5, "lr_scheduler_type": "cosine", "min_lr_ratio": 0.1},
-              "ppo_mini_batch_size": 16, "entropy_coeff": 0.02,
-              # The KL loss keeps the EOS (and every digit) within reach of sampling while the
-              # policy sharpens: without it the EOS dies out early and never comes back.
-              "use_kl_loss": True, "kl_loss_coef": 0.1},
-    "critic": {"optim": {"lr": 2.0e-3, "lr_warmup_steps": 5, "lr_scheduler_type": "cosine", "min_lr_ratio": 0.1},
-               "ppo_mini_batch_size": 16},
-}
-
-
 # The agent model's chat template (data.task=lookup): messages' contents end to end, a tool
 # response as "=<content>;". Tools are not rendered: a 2-layer character model cannot read a JSON
 # schema; it learns the compact call "@" (spmdsplit/agent/parsers.py) from the reward alone.

@@ -57,7 +57,7 @@ def generate_validation_rows(cfg, pools: Pools, rollout_engine, channel: PoolCha
 
 def engine_peers(cfg, rank: int) -> list[int]:
     """The ranks that run one rollout engine together, `rank` among them: a vLLM tensor-parallel
-    group (consecutive ranks inside one pool, checked by config.check_rollout_placement), else
+    group (consecutive ranks inside one pool, checked by preflight.check_rollout_placement), else
     `rank` alone."""
     tp = cfg.rollout.tensor_model_parallel_size if cfg.rollout.name == "vllm" else 1
     first = rank // tp * tp

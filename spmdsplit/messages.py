@@ -116,7 +116,7 @@ POOL_METRICS, VAL_METRICS, CHECKPOINT_WRITTEN = "POOL_METRICS", "VAL_METRICS", "
 FILTER_GROUPS = "FILTER_GROUPS"  # a collective among the generating ranks (spmdsplit/dynamic_sampling.py)
 
 # The role groups that take every step's rows (ROLLOUT), each rank of their pools an equal share:
-# balancing cuts the rows for them all, and the batch must divide over each (config.check_against_pools).
+# balancing cuts the rows for them all, and the batch must divide over each (preflight.check_against_pools).
 ROWS_TO = ("critic", "reward")
 # What the critic and reward groups need of a rollout (the rest stays with the actor pool). Everything a
 # reward function is called with travels: `extra_info` too (verl's scorers for code and tool

@@ -1,8 +1,8 @@
 """`torchrun --nproc-per-node N -m spmdsplit.train [--config FILE] [key=value ...]`
 
-Reads the config, checks it against the launch shape (every rank, before any collective, so a
-bad value ends every rank with the same message instead of a hang), joins the world, builds the
-pools and runs the PPO loop. `--print-config` prints the resolved config and exits.
+Reads the config, runs every start-up check (spmdsplit/preflight.py: every rank, before any
+collective, so a bad value ends every rank with the same message instead of a hang), joins the
+world, builds the pools and runs the PPO loop. `--print-config` prints the resolved config and exits.
 
 Also runs as one Slurm task per rank (`srun python -m spmdsplit.train`, see spmdsplit/launch/): the rank
 comes from SLURM_PROCID when torchrun's variables are absent. Exit codes: 0 done, 2 bad config
@@ -21,7 +21,7 @@ from datetime import timedelta
 from spmdsplit import versions
 
 # Before the imports below: an older transformers may not even import. The job's own choices
-# (vLLM, DeepSpeed) are checked in prepare(), once the config is read.
+# (vLLM, DeepSpeed) are checked in preflight(), once the config is read.
 if __name__ == "__main__" and (_problems := versions.version_problems()):
     print(f"spmdsplit [rank {os.environ.get('RANK', os.environ.get('SLURM_PROCID', 0))}]: error: {_problems[0]}",
           file=sys.stderr, flush=True)
@@ -32,21 +32,15 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from spmdsplit import failure, preempt
-from spmdsplit.checkpoint import CheckpointError, ResumeDisagreement, find_resume_after_restart, resume_disagreement
-from spmdsplit.cluster import choose_gloo_interface, device_index
+from spmdsplit.checkpoint import CheckpointError, ResumeDisagreement, resume_disagreement
+from spmdsplit.cluster import choose_gloo_interface
+from spmdsplit.config import config_warnings, load_config, to_yaml
 from spmdsplit.data.parquet import DataError
-from spmdsplit.data.sources import build_rows, format_report
-from spmdsplit.agent import check_multi_turn
-from spmdsplit.data.synthetic import AGENT_TASKS
-from spmdsplit.embedded import ensure_embedded_model
-from spmdsplit.models import load_tokenizer
-from spmdsplit.metrics import missing_logger
-from spmdsplit.rewards.custom import load_custom_reward_fn
-from spmdsplit.config import (ConfigError, check_against_placement, check_flash_attn_installed, check_packed_attention,
-                              config_warnings, load_config, to_yaml)
+from spmdsplit.data.sources import format_report
+from spmdsplit.errors import ConfigError
 from spmdsplit.groups import create_process_groups
-from spmdsplit.placement import PlacementError, launch_shape_from_env, plan_from_config
-from spmdsplit.rollout.vllm_engine import check_vllm
+from spmdsplit.placement import PlacementError
+from spmdsplit.preflight import check_config, preflight
 
 
 EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped on request, checkpoint written; run again to go on
@@ -76,71 +70,6 @@ def parse_args(argv):
     # Intermixed: overrides may come before and after --config (a launcher script adds its own
     # key=value in front of the user's line); plain parse_args stops taking them at the option.
     return parser.parse_intermixed_args(argv)
-
-
-def check_model_path(key: str, path: str, trust_remote_code: bool) -> None:
-    """A missing model is found now, on every rank, not by one rank after the others went on."""
-    if not path:
-        return
-    path = os.path.expanduser(path)
-    if os.path.isdir(path):
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise ConfigError(f"{key}={path!r}: the folder has no config.json (not a Hugging Face model folder)")
-        return
-    if path.startswith((".", "/", "~")) or os.sep in path.strip("/").replace("/", "", 1):
-        raise ConfigError(f"{key}={path!r}: no such folder")
-    try:  # a hub id: found in the local cache, or fetched where the hub is reachable
-        from transformers import AutoConfig
-
-        AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except Exception as e:  # noqa: BLE001 - any failure here means the same thing to the user
-        raise ConfigError(f"{key}={path!r}: not a local folder and not loadable from the Hugging Face hub ({e})") from None
-
-
-def pick_device(setting: str, local_rank: int) -> torch.device:
-    if setting == "cuda" or (setting == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise ConfigError("trainer.device=cuda but CUDA is not available on this machine")
-        index = device_index(local_rank, torch.cuda.device_count())  # cuda:0 where one GPU is bound per task
-        torch.cuda.set_device(index)
-        return torch.device("cuda", index)
-    return torch.device("cpu")
-
-
-def prepare(cfg):
-    """Everything that can fail without talking to other ranks, the data included, so that bad
-    rows stop every rank alike; returns (placement, device, data, checkpoint to resume or None)."""
-    problems = versions.version_problems(cfg)  # vLLM and DeepSpeed, when chosen (and the rest, under Slurm)
-    if problems:
-        raise ConfigError(problems[0])
-    missing = missing_logger(cfg.trainer.logger)  # rank 0 alone would import it, mid-job
-    if missing:
-        raise ConfigError(missing)
-    world, local, nnodes = launch_shape_from_env()
-    placement = plan_from_config(cfg, world, local, nnodes)
-    check_against_placement(cfg, placement)  # the rollout pool's checks (staleness), then batch sizes per pool
-    check_model_path("model.path", cfg.model.path, cfg.model.trust_remote_code)
-    check_model_path("critic.model_path", cfg.critic.model_path, cfg.model.trust_remote_code)
-    check_model_path("reward.model.path", cfg.reward.model.path, cfg.model.trust_remote_code)
-    if cfg.reward.custom_fn.path:
-        load_custom_reward_fn(cfg.reward.custom_fn.path, cfg.reward.custom_fn.name)  # fails here, on every rank
-    device = pick_device(cfg.trainer.device, int(os.environ.get("LOCAL_RANK", 0)))
-    check_flash_attn_installed(cfg)
-    check_packed_attention(cfg, device.type)  # trainer.device=auto: only now is it known to be cuda
-    if not cfg.model.path:
-        # Built before the world forms: a file race between ranks, settled by an atomic rename.
-        cfg.model.path = ensure_embedded_model(cfg.model.embedded_dir, agent=cfg.data.task in AGENT_TASKS)
-    check_vllm(cfg, placement, cfg.model.path, device.type)  # no-op unless rollout.name=vllm
-    tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
-    tools = check_multi_turn(cfg, tokenizer)  # the tool config loads here, on every rank, or the job stops
-    agents = dict(tools=tools.schemas if tools is not None else None,
-                  default_agent=cfg.rollout.agent.default_agent_loop)
-    data = {"train": build_rows(cfg.data, tokenizer, "train", **agents)}
-    if cfg.trainer.val_freq > 0 or cfg.trainer.val_before_train:
-        data["val"] = build_rows(cfg.data, tokenizer, "val", **agents)
-    restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
-    resume_from = find_resume_after_restart(cfg.trainer.resume, cfg.trainer.default_local_dir, restarts)
-    return placement, device, data, resume_from
 
 
 def agree_on_resume(resume_from: str | None, group) -> None:
@@ -184,13 +113,14 @@ def main(argv=None) -> int:
         env_from_slurm()
         cfg = load_config(args.config, args.overrides)
         if args.print_config:
+            check_config(cfg)  # a config whose keys cannot work together is not printed
             if rank == 0:
                 print(to_yaml(cfg), end="")
             return 0
         if rank == 0:
             for warning in config_warnings(cfg):
                 print(f"spmdsplit: warning: {warning}", file=sys.stderr, flush=True)
-        placement, device, data, resume_from = prepare(cfg)
+        placement, device, data, resume_from = preflight(cfg)
     except (ConfigError, PlacementError, DataError, CheckpointError) as e:
         print(f"spmdsplit [rank {rank}]: error: {e}", file=sys.stderr, flush=True)
         return 2

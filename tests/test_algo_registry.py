@@ -17,7 +17,6 @@ comparison is made in the setting where the two coincide, and the test says so:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,7 +27,9 @@ from omegaconf import OmegaConf
 
 from spmdsplit import algo
 from spmdsplit.batch import Batch
-from spmdsplit.config import ActorConfig, AlgorithmConfig, ConfigError, PolicyLossConfig, load_config
+from spmdsplit.config import ActorConfig, load_config
+from spmdsplit.errors import ConfigError
+from spmdsplit.preflight import REGISTERED, check_config
 from tests.test_algo import as_ranks
 
 FIXTURE = torch.load(Path(__file__).parent / "data" / "verl_core_algos.pt", weights_only=True)
@@ -167,14 +168,11 @@ def test_registering_a_name_twice_is_refused():
         algo.register_adv_est("grpo")(lambda **k: None)
 
 
-def choices(cls, name):
-    return next(f for f in dataclasses.fields(cls) if f.name == name).metadata["choices"]
-
-
 def test_config_choices_are_the_registries():
-    assert choices(AlgorithmConfig, "adv_estimator") == tuple(algo.ADV_ESTIMATOR_REGISTRY)
-    assert choices(PolicyLossConfig, "loss_mode") == tuple(algo.POLICY_LOSS_REGISTRY)
+    assert REGISTERED["algorithm.adv_estimator"] == tuple(algo.ADV_ESTIMATOR_REGISTRY)
+    assert REGISTERED["actor.policy_loss.loss_mode"] == tuple(algo.POLICY_LOSS_REGISTRY)
     cfg = load_config()
+    check_config(cfg)  # the schema's defaults are registered names
     assert cfg.algorithm.adv_estimator == "gae" and cfg.actor.policy_loss.loss_mode == "vanilla"
 
 
@@ -193,7 +191,7 @@ def test_estimators_declare_what_they_need():
 ])
 def test_bad_values_are_refused_in_one_line_naming_the_key(overrides, message):
     with pytest.raises(ConfigError) as e:
-        load_config(None, overrides)
+        check_config(load_config(None, overrides))
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
 
 
@@ -201,10 +199,10 @@ def test_bad_values_are_refused_in_one_line_naming_the_key(overrides, message):
 def test_group_estimators_need_two_responses_per_prompt(name):
     overrides = [f"algorithm.adv_estimator={name}", "placement.mode=colocate"]
     with pytest.raises(ConfigError) as e:
-        load_config(None, overrides + ["rollout.n=1"])
+        check_config(load_config(None, overrides + ["rollout.n=1"]))
     assert str(e.value) == (f"algorithm.adv_estimator={name} compares responses to the same prompt: "
                             "set rollout.n >= 2 (got 1)")
-    load_config(None, overrides + ["rollout.n=2"])
+    check_config(load_config(None, overrides + ["rollout.n=2"]))
 
 
 def test_every_loss_mode_and_its_keys_load():

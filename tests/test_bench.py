@@ -507,7 +507,8 @@ def test_bench_timeline_pngs(short_bench):
 
 
 def test_plan_prints_an_override_line_the_job_accepts(tmp_path, embedded_cache):
-    from spmdsplit.config import check_against_pools, load_config
+    from spmdsplit.config import load_config
+    from spmdsplit.preflight import check_against_pools
     from spmdsplit.placement import plan_placement
 
     result = run_module("tools.plan", "--world-size", "4", "--steps", "3", "--warmup", "1",

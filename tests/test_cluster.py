@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from spmdsplit.cluster import choose_gloo_interface, device_index, interface_of, route_source
-from spmdsplit.config import ConfigError
+from spmdsplit.errors import ConfigError
 from tests.launch import base_env, free_port
 
 

@@ -10,14 +10,18 @@ import time
 import pytest
 from omegaconf import OmegaConf
 
-from spmdsplit.config import ConfigError, check_against_pools, load_config, to_yaml
+from spmdsplit.config import load_config, to_yaml
+from spmdsplit.errors import ConfigError
+from spmdsplit.preflight import check_against_pools, check_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def error_of(*overrides, config_file=None):
+    """The one line that stops a job with this config before its world forms: from loading it
+    (a key alone), or from preflight's checks of the config alone (keys together, registered names)."""
     with pytest.raises(ConfigError) as e:
-        load_config(config_file, list(overrides))
+        check_config(load_config(config_file, list(overrides)))
     return str(e.value)
 
 
@@ -411,11 +415,11 @@ def test_a_chosen_logger_not_installed_exits_2_before_any_process_group(cli):
     assert took < CLI_TIMEOUT
 
 
-# --------------------------------------------------------------------------- model paths (train.check_model_path)
+# --------------------------------------------------------------------------- model paths (preflight.check_model_path)
 
 
 def test_model_path_checks(tmp_path):
-    from spmdsplit.train import check_model_path
+    from spmdsplit.preflight import check_model_path
 
     good = tmp_path / "model"
     good.mkdir()
@@ -433,7 +437,7 @@ def test_model_path_checks(tmp_path):
 
 def test_model_path_under_home_with_a_tilde(tmp_path, monkeypatch):
     # The shell leaves `model.path=~/m` alone (model.path is not a variable name), so "~" arrives as is.
-    from spmdsplit.train import check_model_path
+    from spmdsplit.preflight import check_model_path
 
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "mymodel").mkdir()
@@ -442,8 +446,6 @@ def test_model_path_under_home_with_a_tilde(tmp_path, monkeypatch):
 
 
 def test_stream_chunks_must_split_evenly_over_both_pools():
-    from spmdsplit.config import check_against_pools
-
     cfg = load_config(None, ["rollout.stream_chunks=4", "data.train_batch_size=16",
                              "actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=8"])
     check_against_pools(cfg, {"actor": 2, "critic": 2})  # 4 chunks of 4 rows: 2 per rank in either pool
@@ -457,7 +459,7 @@ def test_stream_chunks_must_split_evenly_over_both_pools():
 
 
 def test_embedded_preset_applies_only_without_a_model_path(tmp_path):
-    from spmdsplit.embedded import EMBEDDED_PRESET
+    from spmdsplit.config import EMBEDDED_PRESET
 
     toy = load_config()
     assert toy.actor.optim.lr == EMBEDDED_PRESET["actor"]["optim"]["lr"]
@@ -564,11 +566,14 @@ def test_a_config_file_with_the_wrong_shape_names_the_full_key(tmp_path):
 
 def test_choices_and_ranges_come_from_the_fields():
     from spmdsplit.config import Config, declared_checks
+    from spmdsplit.preflight import REGISTERED
 
     checks = dict(declared_checks())
     # Nested sections share their field's declaration: one OptimConfig field, two keys.
     assert {"actor.optim.lr_scheduler_type", "critic.optim.min_lr_ratio", "rollout.val_kwargs.n",
-            "ref.zero_stage", "reward.model.zero_stage", "data.task"} <= set(checks)
+            "ref.zero_stage", "reward.model.zero_stage"} <= set(checks)
+    # Names the runtime registers are checked at start-up, not declared on the (import-free) schema.
+    assert "data.task" in REGISTERED and not set(REGISTERED) & set(checks)
     defaults = OmegaConf.structured(Config)
     for key, check in checks.items():  # every default passes its own check
         assert check(key, OmegaConf.select(defaults, key)) is None, key
@@ -577,22 +582,23 @@ def test_choices_and_ranges_come_from_the_fields():
 def test_flash_attention_without_flash_attn_is_one_line_naming_the_key(monkeypatch):
     import importlib.util
 
-    from spmdsplit.config import check_flash_attn_installed
+    from spmdsplit.preflight import check_flash_attn_installed
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else real(name, *a))
-    # The config loads (a GPU preset prints anywhere); start-up (train.py prepare) refuses it.
+    # The config loads (a GPU preset prints anywhere); start-up (preflight.preflight) refuses it.
     cfg = load_config(None, ["model.attn_implementation=flash_attention_2"])
     with pytest.raises(ConfigError) as e:
         check_flash_attn_installed(cfg)
     msg = str(e.value)
     assert msg.startswith("model.attn_implementation=flash_attention_2") and "\n" not in msg
     assert "model.attn_implementation" in error_of("model.attn_implementation=flash")
-    load_config(None, ["model.attn_implementation=eager", "model.use_remove_padding=true"])
+    check_config(load_config(None, ["model.attn_implementation=eager", "model.use_remove_padding=true"]))
 
 
 def test_a_token_budget_below_the_longest_row_is_allowed():
-    load_config(None, ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=3", "data.max_prompt_length=8"])
+    check_config(load_config(None, ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=3",
+                                    "data.max_prompt_length=8"]))
 
 
 def test_the_reference_follows_the_actors_token_budget_unless_set():
@@ -614,10 +620,11 @@ GEN_TRAIN = ["placement.mode=custom", "placement.pools={gen: 1, train: 1}"]
 
 
 def _placed(overrides, shape=(2, 2, 1)):
-    from spmdsplit.config import check_against_placement
     from spmdsplit.placement import plan_from_config
+    from spmdsplit.preflight import check_against_placement
 
     cfg = load_config(None, overrides)
+    check_config(cfg)
     placement = plan_from_config(cfg, *shape)
     check_against_placement(cfg, placement)
     return cfg, placement
@@ -648,6 +655,13 @@ def test_staleness_is_declared_non_negative():
     (["placement.mode=custom", "placement.pools={gen: 3, train: 1}", "placement.roles={rollout: gen, actor: train}",
       "data.train_batch_size=16", "actor.ppo_mini_batch_size=16", "critic.ppo_mini_batch_size=16"], (4, 4, 1),
      "data.train_batch_size=16 is not divisible by the rollout pool size 3"),
+    # rollout.ranks=all, read off the placement (the rollout group spans the critic's pool), not
+    # guessed from placement.mode: a custom pair of pools is two pools too.
+    (["placement.mode=custom", "placement.pools=[2,1]", "rollout.ranks=all", "data.train_batch_size=16",
+      "actor.ppo_mini_batch_size=16", "critic.ppo_mini_batch_size=16"], (3, 3, 1),
+     "rollout.ranks=all: data.train_batch_size=16 must divide over all 3 ranks"),
+    (["rollout.ranks=all", "rollout.stream_chunks=2", "data.train_batch_size=16", "actor.ppo_mini_batch_size=16",
+      "critic.ppo_mini_batch_size=16"], (4, 4, 1), "rollout.ranks=all with rollout.stream_chunks=2"),
 ])
 def test_checks_that_need_the_placement_name_the_key(overrides, shape, message):
     with pytest.raises(ConfigError) as e:
@@ -691,7 +705,7 @@ def test_grpo_without_a_reward_model_refused_where_the_critic_group_has_a_pool_o
 
 
 def test_vllm_tensor_parallel_groups_lie_inside_one_of_three_pools():
-    from spmdsplit.config import check_rollout_placement
+    from spmdsplit.preflight import check_rollout_placement
     from spmdsplit.placement import plan_placement
 
     cfg = load_config()
@@ -709,7 +723,7 @@ def test_vllm_tensor_parallel_groups_lie_inside_one_of_three_pools():
 
 
 def packed_mask_error(device: str, *overrides):
-    from spmdsplit.config import check_packed_attention
+    from spmdsplit.preflight import check_packed_attention
 
     cfg = load_config(None, ["model.use_remove_padding=true", "model.attn_implementation=sdpa", *overrides])
     try:
@@ -740,9 +754,9 @@ def test_the_mask_check_spares_cpu_flash_attention_and_unpacked_passes():
     assert packed_mask_error("cpu", *big) is None  # CPU's budgets are the user's to keep small
     for mask_free in ("flash_attention_2", "varlen", "auto"):
         assert packed_mask_error("cuda", *big, f"model.attn_implementation={mask_free}") is None
-    from spmdsplit.config import check_packed_attention
+    from spmdsplit.preflight import check_packed_attention
 
     check_packed_attention(load_config(None, big), "cuda")  # not packed: no mask at all
-    # trainer.device=cuda says so when the config loads; auto waits for start-up (train.py prepare).
+    # trainer.device=cuda says so when the config loads; auto waits for start-up (preflight.preflight).
     assert "critic.forward_max_token_len_per_gpu" in error_of("model.use_remove_padding=true", "trainer.device=cuda",
                                                               "model.attn_implementation=sdpa", *big)

@@ -338,7 +338,9 @@ def test_reference_and_reward_model_infer_under_zero3_and_stage0(model_dir):
 def test_engine_choice_and_inference_stage_errors():
     """Which engine and stage each role gets, and the stages an inference-only model cannot take,
     caught by the config before anything starts (no DeepSpeed needed)."""
-    from spmdsplit.config import ConfigError, load_config
+    from spmdsplit.config import load_config
+    from spmdsplit.errors import ConfigError
+    from spmdsplit.preflight import check_config
     from spmdsplit.engines import engine_choice
 
     cfg = load_config(overrides=["actor.engine=deepspeed", "actor.zero_stage=2", "critic.engine=deepspeed"]) \
@@ -360,8 +362,8 @@ def test_engine_choice_and_inference_stage_errors():
     # FSDP2's no-sync accumulation has no DeepSpeed counterpart to switch (its no_sync refuses ZeRO-2/3).
     for role in ("actor", "critic"):
         with pytest.raises(ConfigError, match=f"{role}.no_sync_accumulation=true is an FSDP2 option"):
-            load_config(overrides=[f"{role}.engine=deepspeed", f"{role}.no_sync_accumulation=true"])
-        load_config(overrides=[f"{role}.no_sync_accumulation=true"])
+            check_config(load_config(overrides=[f"{role}.engine=deepspeed", f"{role}.no_sync_accumulation=true"]))
+        check_config(load_config(overrides=[f"{role}.no_sync_accumulation=true"]))
 
 
 # DeepSpeed on one pool; on both pools (actor ZeRO-3, critic ZeRO-2) it is the uninterrupted run

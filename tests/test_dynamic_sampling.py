@@ -7,7 +7,9 @@ import torch
 from omegaconf import OmegaConf
 
 from spmdsplit.batch import Batch
-from spmdsplit.config import ConfigError, check_values, load_config
+from spmdsplit.config import load_config
+from spmdsplit.errors import ConfigError
+from spmdsplit.preflight import check_config
 from spmdsplit.dynamic_sampling import DynamicSampling, NoSpreadError, groups_with_spread
 from tests.launch import run_ranks
 
@@ -224,11 +226,11 @@ def dapo(*overrides):
 ])
 def test_what_dynamic_sampling_cannot_do_is_refused_in_one_line(overrides, says):
     with pytest.raises(ConfigError) as e:
-        check_values(dapo(*overrides))
+        check_config(dapo(*overrides))
     assert says in str(e.value) and "\n" not in str(e.value)
 
 
 def test_a_generation_batch_size_needs_dynamic_sampling():
     with pytest.raises(ConfigError, match="data.gen_batch_size=256 differs from data.train_batch_size=128"):
-        check_values(load_config(None, ["data.gen_batch_size=256"]))
-    check_values(dapo("data.gen_batch_size=256"))
+        check_config(load_config(None, ["data.gen_batch_size=256"]))
+    check_config(dapo("data.gen_batch_size=256"))

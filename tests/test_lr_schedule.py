@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from spmdsplit.config import ConfigError, load_config
+from spmdsplit.config import load_config
+from spmdsplit.errors import ConfigError
 from spmdsplit.engines.common import adamw_with_warmup, lr_factor
 
 

@@ -4,7 +4,8 @@ import pathlib
 
 import pytest
 
-from spmdsplit.config import check_against_placement, config_warnings, load_config
+from spmdsplit.config import config_warnings, load_config
+from spmdsplit.preflight import check_against_placement, check_config
 from spmdsplit.placement import plan_from_config
 
 CONFIGS = pathlib.Path(__file__).parent.parent / "configs"
@@ -35,6 +36,7 @@ def test_every_preset_is_listed():
 def test_preset_fits_its_launch(name):
     (world, local, nnodes), actor, critic, *rollout = LAUNCHES[name]
     cfg = load_config(str(CONFIGS / name))
+    check_config(cfg)
     placement = plan_from_config(cfg, world, local, nnodes)
     assert list(placement.ranks("actor")) == actor and list(placement.ranks("critic")) == critic
     assert list(placement.ranks("rollout")) == (rollout[0] if rollout else actor)
@@ -59,7 +61,7 @@ GPU_PRESETS = ("gpu_qwen2.5_0.5b.yaml", "gpu_qwen2.5_7b.yaml", "nodes_8+8.yaml")
 def test_gpu_presets_carry_the_gpu_settings(name):
     """What a first 7B job needs (issue 25 item 6): checkpointed activations, vLLM on its batched
     sampler with CUDA graphs, and packing only on a variable-length kernel (no [T, T] mask)."""
-    from spmdsplit.config import check_packed_attention
+    from spmdsplit.preflight import check_packed_attention
 
     cfg = load_config(str(CONFIGS / name))
     assert cfg.model.gradient_checkpointing

@@ -12,7 +12,9 @@ import torch
 from omegaconf import OmegaConf
 
 from spmdsplit.batch import Batch
-from spmdsplit.config import ConfigError, load_config
+from spmdsplit.config import load_config
+from spmdsplit.errors import ConfigError
+from spmdsplit.preflight import check_config
 from spmdsplit.embedded import ensure_embedded_model
 from spmdsplit.models import load_tokenizer
 from spmdsplit.rewards import math_dapo, rule
@@ -196,7 +198,7 @@ def test_rule_reward_refuses_a_buffer_that_does_not_fit(tokenizer):
 ])
 def test_config_refuses_an_overlong_buffer_that_cannot_work(overrides, complaint):
     with pytest.raises(ConfigError) as e:
-        load_config(None, ["reward.overlong_buffer.enable=true", "data.max_response_length=6", *overrides])
+        check_config(load_config(None, ["reward.overlong_buffer.enable=true", "data.max_response_length=6", *overrides]))
     assert complaint in str(e.value) and "\n" not in str(e.value)
 
 
@@ -204,7 +206,9 @@ def test_config_overlong_buffer_keys():
     cfg = load_config(None, ["reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=4",
                              "reward.overlong_buffer.penalty_factor=0.5", "reward.overlong_buffer.log=true",
                              "data.max_response_length=16"])
+    check_config(cfg)
     assert dict(cfg.reward.overlong_buffer) == {"enable": True, "len": 4, "penalty_factor": 0.5, "log": True}
-    assert load_config(None, ["reward.overlong_buffer.len=0"]).reward.overlong_buffer.enable is False  # off: unchecked
+    check_config(off := load_config(None, ["reward.overlong_buffer.len=0"]))
+    assert off.reward.overlong_buffer.enable is False  # off: unchecked
     with pytest.raises(ConfigError, match=r"reward\.overlong_buffer\.penalty_factor=-1\.0: expected >= 0"):
         load_config(None, ["reward.overlong_buffer.penalty_factor=-1"])

@@ -340,7 +340,7 @@ def test_custom_fn_errors_name_the_config_keys(tmp_path):
     syntax = write(tmp_path, "bad_syntax.py", "def compute_score(:\n")
     with pytest.raises(CustomRewardError, match=r"reward\.custom_fn\.path.*SyntaxError"):
         load_custom_reward_fn(syntax, "compute_score")
-    from spmdsplit.config import ConfigError
+    from spmdsplit.errors import ConfigError
 
     assert issubclass(CustomRewardError, ConfigError)  # stops every rank before the world forms
 

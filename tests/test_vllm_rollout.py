@@ -15,7 +15,9 @@ import importlib.util
 import pytest
 import torch
 
-from spmdsplit.config import ConfigError, load_config
+from spmdsplit.config import load_config
+from spmdsplit.errors import ConfigError
+from spmdsplit.preflight import check_config
 from spmdsplit.placement import Placement
 from spmdsplit.rollout import row_seeds
 from spmdsplit.rollout.base import rollout_probs_diff
@@ -52,11 +54,14 @@ def model_dir(tmp_path_factory):
 
 
 def job_config(model_dir: str, *overrides: str):
-    return load_config(None, [
+    """A vLLM job's config, loaded and checked as on its ranks before the world forms."""
+    cfg = load_config(None, [
         "rollout.name=vllm", f"model.path={model_dir}", f"data.max_prompt_length={P_LONG}",
         f"data.max_response_length={R}", "rollout.kv_cache_memory_gb=0.0625", "rollout.temperature=0.7",
         *overrides,
     ])
+    check_config(cfg)
+    return cfg
 
 
 def task_prompts(tokenizer, n: int, seed: int, max_prompt_length: int = P_SHORT, digits=(2, 5)):
@@ -542,7 +547,7 @@ def placement(actor, critic):
 @needs_vllm  # job_config chooses rollout.name=vllm, which needs it installed
 @pytest.mark.parametrize("tp, message", [(3, "not a multiple"), (4, "straddles")])
 def test_tensor_parallel_groups_must_stay_inside_a_pool(model_dir, tp, message):
-    from spmdsplit.rollout.vllm_engine import check_vllm
+    from spmdsplit.preflight import check_vllm
 
     cfg = job_config(model_dir, f"rollout.tensor_model_parallel_size={tp}")
     with pytest.raises(ConfigError, match=f"rollout.tensor_model_parallel_size={tp}.*{message}"):
@@ -553,7 +558,8 @@ def test_tensor_parallel_groups_must_stay_inside_a_pool(model_dir, tp, message):
 @needs_vllm
 def test_a_head_size_the_cpu_kernel_rejects(model_dir):
     from spmdsplit.embedded import ensure_embedded_model
-    from spmdsplit.rollout.vllm_engine import check_vllm, head_size
+    from spmdsplit.preflight import check_vllm
+    from spmdsplit.rollout.vllm_engine import head_size
 
     embedded = ensure_embedded_model()
     if head_size(embedded) != 16:

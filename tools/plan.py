@@ -24,7 +24,7 @@ exchange time changing with the number of pool pairs; nodes' network vs in-node 
 
 Candidates: on one node, every a + c = W; with --ranks-per-node L < W, every per-node split
 a + c = L (pool_unit=ranks_per_node) and every node-level split (pool_unit=nodes). Only the
-candidates that `spmdsplit.config` and `spmdsplit.placement` accept (batch sizes dividing
+candidates that `spmdsplit.preflight` and `spmdsplit.placement` accept (batch sizes dividing
 over the pools, ...) are ranked; the others are listed with the reason.
 """
 
@@ -86,11 +86,14 @@ def override_line(unit: str, a: int, c: int) -> str:
 
 def rejection(overrides: list[str], unit: str, a: int, c: int, world: int, lws: int) -> str | None:
     """Why the job would refuse this split (the trainer's own checks), or None if it would run."""
-    from spmdsplit.config import ConfigError, check_against_pools, load_config
+    from spmdsplit.config import load_config
+    from spmdsplit.errors import ConfigError
     from spmdsplit.placement import PlacementError, plan_placement
+    from spmdsplit.preflight import check_against_pools, check_config
 
     try:
         cfg = load_config(None, list(overrides) + override_line(unit, a, c).split())
+        check_config(cfg)
         placement = plan_placement("custom", [a, c], unit, world, lws, world // lws)
         check_against_pools(cfg, {"actor": len(placement.ranks("actor")), "critic": len(placement.ranks("critic"))})
     except (ConfigError, PlacementError) as e:

@@ -55,7 +55,7 @@ def check_multi_turn(cfg, tokenizer):
     from spmdsplit.agent.chat import ToolChat
     from spmdsplit.agent.parsers import build_parser
     from spmdsplit.agent.tools import ToolConfigError
-    from spmdsplit.config import ConfigError
+    from spmdsplit.errors import ConfigError
 
     if not cfg.rollout.multi_turn.enable:
         return None

@@ -37,7 +37,7 @@ from typing import Any, Sequence
 
 import yaml
 
-from spmdsplit.config import ConfigError
+from spmdsplit.errors import ConfigError
 
 SETTING = "rollout.multi_turn.tool_config_path"
 ERROR_KINDS = ("bad_call", "unknown_tool", "bad_arguments", "exception", "timeout", "not_text")

@@ -181,7 +181,7 @@ class DeepSpeedEngine(HFExport):
     def grad_sync(self, enabled: bool):
         """Nothing to switch: ZeRO-2/3 partition gradients in every backward, ZeRO-1 all-reduces its
         whole gradients once, in `step` (the module docstring); DeepSpeed's `no_sync` refuses
-        ZeRO-2/3, so `no_sync_accumulation` is refused with this engine (config.check_engines)."""
+        ZeRO-2/3, so `no_sync_accumulation` is refused with this engine (preflight.check_engines)."""
         yield
 
     def step(self) -> dict[str, float]:

@@ -232,13 +232,16 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
 def with_run_paths(train_args: list[str], folder: Path) -> list[str]:
     """The train arguments, checked here on the login node (a typo fails now, not after the
     queue), plus the run folder's paths for the keys the user left at their defaults."""
-    from spmdsplit.config import ConfigError, load_config
+    from spmdsplit.config import load_config
+    from spmdsplit.errors import ConfigError
+    from spmdsplit.preflight import check_config
     from spmdsplit.train import parse_args
 
     args = parse_args(train_args)
     if args.print_config:
         raise ConfigError("--print-config: run `python -m spmdsplit.train --print-config ...` instead")
     cfg, defaults = load_config(args.config, args.overrides), load_config()
+    check_config(cfg)  # the keys together too: the world's checks wait for the job's ranks
     given = {o.partition("=")[0] for o in args.overrides}
     extra = []
     for key, name in RUN_PATHS.items():
@@ -302,7 +305,7 @@ def follow(job, poll_s: float = 5.0) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from spmdsplit.config import ConfigError
+    from spmdsplit.errors import ConfigError
 
     ours, train_args = split_argv(sys.argv[1:] if argv is None else list(argv))
     parser = build_parser()

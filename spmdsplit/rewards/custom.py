@@ -18,7 +18,7 @@ import os
 import sys
 from typing import Callable
 
-from spmdsplit.config import ConfigError
+from spmdsplit.errors import ConfigError
 
 PATH_KEY = "reward.custom_fn.path"
 NAME_KEY = "reward.custom_fn.name"
@@ -26,7 +26,7 @@ NAME_KEY = "reward.custom_fn.name"
 
 class CustomRewardError(ConfigError):
     """The custom reward function cannot be loaded; the message names the config key at fault.
-    A ConfigError, so loading it in `train.prepare` stops every rank before the first collective."""
+    A ConfigError, so loading it in `preflight.preflight` stops every rank before the first collective."""
 
 
 def load_custom_reward_fn(path: str, name: str = "compute_score") -> Callable:

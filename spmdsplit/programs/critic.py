@@ -70,7 +70,8 @@ class CriticProgram:
             width = batch["responses"].shape[1]
             batch.update(log_probs.select(["old_log_probs", "ref_log_prob"]).with_width(width))
         with phase("adv", step):
-            metrics = self.compute_advantage(batch)
+            reduce_sum = pool_sum(self.pools.group("critic"))  # statistics of the whole global batch
+            metrics = algo.compute_advantage(batch, self.cfg.algorithm, self.kl_ctrl, reduce_sum)
         if self.reward is not None:
             metrics.update(self.reward.pop_extra_metrics(self.pools.group("reward"), self.pools.device))  # e.g. "acc"
         # Back in the chunks they came in, so each actor rank gets exactly its rows.
@@ -85,31 +86,6 @@ class CriticProgram:
             sent.wait()
         if self.generation:
             generated.wait()
-        return metrics
-
-    def compute_advantage(self, batch: Batch) -> dict[str, float]:
-        alg = self.cfg.algorithm
-        reduce_sum = pool_sum(self.pools.group("critic"))  # statistics of the whole global batch
-        metrics = {}
-        if alg.use_kl_in_reward:
-            batch["token_level_rewards"], metrics = algo.apply_kl_penalty(
-                batch["token_level_scores"], batch["old_log_probs"], batch["ref_log_prob"],
-                batch["response_mask"], self.kl_ctrl, alg.kl_penalty, reduce_sum=reduce_sum,
-            )
-        else:
-            batch["token_level_rewards"] = batch["token_level_scores"]
-        # Every estimator gets the same keywords and takes what it uses (algo.py, "registries"),
-        # plus the batch columns its registration names: values (gae), reward_baselines (remax).
-        estimator = algo.get_adv_estimator(alg.adv_estimator)
-        missing = [column for column in estimator.inputs if column not in batch]
-        if missing:
-            raise ValueError(f"algorithm.adv_estimator={alg.adv_estimator} needs the batch column(s) {missing}, "
-                             "which this step's rollout did not provide")
-        batch["advantages"], batch["returns"] = estimator.fn(
-            token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"],
-            index=batch["uid"], gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
-            reduce_sum=reduce_sum, **{column: batch[column] for column in estimator.inputs},
-        )
         return metrics
 
     def score_validation(self, step: int, num_rows: int, sources: list[str]) -> dict[str, float]:

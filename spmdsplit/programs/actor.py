@@ -15,13 +15,14 @@ from spmdsplit.groups import generating_ranks
 from spmdsplit.messages import PoolChannel, check_rows
 from spmdsplit.metrics import PhaseTimer, rollout_correction_metrics, rollout_probs_diff_metrics
 from spmdsplit.placement import Pools
+from spmdsplit.programs import Program
 from spmdsplit.roles.actor import OldFromForward, update_is_one_pass
 from spmdsplit.roles.build import ActorRoles, compute_dtypes
 from spmdsplit.staleness import check_weights_version, weights_needed
 from spmdsplit.weight_sync import WeightBroadcast
 
 
-class ActorProgram:
+class ActorProgram(Program):
     def __init__(self, cfg, pools: Pools, roles: ActorRoles, channel: PoolChannel, timer: PhaseTimer,
                  dataset: PromptDataset, tokenizer, handoff, weights: WeightBroadcast | None = None,
                  sampler: DynamicSampling | None = None):
@@ -135,6 +136,7 @@ class ActorProgram:
             with self.timer.phase("sync_weights", step):  # the weights of this update, to the rollout pool
                 self.push_weights()
         metrics.update(self.rollout_metrics)
+        metrics.update(self.token_count())
         if self.balancer:
             metrics.update(self.balancer.pop_metrics())
         return metrics
@@ -216,3 +218,22 @@ class ActorProgram:
         if state["data"]["dataset_rows"] != len(self.dataset.rows) and self.pools.rank == 0:
             print(f"spmdsplit: warning: the checkpoint was trained on {state['data']['dataset_rows']} prompts, "
                   f"the data now has {len(self.dataset.rows)}: the data order differs from the stopped run", flush=True)
+
+    # ------------------------------------------------------------------ what the trainer calls (Program)
+
+    def start(self, step: int) -> None:
+        """A rollout pool of its own starts with the policy's weights (its program's start takes them)."""
+        if self.pools.placement.apart("rollout"):
+            self.push_weights()
+
+    def export(self, output_dir: str, tokenizer) -> None:
+        """The trained policy as a Hugging Face folder, written by the actor group's first rank."""
+        placement = self.pools.placement
+        self.actor.engine.save_hf(output_dir, tokenizer, is_writer=self.pools.rank == placement.ranks("actor")[0])
+
+    def token_count(self) -> dict[str, float]:
+        """The step's tokens (prompts and responses), for rank 0's perf/throughput: this rank's
+        shard times the actor ranks, an estimate where the shards differ (verl's
+        perf/total_num_tokens is the exact sum; this one costs no collective)."""
+        tokens = self.rollout_batch["attention_mask"].sum().item() * len(self.pools.placement.ranks("actor"))
+        return {"perf/total_num_tokens": tokens}

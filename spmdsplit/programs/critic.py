@@ -12,12 +12,13 @@ from spmdsplit.generation import CriticShareOfGeneration
 from spmdsplit.messages import PoolChannel, check_rows
 from spmdsplit.metrics import PhaseTimer, compute_data_metrics
 from spmdsplit.placement import Pools
+from spmdsplit.programs import Program
 from spmdsplit.roles.build import CriticRoles
 from spmdsplit.roles.reward import RuleReward
 from spmdsplit.roles.reward_model import RewardModel
 
 
-class CriticProgram:
+class CriticProgram(Program):
     def __init__(self, cfg, pools: Pools, roles: CriticRoles, channel: PoolChannel, timer: PhaseTimer, handoff,
                  reward: RuleReward | RewardModel | None, generation: CriticShareOfGeneration | None = None):
         """`reward`: the reward group's reward when it shares this pool (None: its own pool scores);

@@ -24,11 +24,12 @@ from spmdsplit.generation import generate_step_rows, generate_validation_rows
 from spmdsplit.messages import PoolChannel
 from spmdsplit.metrics import PhaseTimer
 from spmdsplit.placement import Pools
+from spmdsplit.programs import Program
 from spmdsplit.staleness import validates_after, weights_needed
 from spmdsplit.weight_sync import WeightBroadcast
 
 
-class RolloutProgram:
+class RolloutProgram(Program):
     engine = None  # nothing trained: a checkpoint keeps the batches generated ahead
 
     def __init__(self, cfg, pools: Pools, rollout, weights: WeightBroadcast, channel: PoolChannel, timer: PhaseTimer,

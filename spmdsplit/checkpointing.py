@@ -48,6 +48,8 @@ class CheckpointManager:
         self.programs, self.sampler, self.dataset, self.reports = programs, sampler, dataset, reports
         self.placement, self.rank = pools.placement, pools.rank
         self.other_pools = other_pools(self.placement)  # their first ranks say "written" to rank 0
+        # Each role group's ranks: written into meta.json, compared on a resume (the same layout?).
+        self.layout = {group: list(self.placement.ranks(group)) for group in ROLE_GROUPS}
 
     def due(self, step: int, stop: bool) -> bool:
         return save_due(step, stop, self.cfg.trainer.save_freq, self.cfg.trainer.total_steps)
@@ -87,8 +89,7 @@ class CheckpointManager:
             self.reports.receive(upto=step)  # a resumed run logs from step + 1 on
             for pool in self.other_pools:
                 self.channel.recv_checkpoint_written(step, pool)
-            meta = {"step": step, "world_size": placement.world_size,
-                    "ranks": {group: list(placement.ranks(group)) for group in ROLE_GROUPS}, "time": time.time(),
+            meta = {"step": step, "world_size": placement.world_size, "ranks": self.layout, "time": time.time(),
                     "config": OmegaConf.to_container(cfg, resolve=True), "tracking_runs": self.reports.run_ids()}
             path = checkpoint.publish(root, step, meta, cfg.trainer.max_ckpt_to_keep)
             print(f"spmdsplit: checkpoint of step {step} written to {path}", flush=True)
@@ -104,7 +105,7 @@ class CheckpointManager:
         meta = checkpoint.read_meta(path)
         step = meta["step"]
         saved = checkpoint.saved_ranks(meta)
-        same_layout = saved == {group: list(self.placement.ranks(group)) for group in ROLE_GROUPS}
+        same_layout = saved == self.layout
         for group, program in self.programs.items():
             folder = os.path.join(path, group)
             if program.engine is None and not os.path.isdir(folder):

@@ -461,6 +461,35 @@ def apply_kl_penalty(token_level_scores: Tensor, old_log_probs: Tensor, ref_log_
     return token_level_rewards, {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
 
 
+def compute_advantage(batch, algorithm, kl_ctrl: FixedKLController | None,
+                      reduce_sum: ReduceSum | None = None) -> dict[str, float]:
+    """A step's advantages and returns into `batch` (its columns by name: token_level_scores,
+    response_mask, uid, old_log_probs and ref_log_prob with the KL penalty in the reward, and what
+    the estimator's registration names: values for gae, reward_baselines for remax). `algorithm`:
+    the config's algorithm section. Returns the KL penalty's metrics (none without it)."""
+    metrics = {}
+    if algorithm.use_kl_in_reward:
+        batch["token_level_rewards"], metrics = apply_kl_penalty(
+            batch["token_level_scores"], batch["old_log_probs"], batch["ref_log_prob"], batch["response_mask"],
+            kl_ctrl, algorithm.kl_penalty, reduce_sum=reduce_sum,
+        )
+    else:
+        batch["token_level_rewards"] = batch["token_level_scores"]
+    # Every estimator gets the same keywords and takes what it uses ("registries" above), plus the
+    # batch columns its registration names.
+    estimator = get_adv_estimator(algorithm.adv_estimator)
+    missing = [column for column in estimator.inputs if column not in batch]
+    if missing:
+        raise ValueError(f"algorithm.adv_estimator={algorithm.adv_estimator} needs the batch column(s) {missing}, "
+                         "which this step's rollout did not provide")
+    batch["advantages"], batch["returns"] = estimator.fn(
+        token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"], index=batch["uid"],
+        gamma=algorithm.gamma, lam=algorithm.lam, norm_adv_by_std_in_grpo=algorithm.norm_adv_by_std_in_grpo,
+        reduce_sum=reduce_sum, **{column: batch[column] for column in estimator.inputs},
+    )
+    return metrics
+
+
 # ----------------------------------------------------------------------------- losses
 
 

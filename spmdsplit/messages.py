@@ -108,7 +108,7 @@ import torch.distributed as dist
 from spmdsplit.batch import Batch
 from spmdsplit.exchange import (Link, Message, PendingSend, ProtocolError, recv_rows, reorder_rows, row_pairs,
                                 send_rows)
-from spmdsplit.placement import ROLE_GROUPS, Placement
+from spmdsplit.placement import Placement
 
 GENERATED, BALANCE, ROLLOUT, LOG_PROBS, ADVANTAGES = "GENERATED", "BALANCE", "ROLLOUT", "LOG_PROBS", "ADVANTAGES"
 SCORES, VAL_ROLLOUT = "SCORES", "VAL_ROLLOUT"
@@ -160,8 +160,8 @@ class PoolChannel:
         self.control_group = control_group
         self.control = Link([POOL_METRICS, VAL_METRICS, CHECKPOINT_WRITTEN], self.control_group, "cpu", "control")
         self.placement = placement
-        self.ranks = {group: list(placement.ranks(group)) for group in ROLE_GROUPS}
-        # Who sends GENERATED (groups.generating_ranks): a rollout pool of its own, or with
+        self.ranks = placement.layout
+        # Who sends GENERATED (Placement.generating_ranks): a rollout pool of its own, or with
         # rollout.ranks=all every actor and critic rank; else the actor's ranks, which send no such message.
         self.generating = generating
         self.scored_apart = placement.apart("reward")  # ROLLOUT to the reward group too, SCORES back

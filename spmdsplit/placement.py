@@ -186,6 +186,12 @@ class Placement:
     # ---------------------------------------------------------------- derived: who runs where
 
     @cached_property
+    def layout(self) -> dict[str, list[int]]:
+        """Each role group's ranks (its own pool's), by group: the channel's addresses, and what a
+        checkpoint records to tell on a resume whether the groups sit where they sat."""
+        return {group: list(self.ranks(group)) for group in ROLE_GROUPS}
+
+    @cached_property
     def generating_ranks(self) -> tuple[int, ...]:
         """The ranks that generate a training step's rollout, in the order of its global batch:
         a rollout pool's, the actor pool's, or with rollout.ranks=all the actor's then the critic's."""

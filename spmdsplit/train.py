@@ -151,8 +151,8 @@ def main(argv=None) -> int:
 
         trainer = Trainer(cfg, groups, {split: rows for split, (rows, _) in data.items()}, resume_from)
         completed = trainer.fit()
-        if rank == 0 and trainer.logger.history and completed:
-            report(trainer.logger.history, cfg)
+        if completed:
+            trainer.reports.summary()
         leave_vllm(cfg)
     except ResumeDisagreement as e:  # every rank has the same answer: they leave together, one line said
         failure.stop_watch()
@@ -171,26 +171,6 @@ def main(argv=None) -> int:
                   f"(trainer.resume=auto reads {cfg.trainer.default_local_dir})", flush=True)
         return EXIT_STOPPED
     return 0
-
-
-def report(history: list[dict], cfg) -> None:
-    """The end-of-run summary: did the score rise from where the random policy started?"""
-    scores = [h["critic/score/mean"] for h in history]
-    k = max(1, min(5, len(scores) // 4))
-    first, last = sum(scores[:k]) / k, sum(scores[-k:]) / k
-    step_times = sorted(h["timing_s/step"] for h in history[1:] or history)
-    print(
-        f"spmdsplit: mean score {first:.3f} (first {k} steps) -> {last:.3f} (last {k} steps); "
-        f"median step {step_times[len(step_times) // 2]:.2f}s over {len(history)} steps"
-        + (f" (steps {history[0]['step']}-{history[-1]['step']}: this run resumed)" if history[0]["step"] > 1 else ""),
-        flush=True,
-    )
-    where = [f"TensorBoard: {cfg.trainer.log_dir}"]
-    if cfg.trainer.timeline:
-        where.append(f"timeline: {cfg.trainer.timeline}")
-    if cfg.trainer.output_dir:
-        where.append(f"trained actor: {cfg.trainer.output_dir}")
-    print("spmdsplit: " + "; ".join(where), flush=True)
 
 
 if __name__ == "__main__":

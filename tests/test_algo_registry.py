@@ -68,7 +68,7 @@ def test_estimator_matches_verl(b, i, name):
     inputs, case = BATCHES[b]["inputs"], BATCHES[b]["estimators"][i]
     estimator = algo.get_adv_estimator(name)
     mask = inputs["response_mask"]
-    # called as CriticProgram.compute_advantage calls it: the same keywords for every estimator
+    # called as algo.compute_advantage calls it: the same keywords for every estimator
     advantages, returns = estimator.fn(
         token_level_rewards=inputs["token_level_rewards"], response_mask=mask,
         index=inputs["passk_index" if name == "grpo_passk" else "index"], reduce_sum=None, **case["hyper"],
@@ -212,15 +212,12 @@ def test_every_loss_mode_and_its_keys_load():
         assert cfg.actor.policy_loss.loss_mode == name and cfg.actor.tau_pos == 2
 
 
-# ----------------------------------------------------------------------------- CriticProgram.compute_advantage
+# ----------------------------------------------------------------------------- compute_advantage
 
-def critic_pool(*overrides):
-    from spmdsplit.programs.critic import CriticProgram
-
-    pool = CriticProgram.__new__(CriticProgram)  # compute_advantage needs only the config and the pool's group
-    pool.cfg = load_config(None, ["placement.mode=colocate", "rollout.n=2", *overrides])
-    pool.pools, pool.kl_ctrl = SimpleNamespace(group=lambda role_group: None), None
-    return pool
+def advantage_of(batch, *overrides):
+    """algo.compute_advantage as the critic program calls it, on one process (no reduce_sum)."""
+    cfg = load_config(None, ["placement.mode=colocate", "rollout.n=2", *overrides])
+    return algo.compute_advantage(batch, cfg.algorithm, None)
 
 
 def advantage_batch(**extra):
@@ -235,24 +232,23 @@ def advantage_batch(**extra):
 
 def test_compute_advantage_calls_the_registered_estimator_with_its_inputs():
     batch = advantage_batch()
-    critic_pool("algorithm.adv_estimator=gae", "algorithm.gamma=0.9", "algorithm.lam=0.8").compute_advantage(batch)
+    advantage_of(batch, "algorithm.adv_estimator=gae", "algorithm.gamma=0.9", "algorithm.lam=0.8")
     adv, ret = algo.compute_gae_advantage_return(batch["token_level_scores"], batch["values"], batch["response_mask"],
                                                  0.9, 0.8)
     assert torch.equal(batch["advantages"], adv) and torch.equal(batch["returns"], ret)
     batch = advantage_batch()
-    critic_pool("algorithm.adv_estimator=grpo", "algorithm.norm_adv_by_std_in_grpo=false").compute_advantage(batch)
+    advantage_of(batch, "algorithm.adv_estimator=grpo", "algorithm.norm_adv_by_std_in_grpo=false")
     adv, _ = algo.compute_grpo_outcome_advantage(batch["token_level_scores"], batch["response_mask"],
                                                  ["a", "a", "b", "b"], norm_adv_by_std_in_grpo=False)
     assert torch.equal(batch["advantages"], adv)
 
 
 def test_remax_reads_reward_baselines_and_says_so_when_they_are_missing():
-    pool = critic_pool("algorithm.adv_estimator=remax")
     with pytest.raises(ValueError, match=r"algorithm.adv_estimator=remax needs the batch column\(s\) "
                                          r"\['reward_baselines'\]"):
-        pool.compute_advantage(advantage_batch())
+        advantage_of(advantage_batch(), "algorithm.adv_estimator=remax")
     batch = advantage_batch(reward_baselines=torch.tensor([0.5, 0.5, 1.0, 1.0]))
-    pool.compute_advantage(batch)
+    advantage_of(batch, "algorithm.adv_estimator=remax")
     close(batch["advantages"][:, 0], [0.5, -0.5, 1.0, 0.0])  # score - the greedy response's
 
 

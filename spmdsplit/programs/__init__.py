@@ -20,6 +20,27 @@ STEP_PHASES = (("rollout", "step"), ("actor", "roll_out"), ("reward", "step"), (
                ("actor", "update"))
 
 
+class Program:
+    """What the trainer calls on a role group's program besides STEP_PHASES' methods (the same for
+    every program, so the trainer needs to know none of their insides). Each overrides what it does."""
+
+    engine = None  # what a checkpoint saves with DCP (weights, optimizer, LR schedule); None: nothing trained
+
+    def start(self, step: int) -> None:
+        """Before the first step (1, or the one after a checkpoint)."""
+
+    def state(self, step: int) -> dict:
+        """This rank's part of a checkpoint besides the engine's (the RNG and dynamic sampling are
+        the checkpoint manager's)."""
+        return {}
+
+    def load_state(self, state: dict, same_layout: bool) -> None:
+        """`state` as `state` returned it; `same_layout`: the role groups' ranks are those that wrote it."""
+
+    def export(self, output_dir: str, tokenizer) -> None:
+        """At the end of a completed run: what the run trained, for use outside it (trainer.output_dir)."""
+
+
 def own_programs(placement: Placement, rank: int) -> list[str]:
     """The role groups that run a program of their own on `rank`, in the order they are built."""
     return [g for g in ROLE_GROUPS if rank in placement.ranks(g) and (g not in HOSTED or placement.apart(g))]

@@ -14,11 +14,12 @@ from spmdsplit.messages import PoolChannel, check_rows
 from spmdsplit.metrics import PhaseTimer, rollout_correction
 from spmdsplit.roles.actor import old_from_forward
 from spmdsplit.roles.build import ActorRoles
+from spmdsplit.programs import Program
 from spmdsplit.staleness import check_weights_version, weights_needed
 from spmdsplit.weight_sync import PolicyWeights
 
 
-class ActorProgram:
+class ActorProgram(Program):
     def __init__(self, cfg, pools: Pools, roles: ActorRoles, channel: PoolChannel, timer: PhaseTimer, handoff,
                  dataset: PromptDataset, generator: Generator | None, weights: PolicyWeights,
                  balancer: BatchBalancer | None):
@@ -117,6 +118,9 @@ class ActorProgram:
             with self.timer.phase("sync_weights", step):  # the weights of this update, to the rollout pool
                 self.weights.push()
         metrics.update(self.rollout_metrics)
+        # For rank 0's perf/throughput: this rank's shard x the actor ranks, an estimate where the shards
+        # differ (verl's perf/total_num_tokens is the exact sum; this one costs no collective).
+        metrics["perf/total_num_tokens"] = rollout["attention_mask"].sum().item() * len(self.pools.placement.ranks("actor"))
         if self.balancer:
             metrics.update(self.balancer.pop_metrics())
         return metrics
@@ -136,3 +140,8 @@ class ActorProgram:
         warning = self.dataset.check_state(state)
         if warning and self.pools.rank == 0:
             print(f"spmdsplit: warning: {warning}", flush=True)
+
+    def export(self, output_dir: str, tokenizer) -> None:
+        """The trained policy as a Hugging Face folder, written by the actor group's first rank."""
+        placement = self.pools.placement
+        self.actor.engine.save_hf(output_dir, tokenizer, is_writer=self.pools.rank == placement.ranks("actor")[0])

@@ -13,12 +13,13 @@ from spmdsplit.generation import Generator
 from spmdsplit.messages import PoolChannel, check_rows
 from spmdsplit.metrics import PhaseTimer, compute_data_metrics
 from spmdsplit.groups import Pools
+from spmdsplit.programs import Program
 from spmdsplit.roles.build import CriticRoles
 from spmdsplit.roles.reward import RuleReward
 from spmdsplit.roles.reward_model import RewardModel
 
 
-class CriticProgram:
+class CriticProgram(Program):
     def __init__(self, cfg, pools: Pools, roles: CriticRoles, channel: PoolChannel, timer: PhaseTimer, handoff,
                  reward: RuleReward | RewardModel | None, generator: Generator | None = None):
         """`reward`: the reward group's reward when it shares this pool (None: its own pool scores);
@@ -71,7 +72,8 @@ class CriticProgram:
             width = batch["responses"].shape[1]
             batch.update(log_probs.select(["old_log_probs", "ref_log_prob"]).with_width(width))
         with phase("adv", step):
-            metrics = self.compute_advantage(batch)
+            reduce_sum = pool_sum(self.pools.group("critic"))  # statistics of the whole global batch
+            metrics = algo.compute_advantage(batch, self.cfg.algorithm, self.kl_ctrl, reduce_sum)
         if self.reward is not None:
             metrics.update(self.reward.pop_extra_metrics(self.pools.group("reward"), self.pools.device))  # e.g. "acc"
         # Back in the chunks they came in, so each actor rank gets exactly its rows.
@@ -95,31 +97,6 @@ class CriticProgram:
         [rows] = self.generator.rows(step)
         self.generator.pop_metrics(step)  # dynamic sampling's: the actor pool's ranks report the same numbers
         return self.channel.send_generated(step, rows)
-
-    def compute_advantage(self, batch: Batch) -> dict[str, float]:
-        alg = self.cfg.algorithm
-        reduce_sum = pool_sum(self.pools.group("critic"))  # statistics of the whole global batch
-        metrics = {}
-        if alg.use_kl_in_reward:
-            batch["token_level_rewards"], metrics = algo.apply_kl_penalty(
-                batch["token_level_scores"], batch["old_log_probs"], batch["ref_log_prob"],
-                batch["response_mask"], self.kl_ctrl, alg.kl_penalty, reduce_sum=reduce_sum,
-            )
-        else:
-            batch["token_level_rewards"] = batch["token_level_scores"]
-        # Every estimator gets the same keywords and takes what it uses (algo.py, "registries"),
-        # plus the batch columns its registration names: values (gae), reward_baselines (remax).
-        estimator = algo.get_adv_estimator(alg.adv_estimator)
-        missing = [column for column in estimator.inputs if column not in batch]
-        if missing:
-            raise ValueError(f"algorithm.adv_estimator={alg.adv_estimator} needs the batch column(s) {missing}, "
-                             "which this step's rollout did not provide")
-        batch["advantages"], batch["returns"] = estimator.fn(
-            token_level_rewards=batch["token_level_rewards"], response_mask=batch["response_mask"],
-            index=batch["uid"], gamma=alg.gamma, lam=alg.lam, norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
-            reduce_sum=reduce_sum, **{column: batch[column] for column in estimator.inputs},
-        )
-        return metrics
 
     def score_validation(self, step: int, num_rows: int, sources: list[str]) -> dict[str, float]:
         return scoring.score_validation(self.cfg, self.pools, self.reward, self.channel, self.timer, step, num_rows,

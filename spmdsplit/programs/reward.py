@@ -10,12 +10,12 @@ from spmdsplit.exchange import PendingSend
 from spmdsplit.messages import PoolChannel
 from spmdsplit.metrics import PhaseTimer
 from spmdsplit.groups import Pools
+from spmdsplit.programs import Program
 from spmdsplit.roles.reward import RuleReward
 from spmdsplit.roles.reward_model import RewardModel
 
 
-class RewardProgram:
-    engine = None  # nothing trained: a checkpoint keeps only the ranks' state
+class RewardProgram(Program):  # nothing trained: a checkpoint keeps only the ranks' state
 
     def __init__(self, cfg, pools: Pools, reward: RuleReward | RewardModel, channel: PoolChannel, timer: PhaseTimer):
         self.cfg, self.pools, self.reward, self.channel, self.timer = cfg, pools, reward, channel, timer
@@ -43,9 +43,3 @@ class RewardProgram:
     def score_validation(self, step: int, num_rows: int, sources: list[str]) -> dict[str, float]:
         return scoring.score_validation(self.cfg, self.pools, self.reward, self.channel, self.timer, step, num_rows,
                                         sources)
-
-    def state(self, step: int) -> dict:
-        return {}
-
-    def load_state(self, state: dict, same_layout: bool) -> None:
-        pass

@@ -20,10 +20,11 @@ from spmdsplit.batch import Batch
 from spmdsplit.exchange import PendingSend
 from spmdsplit.generation import Generator
 from spmdsplit.messages import PoolChannel
+from spmdsplit.programs import Program
 from spmdsplit.staleness import validates_after, weights_needed
 
 
-class RolloutProgram:
+class RolloutProgram(Program):
     engine = None  # nothing trained: a checkpoint keeps the batches generated ahead
 
     def __init__(self, cfg, generator: Generator, channel: PoolChannel):

@@ -1,0 +1,59 @@
+"""The loop says what, its components decide when and how (issue 38): the checkpoint manager's
+decision of when to save, and the trainer reaching programs only through their common interface.
+The checkpoints' contents and the resume are tests/test_resume.py's and the layouts' e2e tests'."""
+
+from __future__ import annotations
+
+import ast
+import os
+
+import pytest
+
+from spmdsplit.checkpointing import save_due
+from spmdsplit.programs import STEP_PHASES, Program
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("save_freq, total_steps, saved", [
+    (2, 5, [2, 4, 5]),  # every save_freq steps, and the last one
+    (3, 6, [3, 6]),  # the last step is one of them: once
+    (0, 5, []),  # save_freq=0: never on schedule
+    (7, 5, [5]),  # longer than the run: the last step only
+])
+def test_a_checkpoint_is_due_every_save_freq_steps_and_after_the_last(save_freq, total_steps, saved):
+    assert [s for s in range(1, total_steps + 1) if save_due(s, False, save_freq, total_steps)] == saved
+
+
+@pytest.mark.parametrize("save_freq", [0, 3])
+def test_a_stop_vote_always_checkpoints(save_freq):
+    assert save_due(1, True, save_freq, 10)
+
+
+def program_attributes(path: str) -> set[str]:
+    """Every attribute the module takes of a program: `programs[...].x`, `program.x` and
+    `self.programs[...].x`, by its syntax tree."""
+    def is_program(node) -> bool:
+        if isinstance(node, ast.Name):
+            return node.id == "program"
+        if isinstance(node, ast.Subscript):
+            target = node.value
+            return (isinstance(target, ast.Name) and target.id == "programs") or (
+                isinstance(target, ast.Attribute) and target.attr == "programs")
+        return False
+
+    with open(os.path.join(ROOT, path)) as f:
+        tree = ast.parse(f.read())
+    return {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute) and is_program(node.value)}
+
+
+@pytest.mark.parametrize("path", ["spmdsplit/trainer.py", "spmdsplit/checkpointing.py"])
+def test_the_loop_calls_programs_only_through_their_common_interface(path):
+    """A new feature that needs a program to do something at a point of the loop adds it to
+    Program (spmdsplit/programs/__init__.py), not a reach into one program's insides."""
+    interface = {name for name in vars(Program) if not name.startswith("_")}
+    assert interface == {"engine", "start", "state", "load_state", "export"}
+    used = program_attributes(path)
+    assert used and used <= interface, f"{path} reaches into programs: {sorted(used - interface)}"
+    # The step's phases are called by name from STEP_PHASES (getattr), nothing else.
+    assert {phase for _, phase in STEP_PHASES} == {"step", "roll_out", "update"}

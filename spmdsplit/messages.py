@@ -141,6 +141,19 @@ ADVANTAGE_KEYS = ("advantages", "row_index")
 SCORE_KEYS = ("token_level_scores", "row_index")  # + reward_baselines with ReMax
 
 
+def receive_for(held: Batch, recv, what: str, step: int, chunks: int, timer, phase: str) -> Batch:
+    """Every chunk of a step's reply about the rows this rank holds (advantages, log-probs), each
+    receive timed as `phase`, checked against `held` (check_rows) and padded to its width: the
+    other pool's ranks padded their rows to their own widest response, not this rank's."""
+    parts = []
+    for c in range(chunks):
+        with timer.phase(phase, step, chunk=c) as stats:
+            parts.append(recv(step, c, stats))
+    received = Batch.concat(parts, pad_to_widest=True)
+    check_rows(received, held, what)
+    return received.with_width(held["responses"].shape[1])
+
+
 def check_rows(received: Batch, held: Batch, what: str) -> None:
     """Rows that came back must be the rows this rank holds, in the same order."""
     if not torch.equal(received["row_index"].cpu(), held["row_index"].cpu()):

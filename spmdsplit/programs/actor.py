@@ -10,7 +10,7 @@ from spmdsplit.data.prompts import PromptDataset
 from spmdsplit.exchange import PendingSend
 from spmdsplit.generation import Generator
 from spmdsplit.groups import Pools
-from spmdsplit.messages import PoolChannel, check_rows
+from spmdsplit.messages import PoolChannel, receive_for
 from spmdsplit.metrics import PhaseTimer, rollout_correction
 from spmdsplit.roles.actor import old_from_forward
 from spmdsplit.roles.build import ActorRoles
@@ -23,9 +23,8 @@ class ActorProgram(Program):
     def __init__(self, cfg, pools: Pools, roles: ActorRoles, channel: PoolChannel, timer: PhaseTimer, handoff,
                  dataset: PromptDataset, generator: Generator | None, weights: PolicyWeights,
                  balancer: BatchBalancer | None):
-        """`generator`: the rollout group's engine on this pool (None: a rollout pool of its own
-        generates); `weights`: the policy's weights to engines (weight_sync.PolicyWeights);
-        `balancer`: trainer.balance_batch, the rows' order over this pool by tokens."""
+        """`generator`: the rollout group's engine here (None: a rollout pool of its own generates);
+        `weights`: the policy's to engines; `balancer`: trainer.balance_batch's row order."""
         self.cfg, self.pools, self.channel, self.timer, self.handoff = cfg, pools, channel, timer, handoff
         self.actor, self.ref, self.dataset = roles.actor, roles.ref, dataset
         self.generator, self.weights, self.balancer = generator, weights, balancer
@@ -95,15 +94,9 @@ class ActorProgram(Program):
 
     def update(self, step: int) -> dict[str, float]:
         """Advantages in -> update_actor [-> weights to a rollout pool]. Returns the actor's metrics."""
-        rollout, chunks = self.rollout_batch, self.cfg.rollout.stream_chunks
-        advantages = []
-        for c in range(chunks):
-            with self.timer.phase("exchange/advantages", step, chunk=c) as stats:
-                advantages.append(self.channel.recv_advantages(step, c, stats))
-        advantages = Batch.concat(advantages, pad_to_widest=True)
-        check_rows(advantages, rollout, "advantages")
-        # The critic pool's ranks padded their rows to their own widest response, not this rank's.
-        rollout["advantages"] = advantages.with_width(rollout["responses"].shape[1])["advantages"]
+        rollout = self.rollout_batch
+        rollout["advantages"] = receive_for(rollout, self.channel.recv_advantages, "advantages", step,
+                                            self.cfg.rollout.stream_chunks, self.timer, "exchange/advantages")["advantages"]
         self.handoff()  # blocking mode: the actor updates only after the critic did
         metrics, old_from_update = {}, old_from_forward(self.cfg, step)
         if step > self.cfg.trainer.critic_warmup:  # the first steps train only the critic

@@ -10,7 +10,7 @@ from spmdsplit.batch import Batch
 from spmdsplit.distributed import pool_sum
 from spmdsplit.exchange import PendingSend
 from spmdsplit.generation import Generator
-from spmdsplit.messages import PoolChannel, check_rows
+from spmdsplit.messages import PoolChannel, check_rows, receive_for
 from spmdsplit.metrics import PhaseTimer, compute_data_metrics
 from spmdsplit.groups import Pools
 from spmdsplit.programs import Program
@@ -62,15 +62,9 @@ class CriticProgram(Program):
         # Each chunk is as wide as the longest response in it (rollout/base.py): pad them to one width.
         batch = Batch.concat(parts, pad_to_widest=True)
         if self.cfg.algorithm.use_kl_in_reward:  # sent after every rollout chunk, so taken after them
-            log_probs = []
-            for c in range(self.chunks):
-                with phase("exchange/log_probs", step, chunk=c) as stats:
-                    log_probs.append(channel.recv_log_probs(step, c, stats))
-            log_probs = Batch.concat(log_probs, pad_to_widest=True)
-            check_rows(log_probs, batch, "log-probs")
-            # As wide as the actor ranks' rollouts, which need not be this rank's width.
-            width = batch["responses"].shape[1]
-            batch.update(log_probs.select(["old_log_probs", "ref_log_prob"]).with_width(width))
+            log_probs = receive_for(batch, channel.recv_log_probs, "log-probs", step, self.chunks, self.timer,
+                                    "exchange/log_probs")
+            batch.update(log_probs.select(["old_log_probs", "ref_log_prob"]))
         with phase("adv", step):
             reduce_sum = pool_sum(self.pools.group("critic"))  # statistics of the whole global batch
             metrics = algo.compute_advantage(batch, self.cfg.algorithm, self.kl_ctrl, reduce_sum)

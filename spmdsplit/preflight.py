@@ -284,19 +284,23 @@ def check_rollout_placement(cfg: DictConfig, placement) -> None:
 def check_against_placement(cfg: DictConfig, placement) -> None:
     """Every check that needs the planned Placement (spmdsplit/placement.py), on every rank
     before any collective: a rollout pool's, then check_against_pools."""
-    r = cfg.rollout
-    if placement.apart("rollout"):
-        size = len(placement.ranks("rollout"))
-        if r.ranks == "all":
+    r, B = cfg.rollout, cfg.data.train_batch_size
+    generating = len(placement.generating_ranks)
+    if placement.generated_elsewhere:  # a rollout pool of its own, or rollout.ranks=all: rows whole, once a step
+        apart = placement.apart("rollout")
+        if apart and r.ranks == "all":
             raise ConfigError("rollout.ranks=all with a rollout pool of its own (placement.roles.rollout): the "
                               "rollout pool's ranks generate, and the actor and critic pools train; use rollout.ranks=actor")
         if r.stream_chunks != 1:
-            raise ConfigError(f"rollout.stream_chunks={r.stream_chunks} with a rollout pool of its own: its rows "
-                              "come to the other pools whole, once per step; use rollout.stream_chunks=1")
-        B = cfg.data.train_batch_size
-        if B % size:
-            raise ConfigError(f"data.train_batch_size={B} is not divisible by the rollout pool size {size} "
-                              f"(each rank generates whole prompt groups); use a multiple of {size}")
+            raise ConfigError((f"rollout.stream_chunks={r.stream_chunks} with a rollout pool of its own: its rows come "
+                               "to the other pools whole, once per step" if apart else
+                               f"rollout.ranks=all with rollout.stream_chunks={r.stream_chunks}: every rank generates "
+                               "its share at once, so there is nothing to stream") + "; use rollout.stream_chunks=1")
+        if B % generating:
+            raise ConfigError((f"data.train_batch_size={B} is not divisible by the rollout pool size {generating}"
+                               if apart else f"rollout.ranks=all: data.train_batch_size={B} must divide over all "
+                               f"{generating} ranks") + f" (each rank generates whole prompt groups); use a multiple "
+                              f"of {generating}")
     elif r.staleness > 0:
         raise ConfigError(
             f"rollout.staleness={r.staleness} needs a rollout pool of its own (its ranks generate batch k+1 while "
@@ -313,15 +317,6 @@ def check_against_placement(cfg: DictConfig, placement) -> None:
             "all the work: use placement.mode=colocate, or a rollout pool of its own with the critic group on the "
             "actor's (placement.mode=custom placement.pools='{gen: 1, train: 1}' "
             "placement.roles='{rollout: gen, actor: train}'), or give the critic pool a reward model")
-    generating = len(placement.generating_ranks)
-    if placement.critic_pool_generates:  # rollout.ranks=all
-        if r.stream_chunks > 1:
-            raise ConfigError(f"rollout.ranks=all with rollout.stream_chunks={r.stream_chunks}: every rank generates "
-                              "its share at once, so there is nothing to stream; use rollout.stream_chunks=1")
-        B = cfg.data.train_batch_size
-        if B % generating:
-            raise ConfigError(f"rollout.ranks=all: data.train_batch_size={B} must divide over all {generating} ranks "
-                              f"(each generates whole prompt groups); use a multiple of {generating}")
     if cfg.algorithm.filter_groups.enable:
         gen = cfg.data.gen_batch_size or cfg.data.train_batch_size
         if gen % generating:

@@ -18,7 +18,7 @@ ends every rank with the same line instead of a hang on the ranks that got furth
 then the data, read on every rank (bad rows stop every rank alike), and the checkpoint to resume.
 
 A check of a part the job does not build does not run: critic.* without a value model
-(`trains_critic`), reward.model.* without a reward model, vLLM's without rollout.name=vllm.
+(roles/build.py `trains_critic`), reward.model.* without a reward model, vLLM's without rollout.name=vllm.
 The schema (spmdsplit/config.py) checks each key alone when the config loads and imports nothing
 of the runtime; what needs the runtime's registries, the placement or the machine is here.
 """
@@ -47,6 +47,7 @@ from spmdsplit.metrics import missing_logger
 from spmdsplit.models import load_tokenizer
 from spmdsplit.placement import launch_shape_from_env, plan_from_config
 from spmdsplit.rewards.custom import load_custom_reward_fn
+from spmdsplit.roles.build import trains_critic
 from spmdsplit.rollout.vllm_engine import CPU_HEAD_SIZES, head_size
 
 # The keys whose values name what the runtime registers (spmdsplit/algo.py's registries and
@@ -62,13 +63,6 @@ REGISTERED = {
     "algorithm.rollout_correction.rollout_is": (None, *ROLLOUT_IS_LEVELS),
     "algorithm.adv_estimator": tuple(ADV_ESTIMATOR_REGISTRY),
 }
-
-
-def trains_critic(cfg: DictConfig) -> bool:
-    """Whether the job builds a value model, so that critic.*'s model, engine and batch keys apply:
-    the estimator's declaration (spmdsplit/algo.py), which roles/build.py build_critic_roles reads
-    too. Without one the critic group still takes every step's rows and computes the advantages."""
-    return get_adv_estimator(cfg.algorithm.adv_estimator).needs_critic
 
 
 def check_config(cfg: DictConfig) -> None:

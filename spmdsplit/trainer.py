@@ -34,7 +34,7 @@ from spmdsplit.messages import PoolChannel
 from spmdsplit.metrics import PhaseTimer, StepProfiler
 from spmdsplit.models import eos_token_ids, load_tokenizer
 from spmdsplit.preempt import StopVote
-from spmdsplit.programs import HOSTED, STEP_PHASES, own_programs
+from spmdsplit.programs import STEP_PHASES, own_programs
 from spmdsplit.programs.actor import ActorProgram
 from spmdsplit.programs.critic import CriticProgram
 from spmdsplit.programs.reward import RewardProgram
@@ -139,13 +139,6 @@ class Trainer:
         reward = build_reward(self.cfg, self.pools, self.tokenizer, self.eos_ids)
         return RewardProgram(self.cfg, self.pools, reward, self.channel, self.timer)
 
-    def running(self, group: str):
-        """The program on this rank that does `group`'s work: its own, or its host's when it shares
-        the host's pool (the actor's generates, the critic's scores); None off its pool."""
-        if group in HOSTED and not self.placement.apart(group):
-            return self.programs.get(HOSTED[group])
-        return self.programs.get(group)
-
     def build_sampler(self, groups: ProcessGroups) -> DynamicSampling | None:
         """DAPO's dynamic sampling on the ranks that generate, over their group: a rollout pool's,
         the actor pool's, or with rollout.ranks=all the one over both pools (groups.py)."""
@@ -203,15 +196,12 @@ class Trainer:
         """Responses to the validation set from the rollout group's engines (a rollout pool's, with
         the newest weights, or the actor pool's), scored by the reward group; rank 0 logs verl's
         val-core/<data_source>/reward/mean@n."""
-        generator = self.running("rollout")
-        if generator:
-            generator.validate(step, self.val_rows)
-        scorer, metrics = self.running("reward"), None
-        if scorer:
-            rows = usable_val_rows(self.val_rows, self.placement)
-            num_rows = len(rows) * self.cfg.rollout.val_kwargs.n
-            metrics = scorer.score_validation(step, num_rows, sorted({r["data_source"] for r in rows}))
-        self.reports.validation(step, metrics)
+        for program in self.programs.values():  # whichever does the rollout group's work here
+            program.validate(step, self.val_rows)
+        rows = usable_val_rows(self.val_rows, self.placement)
+        num_rows, sources = len(rows) * self.cfg.rollout.val_kwargs.n, sorted({r["data_source"] for r in rows})
+        scored = [program.score_validation(step, num_rows, sources) for program in self.programs.values()]
+        self.reports.validation(step, next((m for m in scored if m is not None), None))  # one program scores here
 
     def finish(self, last: int, completed: bool) -> None:
         """After step `last` (the last one, when `completed`): rank 0 logs the steps up to it,

@@ -52,7 +52,7 @@ def test_the_loop_calls_programs_only_through_their_common_interface(path):
     """A new feature that needs a program to do something at a point of the loop adds it to
     Program (spmdsplit/programs/__init__.py), not a reach into one program's insides."""
     interface = {name for name in vars(Program) if not name.startswith("_")}
-    assert interface == {"engine", "start", "state", "load_state", "export"}
+    assert interface == {"engine", "start", "state", "load_state", "validate", "score_validation", "export"}
     used = program_attributes(path)
     assert used and used <= interface, f"{path} reaches into programs: {sorted(used - interface)}"
     # The step's phases are called by name from STEP_PHASES (getattr), nothing else.

@@ -11,7 +11,8 @@ import pytest
 from spmdsplit.config import load_config
 from spmdsplit.errors import ConfigError
 from spmdsplit.placement import plan_from_config
-from spmdsplit.preflight import check_against_placement, check_config, packed_token_budgets, trains_critic
+from spmdsplit.preflight import check_against_placement, check_config, packed_token_budgets
+from spmdsplit.roles.build import trains_critic
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GRPO_ROLLOUT_ACTOR = os.path.join(REPO, "configs", "grpo_rollout_actor.yaml")

@@ -354,9 +354,8 @@ def pool_phases(cfg, folder: str, vocab: int, size: int, groups: set[str], fake:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import DeviceMesh
 
-    from spmdsplit import algo
     from spmdsplit.roles.actor import Actor
-    from spmdsplit.roles.build import compute_dtypes, ref_config
+    from spmdsplit.roles.build import compute_dtypes, ref_config, trains_critic
     from spmdsplit.roles.critic import Critic
 
     group = dist.group.WORLD if size == dist.get_world_size() else dist.new_group(list(range(size)))
@@ -390,7 +389,7 @@ def pool_phases(cfg, folder: str, vocab: int, size: int, groups: set[str], fake:
         runs["actor log-probs"] = ("actor", lambda: actor.compute_log_prob(rows[log_prob_rows]))
         runs["ref log-probs"] = ("ref", lambda: ref.compute_log_prob(rows[ref_rows]))
         runs["update actor"] = ("actor", lambda: actor.update_policy(rows[update_rows], seed=1))
-    if "critic" in groups and algo.get_adv_estimator(cfg.algorithm.adv_estimator).needs_critic:
+    if "critic" in groups and trains_critic(cfg):
         c = cfg.critic
         update_rows = rows_per_micro(c.use_dynamic_bsz, c.ppo_max_token_len_per_gpu, c.ppo_micro_batch_size_per_gpu, row)
         value_rows = rows_per_micro(c.use_dynamic_bsz, c.forward_max_token_len_per_gpu,

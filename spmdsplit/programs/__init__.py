@@ -37,6 +37,14 @@ class Program:
     def load_state(self, state: dict, same_layout: bool) -> None:
         """`state` as `state` returned it; `same_layout`: the role groups' ranks are those that wrote it."""
 
+    def validate(self, step: int, val_rows: list[dict]) -> None:
+        """Where the rollout group's work runs here: responses to the validation set, to the reward group."""
+
+    def score_validation(self, step: int, num_rows: int, sources: list[str]) -> dict[str, float] | None:
+        """Where the reward group's work runs here: the validation responses' scores (the metrics
+        rank 0 logs, from the group's first rank); None elsewhere."""
+        return None
+
     def export(self, output_dir: str, tokenizer) -> None:
         """At the end of a completed run: what the run trained, for use outside it (trainer.output_dir)."""
 

@@ -118,11 +118,12 @@ class ActorProgram(Program):
             metrics.update(self.balancer.pop_metrics())
         return metrics
 
-    def validate(self, step: int, val_rows: list[dict]) -> int:
+    def validate(self, step: int, val_rows: list[dict]) -> None:
         """The rollout group on this pool: responses to the validation set with the policy's
         current weights (only this pool generates them), to the reward group."""
-        self.generator.wake(step, broadcast=False)
-        return self.generator.validate(step, val_rows, self.channel)
+        if self.generator:  # else a rollout pool of its own generates them
+            self.generator.wake(step, broadcast=False)
+            self.generator.validate(step, val_rows, self.channel)
 
     def state(self, step: int) -> dict:
         """The data position: a step takes one generation batch (dynamic sampling keeps its own count)."""

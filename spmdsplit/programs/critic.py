@@ -92,7 +92,9 @@ class CriticProgram(Program):
         self.generator.pop_metrics(step)  # dynamic sampling's: the actor pool's ranks report the same numbers
         return self.channel.send_generated(step, rows)
 
-    def score_validation(self, step: int, num_rows: int, sources: list[str]) -> dict[str, float]:
+    def score_validation(self, step: int, num_rows: int, sources: list[str]) -> dict[str, float] | None:
+        if self.reward is None:  # a reward pool of its own scores them
+            return None
         return scoring.score_validation(self.cfg, self.pools, self.reward, self.channel, self.timer, step, num_rows,
                                         sources)
 

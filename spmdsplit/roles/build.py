@@ -47,6 +47,13 @@ def compute_dtypes(cfg, device: torch.device) -> tuple[torch.dtype, torch.dtype 
     return dtype, (dtype if dtype != torch.float32 else None)
 
 
+def trains_critic(cfg) -> bool:
+    """Whether the job builds a value model (the estimator's declaration, spmdsplit/algo.py), so
+    that critic.*'s model, engine and batch keys apply; preflight asks this too. Without one the
+    critic group still takes every step's rows and computes the advantages."""
+    return algo.get_adv_estimator(cfg.algorithm.adv_estimator).needs_critic
+
+
 def passes(cfg, device: torch.device) -> tuple[str, bool]:
     """How every trained and frozen model runs its forward passes: (its attention kernel, chosen
     in models.attention_implementation; whether micro-batches are packed, model.use_remove_padding)."""
@@ -97,7 +104,7 @@ def build_critic_roles(cfg, pools: Pools) -> CriticRoles:
     _, mixed = compute_dtypes(cfg, device)
     attention, packed = passes(cfg, device)
     critic = None
-    if algo.get_adv_estimator(cfg.algorithm.adv_estimator).needs_critic:
+    if trains_critic(cfg):
         value_model = ModelSource("value", cfg.critic.model_path or cfg.model.path, torch.float32, seed, remote,
                                   attention)
         critic = Critic(build_engine(cfg, "critic", value_model, pools.mesh("critic"), device, mixed), cfg.critic,

@@ -143,8 +143,7 @@ class ProcessGroups:
     control: ProcessGroup
     stop: ProcessGroup
     handoff: ProcessGroup | None
-    weight_sources: list[int]  # empty: no engine outside the actor pool
-    weights: list[ProcessGroup | None]  # weights[j]: weight_sources[j] + the receiving ranks
+    weights: list[ProcessGroup | None]  # weights[j]: placement.weight_sources[j] + the receiving ranks
     generating: ProcessGroup | None = None  # the ranks that generate, when they span two pools (8)
 
 
@@ -170,14 +169,13 @@ def create_process_groups(cfg, placement: Placement, device: torch.device) -> Pr
     generating = None
     if cfg.algorithm.filter_groups.enable and placement.critic_pool_generates:  # 8
         generating = member_or_none(dist.new_group(sorted(placement.generating_ranks), timeout=between))
-    groups = ProcessGroups(pools, bulk, control, stop, handoff, list(sources), weights, generating)
+    groups = ProcessGroups(pools, bulk, control, stop, handoff, weights, generating)
     warm_up(groups, device)
     if cfg.rollout.name == "vllm":  # 9
-        from spmdsplit.models import resolve_dtype
+        from spmdsplit.models import compute_dtypes
         from spmdsplit.rollout.vllm_engine import init_vllm_distributed
 
-        # The engines hold the policy in the compute dtype (roles/build.py compute_dtypes).
-        init_vllm_distributed(cfg, cfg.model.path, device, resolve_dtype(cfg.model.dtype, device))
+        init_vllm_distributed(cfg, cfg.model.path, device, compute_dtypes(cfg, device)[0])
     return groups
 
 

@@ -21,6 +21,13 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
+def compute_dtypes(cfg, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
+    """(dtype, mixed): trained models keep fp32 master weights and compute in `dtype` (FSDP mixed
+    precision, `mixed` is None in plain fp32); models that only infer are held in `dtype` outright."""
+    dtype = resolve_dtype(cfg.model.dtype, device)
+    return dtype, (dtype if dtype != torch.float32 else None)
+
+
 def attention_implementation(requested: str, device: torch.device | str) -> str:
     """transformers' attention kernel for every trained and frozen model (model.attn_implementation),
     the one place it is chosen. "auto" (the default): flash_attention_2 on cuda where the flash_attn

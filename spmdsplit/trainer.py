@@ -32,7 +32,7 @@ from spmdsplit.generation import Generator, usable_val_rows
 from spmdsplit.groups import ProcessGroups
 from spmdsplit.messages import PoolChannel
 from spmdsplit.metrics import PhaseTimer, StepProfiler
-from spmdsplit.models import eos_token_ids, load_tokenizer
+from spmdsplit.models import compute_dtypes, eos_token_ids, load_tokenizer
 from spmdsplit.preempt import StopVote
 from spmdsplit.programs import STEP_PHASES, own_programs
 from spmdsplit.programs.actor import ActorProgram
@@ -41,7 +41,7 @@ from spmdsplit.programs.reward import RewardProgram
 from spmdsplit.programs.rollout import RolloutProgram
 from spmdsplit.reporting import Reports
 from spmdsplit.roles.build import (build_actor_roles, build_critic_roles, build_reward, build_rollout_engine,
-                                   build_rule_reward, compute_dtypes)
+                                   build_rule_reward)
 from spmdsplit.staleness import validates_after
 from spmdsplit.stop_budget import StopBudget, signal_delay_s
 from spmdsplit.weight_sync import PolicyWeights, WeightBroadcast
@@ -81,8 +81,8 @@ class Trainer:
         # Engines outside the actor pool (a rollout pool of its own, or rollout.ranks=all's on the
         # critic pool) get the policy's weights by a bucketed broadcast.
         self.weights = None
-        if groups.weight_sources:
-            self.weights = WeightBroadcast(groups.weight_sources, groups.weights, self.device,
+        if self.placement.weight_sources:
+            self.weights = WeightBroadcast(self.placement.weight_sources, groups.weights, self.device,
                                            cfg.rollout.weight_bucket_mb)
 
         self.tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)  # "" resolved by train.py

@@ -71,7 +71,7 @@ def _create(rank, world, overrides):
                   *groups.pools.meets.values(), groups.handoff):
         if group is not None:
             dist.all_reduce(one.clone(), group=group)
-    for src, group in zip(groups.weight_sources, groups.weights):
+    for src, group in zip(groups.pools.placement.weight_sources, groups.weights):
         if group is not None:
             t = torch.tensor([float(rank)])
             dist.broadcast(t, src=src, group=group)

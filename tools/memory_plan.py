@@ -355,7 +355,8 @@ def pool_phases(cfg, folder: str, vocab: int, size: int, groups: set[str], fake:
     from torch.distributed.device_mesh import DeviceMesh
 
     from spmdsplit.roles.actor import Actor
-    from spmdsplit.roles.build import compute_dtypes, ref_config, trains_critic
+    from spmdsplit.models import compute_dtypes
+    from spmdsplit.roles.build import ref_config, trains_critic
     from spmdsplit.roles.critic import Critic
 
     group = dist.group.WORLD if size == dist.get_world_size() else dist.new_group(list(range(size)))

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from spmdsplit import algo
 from spmdsplit.engines import build_engine
-from spmdsplit.models import ModelSource, attention_implementation, load_causal_lm, load_tokenizer, resolve_dtype
+from spmdsplit.models import ModelSource, attention_implementation, compute_dtypes, load_causal_lm, load_tokenizer
 from spmdsplit.groups import Pools
 from spmdsplit.rewards.custom import load_custom_reward_fn
 from spmdsplit.roles.actor import Actor
@@ -38,13 +38,6 @@ class ActorRoles:
 class CriticRoles:
     critic: Critic | None  # None for critic-free estimators (GRPO, RLOO, REINFORCE++)
     kl_ctrl: algo.FixedKLController
-
-
-def compute_dtypes(cfg, device: torch.device) -> tuple[torch.dtype, torch.dtype | None]:
-    """(dtype, mixed): trained models keep fp32 master weights and compute in `dtype` (FSDP mixed
-    precision, `mixed` is None in plain fp32); models that only infer are held in `dtype` outright."""
-    dtype = resolve_dtype(cfg.model.dtype, device)
-    return dtype, (dtype if dtype != torch.float32 else None)
 
 
 def trains_critic(cfg) -> bool:

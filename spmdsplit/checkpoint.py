@@ -135,6 +135,11 @@ def publish(root: str, step: int, meta: dict, max_to_keep: int) -> str:
     return final
 
 
+def folder_bytes(path: str) -> int:
+    """What a checkpoint takes on disk: the size of every file under `path`."""
+    return sum(os.path.getsize(os.path.join(folder, name)) for folder, _, names in os.walk(path) for name in names)
+
+
 def prune(root: str, max_to_keep: int, keep: int) -> None:
     """Deletes the oldest published checkpoints beyond `max_to_keep` (0 = keep all) and the
     `.partial` folders of earlier steps (left by a crash). Never the one just published, nor a

@@ -91,7 +91,9 @@ class CheckpointManager:
             meta = {"step": step, "world_size": placement.world_size, "ranks": self.layout, "time": time.time(),
                     "config": OmegaConf.to_container(cfg, resolve=True), "tracking_runs": self.reports.run_ids()}
             path = checkpoint.publish(root, step, meta, cfg.trainer.max_ckpt_to_keep)
-            print(f"spmdsplit: checkpoint of step {step} written to {path}", flush=True)
+            # Its size: with LoRA the trained models' parts are their adapters and their optimizer state.
+            print(f"spmdsplit: checkpoint of step {step} written to {path} "
+                  f"({checkpoint.folder_bytes(path) / 2**20:.1f} MB)", flush=True)
         if self.other_pools and my_pool not in self.other_pools:
             # Rank 0 waited for the other pools' parts (a large critic's save may take minutes);
             # its pool's next collectives need it, so the pool waits for it here instead.

@@ -180,8 +180,40 @@ class PlacementConfig:
     overlap: bool = True  # false: the pools wait for each other at each phase (verl's blocking calls)
 
 
+def module_names(default):
+    """PEFT's target_modules / exclude_modules: a name, a list of names, or null (typed Any, as
+    OmegaConf has no union of a string and a list)."""
+    def ok(v):
+        return v is None or isinstance(v, str) or ((OmegaConf.is_list(v) or isinstance(v, list))
+                                                  and all(isinstance(x, str) for x in v))
+    return bounded(default, ok, "expected a module name (a suffix or a regex, as PEFT's), a list of them, or null")
+
+
 @dataclass
-class ModelConfig:
+class LoraKeys:
+    """LoRA on a trained model (spmdsplit/lora.py, docs/lora.md), under verl's names: PEFT adapters
+    of rank lora_rank on the layers target_modules names, the base frozen. The policy's are model.*,
+    the value model's critic.model.*."""
+    lora_rank: int = bounded(0, lambda v: v >= 0, "expected >= 0 (0 = off: full fine-tuning)")
+    lora_alpha: float = positive(16.0)  # the adapter's output is scaled by lora_alpha / lora_rank
+    # PEFT's names: "all-linear" (every linear layer but the output head), or module name suffixes
+    # (e.g. [q_proj, v_proj]), or a regex matched against the whole name.
+    target_modules: Any = module_names("all-linear")
+    exclude_modules: Any = module_names(None)  # layers left out of target_modules, in the same form
+    lora_adapter_path: str = ""  # a saved PEFT adapter folder to start from (its own config says its layers and scale)
+
+
+@dataclass
+class CriticModelConfig(LoraKeys):
+    """critic.model.*: the value model's LoRA (its path is critic.model_path)."""
+
+
+@dataclass
+class ModelConfig(LoraKeys):
+    # The rollout engines take the merged weights (the whole model, as without LoRA) instead of the
+    # adapter alone, and the HF export is a merged model instead of an adapter folder: for engines or
+    # architectures without LoRA kernels. model.lora_rank > 0 only.
+    lora_merge: bool = False
     path: str = ""  # local dir or hub id; "" = the embedded tiny model, built locally on first use
     embedded_dir: str = ""  # where the embedded model is built; "" = $SPMDSPLIT_CACHE or ~/.cache/spmdsplit
     dtype: str = choice("auto", "float32", "bfloat16")  # auto: bf16 on cuda, fp32 on cpu
@@ -306,6 +338,7 @@ class ActorConfig:
 @dataclass
 class CriticConfig:
     model_path: str = ""  # "" = model.path (a value head on the policy's backbone, as verl does)
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)  # the value model's LoRA keys
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     ppo_mini_batch_size: int = positive(32)
     ppo_micro_batch_size_per_gpu: int = positive(16)
@@ -395,6 +428,9 @@ class RolloutConfig:
     # top of what the trainer already holds there: resident state + this x device memory must fit.
     gpu_memory_utilization: float = bounded(0.5, lambda v: 0 < v <= 1, "expected 0 < value <= 1")
     kv_cache_memory_gb: float = bounded(0.0, lambda v: v >= 0, "expected >= 0 (0 = vLLM sizes it)")  # explicit KV-cache size per engine; 0 = from gpu_memory_utilization on GPU, 1 GiB on CPU
+    # With LoRA (model.lora_rank > 0, not lora_merge): the largest adapter rank the engine takes, one
+    # of vLLM's sizes (1, 8, 16, 32, 64, 128, 256, 320, 512); null = model.lora_rank rounded up to one.
+    max_lora_rank: Optional[int] = bounded(None, lambda v: v is None or v > 0, "expected a positive rank, or null")
     max_num_seqs: int = positive(1024)
     max_num_batched_tokens: int = positive(8192)  # >= data.max_prompt_length + max_response_length
     enforce_eager: bool = True  # no CUDA graphs / no torch.compile: quicker start, slower decode
@@ -509,7 +545,8 @@ class Config:
 
 
 PATH_KEYS = ("trainer.log_dir", "trainer.timeline", "trainer.profile_dir", "trainer.output_dir", "trainer.default_local_dir",
-             "model.path", "model.embedded_dir", "critic.model_path", "rollout.multi_turn.tool_config_path")
+             "model.path", "model.embedded_dir", "model.lora_adapter_path", "critic.model_path",
+             "critic.model.lora_adapter_path", "rollout.multi_turn.tool_config_path")
 
 
 def _shape(value) -> str:

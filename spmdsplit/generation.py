@@ -156,6 +156,15 @@ def usable_val_rows(val_rows: list[dict], placement) -> list[dict]:
     return rows
 
 
+def counted(weights: Iterator[tuple[str, torch.Tensor]], event: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """The stream, its tensors' bytes added up in event["bytes"] as the engine takes them (the
+    timeline's sync_weights: the whole policy, or a LoRA adapter)."""
+    event["bytes"] = 0
+    for name, tensor in weights:
+        event["bytes"] += tensor.nbytes
+        yield name, tensor
+
+
 class Generator:
     """The rollout group's engine on this rank, the one way every generating place runs it (the
     actor pool, a rollout pool of its own, rollout.ranks=all's critic pool): wake it with the
@@ -181,7 +190,7 @@ class Generator:
         """The policy's current weights into the engine (`broadcast=False`: for this pool's engines
         alone, as validation on the actor pool)."""
         with self.timer.phase("sync_weights", step) as event:
-            weights = self.pull() if broadcast else self.pull(broadcast=False)
+            weights = counted(self.pull() if broadcast else self.pull(broadcast=False), event)
             event["engine"] = "update_weights" if self.awake else "wake_up"
             if self.awake:
                 self.engine.update_weights(weights)

@@ -12,7 +12,7 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
-from spmdsplit import attention
+from spmdsplit import attention, lora
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -104,6 +104,8 @@ class ModelSource:
     trust_remote_code: bool = False
     # transformers' attention kernel (`attention_implementation`'s choice); None = transformers' default.
     attn_implementation: str | None = None
+    # A LoRA adapter on the model (spmdsplit/lora.py): the base in `dtype`, frozen; the adapter in fp32.
+    lora: lora.LoraSpec | None = None
 
     def _auto(self):
         import transformers
@@ -122,7 +124,10 @@ class ModelSource:
         torch.manual_seed(self.seed)
         model = self._auto().from_pretrained(self.path, dtype=self.dtype, trust_remote_code=self.trust_remote_code,
                                              **self._head_kwargs(), **self._attention_kwargs())
-        return _no_dropout(model).to(device)
+        model = _no_dropout(model)
+        if self.lora is not None:
+            model = lora.apply(model, self.lora, self.kind)
+        return model.to(device)
 
     def skeleton(self, device: torch.device | str = "meta") -> nn.Module:
         """On "meta" (the default): no storage. Elsewhere: freshly initialised weights, for a
@@ -134,7 +139,10 @@ class ModelSource:
             model = self._auto().from_config(config, dtype=self.dtype, trust_remote_code=self.trust_remote_code,
                                              **self._attention_kwargs())
             model.tie_weights()  # skipped with the initialisation; a tied head must stay one tensor
-        return _no_dropout(model)
+            model = _no_dropout(model)
+            if self.lora is not None:  # the same tree as read()'s; its weights come from the reader
+                model = lora.apply(model, self.lora, self.kind, load_adapter=False)
+        return model
 
 
 def _no_init_weights():

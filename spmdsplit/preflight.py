@@ -14,11 +14,13 @@ ends every rank with the same line instead of a hang on the ranks that got furth
   7. custom reward      reward.custom_fn loads
   8. device, kernels    the device; flash-attn installed; a packed mask that fits the GPU
   9. vLLM               tensor-parallel groups inside one pool; a head size vLLM's CPU kernel takes
- 10. multi-turn tools   the tool config loads, its call format fits the tokenizer
+ 10. LoRA adapters      a saved adapter's rank; target_modules that name layers of the model
+ 11. multi-turn tools   the tool config loads, its call format fits the tokenizer
 then the data, read on every rank (bad rows stop every rank alike), and the checkpoint to resume.
 
 A check of a part the job does not build does not run: critic.* without a value model
-(roles/build.py `trains_critic`), reward.model.* without a reward model, vLLM's without rollout.name=vllm.
+(roles/build.py `trains_critic`), reward.model.* without a reward model, vLLM's without rollout.name=vllm,
+ref.engine with a LoRA policy (its reference is the base: no model of its own).
 The schema (spmdsplit/config.py) checks each key alone when the config loads and imports nothing
 of the runtime; what needs the runtime's registries, the placement or the machine is here.
 """
@@ -31,7 +33,7 @@ import os
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from spmdsplit import versions
+from spmdsplit import lora, versions
 from spmdsplit.agent import check_multi_turn
 from spmdsplit.algo import (ADV_ESTIMATOR_REGISTRY, LOSS_AGG_MODES, POLICY_LOSS_REGISTRY, ROLLOUT_IS_LEVELS,
                             get_adv_estimator)
@@ -44,11 +46,11 @@ from spmdsplit.embedded import ensure_embedded_model
 from spmdsplit.errors import ConfigError
 from spmdsplit.messages import ROWS_TO  # the role groups that take every step's rows
 from spmdsplit.metrics import missing_logger
-from spmdsplit.models import load_tokenizer
+from spmdsplit.models import ModelSource, load_tokenizer
 from spmdsplit.placement import launch_shape_from_env, plan_from_config
 from spmdsplit.rewards.custom import load_custom_reward_fn
 from spmdsplit.roles.build import trains_critic
-from spmdsplit.rollout.vllm_engine import CPU_HEAD_SIZES, head_size
+from spmdsplit.rollout.vllm_engine import CPU_HEAD_SIZES, MAX_LORA_RANKS, head_size
 
 # The keys whose values name what the runtime registers (spmdsplit/algo.py's registries and
 # tuples, beside the math that implements them; the synthetic tasks): the schema holds them as
@@ -92,6 +94,7 @@ def check_config(cfg: DictConfig) -> None:
                           "use grpo or rloo with rollout.multi_turn.enable=true")
     check_filter_groups(cfg)
     check_engines(cfg)
+    check_lora(cfg)
     check_packed_attention(cfg, cfg.trainer.device)  # auto: again at start-up, once the device is known
     check_rollout(cfg)
     check_overlong_buffer(cfg)
@@ -129,7 +132,7 @@ def check_engines(cfg: DictConfig) -> None:
                 "all-reduced once at the step; leave it false with engine=deepspeed")
     # The key that chose the engine of each model built: the reference and the reward model follow
     # the actor's and the critic's engine when theirs is "" (spmdsplit/engines engine_choice).
-    engine_keys = ["actor.engine"] + (["ref.engine"] if cfg.ref.engine else [])
+    engine_keys = ["actor.engine"] + (["ref.engine"] if cfg.ref.engine and not cfg.model.lora_rank else [])
     if critic:
         engine_keys.append("critic.engine")
     if cfg.reward.model.path:
@@ -139,6 +142,74 @@ def check_engines(cfg: DictConfig) -> None:
         if importlib.util.find_spec("deepspeed") is None:
             raise ConfigError(f"{chosen[0]}=deepspeed: DeepSpeed is not installed "
                               "(pip install 'spmdsplit[deepspeed]')")
+
+
+def lora_sections(cfg: DictConfig) -> list[tuple[str, str, object]]:
+    """(its keys' prefix, the engine key of the model, the section) of every trained model built,
+    whatever its lora_rank: the policy, and the value model where one is built."""
+    sections = [("model", "actor.engine", cfg.model)]
+    if trains_critic(cfg):
+        sections.append(("critic.model", "critic.engine", cfg.critic.model))
+    return sections
+
+
+def check_lora(cfg: DictConfig) -> None:
+    """LoRA's keys together (spmdsplit/lora.py): on FSDP2 only, an adapter folder only with a rank,
+    the merge switch only with an adapter, and a rank the vLLM engine is started for."""
+    for prefix, engine_key, section in lora_sections(cfg):
+        rank = section.lora_rank
+        if rank and OmegaConf.select(cfg, engine_key) == "deepspeed":
+            raise ConfigError(f"{prefix}.lora_rank={rank} with {engine_key}=deepspeed: LoRA adapters train on FSDP2 "
+                              f"only here; use {engine_key}=fsdp, or {prefix}.lora_rank=0")
+        if section.lora_adapter_path and not rank:
+            raise ConfigError(f"{prefix}.lora_adapter_path={section.lora_adapter_path!r} with {prefix}.lora_rank=0: "
+                              f"set {prefix}.lora_rank to the adapter's rank to train it")
+    rank = cfg.model.lora_rank
+    if cfg.model.lora_merge and not rank:
+        raise ConfigError("model.lora_merge=true with model.lora_rank=0: there is no adapter to merge; set "
+                          "model.lora_rank > 0, or leave model.lora_merge false")
+    engine_max = cfg.rollout.max_lora_rank
+    if engine_max is not None and engine_max not in MAX_LORA_RANKS:
+        raise ConfigError(f"rollout.max_lora_rank={engine_max}: vLLM starts an engine for one of the ranks "
+                          f"{list(MAX_LORA_RANKS)}")
+    if rank and not cfg.model.lora_merge and cfg.rollout.name == "vllm":
+        if rank > (engine_max or MAX_LORA_RANKS[-1]):
+            raise ConfigError(f"model.lora_rank={rank} is above rollout.max_lora_rank={engine_max or MAX_LORA_RANKS[-1]}, "
+                              "the largest adapter the vLLM engine is started for; raise rollout.max_lora_rank "
+                              f"(one of {list(MAX_LORA_RANKS)}), or use model.lora_merge=true")
+
+
+def check_lora_models(cfg: DictConfig) -> None:
+    """Each adapter against its model, once model.path is known: a saved adapter folder whose rank is
+    the configured one, and target_modules that name layers of the model (PEFT refuses an adapter
+    that adapts nothing). The model is built on the meta device, with no storage."""
+    import json
+
+    for prefix, _, section in lora_sections(cfg):
+        spec = lora.spec_of(section)
+        if spec is None:
+            continue
+        if spec.adapter_path:
+            config_file = os.path.join(spec.adapter_path, "adapter_config.json")
+            if not os.path.isfile(config_file):
+                raise ConfigError(f"{prefix}.lora_adapter_path={spec.adapter_path!r}: no adapter_config.json there "
+                                  "(not a PEFT adapter folder)")
+            with open(config_file) as f:
+                saved = json.load(f)
+            if saved.get("peft_type") != "LORA" or saved.get("r") != spec.rank:
+                raise ConfigError(f"{prefix}.lora_adapter_path={spec.adapter_path!r} holds a {saved.get('peft_type')} "
+                                  f"adapter of rank {saved.get('r')}, and {prefix}.lora_rank={spec.rank}; set "
+                                  f"{prefix}.lora_rank={saved.get('r')}")
+        kind, path = ("causal_lm", cfg.model.path) if prefix == "model" else ("value", cfg.critic.model_path or cfg.model.path)
+        try:
+            ModelSource(kind, path, torch.float32, trust_remote_code=cfg.model.trust_remote_code, lora=spec).skeleton()
+        except ValueError as e:  # PEFT's NoMatchingPeftModuleError (a ValueError; older PEFTs raise a plain one)
+            if type(e).__name__ != "NoMatchingPeftModuleError" and "not found in the base model" not in str(e):
+                raise
+            shown = lambda v: list(v) if isinstance(v, tuple) else v  # noqa: E731 - as the user wrote it
+            raise ConfigError(f"{prefix}.target_modules={shown(spec.target_modules)!r} (exclude_modules="
+                              f"{shown(spec.exclude_modules)!r}) names no layer of {path!r}: "
+                              f"{str(e).splitlines()[0]}") from None
 
 
 def check_flash_attn_installed(cfg: DictConfig) -> None:
@@ -424,6 +495,7 @@ def preflight(cfg: DictConfig):
         # Built before the world forms: a file race between ranks, settled by an atomic rename.
         cfg.model.path = ensure_embedded_model(cfg.model.embedded_dir, agent=cfg.data.task in AGENT_TASKS)
     check_vllm(cfg, placement, cfg.model.path, device.type)  # no-op unless rollout.name=vllm
+    check_lora_models(cfg)  # no-op without LoRA
     tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
     tools = check_multi_turn(cfg, tokenizer)  # the tool config loads here, on every rank, or the job stops
     agents = dict(tools=tools.schemas if tools is not None else None,

@@ -23,7 +23,7 @@ import time
 
 import torch.distributed as dist
 
-from spmdsplit import checkpoint
+from spmdsplit import checkpoint, lora
 from spmdsplit.checkpointing import CheckpointManager, seed_sampling
 from spmdsplit.data.prompts import PromptDataset
 from spmdsplit.dynamic_sampling import DynamicSampling
@@ -118,7 +118,8 @@ class Trainer:
     def build_actor(self) -> ActorProgram:
         cfg, pools = self.cfg, self.pools
         roles = build_actor_roles(cfg, pools, self.tokenizer, self.eos_ids)
-        weights = PolicyWeights(roles.actor.engine, compute_dtypes(cfg, self.device)[0], self.weights, pools)
+        weights = PolicyWeights(roles.actor.engine, compute_dtypes(cfg, self.device)[0], self.weights, pools,
+                                adapter=lora.engines_take_adapter(cfg), merge=cfg.model.lora_merge)
         generator = self.build_generator(roles.rollout, weights.pull) if roles.rollout is not None else None
         # trainer.balance_batch: the rows' order over the actor pool by tokens (spmdsplit/batch_balancer.py)
         balancer = BatchBalancer(cfg, pools, self.channel, self.timer) if cfg.trainer.balance_batch else None

@@ -24,6 +24,7 @@ FLOORS = {
     "vllm": ("0.32", "the engine calls vLLM 0.32's APIs (kv_cache_memory_bytes, processed log-probs, "
                      "v1 executors, sleep-mode tags)"),
     "deepspeed": ("0.19.8", "the pool scoping of engines/deepspeed_compat.py targets DeepSpeed 0.19.8-0.19.x"),
+    "peft": ("0.14", "LoRA's `LoraConfig(exclude_modules=...)` (model.exclude_modules)"),
 }
 CEILINGS = {"deepspeed": "0.20"}
 
@@ -57,7 +58,7 @@ def version_problem(package: str) -> str | None:
 
 
 def required_packages(cfg=None) -> list[str]:
-    """What a job uses: always torch and transformers; vLLM and DeepSpeed when the config chooses them."""
+    """What a job uses: always torch and transformers; vLLM, DeepSpeed and PEFT (LoRA) when the config chooses them."""
     packages = ["torch", "transformers"]
     if cfg is None:
         return packages
@@ -66,6 +67,8 @@ def required_packages(cfg=None) -> list[str]:
     engines = {cfg.actor.engine, cfg.critic.engine, cfg.ref.engine, cfg.reward.model.engine}
     if "deepspeed" in engines:
         packages.append("deepspeed")
+    if cfg.model.lora_rank or cfg.critic.model.lora_rank:
+        packages.append("peft")
     return packages
 
 

@@ -52,6 +52,7 @@ from typing import Iterable, Iterator, NamedTuple
 import torch
 import torch.distributed as dist
 
+from spmdsplit import lora
 from spmdsplit.distributed import meet_on
 
 _ALIGN = 16
@@ -390,27 +391,51 @@ class PolicyWeights:
     """The actor pool's side of every weight sync: the policy's weights from its shards, into
     this rank's own engine (the rollout group on the actor pool; with rollout.ranks=all the first
     rank broadcasting them on to the critic pool's engines as it feeds its own), or pushed to a
-    rollout pool of its own (`push`). `broadcast`: None where no engine sits outside the actor pool."""
+    rollout pool of its own (`push`). `broadcast`: None where no engine sits outside the actor pool.
 
-    def __init__(self, engine, dtype: torch.dtype, broadcast: WeightBroadcast | None, pools):
+    What a sync moves (spmdsplit/lora.py): the whole policy; with LoRA its adapter alone, under the
+    adapter's saved names (the engines keep the base they loaded); with model.lora_merge the merged
+    weights under the base's names, the whole model as without LoRA."""
+
+    def __init__(self, engine, dtype: torch.dtype, broadcast: WeightBroadcast | None, pools,
+                 adapter: lora.LoraSpec | None = None, merge: bool = False):
+        """`adapter`: lora.engines_take_adapter's answer; `merge`: model.lora_merge with a LoRA policy."""
         self.engine, self.dtype, self.broadcast, self.pools = engine, dtype, broadcast, pools
+        self.adapter, self.merge = adapter is not None, merge
 
     def pull(self, broadcast: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-        """The whole weights for this rank's engine, streamed from the shards; `broadcast=False`:
-        for this pool's engines alone (validation, which only the actor pool generates)."""
+        """The weights for this rank's engine, streamed from the shards; `broadcast=False`: for
+        this pool's engines alone (validation, which only the actor pool generates)."""
         broadcast = broadcast and self.broadcast is not None
         if broadcast:
             self._wait_for_receivers()
-        weights = self.engine.iter_full_weights(self.dtype)
+        weights = self.stream()
         if broadcast and self.pools.rank in self.broadcast.sources:
             weights = self.broadcast.send(weights)
         return weights
 
+    def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """What the engines take, whole tensor by whole tensor (a pool collective, as iter_full_weights)."""
+        if self.adapter:
+            return ((lora.saved_name(n), t) for n, t in self.engine.iter_full_weights(self.dtype, only=lora.is_adapter))
+        if self.merge:  # merged in fp32 from the weights as they are held, then cast
+            return lora.merged(self.engine.iter_full_weights(), lora.scalings(self.engine.model), self.dtype)
+        return self.engine.iter_full_weights(self.dtype)
+
     def push(self) -> None:
         """A rollout pool of its own: each bucket of the stream gathered from the actor ranks'
-        shards to the one that broadcasts it."""
+        shards to the one that broadcasts it. The merged weights are whole on every actor rank
+        (each layer's W + scale * B @ A needs its whole A), so each bucket comes from its owner's
+        own copy, as rollout.ranks=all's stream does."""
         self._wait_for_receivers()
-        self.broadcast.push(self.engine.iter_weight_shards(self.dtype), self.pools.group("actor"))
+        if self.adapter:
+            shards = (s._replace(name=lora.saved_name(s.name))
+                      for s in self.engine.iter_weight_shards(self.dtype, only=lora.is_adapter))
+        elif self.merge:
+            shards = (WeightShard(name, t, tuple(t.shape), sharded=False) for name, t in self.stream())
+        else:
+            shards = self.engine.iter_weight_shards(self.dtype)
+        self.broadcast.push(shards, self.pools.group("actor"))
 
     def _wait_for_receivers(self) -> None:
         """The sources meet the engines they feed (busy generating or updating for as long as

@@ -9,6 +9,7 @@ import math
 import torch
 from torch import nn
 
+from spmdsplit import lora
 from spmdsplit.models import save_hf_folder
 
 
@@ -42,15 +43,32 @@ def apply_ac(model: nn.Module) -> None:
 
 class HFExport:
     """`save_hf` for an engine that has `model`, `compute_dtype` and a pool-collective
-    `iter_full_weights(dtype)`."""
+    `iter_full_weights(dtype, only)`."""
 
-    def save_hf(self, output_dir: str, tokenizer, is_writer: bool) -> None:
+    def save_hf(self, output_dir: str, tokenizer, is_writer: bool, merge: bool = False) -> None:
         """Writes a folder `AutoModel*.from_pretrained` loads, in the model's compute dtype (bf16
-        when it computes in bf16, not its fp32 masters), one weight gathered at a time. Every pool
-        rank must call it (the gathers are pool collectives); `is_writer` (the pool's first rank) writes."""
-        weights = self.iter_full_weights(self.compute_dtype)
+        when it computes in bf16, not its fp32 masters), one weight gathered at a time. A LoRA model
+        (spmdsplit/lora.py) writes its adapter folder instead (`peft.PeftModel.from_pretrained`
+        loads it onto the base; the adapter in fp32, as it trained), or with `merge` the merged
+        model. Every pool rank must call it (the gathers are pool collectives); `is_writer` (the
+        pool's first rank) writes."""
+        peft = lora.is_peft(self.model)
+        if peft and not merge:
+            adapter = ((lora.saved_name(n), t) for n, t in self.iter_full_weights(only=lora.is_adapter))
+            if is_writer:
+                config = self.model.peft_config[lora.ADAPTER]
+                lora.write_adapter(output_dir, adapter, config, config.base_model_name_or_path)
+                tokenizer.save_pretrained(output_dir)
+            else:
+                for _ in adapter:  # take part in each gather, keep nothing
+                    pass
+            return
+        model, weights = self.model, self.iter_full_weights(None if peft else self.compute_dtype)
+        if peft:
+            weights = lora.merged(weights, lora.scalings(self.model), self.compute_dtype)
+            model = self.model.get_base_model()
         if is_writer:
-            save_hf_folder(self.model, weights, output_dir, tokenizer, dtype=self.compute_dtype)
+            save_hf_folder(model, weights, output_dir, tokenizer, dtype=self.compute_dtype)
         else:
             for _ in weights:  # take part in each gather, keep nothing
                 pass

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -116,7 +116,12 @@ class FSDPEngine(HFExport):
             self.model.requires_grad_(False)  # a frozen model (reference policy, reward model)
             self.model.eval()
             return
-        self.optimizer, self.scheduler = adamw_with_warmup(self.model.parameters(), optim)
+        # What trains: every parameter, or a LoRA model's adapter alone (its base frozen by PEFT).
+        self.trained = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer, self.scheduler = adamw_with_warmup(self.trained, optim)
+        # A checkpoint of a model with a frozen base holds what trains and its optimizer state only:
+        # the base is reloaded from its path (DCP's own switch, torch 2.13 state_dict.py).
+        self.state_options = StateDictOptions(ignore_frozen_params=len(self.trained) < len(list(self.model.parameters())))
 
     @classmethod
     def from_source(cls, source: ModelSource, mesh: DeviceMesh, device: torch.device, optim=None,
@@ -148,7 +153,7 @@ class FSDPEngine(HFExport):
         """Clips and steps; returns grad_norm (before clipping) and lr. The LR schedule advances once
         per trainer step, not here (see roles/common.run_ppo_updates)."""
         lr = self.scheduler.get_last_lr()[0]
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.trained, self.optim_cfg.grad_clip)
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
         if torch.isfinite(grad_norm):
@@ -158,13 +163,17 @@ class FSDPEngine(HFExport):
         return {"grad_norm": grad_norm.item(), "lr": lr}
 
     @torch.no_grad()
-    def iter_full_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_full_weights(self, dtype: torch.dtype | None = None,
+                          only: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, whole tensor in `dtype`) for each weight, one at a time: cast, all-gathered over
         the pool, handed over, and freed when the consumer asks for the next. The shard is cast
         before the gather (a DTensor's `.to` is local), so a bf16 rollout's gather moves half the
         bytes of the fp32 masters, with the same values: the cast rounds each element alone. A pool
-        collective: every rank of the pool must consume the whole stream, in order."""
+        collective: every rank of the pool must consume the whole stream, in order. `only`: the
+        weights whose names it accepts (a LoRA adapter's), the others neither gathered nor given."""
         for name, tensor in hf_tensors(self.model):
+            if only is not None and not only(name):
+                continue
             cast = tensor.detach().to(dtype) if dtype is not None else tensor.detach()
             full = cast.full_tensor() if isinstance(cast, DTensor) else cast
             del cast
@@ -172,13 +181,17 @@ class FSDPEngine(HFExport):
             del full
 
     @torch.no_grad()
-    def iter_weight_shards(self, dtype: torch.dtype | None = None) -> Iterator[WeightShard]:
+    def iter_weight_shards(self, dtype: torch.dtype | None = None,
+                           only: Callable[[str], bool] | None = None) -> Iterator[WeightShard]:
         """Each weight as this rank holds it, cast to `dtype`, with no communication: FSDP2 cuts
         every parameter along dim 0 into the pool's chunks (its Shard(0) placement: torch.chunk,
         ceil(rows / pool) rows a rank), and buffers are whole on every rank. What
         weight_sync.push brings bucket by bucket to one rank only. A parameter under another
-        placement is gathered whole (on every rank, in order: a pool collective then)."""
+        placement is gathered whole (on every rank, in order: a pool collective then). `only`: as
+        iter_full_weights'."""
         for name, tensor in hf_tensors(self.model):
+            if only is not None and not only(name):
+                continue
             cast = tensor.detach().to(dtype) if dtype is not None else tensor.detach()
             if not isinstance(cast, DTensor):
                 yield WeightShard(name, cast, tuple(cast.shape), sharded=False)
@@ -207,11 +220,12 @@ class FSDPEngine(HFExport):
         """The inverse of save_checkpoint. DCP reshards, so the pool may have another size."""
         state = self._training_state()
         dcp.load(state, checkpoint_id=path, process_group=wait_group or self.group)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=self.state_options)
         self.scheduler.load_state_dict(state["scheduler"])
 
     def _training_state(self) -> dict:
         if self.optimizer is None:
             raise RuntimeError("a frozen model has no training state to checkpoint; it is reloaded from its path")
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=self.state_options)
         return {"model": model_state, "optim": optim_state, "scheduler": self.scheduler.state_dict()}

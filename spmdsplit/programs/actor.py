@@ -138,4 +138,5 @@ class ActorProgram(Program):
     def export(self, output_dir: str, tokenizer) -> None:
         """The trained policy as a Hugging Face folder, written by the actor group's first rank."""
         placement = self.pools.placement
-        self.actor.engine.save_hf(output_dir, tokenizer, is_writer=self.pools.rank == placement.ranks("actor")[0])
+        self.actor.engine.save_hf(output_dir, tokenizer, is_writer=self.pools.rank == placement.ranks("actor")[0],
+                                  merge=self.cfg.model.lora_merge)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 
-from spmdsplit import algo
+from spmdsplit import algo, lora
 from spmdsplit.batch import Batch
 from spmdsplit.roles.common import forward_response, run_ppo_updates
 from spmdsplit.roles.micro_batches import Extent, in_row_order, micro_batches, plan_micro_batches
@@ -54,14 +55,17 @@ class Actor:
     """remove_padding: each micro-batch's valid tokens packed into one sequence (model.use_remove_padding).
     loss_horizon: the response width `seq-mean-token-sum-norm` (Dr. GRPO) divides by, a constant
     (data.max_response_length): rollouts are cut to their longest response, so the width of the
-    rows a rank holds says nothing (None: that width, for callers without a horizon)."""
+    rows a rank holds says nothing (None: that width, for callers without a horizon).
+    base_only: the reference of a LoRA policy, which is the policy's own engine with its adapter
+    disabled (PEFT's switch, a flag on each adapted layer: no weights move)."""
 
     def __init__(self, engine, cfg, temperature: float, device, rollout_n: int = 1, remove_padding: bool = False,
-                 loss_horizon: int | None = None):
+                 loss_horizon: int | None = None, base_only: bool = False):
         self.engine, self.cfg, self.temperature, self.device = engine, cfg, temperature, device
         self.rollout_n = rollout_n
         self.remove_padding = remove_padding
         self.loss_horizon = loss_horizon
+        self.base_only = base_only
 
     def _log_probs(self, micro: Batch, entropy: str, extent: Extent | None = None):
         """(log-probs, entropy or None) of the response tokens; entropy: none | grad | detached
@@ -81,7 +85,8 @@ class Actor:
         cfg = self.cfg
         bins = plan_micro_batches(batch, cfg.use_dynamic_bsz, cfg.log_prob_micro_batch_size_per_gpu,
                                   cfg.log_prob_max_token_len_per_gpu, self.engine.group, self.device)
-        parts = [self._log_probs(micro, "none", extent)[0] for micro, _, extent in micro_batches(batch, bins)]
+        with lora.adapter_disabled(self.engine.model) if self.base_only else contextlib.nullcontext():
+            parts = [self._log_probs(micro, "none", extent)[0] for micro, _, extent in micro_batches(batch, bins)]
         return in_row_order(parts, bins, len(batch))
 
     def update_policy(self, batch: Batch, seed: int, old_from_forward: OldFromForward | None = None

@@ -2,7 +2,7 @@
 group's pool, and the objects the programs call. Kept out of the trainer so that the loop reads as
 the algorithm.
 
-    actor  : Actor (policy, trained) + reference (frozen Actor)
+    actor  : Actor (policy, trained) + reference (frozen Actor; with LoRA the policy's model, adapter off)
     rollout: the engine (HF or vLLM), whose weights come from the actor
     critic : Critic (value model, trained; GAE only) + the KL controller
     reward : rule reward (custom fn or built-in scorers), or a reward model
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from omegaconf import OmegaConf
 
-from spmdsplit import algo
+from spmdsplit import algo, lora
 from spmdsplit.engines import build_engine
 from spmdsplit.models import ModelSource, attention_implementation, compute_dtypes, load_causal_lm, load_tokenizer
 from spmdsplit.groups import Pools
@@ -58,14 +58,19 @@ def build_actor_roles(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> Actor
     dtype, mixed = compute_dtypes(cfg, device)
     temperature = cfg.rollout.temperature
     mesh = pools.mesh("actor")
-    # Trained: fp32 masters, computing in `mixed`. Frozen: held in the compute dtype outright.
+    # Trained: fp32 masters, computing in `mixed`; with LoRA the base is frozen and held in the
+    # compute dtype, only the adapter has fp32 masters. Frozen: held in the compute dtype outright.
     attention, packed = passes(cfg, device)
-    policy = ModelSource("causal_lm", path, torch.float32, seed, remote, attention)
+    adapter = lora.policy_spec(cfg)
+    policy = ModelSource("causal_lm", path, dtype if adapter else torch.float32, seed, remote, attention, adapter)
     actor = Actor(build_engine(cfg, "actor", policy, mesh, device, mixed), cfg.actor, temperature, device,
                   rollout_n=cfg.rollout.n, remove_padding=packed, loss_horizon=cfg.data.max_response_length)
-    reference = ModelSource("causal_lm", path, dtype, seed, remote, attention)
-    ref = Actor(build_engine(cfg, "ref", reference, mesh, device), ref_config(cfg), temperature, device,
-                remove_padding=packed)
+    if adapter:  # the reference is the base: the policy's own model with its adapter off, no second model
+        ref = Actor(actor.engine, ref_config(cfg), temperature, device, remove_padding=packed, base_only=True)
+    else:
+        reference = ModelSource("causal_lm", path, dtype, seed, remote, attention)
+        ref = Actor(build_engine(cfg, "ref", reference, mesh, device), ref_config(cfg), temperature, device,
+                    remove_padding=packed)
     # A rollout pool of its own holds the engines; this pool then only trains and scores.
     rollout = None if pools.placement.apart("rollout") else build_rollout_engine(cfg, pools, tokenizer, eos_ids)
     return ActorRoles(actor, ref, rollout)
@@ -94,12 +99,13 @@ def build_rollout_engine(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> Ro
 
 def build_critic_roles(cfg, pools: Pools) -> CriticRoles:
     device, seed, remote = pools.device, cfg.trainer.seed, cfg.model.trust_remote_code
-    _, mixed = compute_dtypes(cfg, device)
+    dtype, mixed = compute_dtypes(cfg, device)
     attention, packed = passes(cfg, device)
     critic = None
     if trains_critic(cfg):
-        value_model = ModelSource("value", cfg.critic.model_path or cfg.model.path, torch.float32, seed, remote,
-                                  attention)
+        adapter = lora.critic_spec(cfg)  # as the actor's: the base frozen in the compute dtype, its score head trained
+        value_model = ModelSource("value", cfg.critic.model_path or cfg.model.path, dtype if adapter else torch.float32,
+                                  seed, remote, attention, adapter)
         critic = Critic(build_engine(cfg, "critic", value_model, pools.mesh("critic"), device, mixed), cfg.critic,
                         device, rollout_n=cfg.rollout.n, remove_padding=packed,
                         loss_horizon=cfg.data.max_response_length)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from spmdsplit import lora
 from spmdsplit.rollout.base import Rollout, row_seeds  # noqa: F401 - the package's public names
 
 
@@ -13,7 +14,8 @@ def build_rollout(cfg, model_path: str, tokenizer, eos_ids: list[int], device: t
                   seed: int, sleeps: bool = True) -> Rollout:
     """The engine `cfg.rollout.name` names, holding the checkpoint at `model_path` (its weights are
     replaced by `wake_up(weights)` before each step's generation, or `update_weights` while it stays
-    awake). `sleeps`: it shares its device with training. vLLM: call only on ranks that generate,
+    awake; with a LoRA policy it keeps them and takes the adapter, lora.engines_take_adapter). `sleeps`:
+    it shares its device with training. vLLM: call only on ranks that generate,
     after every rank ran `vllm_engine.init_vllm_distributed`."""
     if cfg.rollout.name == "vllm":
         from spmdsplit.rollout.vllm_engine import VLLMRollout
@@ -25,7 +27,7 @@ def build_rollout(cfg, model_path: str, tokenizer, eos_ids: list[int], device: t
 
         model = load_causal_lm(model_path, dtype, device, seed, cfg.model.trust_remote_code)
         engine = HFRollout(model, tokenizer, cfg.rollout, cfg.data.max_response_length, eos_ids,
-                           val_cfg=cfg.rollout.val_kwargs)
+                           val_cfg=cfg.rollout.val_kwargs, adapter=lora.engines_take_adapter(cfg))
     if cfg.rollout.multi_turn.enable:  # the same engine, driven turn by turn (spmdsplit/agent/loop.py)
         from spmdsplit.agent import build_agent_rollout
 

@@ -4,7 +4,9 @@ Why a copy and not the FSDP actor itself: `generate` on an FSDP-managed model tu
 `synced_gpus` on and all-reduces over the *world* every token (it would hang the other pool),
 and each rank's prompts stop at different lengths, so per-token FSDP all-gathers inside the pool
 would not line up either. The copy is refreshed from the actor before each rollout by `load_weights`,
-which takes the weights as a stream of (name, tensor), as a vLLM engine's will.
+which takes the weights as a stream of (name, tensor), as a vLLM engine's will. With a LoRA policy
+(spmdsplit/lora.py) the copy is the base with the same adapter on (PEFT): it keeps the base it
+loaded and takes only the adapter at each sync.
 """
 
 from __future__ import annotations
@@ -16,13 +18,15 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from spmdsplit import lora
 from spmdsplit.batch import Batch
 from spmdsplit.rollout.base import GREEDY, position_ids_from_mask, response_mask_until_eos, rollout_batch  # noqa: F401
 
 
 class HFRollout:
     def __init__(self, model, tokenizer, cfg, max_response_length: int, eos_token_ids: list[int] | None = None,
-                 val_cfg=None):
+                 val_cfg=None, adapter: lora.LoraSpec | None = None):
+        """`adapter`: the policy's LoRA, when each sync brings the adapter alone (lora.engines_take_adapter)."""
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_response_length = max_response_length
@@ -37,6 +41,9 @@ class HFRollout:
         self.sampling = self._generation_config(cfg)
         self.val_sampling = self._generation_config(val_cfg or cfg)
         self.greedy_sampling = self._generation_config(GREEDY)  # ReMax's baseline
+        self.adapter = adapter is not None
+        if adapter is not None:  # its weights come with the first sync
+            self.model = lora.apply(self.model, adapter, "causal_lm", load_adapter=False, trained=False).eval()
 
     def _generation_config(self, cfg) -> tuple[GenerationConfig, list]:
         """The generation config and the sampling warpers. The warpers are given to `generate` as
@@ -79,13 +86,18 @@ class HFRollout:
         """Copies each (HF name, whole tensor) of the stream into the copy as it arrives, keeping
         none of them: the stream may be a pool collective (`engine.iter_full_weights`) that gathers
         one tensor per item. Strict: an unknown name, a wrong shape, or a parameter the stream
-        never gave raises (a tied head needs only its first name)."""
+        never gave raises (a tied head needs only its first name). With a LoRA adapter the stream
+        is the adapter, under its saved names (lora.saved_name), and every adapter tensor must come."""
         if isinstance(weights, Mapping):
             weights = weights.items()
-        first_name = {id(p): n for n, p in self.model.named_parameters()}  # a tied head -> its first name
-        targets = {n: (p, first_name[id(p)]) for n, p in self.model.named_parameters(remove_duplicate=False)}
-        targets.update((n, (b, n)) for n, b in self.model.named_buffers())
-        missing = set(first_name.values())
+        if self.adapter:
+            targets = {lora.saved_name(n): (p, n) for n, p in self.model.named_parameters() if lora.is_adapter(n)}
+            missing = {n for _, n in targets.values()}
+        else:
+            first_name = {id(p): n for n, p in self.model.named_parameters()}  # a tied head -> its first name
+            targets = {n: (p, first_name[id(p)]) for n, p in self.model.named_parameters(remove_duplicate=False)}
+            targets.update((n, (b, n)) for n, b in self.model.named_buffers())
+            missing = set(first_name.values())
         for name, tensor in weights:
             if name not in targets:
                 raise RuntimeError(f"load_weights: the rollout model has no weight named {name!r}")

@@ -23,18 +23,26 @@ it, in docs/rollout.md "What vLLM runs over the world"):
   silently leaves the old weights; `reload_weights` re-runs the loading and does update it.
 * An engine that shares its device with training sleeps between its generations (GPU sleep mode);
   one on a device of its own (a rollout pool apart) stays awake and takes new weights in place.
+
+With a LoRA policy (spmdsplit/lora.py) the engine keeps the base it loads from model.path and each
+sync brings the adapter alone: vLLM 0.32 loads an adapter only from a folder, so this rank writes it
+to a folder of its own under /dev/shm (`AdapterFolder`) and loads it in place under one id.
 """
 
 from __future__ import annotations
 
 import gc
 import os
+import shutil
+import tempfile
+import weakref
 from typing import Iterable, Mapping
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from spmdsplit import lora
 from spmdsplit.batch import Batch
 from spmdsplit.rollout.base import GREEDY, rollout_batch
 
@@ -42,6 +50,14 @@ from spmdsplit.rollout.base import GREEDY, rollout_batch
 # spmdsplit/preflight.py check_vllm refuses other sizes before the job starts.
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 CPU_DEFAULT_KV_CACHE_GB = 1.0
+# vllm/config/lora.py MaxLoRARanks (0.32): the adapter ranks an engine can be started for.
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def max_lora_rank(cfg) -> int:
+    """The largest adapter rank the engine is started for: rollout.max_lora_rank, or the policy's
+    rank rounded up to one vLLM takes (preflight.check_lora checks both)."""
+    return cfg.rollout.max_lora_rank or next(r for r in MAX_LORA_RANKS if r >= cfg.model.lora_rank)
 
 
 def head_size(model_path: str, trust_remote_code: bool = False) -> int:
@@ -57,7 +73,11 @@ def engine_kwargs(cfg, model_path: str, device: torch.device, dtype: torch.dtype
     `sleeps`: the engine shares its device with training, so it sleeps between generations."""
     r = cfg.rollout
     kv_gb = r.kv_cache_memory_gb or (CPU_DEFAULT_KV_CACHE_GB if device.type == "cpu" else 0)
+    # LoRA: one adapter slot (the policy's, replaced in place at each sync); its dtype the engine's.
+    # On CPU vLLM then runs without compilation (it forces CompilationMode.NONE with LoRA).
+    adapter = dict(enable_lora=True, max_lora_rank=max_lora_rank(cfg), max_loras=1) if lora.engines_take_adapter(cfg) else {}
     return dict(
+        **adapter,
         model=model_path,
         dtype={torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype],
         trust_remote_code=cfg.model.trust_remote_code,
@@ -205,11 +225,14 @@ class VLLMRollout:
         self.sampling = self._sampling_params(cfg.rollout)
         self.val_sampling = self._sampling_params(cfg.rollout.val_kwargs)
         self.greedy_sampling = self._sampling_params(GREEDY)  # ReMax's baseline
+        # LoRA: the base read from model_path is kept, and each sync brings the adapter (AdapterFolder).
+        adapter = lora.engines_take_adapter(cfg)
+        self.adapter = AdapterFolder(adapter, model_path) if adapter else None
         # Asleep until the trainer's first wake_up, which brings the policy's weights: the ones
-        # read from model_path are never used for a rollout.
+        # read from model_path are never used for a rollout (with LoRA: only its adapter comes).
         self.sleep_mode = cfg.rollout.free_cache_engine and not self.on_cpu and sleeps
         if self.sleep_mode:
-            self.llm.sleep(level=2)
+            self._release()
         self.awake = False
         # Counted on CPU too, where vLLM has no sleep: tests check the cycle.
         self.wake_ups = self.sleeps = self.weight_updates = 0
@@ -241,15 +264,37 @@ class VLLMRollout:
     # until `torch.cuda.empty_cache()` returns them. `sleep` also synchronises the whole device,
     # which on NCCL waits for pending point-to-point sends: the callers sleep the engine before the
     # step's last rows go out (spmdsplit/programs/actor.py).
+    #
+    # With LoRA the base must outlive every sleep, and the adapter's slots (the stacked lora_a/b
+    # tensors, allocated with the model under the "weights" tag: gpu_worker.py load_model,
+    # lora/layers/base_linear.py create_lora_weights) live beside it. Level 2 would drop both while
+    # vLLM's LoRA manager still lists the adapter as loaded (a request would then run on garbage
+    # slots), and the base would have to be streamed again; level 1 would copy the base to pinned
+    # host memory and back at every sleep. So only the KV cache goes: `sleep(level=0)` pauses the
+    # scheduler and `release_kv_cache_memory()` unmaps the "kv_cache" tag alone, with no backup
+    # (v1/engine/core.py release_kv_cache_memory, executor `discard`); the adapter is loaded in
+    # place while the base stays mapped, and `wake_up(tags=["kv_cache"])` maps the cache and
+    # resumes. What that costs: the engine's copy of the base stays on the device while the trainer
+    # trains (with LoRA the trainer's own share is small: the frozen base, the adapter and its state).
+
+    def _release(self) -> None:
+        """The engine's device memory back to the trainer (sleep mode): everything (level 2), or
+        with LoRA the KV cache alone."""
+        if self.adapter:
+            self.llm.sleep(level=0)
+            self.llm.release_kv_cache_memory()
+        else:
+            self.llm.sleep(level=2)
 
     def wake_up(self, weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> None:
         """The start of a step's generation, with the policy's new weights: free the trainer's
-        cached blocks, map the weights, load them, free the load's temporaries, map the KV cache.
-        Every `generate` of the step (all chunks, all validation batches) runs before `sleep`."""
+        cached blocks, map the weights (with LoRA: still mapped), load them, free the load's
+        temporaries, map the KV cache. Every `generate` of the step (all chunks, all validation
+        batches) runs before `sleep`."""
         if self.awake:
             raise RuntimeError("VLLMRollout.wake_up: the engine is already awake (one wake_up per sleep)")
         self.wake_ups += 1
-        if self.sleep_mode:
+        if self.sleep_mode and not self.adapter:
             torch.cuda.empty_cache()
             self.llm.wake_up(tags=["weights"])
         self.load_weights(weights)
@@ -282,7 +327,7 @@ class VLLMRollout:
             raise RuntimeError("VLLMRollout.sleep: the engine is not awake")
         self.sleeps += 1
         if self.sleep_mode:
-            self.llm.sleep(level=2)
+            self._release()
         self.awake = False
 
     @torch.no_grad()
@@ -291,7 +336,9 @@ class VLLMRollout:
         it only through `wake_up`, which makes room for it first."""
         if isinstance(weights, Mapping):  # a whole state dict also works
             weights = weights.items()
-        if self.on_cpu:
+        if self.adapter:  # the adapter, into its folder, then into the engine's slot in place
+            self.llm.llm_engine.add_lora(self.adapter.write(weights))
+        elif self.on_cpu:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         else:  # in place, each tensor straight into the engine's (possibly sharded) parameters
             self.llm.apply_model(lambda model: model.load_weights(weights))
@@ -310,7 +357,7 @@ class VLLMRollout:
                 p.seed = seed
         if not self.awake:
             raise RuntimeError("VLLMRollout.generate: the engine is asleep; wake_up(weights) first")
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request)
         responses, log_probs = sampled_tokens_and_log_probs([out.outputs[0] for out in outputs],
                                                             self.max_response_length, self.pad_token_id)
         return rollout_batch(prompts, responses.to(ids.device), self.pad_token_id, self.eos_token_ids,
@@ -332,10 +379,18 @@ class VLLMRollout:
             if seeds is not None:
                 p.seed = seeds[i]
             params.append(p)
-        outputs = self.llm.generate([{"prompt_token_ids": c} for c in contexts], params, use_tqdm=False)
+        outputs = self.llm.generate([{"prompt_token_ids": c} for c in contexts], params, use_tqdm=False,
+                                    lora_request=self.lora_request)
         samples = [out.outputs[0] for out in outputs]
         _, log_probs = sampled_tokens_and_log_probs(samples, max(budgets), self.pad_token_id)
         return [(list(s.token_ids), row[: len(s.token_ids)]) for s, row in zip(samples, log_probs.tolist())]
+
+    @property
+    def lora_request(self):
+        """What every generate request carries with LoRA (None without): the adapter's id, without
+        load_inplace. vLLM adds each request's adapter at every scheduler step, a no-op while the id
+        is loaded; a request without one would silently sample from the base."""
+        return self.adapter.request if self.adapter else None
 
     def run_on_first_rank(self, fn):
         """fn() run once for the engine: on its first tensor-parallel rank, its result handed to
@@ -354,6 +409,48 @@ class VLLMRollout:
         box = [fn() if group.is_first_rank else None]
         dist.broadcast_object_list(box, src=group.first_rank, group=group.cpu_group)
         return box[0]
+
+
+class AdapterFolder:
+    """The policy's adapter as vLLM reads it: a PEFT folder (lora.write_adapter) of this rank's own,
+    under /dev/shm (memory, not disk) where it exists. Each sync writes the new adapter into a
+    fresh folder and swaps the symlink `adapter` over to it (an atomic rename), so the path the
+    engine's requests name always holds one whole adapter, then drops the old folder. The folders go
+    when the engine does (or the process ends)."""
+
+    ID = 1  # the adapter's one id in the engine (vLLM's must be > 0)
+
+    def __init__(self, spec: lora.LoraSpec, base_model: str):
+        self.config = spec.peft_config("causal_lm")
+        self.base_model = base_model
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self.root = tempfile.mkdtemp(prefix=f"spmdsplit-lora-rank{dist.get_rank() if dist.is_initialized() else 0}-",
+                                     dir=shm)
+        self.path = os.path.join(self.root, "adapter")
+        self.version = 0
+        self.bytes = 0  # the adapter's tensors, as last written
+        weakref.finalize(self, shutil.rmtree, self.root, True)
+
+    @property
+    def request(self):
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest("policy", self.ID, self.path)
+
+    def write(self, weights: Iterable[tuple[str, torch.Tensor]]):
+        """The stream of (saved name, tensor) into the next folder, made the current one; returns the
+        LoRARequest that loads it in place of the adapter the engine holds (load_inplace: vLLM reads
+        the folder again even though the id is loaded)."""
+        from vllm.lora.request import LoRARequest
+
+        self.version += 1
+        folder = os.path.join(self.root, f"v{self.version}")
+        self.bytes = lora.write_adapter(folder, weights, self.config, self.base_model)
+        link = os.path.join(self.root, ".adapter")
+        os.symlink(folder, link)
+        os.replace(link, self.path)
+        shutil.rmtree(os.path.join(self.root, f"v{self.version - 1}"), ignore_errors=True)
+        return LoRARequest("policy", self.ID, self.path, load_inplace=True)
 
 
 def sampled_tokens_and_log_probs(samples, width: int, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -120,8 +120,11 @@ class FSDPEngine(HFExport):
         self.trained = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = adamw_with_warmup(self.trained, optim)
         # A checkpoint of a model with a frozen base holds what trains and its optimizer state only:
-        # the base is reloaded from its path (DCP's own switch, torch 2.13 state_dict.py).
-        self.state_options = StateDictOptions(ignore_frozen_params=len(self.trained) < len(list(self.model.parameters())))
+        # the base is reloaded from its path (DCP's own switch, torch 2.13 state_dict.py). Loading
+        # one then sets what trains and leaves the rest (strict=False); that every key it holds was
+        # in the checkpoint is dcp.load's check (a key missing from the files raises there).
+        frozen_base = len(self.trained) < len(list(self.model.parameters()))
+        self.state_options = StateDictOptions(ignore_frozen_params=frozen_base, strict=not frozen_base)
 
     @classmethod
     def from_source(cls, source: ModelSource, mesh: DeviceMesh, device: torch.device, optim=None,

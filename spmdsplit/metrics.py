@@ -58,14 +58,16 @@ class PhaseTimer:
                      "dur": max(1, (end - start) // 1000), "args": args}
                 )
 
-    def record_peak_memory(self) -> None:
-        """A counter event with this rank's peak memory: RSS (Linux reports ru_maxrss in KiB) and,
-        on GPUs, the CUDA caching allocator's peak."""
+    def record_peak_memory(self, name: str = "peak_memory") -> None:
+        """A counter event with this rank's peak memory so far: RSS (Linux reports ru_maxrss in KiB)
+        and, on GPUs, the CUDA caching allocator's peak. `peak_memory` at the end of a job; the
+        trainer also records `memory_before_models` once the process is up and before any model is
+        built (the interpreter, torch, transformers: what a CPU rank's RSS holds besides the job's own)."""
         import resource
 
         cuda = torch.cuda.max_memory_allocated(self.device) / 2**20 if self.device.type == "cuda" else 0.0
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        self.events.append({"name": "peak_memory", "ph": "C", "pid": self.rank, "tid": 0, "ts": time.time_ns() // 1000,
+        self.events.append({"name": name, "ph": "C", "pid": self.rank, "tid": 0, "ts": time.time_ns() // 1000,
                             "args": {"rss_mb": rss, "cuda_max_allocated_mb": cuda}})
 
     def device_in_use(self) -> dict[str, float]:

@@ -91,6 +91,7 @@ class Trainer:
         self.dataset = PromptDataset(rows["train"], cfg.data.gen_batch_size or self.batch_size, cfg.data.shuffle,
                                      cfg.data.seed)
         self.sampler = self.build_sampler(groups)  # algorithm.filter_groups, on generating ranks
+        self.timer.record_peak_memory("memory_before_models")  # the baseline a rank's peak is read against
         builders = {"rollout": self.build_rollout, "actor": self.build_actor, "critic": self.build_critic,
                     "reward": self.build_reward}
         self.programs = {group: builders[group]() for group in own_programs(self.placement, self.rank)}

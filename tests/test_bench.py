@@ -526,11 +526,15 @@ def test_gpu_check_runs_and_reports_against_the_memory_model_and_the_chip(tmp_pa
     --small CPU form keeps it from rotting where there is none. Its efficiency report (issue 37
     item 4) runs the same way on CPU: CPU ops for kernels, an fp32 matmul rate for the chip."""
     result = run_module("tools.gpu_check", "--device", "cpu", "--small", "--steps", "3", "--rollouts", "hf",
-                        "--out", str(tmp_path))
+                        "--lora", "8", "--out", str(tmp_path))
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     row = report["rollouts"]["hf"]
     assert row["step_s"] > 0 and row["peak_kind"] == "RSS" and row["peak_mb"] > 0 and row["predicted_mb"] > 0
     assert "| hf | " in result.stdout
+    # issue 39 item 8: the same job with a LoRA policy beside it, no efficiency table of its own
+    lora = report["rollouts"]["hf+lora8"]
+    assert lora["step_s"] > 0 and lora["peak_mb"] > 0 and lora["predicted_mb"] is None
+    assert "| hf+lora8 | " in result.stdout and set(report["efficiency"]) == {"hf"}
     # It runs what the GPU presets changed (issue 25): packed passes, one seed per engine.
     workload = report["meta"]["workload"]
     assert {"model.use_remove_padding=true", "model.attn_implementation=auto", "rollout.per_row_seed=false",
@@ -561,6 +565,24 @@ def test_gpu_check_runs_and_reports_against_the_memory_model_and_the_chip(tmp_pa
     assert any(k["name"].startswith("aten::") for k in phases["update_actor"]["top_kernels"])
     md = (tmp_path / "gpu_check.md").read_text()
     assert "### Efficiency per phase: rollout.name=hf" in md and "| update_actor | " in md
+
+
+def test_lora_bench_runs_both_jobs_and_reads_memory_sync_and_checkpoint(tmp_path):
+    """tools.bench_lora at the embedded shape (docs/lora.md holds its 76M run): both jobs' numbers
+    read from what they left, by shape and by what holds on any machine."""
+    result = run_module("tools.bench_lora", "--hidden", "64", "--layers", "2", "--heads", "2", "--kv-heads", "1",
+                        "--mlp", "128", "--steps", "2", "--out", str(tmp_path))
+    report = json.loads((tmp_path / "bench_lora.json").read_text())
+    full, adapter = report["full"], report["lora"]
+    for row in (full, adapter):
+        assert row["actor_peak_mb"] > row["actor_before_models_mb"] > 50 and row["step_s"] > 0
+        assert row["syncs"] >= 1  # the rollout pool starts with the policy's weights
+    # rank 8 on the 7 linear layers of each of 2 blocks: 8 x (in + out) parameters each, in fp32
+    per_block = 8 * ((64 + 64) + (64 + 32) + (64 + 32) + (64 + 64) + 3 * (64 + 128))
+    assert adapter["sync_bytes"] == 2 * per_block * 4
+    assert full["sync_bytes"] > 3 * adapter["sync_bytes"]
+    assert adapter["actor_checkpoint_mb"] < full["actor_checkpoint_mb"] / 2
+    assert "| bytes per sync to the engine | " in result.stdout
 
 
 @pytest.mark.slow

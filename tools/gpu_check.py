@@ -18,7 +18,10 @@ the step's tokens over the dense bf16 matmul rate timed in this call), tokens/s,
 share and the top kernels. Writes `gpu_check.json` / `.md` into `--out`, each job's log, timeline,
 TensorBoard files and profile (`<rollout>/profile/rank0.json.gz`, Perfetto opens it) under
 `--out/<rollout>/`. `--device cpu` runs the same jobs on CPU (RSS instead, fp32, CPU ops as the
-kernels, an fp32 matmul rate; to try the script and to test it).
+kernels, an fp32 matmul rate; to try the script and to test it). `--lora N` (issue 39 item 8) also
+runs each job with a LoRA adapter of rank N on the policy (its reference the base, no copy of its
+own), its step time and peak in a row `<rollout>+lora<N>` beside the full fine-tuning one (no
+memory-model prediction or efficiency table for it: both count a fully trained model's work).
 """
 
 from __future__ import annotations
@@ -112,9 +115,10 @@ def render(report: dict) -> str:
         step = "n/a" if row["step_s"] is None else f"{row['step_s']:.2f}"
         used = row.get("device_used_after_wake_mb")
         measured = max(row["peak_mb"], used or 0.0)  # vLLM's pool is outside torch's statistics
+        predicted = row["predicted_mb"]
         lines.append(f"| {name} | {step} | {row['peak_mb']:.0f} ({row['peak_kind']}) | "
-                     f"{'n/a' if used is None else f'{used:.0f}'} | {row['predicted_mb']:.0f} | "
-                     f"{row['predicted_mb'] / measured - 1:+.0%} |")
+                     f"{'n/a' if used is None else f'{used:.0f}'} | {'n/a' if predicted is None else f'{predicted:.0f}'} | "
+                     f"{'n/a' if predicted is None else f'{predicted / measured - 1:+.0%}'} |")
     text = "\n".join(lines) + "\n"
     for name, table in report.get("efficiency", {}).items():
         text += "\n" + render_efficiency(table, meta["device"], f"rollout.name={name}")
@@ -127,6 +131,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--rollouts", nargs="+", default=["hf", "vllm"], choices=("hf", "vllm"))
     p.add_argument("--small", action="store_true", help="a tiny model and workload, to try the script")
+    p.add_argument("--lora", type=int, default=0, metavar="RANK",
+                   help="also each job with model.lora_rank=RANK (and lora_alpha 2 x RANK), side by side")
     p.add_argument("--out", default="outputs/gpu_check")
     p.add_argument("overrides", nargs="*", help="key=value train overrides for every job")
     args = p.parse_args(argv)
@@ -154,11 +160,13 @@ def main(argv=None) -> int:
         workload = [f"model.path={folder}", f"trainer.total_steps={args.steps}", *job_overrides(args.device, w),
                     *args.overrides]
         model_shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(folder))
-        for name in args.rollouts:
-            print(f"gpu_check: rollout.name={name}", file=sys.stderr, flush=True)
-            job_dir = os.path.join(args.out, name)
-            overrides = workload + [f"rollout.name={name}", f"trainer.profile_steps={profiled}",
-                                    f"trainer.profile_dir={os.path.join(job_dir, 'profile')}"]
+        lora = [f"model.lora_rank={args.lora}", f"model.lora_alpha={2 * args.lora}"] if args.lora else None
+        for name, extra in [(r, v) for r in args.rollouts for v in ([], lora) if v is not None]:
+            label = f"{name}+lora{args.lora}" if extra else name
+            print(f"gpu_check: rollout.name={name} {' '.join(extra)}", file=sys.stderr, flush=True)
+            job_dir = os.path.join(args.out, label)
+            overrides = workload + extra + [f"rollout.name={name}", f"trainer.profile_steps={profiled}",
+                                            f"trainer.profile_dir={os.path.join(job_dir, 'profile')}"]
             try:
                 trace, scalars = run_job(1, overrides, job_dir)
             except BenchError as e:
@@ -167,9 +175,10 @@ def main(argv=None) -> int:
             utilization = float(next((o.split("=", 1)[1] for o in args.overrides
                                       if o.startswith("rollout.gpu_memory_utilization=")), 0.5))
             device_gb = torch.cuda.get_device_properties(0).total_memory / 2**30 if args.device == "cuda" else 0.0
-            predicted = predicted_mb(shape, vocab, args.device, w, name, utilization, device_gb)
-            rollouts[name] = {**measure(trace, scalars, timed), "predicted_mb": predicted}
-            jobs[name] = (load_config(None, overrides), scalars, os.path.join(job_dir, "profile", "rank0.json.gz"))
+            predicted = None if extra else predicted_mb(shape, vocab, args.device, w, name, utilization, device_gb)
+            rollouts[label] = {**measure(trace, scalars, timed), "predicted_mb": predicted}
+            if not extra:
+                jobs[name] = (load_config(None, overrides), scalars, os.path.join(job_dir, "profile", "rank0.json.gz"))
     # Timed here, after the jobs: on a GPU the jobs had the device to themselves.
     rate = matmul_rate(args.device, threads=jobs[args.rollouts[0]][0].trainer.num_threads)
     tables = {name: efficiency(model_shape, cfg, scalars, phase_activity(read_trace(path), args.device == "cuda"),

@@ -75,9 +75,10 @@ def pools_by_rank(trace: dict) -> dict[int, str]:
     return pools
 
 
-def peak_memory(trace: dict, pools: dict[int, str]) -> list[dict]:
-    """Every `peak_memory` counter of the timeline, by rank: RSS and CUDA max allocated (MB)."""
+def peak_memory(trace: dict, pools: dict[int, str], counter: str = "peak_memory") -> list[dict]:
+    """Every `peak_memory` counter of the timeline (or another of the timer's memory counters:
+    `memory_before_models`), by rank: RSS and CUDA max allocated (MB)."""
     rows = [{"rank": e["pid"], "pool": pools.get(e["pid"], "?"), "rss_mb": e["args"].get("rss_mb"),
              "cuda_max_allocated_mb": e["args"].get("cuda_max_allocated_mb")}
-            for e in trace.get("traceEvents", []) if e.get("ph") == "C" and e.get("name") == "peak_memory"]
+            for e in trace.get("traceEvents", []) if e.get("ph") == "C" and e.get("name") == counter]
     return sorted(rows, key=lambda r: r["rank"])

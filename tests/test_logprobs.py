@@ -269,8 +269,10 @@ def _check_chunked_on_pool(results):
     for by_chunk in results:
         (lp, metrics, state), (e_lp, e_metrics, e_state) = by_chunk[2], by_chunk[0]
         torch.testing.assert_close(lp, e_lp, rtol=0, atol=1e-6)
+        # Sums of the same numbers in another order: 1e-6 was passed on one CPU and missed by
+        # pg_loss on an AMD EPYC (2.3e-6 under FSDP2 and ZeRO-3); a misplaced chunk is off by percents.
         for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm"):
-            assert metrics[key] == pytest.approx(e_metrics[key], rel=1e-6), key
+            assert metrics[key] == pytest.approx(e_metrics[key], rel=1e-5), key
         for name, value in e_state.items():  # one Adam step, lr 1e-2 (as tests/test_packing.py)
             torch.testing.assert_close(state[name], value, rtol=0, atol=5e-5, msg=name)
 

@@ -202,7 +202,7 @@ def check_lora_models(cfg: DictConfig) -> None:
                                   f"{prefix}.lora_rank={saved.get('r')}")
         kind, path = ("causal_lm", cfg.model.path) if prefix == "model" else ("value", cfg.critic.model_path or cfg.model.path)
         try:
-            ModelSource(kind, path, torch.float32, trust_remote_code=cfg.model.trust_remote_code, lora=spec).skeleton()
+            model = ModelSource(kind, path, torch.float32, trust_remote_code=cfg.model.trust_remote_code, lora=spec).skeleton()
         except ValueError as e:  # PEFT's NoMatchingPeftModuleError (a ValueError; older PEFTs raise a plain one)
             if type(e).__name__ != "NoMatchingPeftModuleError" and "not found in the base model" not in str(e):
                 raise
@@ -210,6 +210,23 @@ def check_lora_models(cfg: DictConfig) -> None:
             raise ConfigError(f"{prefix}.target_modules={shown(spec.target_modules)!r} (exclude_modules="
                               f"{shown(spec.exclude_modules)!r}) names no layer of {path!r}: "
                               f"{str(e).splitlines()[0]}") from None
+        if prefix == "model" and lora.engines_take_adapter(cfg) and cfg.rollout.name == "vllm":
+            check_vllm_adapter(model)
+
+
+def check_vllm_adapter(model) -> None:
+    """vLLM 0.32 loads an adapter's tensors only for the layers it knows an adapter of: the blocks'
+    linear layers, and the embeddings or the output head only in architectures that declare them
+    (`embedding_modules`: Llama's, not Qwen2's; vllm/lora/utils.py, models/qwen2.py); any other
+    tensor stops the engine at its first load. Refused here for every architecture."""
+    from peft.tuners.lora import LoraLayer
+
+    adapted = {id(m) for m in model.modules() if isinstance(m, LoraLayer)}
+    for what, module in (("output head", model.get_output_embeddings()), ("input embeddings", model.get_input_embeddings())):
+        if id(module) in adapted:
+            raise ConfigError(f"model.target_modules puts an adapter on the model's {what}, which vLLM 0.32 does not "
+                              "load as an adapter here (it takes the blocks' linear layers); use model.lora_merge=true "
+                              "(the engine then takes merged weights) or rollout.name=hf")
 
 
 def check_flash_attn_installed(cfg: DictConfig) -> None:

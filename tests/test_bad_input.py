@@ -24,10 +24,15 @@ CASES = [
     # A role group that is not one (the four are rollout, actor, critic, reward).
     (2, ["placement.mode=custom", "placement.pools={train: 1, judge: 1}", "placement.roles={actor: train, judge: judge}"],
      "placement.roles.judge=judge: unknown role group; the role groups are rollout, actor, critic, reward"),
+    # LoRA: an engine it does not run on, and layers the model does not have (found once the model's path is known)
+    (2, ["model.lora_rank=8", "actor.engine=deepspeed"], "model.lora_rank=8 with actor.engine=deepspeed"),
+    (2, ["model.lora_rank=8", "model.target_modules=[qkv_proj]"], "model.target_modules=['qkv_proj'] (exclude_modules=None) "
+     "names no layer of"),
 ]
 IDS = ["odd-split", "pools-dont-add-up", "batch-not-divisible", "unknown-key", "wrong-type", "missing-model",
        "critic-free-split-with-nothing-to-do",
-       "override-yaml-cannot-parse", "list-where-a-mapping-is", "role-group-not-in-the-map"]
+       "override-yaml-cannot-parse", "list-where-a-mapping-is", "role-group-not-in-the-map", "lora-on-deepspeed",
+       "lora-on-layers-the-model-lacks"]
 
 
 @pytest.fixture(scope="module")

@@ -232,6 +232,11 @@ def test_adapters_are_checked_against_their_models(model_dir, tmp_path):
     with pytest.raises(ConfigError, match=r"^critic.model.target_modules='no_such_layer' \(exclude_modules=None\) names "
                                           r"no layer of .*: No modules were targeted"):
         checked("critic.model.lora_rank=8", "critic.model.target_modules=no_such_layer")
+    with_head = ["model.lora_rank=8", "model.target_modules=[q_proj,lm_head]", "rollout.name=vllm"]
+    with pytest.raises(ConfigError, match=r"^model.target_modules puts an adapter on the model's output head, which vLLM"):
+        checked(*with_head)
+    checked(*with_head, "model.lora_merge=true")
+    checked(*with_head[:2], "rollout.name=hf")
     model = peft_model(model_dir)
     model.save_pretrained(str(tmp_path))
     checked("model.lora_rank=8", f"model.lora_adapter_path={tmp_path}")

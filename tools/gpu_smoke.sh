@@ -4,7 +4,8 @@
 # One-rank jobs of 3 steps each on DEVICE (default cuda) through the paths the default job does not
 # take: multi-turn tool calls, DAPO's dynamic sampling and overlong shaping, a reward model with
 # ReMax baselines and chunked rollouts, GRPO with the KL penalty in the reward, packed token-budget
-# micro-batches in bf16. A tensor left on the wrong device, or a CPU-only call, shows here first.
+# micro-batches in bf16, LoRA adapters on the policy and the value model in bf16 (the adapter-only sync,
+# the reference as the base). A tensor left on the wrong device, or a CPU-only call, shows here first.
 # One line per job: its exit code, its time and its step 3; each job's log in OUT_DIR.
 DEV=${DEVICE:-cuda}; PY=${PY:-python3}; OUT_DIR=${1:-outputs/gpu_smoke}; mkdir -p "$OUT_DIR"
 RM=$($PY -c "from spmdsplit.embedded import ensure_embedded_model as e; print(e())") || exit 1
@@ -29,3 +30,5 @@ run remax_rm algorithm.adv_estimator=remax rollout.n=2 reward.model.path="$RM" r
 run grpo_kl --config configs/grpo_rollout_actor.yaml "${ONE_POOL[@]}" algorithm.use_kl_in_reward=true
 run packed model.use_remove_padding=true actor.use_dynamic_bsz=true critic.use_dynamic_bsz=true \
     actor.ppo_max_token_len_per_gpu=512 critic.ppo_max_token_len_per_gpu=512 model.dtype=bfloat16
+run lora model.lora_rank=8 critic.model.lora_rank=8 model.dtype=bfloat16 model.gradient_checkpointing=true \
+    trainer.save_freq=3

@@ -24,6 +24,7 @@ LAUNCHES = {
     "rollout_actor_critic.yaml": ((3, 3, 1), [0], [2], [1]),
     "grpo_rollout_actor.yaml": ((2, 2, 1), [0], [0], [1]),
     "dapo_rollout_actor.yaml": ((2, 2, 1), [0], [0], [1]),
+    "lora_grpo_rollout_actor.yaml": ((2, 2, 1), [0], [0], [1]),
     "agent_lookup.yaml": ((4, 4, 1), [0, 1], [2, 3]),
 }
 

@@ -26,7 +26,7 @@ from tools.jobs import run_job
 PRESETS = [
     ("default.yaml", 4), ("colocate.yaml", 4), ("split_blocking.yaml", 4), ("rollout_actor+critic.yaml", 2),
     ("rollout_actor_critic.yaml", 3), ("grpo_rollout_actor.yaml", 2), ("dapo_rollout_actor.yaml", 2),
-    ("agent_lookup.yaml", 4),
+    ("agent_lookup.yaml", 4), ("lora_grpo_rollout_actor.yaml", 2),
 ]
 # (name, preset, ranks, overrides): what no preset runs, each named by what it adds.
 EXTRA_JOBS = [

@@ -36,6 +36,8 @@ LAYOUTS = {
     "split": (2, ["placement.mode=split", "data.train_batch_size=16"]),
     # GRPO on a rollout pool of its own at staleness 1: batch k is generated with the adapter of update k-2
     "rollout-pool-staleness-1": (2, ["--config", GRPO_ROLLOUT_ACTOR, "data.train_batch_size=16"]),
+    # the critic pool's engines too, fed by the actor pool's first rank's broadcast
+    "rollout-ranks-all": (2, ["placement.mode=split", "rollout.ranks=all", "data.train_batch_size=16"]),
 }
 STEPS = 4
 PROBABILITY_TOLERANCE = 1e-4  # verl's rollout_probs_diff, |p_engine - p_adapter|, in fp32
@@ -95,9 +97,12 @@ def engine_against_its_adapter(out) -> dict[int, tuple[float, float]]:
     return found
 
 
-@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=needs_vllm)])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("engine, layout", [(engine, layout) for engine in ("hf", "vllm") for layout in LAYOUTS
+                                            # vLLM with rollout.ranks=all: the same engine and broadcast as HF's
+                                            if (engine, layout) != ("vllm", "rollout-ranks-all")])
 def test_the_engine_samples_from_the_adapter_it_was_given(tmp_path, engine, layout):
+    if engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm is not installed")
     nproc, overrides = LAYOUTS[layout]
     probed_job(tmp_path, nproc, *overrides, f"rollout.name={engine}")
     found = engine_against_its_adapter(tmp_path)

@@ -145,6 +145,15 @@ def first_and_last_scores(log_dir: str, k: int = 5) -> tuple[float, float]:
     return sum(scores[:k]) / k, sum(scores[-k:]) / k
 
 
+def learning_run(out, config: str, *overrides) -> tuple[str, float, float]:
+    """A preset's learning run on 2 ranks, as a user starts it: (its output, the mean score of its
+    first and of its last 5 steps)."""
+    result = job(2, "--config", config, *overrides, f"trainer.log_dir={out}/tb", "trainer.timeline=",
+                 "trainer.output_dir=", timeout=1500, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-5000:]
+    return (result.stdout, *first_and_last_scores(str(out / "tb")))
+
+
 @pytest.mark.slow
 @pytest.mark.e2e
 def test_default_job_learns_the_embedded_task_one_step_off_policy_on_a_rollout_pool(tmp_path):
@@ -155,13 +164,9 @@ def test_default_job_learns_the_embedded_task_one_step_off_policy_on_a_rollout_p
     score of the last 5 steps reaches 0.9. The default on split 2+2 is the README's main command,
     run from a fresh clone before every landing (0.975 at the last); the quick check that learning
     happens at all is test_learning.py."""
-    out = tmp_path / "run"
-    result = job(2, "--config", "configs/rollout_actor+critic.yaml", "rollout.staleness=1",
-                      "algorithm.rollout_correction.rollout_is=token", f"trainer.log_dir={out}/tb",
-                      "trainer.timeline=", "trainer.output_dir=", timeout=1500, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-5000:]
-    assert "rollout pool ranks [1] | actor+critic pool ranks [0]" in result.stdout
-    first, last = first_and_last_scores(str(out / "tb"))
+    output, first, last = learning_run(tmp_path / "run", "configs/rollout_actor+critic.yaml", "rollout.staleness=1",
+                                       "algorithm.rollout_correction.rollout_is=token")
+    assert "rollout pool ranks [1] | actor+critic pool ranks [0]" in output
     assert first < 0.15, f"the random policy already scores {first:.3f}: the task is too easy to show learning"
     assert last >= 0.9, f"score {first:.3f} -> {last:.3f}: the default one step off did not solve its task"
 
@@ -297,12 +302,8 @@ def test_grpo_learns_the_embedded_task_one_step_off_policy_on_a_rollout_pool(tmp
     (seed 1; the recipe's seed table is in docs/algorithms.md). The same seed's path depends on the
     CPU's kernels: 0.987 where it was first measured, 0.819 on an Intel Xeon (still rising: 0.68
     over steps 181-200), so the bound is not "solved" (0.9), which only the first CPU reached."""
-    out = tmp_path / "run"
-    result = job(2, "--config", "configs/grpo_rollout_actor.yaml", f"trainer.log_dir={out}/tb",
-                      "trainer.timeline=", "trainer.output_dir=", timeout=1500, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-5000:]
-    assert "rollout pool ranks [1] | actor+critic pool ranks [0]" in result.stdout
-    first, last = first_and_last_scores(str(out / "tb"))
+    output, first, last = learning_run(tmp_path / "run", "configs/grpo_rollout_actor.yaml")
+    assert "rollout pool ranks [1] | actor+critic pool ranks [0]" in output
     assert last >= 0.75, f"score {first:.3f} -> {last:.3f}: GRPO one step off did not learn the embedded task"
 
 

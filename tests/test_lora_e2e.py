@@ -193,13 +193,9 @@ def test_the_lora_preset_learns_the_embedded_task(tmp_path):
     """configs/lora_grpo_rollout_actor.yaml as a user runs it: GRPO with a rank-32 adapter, the
     adapter-only sync to a rollout pool of its own one step off-policy, from the random start (~0.03)
     to a solved task (the last 5 steps >= 0.9) in its 150 steps, within twice the default's 200."""
-    from tests.test_e2e import first_and_last_scores
+    from tests.test_e2e import learning_run
 
-    out = tmp_path / "run"
-    result = job(2, "--config", "configs/lora_grpo_rollout_actor.yaml", f"trainer.log_dir={out}/tb",
-                 "trainer.timeline=", "trainer.output_dir=", timeout=1500, cwd=REPO)
-    assert result.returncode == 0, result.stderr[-5000:]
-    assert "rollout pool ranks [1] | actor+critic pool ranks [0]" in result.stdout
-    first, last = first_and_last_scores(str(out / "tb"))
+    output, first, last = learning_run(tmp_path / "run", "configs/lora_grpo_rollout_actor.yaml")
+    assert "rollout pool ranks [1] | actor+critic pool ranks [0]" in output
     assert first <= 0.1, f"the random policy already scores {first:.3f}: the task is too easy to show learning"
     assert last >= 0.9, f"score {first:.3f} -> {last:.3f}: the LoRA preset did not solve the embedded task"

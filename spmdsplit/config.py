@@ -414,6 +414,12 @@ class RolloutConfig:
     # batch k is generated with the weights after update k-1-s; s >= 1 lets a rollout pool of its own
     # generate while the others train (needs placement.roles.rollout on a pool of its own). 0: on-policy.
     staleness: int = bounded(0, lambda v: v >= 0, "expected >= 0 (0 = on-policy)")
+    # Continuous generation (spmdsplit/continuous.py; a rollout pool of its own): the engine never
+    # drains; each batch is handed over as soon as its groups are complete, in completion order; new
+    # weights are loaded between two engine steps while requests go on (every token records its
+    # version; staleness bounds how old a trained token may be).
+    continuous: bool = False
+    hf_step_tokens: int = positive(8)  # rollout.name=hf, continuous: tokens per engine step (a prefill each)
     # Which ranks generate: actor (the actor pool's) | all (the critic pool's too, with engines
     # refreshed by a broadcast from the actor pool each step; spmdsplit/weight_sync.py).
     ranks: str = choice("actor", "all")

@@ -8,7 +8,7 @@ returns the rollout with verl's columns; the trainer never knows which one runs.
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Iterable, Protocol
+from typing import Iterable, NamedTuple, Protocol
 
 import torch
 
@@ -38,6 +38,34 @@ class Rollout(Protocol):
     def sleep(self) -> None:
         """The end of a step's generation (every chunk, every validation batch) where the engine
         shares its device with training: it gives the device memory it can back to the trainer."""
+
+
+class Delta(NamedTuple):
+    """What one engine step gave one request (continuous generation, `Rollout.step`): the tokens
+    sampled in that step (a few, or none while it waits), their log-probs under the distribution
+    sampled from, and whether the request is done (an EOS, kept, or its budget spent)."""
+
+    request_id: str
+    token_ids: list[int]
+    log_probs: list[float]
+    finished: bool
+
+
+class StepwiseRollout(Rollout, Protocol):
+    """An engine driven one step at a time (rollout.continuous, spmdsplit/continuous.py): requests
+    go in whenever there is room, each step advances all of them, and new weights may be loaded
+    between two steps (`update_weights`) while the requests held go on: their next tokens are
+    sampled with the new weights."""
+
+    def submit(self, request_id: str, context: list[int], budget: int, seed: int | None = None) -> None:
+        """A request: `context` (prompt and any tokens already generated, no padding) continued by
+        at most `budget` tokens, up to an EOS (kept); `seed` seeds its sampling (vLLM)."""
+
+    def step(self) -> list[Delta]:
+        """One engine step over the requests held (vLLM: one scheduler step; HF: a few tokens)."""
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Drops requests (no Delta comes for them after this)."""
 
 
 # The sampling settings of a greedy generation (the engines read these fields of rollout.*).

@@ -20,7 +20,8 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 from spmdsplit import lora
 from spmdsplit.batch import Batch
-from spmdsplit.rollout.base import GREEDY, position_ids_from_mask, response_mask_until_eos, rollout_batch  # noqa: F401
+from spmdsplit.rollout.base import (GREEDY, Delta, position_ids_from_mask, response_mask_until_eos,  # noqa: F401
+                                    rollout_batch)
 
 
 class HFRollout:
@@ -42,6 +43,11 @@ class HFRollout:
         self.val_sampling = self._generation_config(val_cfg or cfg)
         self.greedy_sampling = self._generation_config(GREEDY)  # ReMax's baseline
         self.adapter = adapter is not None
+        # Continuous generation (rollout.continuous): the requests held, each its context so far
+        # and its budget left; a step decodes `step_tokens` more of each.
+        self.requests: dict[str, tuple[list[int], int]] = {}
+        self.step_tokens = getattr(cfg, "hf_step_tokens", 8)
+        self.max_num_seqs = getattr(cfg, "max_num_seqs", 1024)
         if adapter is not None:  # its weights come with the first sync
             self.model = lora.apply(self.model, adapter, "causal_lm", load_adapter=False, trained=False).eval()
 
@@ -159,6 +165,42 @@ class HFRollout:
             end = min(end, budget)
             turns.append((row[:end], row_scores[:end]))
         return turns
+
+
+    # ---- continuous generation (spmdsplit/continuous.py; rollout/base.py StepwiseRollout)
+    #
+    # transformers has no engine that takes requests while it decodes, so a step here is one
+    # `generate` of `step_tokens` tokens over the requests held (up to max_num_seqs, oldest first),
+    # each from its whole context: the KV cache is computed again at every step (a prefill per
+    # step_tokens tokens; vLLM keeps it). What that buys: a request that finishes frees its row at
+    # the next step, and weights loaded between two steps are the ones every later token is
+    # sampled with, the context included, as on vLLM (VLLMRollout.update_weights).
+
+    def submit(self, request_id: str, context: list[int], budget: int, seed: int | None = None) -> None:
+        if request_id in self.requests:
+            raise RuntimeError(f"HFRollout.submit: request {request_id!r} is already held")
+        self.requests[request_id] = (list(context), budget)
+
+    def step(self) -> list[Delta]:
+        held = list(self.requests.items())[: self.max_num_seqs]
+        if not held:
+            return []
+        budgets = [min(self.step_tokens, left) for _, (_, left) in held]
+        turns = self.continue_ids([context for _, (context, _) in held], budgets, self.eos_token_id)
+        deltas = []
+        for (request_id, (context, left)), (tokens, log_probs) in zip(held, turns):
+            left -= len(tokens)
+            finished = left <= 0 or tokens[-1] in self.eos_token_id
+            if finished:
+                del self.requests[request_id]
+            else:
+                self.requests[request_id] = (context + tokens, left)
+            deltas.append(Delta(request_id, tokens, log_probs, finished))
+        return deltas
+
+    def abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.requests.pop(request_id, None)
 
 
 class SampledLogProbs(LogitsProcessor):

@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from spmdsplit import lora
 from spmdsplit.batch import Batch
-from spmdsplit.rollout.base import GREEDY, rollout_batch
+from spmdsplit.rollout.base import GREEDY, Delta, rollout_batch
 
 # vllm/v1/attention/backends/cpu_attn.py: CPUAttentionBackend.get_supported_head_sizes() (0.32);
 # spmdsplit/preflight.py check_vllm refuses other sizes before the job starts.
@@ -317,9 +317,20 @@ class VLLMRollout:
 
     def reset_prefix_cache(self) -> None:
         """Cached KV of earlier prompts was computed with the old weights (after a level-2 sleep
-        vLLM has dropped it already; otherwise this is what drops it)."""
-        if not self.llm.reset_prefix_cache():
-            raise RuntimeError("vLLM did not reset its prefix cache after a weight update (requests still running?)")
+        vLLM has dropped it already; otherwise this is what drops it).
+
+        With requests held (continuous generation, weights loaded between two engine steps) vLLM
+        0.32 resets only with `reset_running_requests` (v1/core/sched/scheduler.py
+        reset_prefix_cache): every running request is preempted for recompute, its tokens kept
+        (and its seeded generator: the model runner keeps the request's state across a
+        preemption), and its KV is computed again with the new weights at its next step. So every
+        token sampled after a load is drawn from the new policy given its whole context, and the
+        engine's log-prob of it is the probability it was sampled with: the importance correction
+        divides by exactly that. The cost: one prefill of the held requests per load. (Keeping the
+        old KV, as PipelineRL does, would leave tokens drawn from a mix of two versions.)"""
+        held = self.llm.llm_engine.has_unfinished_requests()
+        if not self.llm.llm_engine.reset_prefix_cache(reset_running_requests=held):
+            raise RuntimeError("vLLM did not reset its prefix cache after a weight update")
 
     def sleep(self) -> None:
         """The end of a step's generation: give the device back to the trainer (GPU), keeping nothing."""
@@ -384,6 +395,36 @@ class VLLMRollout:
         samples = [out.outputs[0] for out in outputs]
         _, log_probs = sampled_tokens_and_log_probs(samples, max(budgets), self.pad_token_id)
         return [(list(s.token_ids), row[: len(s.token_ids)]) for s, row in zip(samples, log_probs.tolist())]
+
+    # ---- continuous generation (spmdsplit/continuous.py; rollout/base.py StepwiseRollout): the
+    # engine's own loop, one scheduler step per call (LLMEngine.add_request / step / abort_request,
+    # in-process: each step runs the model in this thread), outputs as deltas.
+
+    def submit(self, request_id: str, context: list[int], budget: int, seed: int | None = None) -> None:
+        from vllm.sampling_params import RequestOutputKind
+
+        if not self.awake:
+            raise RuntimeError("VLLMRollout.submit: the engine is asleep; wake_up(weights) first")
+        params = self.sampling.clone()
+        params.max_tokens, params.output_kind = budget, RequestOutputKind.DELTA
+        if seed is not None:
+            params.seed = seed
+        self.llm.llm_engine.add_request(request_id, {"prompt_token_ids": list(context)}, params,
+                                        lora_request=self.lora_request)
+
+    def step(self) -> list[Delta]:
+        deltas = []
+        for out in self.llm.llm_engine.step():
+            sample = out.outputs[0]
+            tokens = list(sample.token_ids)
+            log_probs = list(sample.logprobs.logprobs) if tokens else []
+            if len(log_probs) != len(tokens):
+                raise RuntimeError("vLLM returned a step's log-probs that are not one per sampled token")
+            deltas.append(Delta(out.request_id, tokens, log_probs, out.finished))
+        return deltas
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.llm.llm_engine.abort_request(list(request_ids))
 
     @property
     def lora_request(self):

@@ -25,7 +25,10 @@ protocol between ranks, and it is written here, once:
                 rollout.ranks=all (pools of their own): the ranks that generate a step decide together
                 which prompt groups it keeps (spmdsplit/dynamic_sampling.py); elsewhere the generating
                 ranks are one pool, and its group does it
-  9. vLLM's own groups over the world (tensor-, pipeline-, data-parallel, ..., for the device
+  9. `weights_ready` gloo, over the actor and rollout pools' ranks, only with rollout.continuous:
+                the signal that a version of the weights is being sent, which the rollout pool
+                looks for between engine steps (weight_sync.WeightsReady)
+ 10. vLLM's own groups over the world (tensor-, pipeline-, data-parallel, ..., for the device
      and for gloo), only with rollout.name=vllm: vLLM creates them itself, engine or not; with
      tensor parallel > 1 a rank without an engine also builds, eagerly, vLLM's communicators for
      its own tensor-parallel group (PyNccl, custom all-reduce buffers), which it never uses:
@@ -145,6 +148,7 @@ class ProcessGroups:
     handoff: ProcessGroup | None
     weights: list[ProcessGroup | None]  # weights[j]: placement.weight_sources[j] + the receiving ranks
     generating: ProcessGroup | None = None  # the ranks that generate, when they span two pools (8)
+    weights_ready: ProcessGroup | None = None  # rollout.continuous's signal (9)
 
 
 def create_process_groups(cfg, placement: Placement, device: torch.device) -> ProcessGroups:
@@ -169,9 +173,13 @@ def create_process_groups(cfg, placement: Placement, device: torch.device) -> Pr
     generating = None
     if cfg.algorithm.filter_groups.enable and placement.critic_pool_generates:  # 8
         generating = member_or_none(dist.new_group(sorted(placement.generating_ranks), timeout=between))
-    groups = ProcessGroups(pools, bulk, control, stop, handoff, weights, generating)
+    weights_ready = None
+    if cfg.rollout.continuous:  # 9 (preflight: only with a rollout pool of its own)
+        weights_ready = member_or_none(dist.new_group(sorted({*placement.ranks("actor"), *placement.ranks("rollout")}),
+                                                      backend="gloo", timeout=between))
+    groups = ProcessGroups(pools, bulk, control, stop, handoff, weights, generating, weights_ready)
     warm_up(groups, device)
-    if cfg.rollout.name == "vllm":  # 9
+    if cfg.rollout.name == "vllm":  # 10
         from spmdsplit.models import compute_dtypes
         from spmdsplit.rollout.vllm_engine import init_vllm_distributed
 

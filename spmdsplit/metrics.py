@@ -248,6 +248,40 @@ def rollout_correction(rollout: Batch, corr, group, device, weights: bool = True
     return metrics
 
 
+def token_staleness(rollout: Batch, step: int, group, device) -> dict[str, float]:
+    """How stale the trained tokens were (continuous generation: each response token records the
+    version it was sampled with, `token_weights_version`): update `step` trains with the policy of
+    version step-1, so a token's staleness is step-1 minus its version. Over the pool's tokens."""
+    if "token_weights_version" not in rollout:
+        return {}
+    mask = rollout["response_mask"].bool()
+    per_token = rollout["token_weights_version"]
+    versions = per_token[mask].double()
+    staleness = (step - 1) - versions
+    big = float(2**31)
+    row_max = per_token.masked_fill(~mask, -2**31).max(1).values
+    row_min = per_token.masked_fill(~mask, 2**31).min(1).values
+    sums = {"rollout/token_staleness_mean": staleness.sum().item(),
+            "rollout/mixed_version_rows": (row_max > row_min).sum().item()}
+    counts = {"rollout/token_staleness_mean": staleness.numel(), "rollout/mixed_version_rows": len(per_token)}
+    # The tokens sampled with the policy the actor now holds (version step-1): the engine's log-probs
+    # of them must be the actor's (as rollout_probs_diff in on-policy runs), which holds only if
+    # each token's recorded version is the one it was sampled with.
+    current = mask & (per_token == step - 1)
+    sums["rollout/current_version_tokens"], counts["rollout/current_version_tokens"] = current.sum().item(), mask.sum().item()
+    extra_max = {}
+    if "old_log_probs" in rollout:
+        diff = (rollout["rollout_log_probs"].float().exp() - rollout["old_log_probs"].float().exp()).abs()[current]
+        extra_max["rollout/current_version_probs_diff_max"] = diff.max().item() if diff.numel() else 0.0
+    means = pool_reduce_metrics(sums, counts, group, device)
+    maxes, mins = pool_max_min({**extra_max,
+                                "rollout/token_staleness_max": staleness.max().item() if staleness.numel() else 0.0,
+                                "rollout/weights_version_max": versions.max().item() if versions.numel() else -big},
+                               {"rollout/weights_version_min": versions.min().item() if versions.numel() else big},
+                               group, device)
+    return {**means, **maxes, **mins}
+
+
 # The module each optional sink of trainer.logger imports (only when chosen).
 OPTIONAL_LOGGER_MODULES = {"wandb": "wandb", "mlflow": "mlflow"}
 

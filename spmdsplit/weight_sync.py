@@ -387,6 +387,40 @@ def _unpacked(bucket: Bucket, buffer: torch.Tensor) -> Iterator[tuple[str, torch
         yield spec.name, flat.view(spec.dtype).view(spec.shape)
 
 
+class WeightsReady:
+    """Continuous generation's signal, actor pool -> rollout pool: "the weights of update v are
+    being sent now". A MAX all-reduce of v over a gloo group of the actor and rollout pools' ranks
+    (spmdsplit/groups.py): the actor ranks join it, blocking, right before they push; each rollout
+    rank posts it ahead (`expect`) and looks whether it completed between two engine steps
+    (`arrived`), then joins the push (WeightBroadcast.pull). gloo on GPUs too: a posted NCCL
+    collective would sit on the device, where a device-wide synchronize (vLLM's, a sleep's) would
+    wait for it; this one lives on the host."""
+
+    def __init__(self, group):
+        self.group = group
+        self.work, self.value = None, torch.zeros(1, dtype=torch.int64)
+
+    def announce(self, version: int) -> None:
+        """Actor ranks: the version they are about to push."""
+        dist.all_reduce(torch.tensor([version], dtype=torch.int64), op=dist.ReduceOp.MAX, group=self.group)
+
+    def expect(self) -> None:
+        """Rollout ranks: wait for the next version, without blocking."""
+        if self.work is None:
+            self.value = torch.full((1,), -1, dtype=torch.int64)
+            self.work = dist.all_reduce(self.value, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+
+    def arrived(self) -> bool:
+        return self.work is not None and self.work.is_completed()
+
+    def wait(self) -> int:
+        """Rollout ranks: the version being sent (waiting for the actor pool if it is not yet)."""
+        self.expect()
+        self.work.wait()
+        self.work = None
+        return int(self.value.item())
+
+
 class PolicyWeights:
     """The actor pool's side of every weight sync: the policy's weights from its shards, into
     this rank's own engine (the rollout group on the actor pool; with rollout.ranks=all the first
@@ -398,10 +432,11 @@ class PolicyWeights:
     weights under the base's names, the whole model as without LoRA."""
 
     def __init__(self, engine, dtype: torch.dtype, broadcast: WeightBroadcast | None, pools,
-                 adapter: lora.LoraSpec | None = None, merge: bool = False):
-        """`adapter`: lora.engines_take_adapter's answer; `merge`: model.lora_merge with a LoRA policy."""
+                 adapter: lora.LoraSpec | None = None, merge: bool = False, ready: WeightsReady | None = None):
+        """`adapter`: lora.engines_take_adapter's answer; `merge`: model.lora_merge with a LoRA policy;
+        `ready`: continuous generation's signal, announced before each push."""
         self.engine, self.dtype, self.broadcast, self.pools = engine, dtype, broadcast, pools
-        self.adapter, self.merge = adapter is not None, merge
+        self.adapter, self.merge, self.ready = adapter is not None, merge, ready
 
     def pull(self, broadcast: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """The weights for this rank's engine, streamed from the shards; `broadcast=False`: for
@@ -422,11 +457,13 @@ class PolicyWeights:
             return lora.merged(self.engine.iter_full_weights(), lora.scalings(self.engine.model), self.dtype)
         return self.engine.iter_full_weights(self.dtype)
 
-    def push(self) -> None:
+    def push(self, version: int) -> None:
         """A rollout pool of its own: each bucket of the stream gathered from the actor ranks'
         shards to the one that broadcasts it. The merged weights are whole on every actor rank
         (each layer's W + scale * B @ A needs its whole A), so each bucket comes from its owner's
-        own copy, as rollout.ranks=all's stream does."""
+        own copy, as rollout.ranks=all's stream does. `version`: the update they are (0: before any)."""
+        if self.ready:
+            self.ready.announce(version)
         self._wait_for_receivers()
         if self.adapter:
             shards = (s._replace(name=lora.saved_name(s.name))

@@ -11,7 +11,7 @@ from spmdsplit.exchange import PendingSend
 from spmdsplit.generation import Generator
 from spmdsplit.groups import Pools
 from spmdsplit.messages import PoolChannel, receive_for
-from spmdsplit.metrics import PhaseTimer, rollout_correction
+from spmdsplit.metrics import PhaseTimer, rollout_correction, token_staleness
 from spmdsplit.roles.actor import old_from_forward
 from spmdsplit.roles.build import ActorRoles
 from spmdsplit.programs import Program
@@ -40,7 +40,7 @@ class ActorProgram(Program):
     def start(self, step: int) -> None:
         """A rollout pool of its own starts with the policy's weights."""
         if self.pools.placement.apart("rollout"):
-            self.weights.push()
+            self.weights.push(step - 1)
 
     def roll_out(self, step: int) -> None:
         """gen (chunk by chunk, each sent on at once), or the rows from elsewhere -> old_log_prob
@@ -58,6 +58,7 @@ class ActorProgram(Program):
             with self.timer.phase("old_log_prob", step):
                 rollout["old_log_probs"] = self.actor.compute_log_prob(rollout)
             self.rollout_metrics.update(rollout_correction(rollout, corr, self.pools.group("actor"), self.pools.device))
+        self.rollout_metrics.update(token_staleness(rollout, step, self.pools.group("actor"), self.pools.device))
         with self.timer.phase("ref", step):
             rollout["ref_log_prob"] = self.ref.compute_log_prob(rollout)
         self.handoff()  # blocking mode: the critic pool starts its values only now
@@ -109,7 +110,7 @@ class ActorProgram(Program):
         self.sends = PendingSend()
         if self.pools.placement.apart("rollout") and weights_needed(self.cfg, step):
             with self.timer.phase("sync_weights", step):  # the weights of this update, to the rollout pool
-                self.weights.push()
+                self.weights.push(step)
         metrics.update(self.rollout_metrics)
         # For rank 0's perf/throughput: this rank's shard x the actor ranks, an estimate where the shards
         # differ (verl's perf/total_num_tokens is the exact sum; this one costs no collective).

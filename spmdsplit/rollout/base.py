@@ -57,9 +57,11 @@ class StepwiseRollout(Rollout, Protocol):
     between two steps (`update_weights`) while the requests held go on: their next tokens are
     sampled with the new weights."""
 
-    def submit(self, request_id: str, context: list[int], budget: int, seed: int | None = None) -> None:
+    def submit(self, request_id: str, context: list[int], budget: int, seed: int | None = None,
+               validate: bool = False) -> None:
         """A request: `context` (prompt and any tokens already generated, no padding) continued by
-        at most `budget` tokens, up to an EOS (kept); `seed` seeds its sampling (vLLM)."""
+        at most `budget` tokens, up to an EOS (kept); `seed` seeds its sampling (vLLM);
+        `validate`: sampled as rollout.val_kwargs says."""
 
     def step(self) -> list[Delta]:
         """One engine step over the requests held (vLLM: one scheduler step; HF: a few tokens)."""

@@ -45,7 +45,7 @@ class HFRollout:
         self.adapter = adapter is not None
         # Continuous generation (rollout.continuous): the requests held, each its context so far
         # and its budget left; a step decodes `step_tokens` more of each.
-        self.requests: dict[str, tuple[list[int], int]] = {}
+        self.requests: dict[str, tuple[list[int], int, bool]] = {}  # id -> (context, budget left, validate)
         self.step_tokens = getattr(cfg, "hf_step_tokens", 8)
         self.max_num_seqs = getattr(cfg, "max_num_seqs", 1024)
         if adapter is not None:  # its weights come with the first sync
@@ -176,26 +176,30 @@ class HFRollout:
     # the next step, and weights loaded between two steps are the ones every later token is
     # sampled with, the context included, as on vLLM (VLLMRollout.update_weights).
 
-    def submit(self, request_id: str, context: list[int], budget: int, seed: int | None = None) -> None:
+    def submit(self, request_id: str, context: list[int], budget: int, seed: int | None = None,
+               validate: bool = False) -> None:
         if request_id in self.requests:
             raise RuntimeError(f"HFRollout.submit: request {request_id!r} is already held")
-        self.requests[request_id] = (list(context), budget)
+        self.requests[request_id] = (list(context), budget, validate)
 
     def step(self) -> list[Delta]:
         held = list(self.requests.items())[: self.max_num_seqs]
-        if not held:
-            return []
-        budgets = [min(self.step_tokens, left) for _, (_, left) in held]
-        turns = self.continue_ids([context for _, (context, _) in held], budgets, self.eos_token_id)
         deltas = []
-        for (request_id, (context, left)), (tokens, log_probs) in zip(held, turns):
-            left -= len(tokens)
-            finished = left <= 0 or tokens[-1] in self.eos_token_id
-            if finished:
-                del self.requests[request_id]
-            else:
-                self.requests[request_id] = (context + tokens, left)
-            deltas.append(Delta(request_id, tokens, log_probs, finished))
+        for validate in (False, True):  # one `generate` per sampling (rollout.* or val_kwargs)
+            rows = [(request_id, request) for request_id, request in held if request[2] == validate]
+            if not rows:
+                continue
+            budgets = [min(self.step_tokens, left) for _, (_, left, _) in rows]
+            turns = self.continue_ids([context for _, (context, _, _) in rows], budgets, self.eos_token_id,
+                                      validate=validate)
+            for (request_id, (context, left, _)), (tokens, log_probs) in zip(rows, turns):
+                left -= len(tokens)
+                finished = left <= 0 or tokens[-1] in self.eos_token_id
+                if finished:
+                    del self.requests[request_id]
+                else:
+                    self.requests[request_id] = (context + tokens, left, validate)
+                deltas.append(Delta(request_id, tokens, log_probs, finished))
         return deltas
 
     def abort(self, request_ids: list[str]) -> None:

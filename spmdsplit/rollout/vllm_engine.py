@@ -400,12 +400,13 @@ class VLLMRollout:
     # engine's own loop, one scheduler step per call (LLMEngine.add_request / step / abort_request,
     # in-process: each step runs the model in this thread), outputs as deltas.
 
-    def submit(self, request_id: str, context: list[int], budget: int, seed: int | None = None) -> None:
+    def submit(self, request_id: str, context: list[int], budget: int, seed: int | None = None,
+               validate: bool = False) -> None:
         from vllm.sampling_params import RequestOutputKind
 
         if not self.awake:
             raise RuntimeError("VLLMRollout.submit: the engine is asleep; wake_up(weights) first")
-        params = self.sampling.clone()
+        params = (self.val_sampling if validate else self.sampling).clone()
         params.max_tokens, params.output_kind = budget, RequestOutputKind.DELTA
         if seed is not None:
             params.seed = seed

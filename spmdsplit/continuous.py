@@ -1,0 +1,294 @@
+"""Continuous generation (rollout.continuous), on each rank of a rollout pool of its own: the
+engine never drains. It holds at least a batch's worth of requests (this rank's share of
+data.train_batch_size prompts x rollout.n) and a new prompt's group enters as soon as that many
+are no longer running; a batch is handed over as soon as this rank's share of its groups is
+complete, in completion order; new weights are loaded between two engine steps while the requests
+go on (their next tokens are the new version's: rollout/base.py StepwiseRollout).
+
+Staleness, per token: every response token records the version of the weights it was sampled with
+(`token_weights_version`). Batch k trains update k with the policy of version k-1, and
+rollout.staleness=s allows tokens of versions k-1-s .. k-1, as in batch mode. So before the rank
+fills batch k it holds at least version k-1-s (waiting for it if it must: the only wait), and a
+request that holds a token older than that can never be trained: it starts again from its prompt
+(counted in rollout/requests_restarted). Nothing else is ever restarted or dropped.
+
+Weights arrive when the actor pool has them (WeightsReady, polled between engine steps), not at
+fixed points: which engine step takes a version is free-running. The rows are this rank's share
+of each batch, as in batch mode (same size, same row order of groups, `row_index` in it), so the
+actor pool's side is unchanged but for the token versions it checks.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from spmdsplit.batch import Batch
+from spmdsplit.rollout.base import rollout_batch
+
+
+@dataclass(eq=False)  # compared by identity
+class Response:
+    """One of a group's responses, as far as it went."""
+
+    tokens: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finished: bool = False
+
+
+@dataclass(eq=False)
+class Group:
+    """One prompt's rollout.n responses: `prompts` are its n collated prompt rows (step_prompts'),
+    `contexts` each row's prompt tokens without padding."""
+
+    prompts: Batch
+    contexts: list[list[int]]
+    seeds: list[int | None]
+    responses: list[Response]
+
+    @property
+    def complete(self) -> bool:
+        return all(r.finished for r in self.responses)
+
+    def oldest(self) -> int | None:
+        versions = [min(r.versions) for r in self.responses if r.versions]
+        return min(versions) if versions else None
+
+
+class ContinuousGeneration:
+    """This rank's engine, kept full. `prompts(t)`: this rank's rows of the dataset's generation
+    batch t (generation.step_prompts: each prompt rollout.n times, with its seeds); `take_weights(step)`
+    loads the next version the actor pool sends (blocking: Generator.wake); `ready()` says,
+    without waiting, whether the actor pool is sending one (weight_sync.WeightsReady)."""
+
+    def __init__(self, cfg, engine, prompts: Callable[[int], Batch], take_weights: Callable[[int], None],
+                 ready: Callable[[], bool], part: int, parts: int, pad_token_id: int, eos_token_ids: list[int],
+                 device: torch.device):
+        self.cfg, self.engine, self.prompts, self.take_weights, self.ready = cfg, engine, prompts, take_weights, ready
+        self.n, self.staleness = cfg.rollout.n, cfg.rollout.staleness
+        self.budget = cfg.data.max_response_length
+        self.quota = cfg.data.train_batch_size // parts  # this rank's groups per batch
+        self.part, self.pad_token_id, self.eos_token_ids, self.device = part, pad_token_id, eos_token_ids, device
+        self.version = -1  # the weights the engine holds (set by `loaded`)
+        self.filling = 1  # the batch being filled
+        self.drawn = 0  # generation batches of prompts drawn from the dataset
+        self.waiting: deque[Group] = deque()  # drawn, not yet submitted
+        self.groups: list[Group] = []  # submitted, in the order they were drawn
+        self.live: dict[str, tuple[Group, int]] = {}  # request id -> (group, member)
+        self.complete: list[Group] = []  # every response finished, in completion order
+        self.extra: dict[str, Response] = {}  # requests outside the batches (validation's)
+        self.resumed: list[tuple[Group, int]] = []  # responses a checkpoint kept, to submit again
+        self._ids = itertools.count()
+        self.counts = dict(engine_steps=0, live_requests=0, restarted=0, tokens_discarded=0, tokens=0, tokens_resumed=0)
+
+    # ---------------------------------------------------------------- the loop
+
+    def next_batch(self, batch: int) -> Batch:
+        """This rank's rows of batch `batch`: its first `quota` groups to complete, generating
+        until they have (the engine stepping, weights taken between steps as they come)."""
+        self.filling = batch
+        while self.version < self.oldest_allowed(batch):  # the only wait: too far ahead of training
+            self.take_weights(batch)
+        self.restart_stale(batch)
+        while len(self.complete) < self.quota:
+            self.engine_step()
+        groups, self.complete = self.complete[: self.quota], self.complete[self.quota:]
+        self.filling = batch + 1
+        return self.rows(groups, batch)
+
+    def oldest_allowed(self, batch: int) -> int:
+        return max(0, batch - 1 - self.staleness)
+
+    def engine_step(self) -> None:
+        """One engine step, the engine topped up first and new weights taken if they are there."""
+        if self.ready():
+            self.take_weights(self.filling)
+            self.restart_stale(self.filling)
+        self.top_up()
+        if not self.live and not self.extra:  # every group the staleness allows is generated: wait
+            self.take_weights(self.filling)
+            self.restart_stale(self.filling)
+            return
+        deltas = self.engine.step()
+        self.counts["engine_steps"] += 1
+        self.counts["live_requests"] += len(self.live)
+        for delta in deltas:
+            if delta.request_id in self.extra:
+                response = self.extra[delta.request_id]
+            else:
+                group, member = self.live[delta.request_id]
+                response = group.responses[member]
+            response.tokens += delta.token_ids
+            response.log_probs += delta.log_probs
+            response.versions += [self.version] * len(delta.token_ids)
+            self.counts["tokens"] += len(delta.token_ids)
+            if delta.finished:
+                response.finished = True
+                if delta.request_id in self.extra:
+                    continue
+                del self.live[delta.request_id]
+                if group.complete:
+                    self.groups.remove(group)
+                    self.complete.append(group)
+
+    def generate(self, prompts: Batch, validate: bool = False, greedy: bool = False) -> Batch:
+        """Rows generated now, beside the requests held, which go on (validation: the engine is
+        never drained for it); as an engine's `generate`, so generation.generate_validation_rows
+        takes it as its engine."""
+        if greedy:
+            raise RuntimeError("continuous generation has no greedy baselines (preflight refuses ReMax with it)")
+        ids = []
+        for row, keep in zip(prompts["input_ids"], prompts["attention_mask"].bool()):
+            ids.append(f"x{next(self._ids)}")
+            self.extra[ids[-1]] = Response()
+            self.engine.submit(ids[-1], row[keep].tolist(), self.budget, None, validate=validate)
+        while not all(self.extra[i].finished for i in ids):
+            self.engine_step()
+        responses = [self.extra.pop(i) for i in ids]
+        width = max(len(r.tokens) for r in responses)
+        tokens = torch.tensor([r.tokens + [self.pad_token_id] * (width - len(r.tokens)) for r in responses])
+        log_probs = torch.tensor([r.log_probs + [0.0] * (width - len(r.log_probs)) for r in responses])
+        device = prompts["input_ids"].device
+        return rollout_batch(prompts, tokens.to(device), self.pad_token_id, self.eos_token_ids,
+                             {"rollout_log_probs": log_probs.to(device)})
+
+    def loaded(self, version: int) -> None:
+        """The engine now holds the weights of update `version` (the caller loaded them)."""
+        self.version = version
+
+    def top_up(self) -> None:
+        """New groups in while fewer than a batch's worth of requests run (quota x n); first the
+        responses a checkpoint kept, where they stopped."""
+        for group, member in self.resumed:
+            self.submit(group, member)
+        self.resumed = []
+        while len(self.live) < self.quota * self.n and self.admits():
+            if not self.waiting:
+                self.drawn += 1
+                self.waiting.extend(self.split(self.prompts(self.drawn)))
+            group = self.waiting.popleft()
+            self.groups.append(group)
+            for member in range(self.n):
+                self.submit(group, member)
+
+    def admits(self) -> bool:
+        """Whether a new group may start: the batch it would land in (the groups ahead of it fill
+        the batches before) allows tokens of the version held. Generating further ahead would only
+        make tokens that staleness restarts; this is the rollout pool's one wait for training."""
+        landing = self.filling + (len(self.complete) + len(self.groups)) // self.quota
+        return self.version >= self.oldest_allowed(landing)
+
+    def split(self, prompts: Batch) -> list[Group]:
+        groups = []
+        for first in range(0, len(prompts), self.n):
+            rows = prompts.slice(first, first + self.n)
+            keep = rows["attention_mask"].bool()
+            contexts = [ids[m].tolist() for ids, m in zip(rows["input_ids"], keep)]
+            seeds = rows["sample_seed"].tolist() if "sample_seed" in rows else [None] * self.n
+            groups.append(Group(rows, contexts, seeds, [Response() for _ in range(self.n)]))
+        return groups
+
+    def submit(self, group: Group, member: int) -> None:
+        """The response's request: its prompt and the tokens it has, for the budget left."""
+        response = group.responses[member]
+        request_id = f"c{next(self._ids)}"
+        self.live[request_id] = (group, member)
+        self.engine.submit(request_id, group.contexts[member] + response.tokens, self.budget - len(response.tokens),
+                           group.seeds[member])
+
+    def restart_stale(self, batch: int) -> None:
+        """Responses holding a token older than batch `batch` allows start again from their prompt
+        (a later batch allows even less): complete groups waiting to be handed over included."""
+        allowed = self.oldest_allowed(batch)
+        stale_live = [rid for rid, (g, m) in self.live.items()
+                      if g.responses[m].versions and g.responses[m].versions[0] < allowed]
+        if stale_live:
+            self.engine.abort(stale_live)
+        restart = [(self.live.pop(rid)) for rid in stale_live]
+        for group in list(self.complete):
+            if group.oldest() is not None and group.oldest() < allowed:
+                self.complete.remove(group)
+                self.groups.append(group)
+        for group in self.groups:
+            for member, response in enumerate(group.responses):
+                if response.versions and response.versions[0] < allowed and (group, member) not in restart:
+                    restart.append((group, member))
+        self.resumed = [(g, m) for g, m in self.resumed if not any(g is rg and m == rm for rg, rm in restart)]
+        for group, member in restart:
+            response = group.responses[member]
+            self.counts["restarted"] += 1
+            self.counts["tokens_discarded"] += len(response.tokens)
+            group.responses[member] = Response()
+            self.submit(group, member)
+
+    # ---------------------------------------------------------------- the rows
+
+    def rows(self, groups: list[Group], batch: int) -> Batch:
+        """The groups as rollout rows: verl's columns (rollout/base.py rollout_batch), the engine's
+        log-probs, each token's version, each row's oldest version (`weights_version`, which the
+        actor checks against the staleness bound), and `row_index`: the row's place in the batch."""
+        prompts = Batch.concat([g.prompts for g in groups])
+        responses = [r for g in groups for r in g.responses]
+        width = max(len(r.tokens) for r in responses)
+
+        def padded(values, fill, dtype):
+            return torch.tensor([v + [fill] * (width - len(v)) for v in values], dtype=dtype)
+
+        tokens = padded([r.tokens for r in responses], self.pad_token_id, torch.int64)
+        extras = {"rollout_log_probs": padded([r.log_probs for r in responses], 0.0, torch.float32),
+                  "token_weights_version": padded([r.versions for r in responses], 0, torch.int64)}
+        rows = rollout_batch(prompts.to(self.device), tokens.to(self.device), self.pad_token_id, self.eos_token_ids,
+                             {k: v.to(self.device) for k, v in extras.items()})
+        first = self.part * self.quota * self.n
+        rows["row_index"] = torch.arange(first, first + len(rows), dtype=torch.int64, device=self.device)
+        rows["weights_version"] = torch.tensor([min(r.versions) for r in responses], dtype=torch.int64,
+                                               device=self.device)
+        return rows
+
+    # ---------------------------------------------------------------- checkpoints
+
+    def state(self) -> dict:
+        """Everything drawn and not handed over: the groups waiting, in flight (each response's
+        tokens, log-probs and versions so far) and complete; how many prompt batches were drawn."""
+        def group(g: Group) -> dict:
+            return {"prompts": g.prompts.to("cpu"), "contexts": g.contexts, "seeds": g.seeds,
+                    "responses": [vars(r) for r in g.responses]}
+
+        return {"drawn": self.drawn, "waiting": [group(g) for g in self.waiting],
+                "in_flight": [group(g) for g in self.groups], "complete": [group(g) for g in self.complete],
+                "tokens_held": sum(len(r.tokens) for g in (*self.groups, *self.complete) for r in g.responses)}
+
+    def load_state(self, state: dict, same_layout: bool) -> None:
+        """What `state` kept, the unfinished responses submitted again at the first engine step
+        (prompt and tokens so far as the context, the budget left). Another rollout pool size
+        shares the prompts out otherwise: then generation starts after the batches drawn, and
+        the responses held are dropped (reported)."""
+        def group(d: dict) -> Group:
+            return Group(d["prompts"].to(self.device), d["contexts"], d["seeds"], [Response(**r) for r in d["responses"]])
+
+        self.drawn = state["drawn"]
+        if not same_layout:
+            print(f"[rollout] resumed on another layout: {state['tokens_held']} generated tokens in flight dropped",
+                  flush=True)
+            return
+        self.waiting = deque(group(d) for d in state["waiting"])
+        self.groups = [group(d) for d in state["in_flight"]]
+        self.complete = [group(d) for d in state["complete"]]
+        self.resumed = [(g, m) for g in self.groups for m, r in enumerate(g.responses) if not r.finished]
+        self.counts["tokens_resumed"] = state["tokens_held"]  # reported with the first batch after it
+
+    def pop_metrics(self) -> dict[str, float]:
+        """Since the last call: engine steps, mean requests running per step (occupancy),
+        responses restarted for staleness and the tokens they dropped, tokens generated, and the
+        tokens a checkpoint kept in flight that this run goes on from (after a resume)."""
+        c, steps = self.counts, max(self.counts["engine_steps"], 1)
+        metrics = {"rollout/engine_steps": c["engine_steps"], "rollout/occupancy": c["live_requests"] / steps,
+                   "rollout/requests_restarted": c["restarted"], "rollout/tokens_discarded": c["tokens_discarded"],
+                   "rollout/tokens_generated": c["tokens"], "rollout/tokens_resumed": c["tokens_resumed"]}
+        self.counts = dict.fromkeys(c, 0)
+        return metrics

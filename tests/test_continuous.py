@@ -1,0 +1,84 @@
+"""Continuous generation on a rollout pool (rollout.continuous; spmdsplit/continuous.py and
+programs/continuous_rollout.py), as a user runs it: torchrun jobs of 2 ranks (rollout | actor)
+under the NCCL-contract layer (tests/nccl_site), HF and vLLM.
+
+What the jobs must show: weights land mid-answer (rows whose tokens span two versions), every
+trained token within rollout.staleness, the tokens recorded as the current version's scored by
+the engine exactly as the actor scores them (a token tagged with the wrong version would differ
+by the policy's change in one update), and a checkpoint that keeps the answers in flight, which
+the resumed run goes on from."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from spmdsplit.config import load_config
+from spmdsplit.errors import ConfigError
+from spmdsplit.preflight import check_against_placement, check_config
+from spmdsplit.placement import plan_from_config
+from tests.launch import job
+from tests.outputs import scalars
+
+GRPO = "configs/grpo_rollout_actor.yaml"
+# One token per engine step on the HF engine, and answers of up to 24 tokens: generating a batch takes
+# longer than training on one, so versions land while answers are half done.
+CONTINUOUS = ("rollout.continuous=true", "rollout.hf_step_tokens=1", "data.max_response_length=24", "data.train_batch_size=16",
+              "actor.ppo_mini_batch_size=8", "actor.optim.lr=3e-3")
+
+
+def values(logged, key):
+    return [v for _, v in logged[key]]
+
+
+def check_continuous_run(logged, staleness: int = 1):
+    steps = len(values(logged, "critic/score/mean"))
+    assert max(values(logged, "rollout/token_staleness_max")) <= staleness
+    assert max(values(logged, "rollout/mixed_version_rows")) > 0  # weights landed mid-answer
+    assert sum(values(logged, "rollout/current_version_tokens")) > 0
+    assert max(values(logged, "rollout/current_version_probs_diff_max")) < 1e-4, values(
+        logged, "rollout/current_version_probs_diff_max")
+    assert min(values(logged, "rollout/occupancy")[:-1]) > 0
+    assert len(values(logged, "rollout/weights_version_min")) == steps
+
+
+@pytest.mark.e2e
+def test_hf_continuous_job_takes_weights_mid_answer_within_the_staleness(tmp_path):
+    result = job(2, "--config", GRPO, *CONTINUOUS, "trainer.total_steps=5", f"trainer.log_dir={tmp_path}/tb",
+                 "trainer.timeline=", "trainer.output_dir=", timeout=600)
+    assert result.returncode == 0, result.stderr[-5000:]
+    check_continuous_run(scalars(str(tmp_path / "tb")))
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_vllm_continuous_job_takes_weights_mid_answer_and_resumes_with_the_answers_in_flight(tmp_path):
+    """vLLM steps one token per request per engine step, so weights land mid-answer by themselves.
+    Saved at step 2 of 4 and resumed: the run goes on from the tokens the checkpoint held."""
+    ckpt = tmp_path / "ckpt"
+    common = ("--config", GRPO, "rollout.name=vllm", *CONTINUOUS, "trainer.total_steps=4", "trainer.timeline=",
+              "trainer.output_dir=", f"trainer.default_local_dir={ckpt}")
+    first = job(2, *common, "trainer.save_freq=2", f"trainer.log_dir={tmp_path}/tb1", timeout=600, fresh_dir=False)
+    assert first.returncode == 0, first.stderr[-5000:]
+    check_continuous_run(scalars(str(tmp_path / "tb1")))
+    resumed = job(2, *common, f"trainer.resume={ckpt}/global_step_2", f"trainer.log_dir={tmp_path}/tb2",
+                  timeout=600, fresh_dir=False)
+    assert resumed.returncode == 0, resumed.stderr[-5000:]
+    logged = scalars(str(tmp_path / "tb2"))
+    assert [s for s, _ in logged["rollout/tokens_resumed"]] == [3, 4]
+    assert values(logged, "rollout/tokens_resumed")[0] > 0  # the answers in flight went on, not drawn again
+
+
+@pytest.mark.parametrize("config, overrides, message", [
+    (None, ("placement.mode=colocate", "rollout.staleness=1"), "needs a rollout pool of its own"),
+    (GRPO, ("rollout.staleness=0",), "needs rollout.staleness >= 1"),
+    (GRPO, ("algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc"), "dynamic sampling"),
+    (GRPO, ("algorithm.adv_estimator=remax", "rollout.n=1"), "greedy baselines"),
+    (GRPO, ("rollout.multi_turn.enable=true",), "agent episodes"),
+])
+def test_continuous_refuses_what_it_does_not_run_with_in_one_line(config, overrides, message):
+    cfg = load_config(config, ["rollout.continuous=true", *overrides])
+    with pytest.raises(ConfigError, match=message):
+        check_config(cfg)
+        check_against_placement(cfg, plan_from_config(cfg, world_size=2, local_world_size=2, nnodes=1))

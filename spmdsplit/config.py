@@ -420,6 +420,17 @@ class RolloutConfig:
     # version; staleness bounds how old a trained token may be).
     continuous: bool = False
     hf_step_tokens: int = positive(8)  # rollout.name=hf, continuous: tokens per engine step (a prefill each)
+    # With rollout.continuous: once a batch is handed over, the answers still running wait (kept, with
+    # their tokens) for the next weights and go on with them, rather than with the weights held:
+    # fewer stale tokens, the engine idle meanwhile (slime's partial rollouts, in a continuous engine).
+    partial_rollout: bool = False
+    # With rollout.continuous and rollout.name=vllm, what the requests held keep when new weights load
+    # between two engine steps: recompute (their KV is computed again with the new weights: every later
+    # token is exactly the new version's; one prefill of them per load) | keep (the old KV stays, as
+    # PipelineRL does: no prefill, later tokens see a context computed by older weights; the importance
+    # correction still divides by the probability each token was drawn with; needs
+    # rollout.enable_prefix_caching=false, else new prompts would reuse KV of older weights).
+    kv_after_load: str = choice("recompute", "keep")
     # Which ranks generate: actor (the actor pool's) | all (the critic pool's too, with engines
     # refreshed by a broadcast from the actor pool each step; spmdsplit/weight_sync.py).
     ranks: str = choice("actor", "all")

@@ -80,6 +80,18 @@ Checkpoint at step k:
   control  pool[0] -> 0       CHECKPOINT_WRITTEN k     from the first rank of every pool but world
                                                        rank 0's; rank 0 first takes POOL_METRICS <= k
 
+With rollout.continuous (a rollout pool of its own; spmdsplit/programs/continuous_rollout.py) the
+rollout pool posts GENERATED k as soon as its share of batch k is complete (each row's tokens carry
+their versions: `token_weights_version`, within k-1-s .. k-1, checked), and the weights go after
+every update but the last (staleness.weights_needed), each announced first:
+  (weights_ actor -> rollout   WEIGHTS_READY v          a MAX all-reduce of v over a gloo group of
+   ready)                                              both pools (weight_sync.WeightsReady): the
+                                                       actor ranks join it right before the push of
+                                                       version v; each rollout rank posts it ahead
+                                                       and looks at it between two engine steps,
+                                                       then takes the push. It ends its step k once
+                                                       it holds version k, generating meanwhile.
+
 Between two ranks each link is one ordered stream, both directions on it: NCCL matches
 point-to-point messages in the order they were posted and ignores tags, so the receiver posts its
 receives in exactly the order above, and every header is checked (spmdsplit/exchange.py). A send

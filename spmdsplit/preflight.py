@@ -351,9 +351,15 @@ def check_continuous(cfg: DictConfig) -> None:
     """rollout.continuous with what it does not run with yet, each in one line (the placement's
     rule, a rollout pool of its own, is check_against_placement's)."""
     r = cfg.rollout
+    if r.partial_rollout and not r.continuous:
+        raise ConfigError("rollout.partial_rollout=true keeps unfinished answers across batches of a continuous "
+                          "engine: set rollout.continuous=true too")
     if not r.continuous:
         return
     key = "rollout.continuous=true"
+    if r.kv_after_load == "keep" and r.enable_prefix_caching and r.name == "vllm":
+        raise ConfigError("rollout.kv_after_load=keep leaves KV computed by older weights in vLLM's cache, which "
+                          "new prompts would reuse: set rollout.enable_prefix_caching=false")
     if r.staleness < 1:
         raise ConfigError(f"{key} needs rollout.staleness >= 1 (got {r.staleness}): with 0 every batch would wait "
                           "for the weights of the update before it, and the requests held would be restarted each time")

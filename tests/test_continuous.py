@@ -76,6 +76,8 @@ def test_vllm_continuous_job_takes_weights_mid_answer_and_resumes_with_the_answe
     (GRPO, ("algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc"), "dynamic sampling"),
     (GRPO, ("algorithm.adv_estimator=remax", "rollout.n=1"), "greedy baselines"),
     (GRPO, ("rollout.multi_turn.enable=true",), "agent episodes"),
+    (GRPO, ("rollout.continuous=false", "rollout.partial_rollout=true"), "set rollout.continuous=true too"),
+    (GRPO, ("rollout.name=vllm", "rollout.kv_after_load=keep"), "rollout.enable_prefix_caching=false"),
 ])
 def test_continuous_refuses_what_it_does_not_run_with_in_one_line(config, overrides, message):
     cfg = load_config(config, ["rollout.continuous=true", *overrides])

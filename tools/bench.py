@@ -441,6 +441,8 @@ def run_bench(args) -> dict:
 def main(argv=None) -> int:
     if "--agent" in (sys.argv[1:] if argv is None else argv):  # tools/bench_agent.py, with flags of its own
         return __import__("tools.bench_agent").bench_agent.main(argv)
+    if "--continuous" in (sys.argv[1:] if argv is None else argv):  # tools/bench_continuous.py, likewise
+        return __import__("tools.bench_continuous").bench_continuous.main(argv)
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.long_tail:
         from tools import bench_tokens  # it builds on this module's analysis: imported only here

@@ -7,6 +7,7 @@ every update but the last, each announced first).
 
 Step k here: batch k out (generated meanwhile: while the other pools trained on batch k-1, this
 engine went on with the requests it held), every version the actor pool sends taken as it comes.
+With rollout.partial_rollout the requests wait instead, from the hand-off to the weights of update k.
 Validation runs beside the requests held. A checkpoint keeps every request in flight (tokens,
 log-probs, versions) and the prompts drawn: a resume submits them again where they stopped.
 """
@@ -52,7 +53,10 @@ class ContinuousRolloutProgram(Program):
         self.sends.add(self.channel.send_generated(step, rows))
         with self.generator.timer.phase("gen_ahead", step):
             while self.stream.version < step and weights_needed(self.cfg, step):
-                self.stream.engine_step()
+                if self.cfg.rollout.partial_rollout:  # the answers running wait for these weights
+                    self.take_weights(step)
+                else:
+                    self.stream.engine_step()
         if step == self.cfg.trainer.total_steps:
             self.sends.wait()
         return self.stream.pop_metrics()

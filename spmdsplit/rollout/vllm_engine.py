@@ -222,6 +222,7 @@ class VLLMRollout:
         # The engine freezes every object alive now (gc.freeze) so GC never scans them: the
         # trainer's too, whose cyclic garbage would then never be freed.
         gc.unfreeze()
+        self.keep_kv = cfg.rollout.kv_after_load == "keep"  # continuous generation's loads (reset_prefix_cache)
         self.sampling = self._sampling_params(cfg.rollout)
         self.val_sampling = self._sampling_params(cfg.rollout.val_kwargs)
         self.greedy_sampling = self._sampling_params(GREEDY)  # ReMax's baseline
@@ -326,9 +327,13 @@ class VLLMRollout:
         preemption), and its KV is computed again with the new weights at its next step. So every
         token sampled after a load is drawn from the new policy given its whole context, and the
         engine's log-prob of it is the probability it was sampled with: the importance correction
-        divides by exactly that. The cost: one prefill of the held requests per load. (Keeping the
-        old KV, as PipelineRL does, would leave tokens drawn from a mix of two versions.)"""
+        divides by exactly that. The cost: one prefill of the held requests per load.
+        rollout.kv_after_load=keep skips it, as PipelineRL does: the held requests keep the KV older
+        weights computed (their later tokens come from a mix of versions; the log-probs returned are
+        still those they were drawn with), which is sound only without prefix caching (preflight)."""
         held = self.llm.llm_engine.has_unfinished_requests()
+        if held and self.keep_kv:  # rollout.kv_after_load=keep: nothing cached is reused (no prefix caching)
+            return
         if not self.llm.llm_engine.reset_prefix_cache(reset_running_requests=held):
             raise RuntimeError("vLLM did not reset its prefix cache after a weight update")
 

@@ -431,6 +431,11 @@ class RolloutConfig:
     # correction still divides by the probability each token was drawn with; needs
     # rollout.enable_prefix_caching=false, else new prompts would reuse KV of older weights).
     kv_after_load: str = choice("recompute", "keep")
+    # With rollout.continuous: 0 = free-running (each version taken at the first engine step after it
+    # is sent); K > 0 = a fixed schedule, for tests and for repeating a run: version v is taken at
+    # engine step max(v*K, the step at which batch v was handed over), waiting for it if late, so the
+    # same seed gives the same rows whatever the timing.
+    version_every_engine_steps: int = bounded(0, lambda v: v >= 0, "expected >= 0 (0 = free-running)")
     # Which ranks generate: actor (the actor pool's) | all (the critic pool's too, with engines
     # refreshed by a broadcast from the actor pool each step; spmdsplit/weight_sync.py).
     ranks: str = choice("actor", "all")

@@ -75,6 +75,9 @@ class ContinuousGeneration:
         self.quota = cfg.data.train_batch_size // parts  # this rank's groups per batch
         self.part, self.pad_token_id, self.eos_token_ids, self.device = part, pad_token_id, eos_token_ids, device
         self.version = -1  # the weights the engine holds (set by `loaded`)
+        self.every = cfg.rollout.version_every_engine_steps  # 0: free-running, else the fixed schedule
+        self.clock = 0  # engine steps since the run started (the fixed schedule's clock; idle steps count)
+        self.handed: dict[int, int] = {}  # batch -> the clock when it was handed over
         self.filling = 1  # the batch being filled
         self.drawn = 0  # generation batches of prompts drawn from the dataset
         self.waiting: deque[Group] = deque()  # drawn, not yet submitted
@@ -93,28 +96,31 @@ class ContinuousGeneration:
         until they have (the engine stepping, weights taken between steps as they come)."""
         self.filling = batch
         while self.version < self.oldest_allowed(batch):  # the only wait: too far ahead of training
-            self.take_weights(batch)
+            self.wait_for_weights()
         self.restart_stale(batch)
         while len(self.complete) < self.quota:
             self.engine_step()
         groups, self.complete = self.complete[: self.quota], self.complete[self.quota:]
         self.filling = batch + 1
+        self.handed[batch] = self.clock
         return self.rows(groups, batch)
 
     def oldest_allowed(self, batch: int) -> int:
         return max(0, batch - 1 - self.staleness)
 
     def engine_step(self) -> None:
-        """One engine step, the engine topped up first and new weights taken if they are there."""
-        if self.ready():
+        """One engine step, the engine topped up first and new weights taken if they are there
+        (on the fixed schedule: if they are due)."""
+        if self.weights_due():
             self.take_weights(self.filling)
             self.restart_stale(self.filling)
         self.top_up()
         if not self.live and not self.extra:  # every group the staleness allows is generated: wait
-            self.take_weights(self.filling)
+            self.wait_for_weights()
             self.restart_stale(self.filling)
             return
         deltas = self.engine.step()
+        self.clock += 1
         self.counts["engine_steps"] += 1
         self.counts["live_requests"] += len(self.live)
         for delta in deltas:
@@ -156,6 +162,28 @@ class ContinuousGeneration:
         device = prompts["input_ids"].device
         return rollout_batch(prompts, tokens.to(device), self.pad_token_id, self.eos_token_ids,
                              {"rollout_log_probs": log_probs.to(device)})
+
+    def due(self, version: int) -> int | None:
+        """The fixed schedule's engine step for `version`: v*K, or later if batch v (which the
+        actor trains to make it) was handed over later; None before that."""
+        return max(version * self.every, self.handed[version]) if version in self.handed else None
+
+    def weights_due(self) -> bool:
+        if not self.every:
+            return self.ready()
+        due = self.due(self.version + 1)
+        return due is not None and self.clock >= due
+
+    def wait_for_weights(self) -> None:
+        """The next version, waiting for it; on the fixed schedule the clock first runs to its step
+        (the engine idle), so that nothing depends on when it came."""
+        if self.every:
+            due = self.due(self.version + 1)
+            if due is None:
+                raise RuntimeError(f"continuous generation waits for the weights of update {self.version + 1}, "
+                                   f"but batch {self.version + 1} was never handed over")
+            self.clock = max(self.clock, due)
+        self.take_weights(self.filling)
 
     def loaded(self, version: int) -> None:
         """The engine now holds the weights of update `version` (the caller loaded them)."""
@@ -259,7 +287,11 @@ class ContinuousGeneration:
             return {"prompts": g.prompts.to("cpu"), "contexts": g.contexts, "seeds": g.seeds,
                     "responses": [vars(r) for r in g.responses]}
 
-        return {"drawn": self.drawn, "waiting": [group(g) for g in self.waiting],
+        # The order the engine holds them in (an HF step batches its requests in that order): a
+        # resume submits them again in it.
+        running = [(self.groups.index(g), m) for g, m in [*self.live.values(), *self.resumed]]
+        return {"drawn": self.drawn, "clock": self.clock, "handed": dict(self.handed), "running": running,
+                "waiting": [group(g) for g in self.waiting],
                 "in_flight": [group(g) for g in self.groups], "complete": [group(g) for g in self.complete],
                 "tokens_held": sum(len(r.tokens) for g in (*self.groups, *self.complete) for r in g.responses)}
 
@@ -271,7 +303,7 @@ class ContinuousGeneration:
         def group(d: dict) -> Group:
             return Group(d["prompts"].to(self.device), d["contexts"], d["seeds"], [Response(**r) for r in d["responses"]])
 
-        self.drawn = state["drawn"]
+        self.drawn, self.clock, self.handed = state["drawn"], state["clock"], dict(state["handed"])
         if not same_layout:
             print(f"[rollout] resumed on another layout: {state['tokens_held']} generated tokens in flight dropped",
                   flush=True)
@@ -279,7 +311,7 @@ class ContinuousGeneration:
         self.waiting = deque(group(d) for d in state["waiting"])
         self.groups = [group(d) for d in state["in_flight"]]
         self.complete = [group(d) for d in state["complete"]]
-        self.resumed = [(g, m) for g in self.groups for m, r in enumerate(g.responses) if not r.finished]
+        self.resumed = [(self.groups[g], m) for g, m in state["running"]]
         self.counts["tokens_resumed"] = state["tokens_held"]  # reported with the first batch after it
 
     def pop_metrics(self) -> dict[str, float]:

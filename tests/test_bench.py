@@ -607,3 +607,22 @@ def test_long_tail_bench_runs_fixed_and_tokens_and_reads_what_they_left(tmp_path
     assert set(tokens["balance"]) >= {"actor max/min tokens per rank, after"} and not fixed["balance"]
     assert report["comparisons"]["long-tail 1+1 tokens"]["final"]["critic/score/mean"]["agree"]
     assert "| long-tail | 1+1 | tokens |" in (tmp_path / "bench_tokens.md").read_text()
+
+
+def test_continuous_bench_reads_occupancy_engine_steps_and_staleness_from_each_modes_scalars():
+    from tools import bench_continuous as bc
+
+    steady = {4: 0, 5: 0}
+    rows = bc.PROMPTS * bc.N
+    batches = {"response_length/mean": {4: 32.0, 5: 30.0}, "response_length/max": {4: 128.0, 5: 120.0}}
+    continuous = {"rollout/occupancy": {3: 99.0, 4: 50.0, 5: 60.0}, "rollout/engine_steps": {4: 40.0, 5: 44.0},
+                  "rollout/token_staleness_mean": {4: 0.5, 5: 0.7}}
+    mode = {"steady": sorted(steady)}
+    # a batch runs for its longest answer: rows x mean / longest requests per engine step
+    assert bc.occupancy(mode, batches) == pytest.approx((rows * 32 / 128 + rows * 30 / 120) / 2)
+    assert bc.engine_steps(mode, batches) == pytest.approx(124.0)
+    assert bc.staleness(batches, set(steady), 1) == 1.0
+    assert bc.occupancy(mode, continuous) == pytest.approx(55.0)  # counted, the steady steps only
+    assert bc.engine_steps(mode, continuous) == pytest.approx(42.0)
+    assert bc.staleness(continuous, set(steady), 1) == pytest.approx(0.6)
+    assert "batches s=1" in bc.MODES  # the baseline every speedup is read against

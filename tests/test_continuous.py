@@ -84,3 +84,30 @@ def test_continuous_refuses_what_it_does_not_run_with_in_one_line(config, overri
     with pytest.raises(ConfigError, match=message):
         check_config(cfg)
         check_against_placement(cfg, plan_from_config(cfg, world_size=2, local_world_size=2, nnodes=1))
+
+
+@pytest.mark.e2e
+def test_the_fixed_schedule_gives_the_same_rows_for_the_same_seed_and_an_exact_resume(tmp_path):
+    """rollout.version_every_engine_steps: each version taken at a fixed engine step (waiting if
+    late), so two runs of one seed train on the same rows and log the same numbers, whatever the
+    two pools' timing (the free-running schedule takes each version whenever it comes: its runs
+    differ), and a run resumed from a checkpoint (the answers in flight submitted again in the
+    engine's order) logs what the uninterrupted one did (HF; vLLM restarts a resubmitted request's
+    seeded generator)."""
+    common = ("--config", GRPO, *CONTINUOUS, "rollout.version_every_engine_steps=6", "trainer.total_steps=4",
+              "trainer.timeline=", "trainer.output_dir=", f"trainer.default_local_dir={tmp_path}/ckpt")
+
+    def run(name, *overrides):
+        result = job(2, *common, *overrides, f"trainer.log_dir={tmp_path}/{name}", timeout=600, fresh_dir=False)
+        assert result.returncode == 0, result.stderr[-5000:]
+        logged = scalars(str(tmp_path / name))
+        return {k: v for k, v in logged.items() if not k.startswith(("timing", "perf/", "memory"))}
+
+    saved, again = run("a", "trainer.save_freq=2"), run("b", "trainer.save_freq=-1", "trainer.resume=disable")
+    assert saved.keys() == again.keys()
+    assert not [k for k in saved if saved[k] != again[k]]
+    assert max(values(saved, "rollout/mixed_version_rows")) > 0  # versions still land mid-answer
+    resumed = run("c", f"trainer.resume={tmp_path}/ckpt/global_step_2")
+    later = {k: [(s, v) for s, v in saved[k] if s > 2] for k in resumed if k != "rollout/tokens_resumed"}
+    assert not [k for k in later if later[k] != resumed[k]], [k for k in later if later[k] != resumed[k]]
+    assert values(resumed, "rollout/tokens_resumed")[0] > 0

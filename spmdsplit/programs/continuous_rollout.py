@@ -54,7 +54,7 @@ class ContinuousRolloutProgram(Program):
         with self.generator.timer.phase("gen_ahead", step):
             while self.stream.version < step and weights_needed(self.cfg, step):
                 if self.cfg.rollout.partial_rollout:  # the answers running wait for these weights
-                    self.take_weights(step)
+                    self.stream.wait_for_weights()
                 else:
                     self.stream.engine_step()
         if step == self.cfg.trainer.total_steps:
@@ -64,7 +64,7 @@ class ContinuousRolloutProgram(Program):
     def validate(self, step: int, val_rows: list[dict]) -> None:
         """Responses to the validation set with the weights of update `step`, beside the requests held."""
         while self.stream.version < step:
-            self.take_weights(step)
+            self.stream.wait_for_weights()
         generate_validation_rows(self.cfg, self.generator.pools, self.stream, self.channel, self.generator.timer,
                                  self.generator.tokenizer, step, val_rows)
 

@@ -44,9 +44,13 @@ def check_continuous_run(logged, staleness: int = 1):
 
 
 @pytest.mark.e2e
-def test_hf_continuous_job_takes_weights_mid_answer_within_the_staleness(tmp_path):
-    result = job(2, "--config", GRPO, *CONTINUOUS, "trainer.total_steps=5", f"trainer.log_dir={tmp_path}/tb",
-                 "trainer.timeline=", "trainer.output_dir=", timeout=600)
+@pytest.mark.parametrize("pools", ["{gen: 1, train: 1}", "{gen: 2, train: 2}"])
+def test_hf_continuous_job_takes_weights_mid_answer_within_the_staleness(tmp_path, pools):
+    """On 1 | 1 and 2 | 2 ranks (two actor ranks each sending a share of every version, two rollout
+    ranks each announcing and taking it at its own engine step, each sending its share of a batch)."""
+    ranks = 2 if "1" in pools else 4
+    result = job(ranks, "--config", GRPO, *CONTINUOUS, f"placement.pools={pools}", "trainer.total_steps=5",
+                 f"trainer.log_dir={tmp_path}/tb", "trainer.timeline=", "trainer.output_dir=", timeout=600)
     assert result.returncode == 0, result.stderr[-5000:]
     check_continuous_run(scalars(str(tmp_path / "tb")))
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.launch import run_ranks
-from tests.test_vllm_rollout import build_model, needs_vllm
+from tests.test_vllm_rollout import build_model, model_dir, needs_vllm  # noqa: F401 (model_dir: its fixture)
 
 R, TEMPERATURE = 16, 0.9
 
@@ -116,16 +116,6 @@ def assert_in_flight(res):
 
 def test_hf_takes_weights_between_steps_and_samples_the_rest_with_them():
     assert_in_flight(hf_checks())
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from spmdsplit.models import save_hf_folder
-
-    model, tokenizer = build_model(seed=0)
-    path = str(tmp_path_factory.mktemp("tiny-qwen2-head32"))
-    save_hf_folder(model, model.state_dict(), path, tokenizer)
-    return path
 
 
 @pytest.mark.e2e

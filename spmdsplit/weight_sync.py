@@ -411,7 +411,12 @@ class WeightsReady:
             self.work = dist.all_reduce(self.value, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
 
     def arrived(self) -> bool:
-        return self.work is not None and self.work.is_completed()
+        """Rollout ranks, between two engine steps, when a version is still to come: whether it is
+        being sent. Posted at the first look, not when the last version was taken: a job that
+        stops after a step (the stop vote) then leaves no collective posted that no peer will
+        join, which train.py's destroy_process_group counts on ("nothing is pending now")."""
+        self.expect()
+        return self.work.is_completed()
 
     def wait(self) -> int:
         """Rollout ranks: the version being sent (waiting for the actor pool if it is not yet)."""

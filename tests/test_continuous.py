@@ -115,3 +115,27 @@ def test_the_fixed_schedule_gives_the_same_rows_for_the_same_seed_and_an_exact_r
     later = {k: [(s, v) for s, v in saved[k] if s > 2] for k in resumed if k != "rollout/tokens_resumed"}
     assert not [k for k in later if later[k] != resumed[k]], [k for k in later if later[k] != resumed[k]]
     assert values(resumed, "rollout/tokens_resumed")[0] > 0
+
+
+@pytest.mark.e2e
+def test_a_continuous_job_stopped_on_request_leaves_nothing_pending_and_resumes_exactly(tmp_path):
+    """SIGUSR2 to the rollout rank alone (the others learn it by the vote): the job checkpoints after
+    the step and stops, and started again it logs what a run that never stopped logs (the fixed
+    schedule, HF): the answers in flight at the stop go on where they were."""
+    from tests.test_resume import stop_on_request
+
+    common = ("--config", GRPO, *CONTINUOUS, "rollout.version_every_engine_steps=6", "trainer.total_steps=8",
+              "trainer.timeline=", "trainer.output_dir=", "trainer.progress_bar=false")
+    straight = job(2, *common, f"trainer.default_local_dir={tmp_path}/a", f"trainer.log_dir={tmp_path}/a_tb",
+                   timeout=600, fresh_dir=False)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    argv = (*common, f"trainer.default_local_dir={tmp_path}/b", f"trainer.log_dir={tmp_path}/b_tb")
+    stopped_after = stop_on_request(2, argv, str(tmp_path / "b"), after="step 2:", rank=1)
+    assert 2 <= stopped_after < 8  # the vote stops the job within two steps of the signal
+    resumed = job(2, *argv, timeout=600, fresh_dir=False)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = scalars(str(tmp_path / "a_tb")), scalars(str(tmp_path / "b_tb"))
+    skip = ("timing", "perf/", "memory", "rollout/tokens_resumed")
+    differ = [k for k in a if not k.startswith(skip) and [p for p in a[k] if p[0] > stopped_after]
+              != [p for p in b[k] if p[0] > stopped_after]]
+    assert not differ, differ

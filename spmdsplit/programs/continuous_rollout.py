@@ -34,8 +34,10 @@ class ContinuousRolloutProgram(Program):
         def prompts(t: int):  # this rank's share of the dataset's generation batch t
             return step_prompts(cfg, generator.dataset, generator.tokenizer, t, generating, pools.rank)
 
-        self.stream = ContinuousGeneration(cfg, generator.engine, prompts, self.take_weights, ready.arrived, part,
-                                           len(generating), generator.tokenizer.pad_token_id, eos_ids, pools.device)
+        self.more = True  # whether the actor pool sends another version after the one held
+        self.stream = ContinuousGeneration(cfg, generator.engine, prompts, self.take_weights,
+                                           lambda: self.more and ready.arrived(), part, len(generating),
+                                           generator.tokenizer.pad_token_id, eos_ids, pools.device)
         self.sends = PendingSend()
 
     def start(self, step: int) -> None:
@@ -73,8 +75,7 @@ class ContinuousRolloutProgram(Program):
         version = self.ready.wait()
         self.generator.wake(step)
         self.stream.loaded(version)
-        if next_version_sent(self.cfg, version) is not None:
-            self.ready.expect()
+        self.more = next_version_sent(self.cfg, version) is not None
 
     def state(self, step: int) -> dict:
         return {"continuous": self.stream.state()}

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from spmdsplit.batch import Batch
 from spmdsplit.checkpoint import step_dir
-from spmdsplit.staleness import check_weights_version, validates_after, weights_needed
+from spmdsplit.staleness import check_weights_version, next_version_sent, validates_after, weights_needed
 from tests.launch import cached_job, job
 from tests.outputs import scalars, timeline_events
 from tests.test_resume import assert_repeats, stop_on_request
@@ -131,7 +131,7 @@ def test_every_weights_version_sent_is_taken_once_and_every_batch_keeps_its_boun
     validation or at the end of its step, in order, each once; each batch is generated with a
     version within the staleness bound, from exactly step k-1-s on."""
     total = 7
-    cfg = OmegaConf.create({"rollout": {"staleness": staleness},
+    cfg = OmegaConf.create({"rollout": {"staleness": staleness, "continuous": False},
                             "trainer": {"total_steps": total, "val_freq": val_freq, "val_before_train": val_before_train}})
     sent = [k for k in range(1, total + 1) if weights_needed(cfg, k)]
     taken, version, generated_with = [], 0, {}
@@ -147,6 +147,15 @@ def test_every_weights_version_sent_is_taken_once_and_every_batch_keeps_its_boun
             version = k
     assert taken == sent
     assert generated_with == {b: max(0, b - 1 - staleness) for b in range(1, total + 1)}
+
+
+def test_continuous_generation_is_sent_every_version_but_the_last_unless_it_validates_after_it():
+    cfg = OmegaConf.create({"rollout": {"staleness": 1, "continuous": True},
+                            "trainer": {"total_steps": 5, "val_freq": -1, "val_before_train": False}})
+    assert [k for k in range(1, 6) if weights_needed(cfg, k)] == [1, 2, 3, 4]
+    assert next_version_sent(cfg, 3) == 4 and next_version_sent(cfg, 4) is None
+    cfg.trainer.val_freq = 5  # validation after the last step takes its weights too
+    assert weights_needed(cfg, 5) and next_version_sent(cfg, 4) == 5
 
 
 def test_rows_of_the_wrong_weights_version_are_refused_in_one_line():

@@ -31,6 +31,13 @@ from spmdsplit.batch import Batch
 from spmdsplit.rollout.base import rollout_batch
 
 
+def padded(rows: list[list], fill, device) -> torch.Tensor:
+    """Lists of different lengths as one right-padded tensor (ints: int64; floats: float32)."""
+    width = max(len(row) for row in rows)
+    return torch.tensor([row + [fill] * (width - len(row)) for row in rows],
+                        dtype=torch.float32 if isinstance(fill, float) else torch.int64, device=device)
+
+
 @dataclass(eq=False)  # compared by identity
 class Response:
     """One of a group's responses, as far as it went."""
@@ -103,7 +110,7 @@ class ContinuousGeneration:
         groups, self.complete = self.complete[: self.quota], self.complete[self.quota:]
         self.filling = batch + 1
         self.handed[batch] = self.clock
-        return self.rows(groups, batch)
+        return self.rows(groups)
 
     def oldest_allowed(self, batch: int) -> int:
         return max(0, batch - 1 - self.staleness)
@@ -156,12 +163,10 @@ class ContinuousGeneration:
         while not all(self.extra[i].finished for i in ids):
             self.engine_step()
         responses = [self.extra.pop(i) for i in ids]
-        width = max(len(r.tokens) for r in responses)
-        tokens = torch.tensor([r.tokens + [self.pad_token_id] * (width - len(r.tokens)) for r in responses])
-        log_probs = torch.tensor([r.log_probs + [0.0] * (width - len(r.log_probs)) for r in responses])
         device = prompts["input_ids"].device
-        return rollout_batch(prompts, tokens.to(device), self.pad_token_id, self.eos_token_ids,
-                             {"rollout_log_probs": log_probs.to(device)})
+        return rollout_batch(prompts, padded([r.tokens for r in responses], self.pad_token_id, device),
+                             self.pad_token_id, self.eos_token_ids,
+                             {"rollout_log_probs": padded([r.log_probs for r in responses], 0.0, device)})
 
     def due(self, version: int) -> int | None:
         """The fixed schedule's engine step for `version`: v*K, or later if batch v (which the
@@ -256,22 +261,16 @@ class ContinuousGeneration:
 
     # ---------------------------------------------------------------- the rows
 
-    def rows(self, groups: list[Group], batch: int) -> Batch:
+    def rows(self, groups: list[Group]) -> Batch:
         """The groups as rollout rows: verl's columns (rollout/base.py rollout_batch), the engine's
         log-probs, each token's version, each row's oldest version (`weights_version`, which the
         actor checks against the staleness bound), and `row_index`: the row's place in the batch."""
         prompts = Batch.concat([g.prompts for g in groups])
         responses = [r for g in groups for r in g.responses]
-        width = max(len(r.tokens) for r in responses)
-
-        def padded(values, fill, dtype):
-            return torch.tensor([v + [fill] * (width - len(v)) for v in values], dtype=dtype)
-
-        tokens = padded([r.tokens for r in responses], self.pad_token_id, torch.int64)
-        extras = {"rollout_log_probs": padded([r.log_probs for r in responses], 0.0, torch.float32),
-                  "token_weights_version": padded([r.versions for r in responses], 0, torch.int64)}
-        rows = rollout_batch(prompts.to(self.device), tokens.to(self.device), self.pad_token_id, self.eos_token_ids,
-                             {k: v.to(self.device) for k, v in extras.items()})
+        extras = {"rollout_log_probs": padded([r.log_probs for r in responses], 0.0, self.device),
+                  "token_weights_version": padded([r.versions for r in responses], 0, self.device)}
+        rows = rollout_batch(prompts.to(self.device), padded([r.tokens for r in responses], self.pad_token_id, self.device),
+                             self.pad_token_id, self.eos_token_ids, extras)
         first = self.part * self.quota * self.n
         rows["row_index"] = torch.arange(first, first + len(rows), dtype=torch.int64, device=self.device)
         rows["weights_version"] = torch.tensor([min(r.versions) for r in responses], dtype=torch.int64,

@@ -271,8 +271,10 @@ def token_staleness(rollout: Batch, step: int, group, device) -> dict[str, float
     sums["rollout/current_version_tokens"], counts["rollout/current_version_tokens"] = current.sum().item(), mask.sum().item()
     extra_max = {}
     if "old_log_probs" in rollout:
-        diff = (rollout["rollout_log_probs"].float().exp() - rollout["old_log_probs"].float().exp()).abs()[current]
-        extra_max["rollout/current_version_probs_diff_max"] = diff.max().item() if diff.numel() else 0.0
+        from spmdsplit.rollout.base import rollout_probs_diff
+
+        _, _, largest = rollout_probs_diff(rollout["rollout_log_probs"], rollout["old_log_probs"], current)
+        extra_max["rollout/current_version_probs_diff_max"] = largest.item()
     means = pool_reduce_metrics(sums, counts, group, device)
     maxes, mins = pool_max_min({**extra_max,
                                 "rollout/token_staleness_max": staleness.max().item() if staleness.numel() else 0.0,

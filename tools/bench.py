@@ -24,9 +24,9 @@ import statistics
 import sys
 import time
 
-from tools.jobs import BenchError, free_port, peak_memory, pools_by_rank, run_job
+from tools.jobs import free_port, peak_memory, pools_by_rank, run_job
 from tools.models import build_random_qwen2
-from tools.report import fmt, write_report
+from tools.report import fmt, run_and_write
 
 MODE_OVERRIDES = {
     "colocate": ["placement.mode=colocate", "placement.pools=[]"],
@@ -454,13 +454,7 @@ def main(argv=None) -> int:
         run, render, name = bench_async.run, bench_async.render_markdown, "bench_async"
     else:
         run, render, name = run_bench, render_markdown, "bench"
-    try:
-        report = run(args)
-    except BenchError as e:
-        print(f"tools.bench: error: {e}", file=sys.stderr)
-        return 1
-    write_report(args.out, name, report, render(report))
-    return 0
+    return run_and_write(args.out, name, run, render, args)
 
 
 if __name__ == "__main__":

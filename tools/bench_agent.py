@@ -31,8 +31,8 @@ import sys
 import time
 
 from tools import bench, bench_async
-from tools.jobs import BenchError, run_job
-from tools.report import fmt, write_report
+from tools.jobs import run_job
+from tools.report import fmt, run_and_write
 
 SLEEP_S, EPISODES, AT_BOOST = 0.2, 32, 10.0
 PRESET = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "agent_lookup.yaml")
@@ -256,13 +256,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="part 1: timed runs of each measurement (default 3)")
     p.add_argument("--out", default="outputs/bench_agent", help="where bench_agent.json/.md and the jobs' files go")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        report = run(args)
-    except BenchError as e:
-        print(f"tools.bench_agent: error: {e}", file=sys.stderr)
-        return 1
-    write_report(args.out, "bench_agent", report, render_markdown(report))
-    return 0
+    return run_and_write(args.out, "bench_agent", run, render_markdown, args)
 
 
 if __name__ == "__main__":

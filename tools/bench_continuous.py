@@ -27,9 +27,9 @@ import sys
 import time
 
 from tools import bench, bench_async
-from tools.jobs import BenchError, run_job
+from tools.jobs import run_job
 from tools.models import build_random_qwen2
-from tools.report import fmt, write_report
+from tools.report import fmt, run_and_write
 
 MODEL = dict(hidden=64, layers=2, heads=2, kv_heads=1, mlp=128, max_positions=256)  # heads of 32: vLLM's CPU kernel
 EOS_RATE = 1 / 32
@@ -160,11 +160,4 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="outputs/bench_continuous")
     p.add_argument("overrides", nargs="*", help="key=value train overrides for every mode")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        report = run(args)
-    except BenchError as e:
-        print(f"tools.bench: error: {e}", file=sys.stderr)
-        return 1
-    write_report(args.out, "bench_continuous", report, render_markdown(report))
-    print(render_markdown(report))
-    return 0
+    return run_and_write(args.out, "bench_continuous", run, render_markdown, args)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 
 def fmt(x, spec="{:.3f}") -> str:
@@ -18,3 +19,17 @@ def write_report(out: str, name: str, report: dict, markdown: str) -> None:
     with open(os.path.join(out, f"{name}.md"), "w") as f:
         f.write(markdown)
     print(markdown)
+
+
+def run_and_write(out: str, name: str, run, render, args) -> int:
+    """A benchmark's main: `run(args)` -> report, written by `write_report` as `name`; a failed job
+    (tools.jobs.BenchError) is one line on stderr and exit code 1."""
+    from tools.jobs import BenchError
+
+    try:
+        report = run(args)
+    except BenchError as e:
+        print(f"tools.bench: error: {e}", file=sys.stderr)
+        return 1
+    write_report(out, name, report, render(report))
+    return 0

@@ -16,10 +16,18 @@ Weights arrive when the actor pool has them (WeightsReady, polled between engine
 fixed points: which engine step takes a version is free-running. The rows are this rank's share
 of each batch, as in batch mode (same size, same row order of groups, `row_index` in it), so the
 actor pool's side is unchanged but for the token versions it checks.
+
+Agents (rollout.multi_turn): a response is an agent episode (spmdsplit/agent/loop.py), and each of
+its turns is one request. When a turn ends with tool calls they start at once, off this thread
+(Tools.start), and the episode leaves the engine; other episodes' turns go on meanwhile, and the
+next engine step after the calls return submits its next turn (the tool's tokens appended, mask 0,
+recorded with the version then held, which no check reads). Nothing waits for a whole turn of
+every episode, as batch mode's loop does.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 from collections import deque
 from collections.abc import Callable
@@ -46,6 +54,20 @@ class Response:
     log_probs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finished: bool = False
+    episode: object = None  # agents: the Episode (turns, calls, tool rewards; agent/loop.py)
+    turn_start: int = 0  # agents: tokens[turn_start:] are the turn being generated
+
+
+@dataclass(eq=False)
+class ToolCalls:
+    """An episode's turn's tool calls, running (Tools.start's future)."""
+
+    group: Group
+    member: int
+    response: Response  # the one that made the calls: if it was restarted since, their answer is dropped
+    calls: list
+    turn_end: str
+    results: concurrent.futures.Future
 
 
 @dataclass(eq=False)
@@ -57,6 +79,8 @@ class Group:
     contexts: list[list[int]]
     seeds: list[int | None]
     responses: list[Response]
+    outside: bool = False  # validation's: none of the batches' (`generate`)
+    validate: bool = False  # sampled as rollout.val_kwargs
 
     @property
     def complete(self) -> bool:
@@ -71,12 +95,14 @@ class ContinuousGeneration:
     """This rank's engine, kept full. `prompts(t)`: this rank's rows of the dataset's generation
     batch t (generation.step_prompts: each prompt rollout.n times, with its seeds); `take_weights(step)`
     loads the next version the actor pool sends (blocking: Generator.wake); `ready()` says,
-    without waiting, whether the actor pool is sending one (weight_sync.WeightsReady)."""
+    without waiting, whether the actor pool is sending one (weight_sync.WeightsReady). `agent`:
+    the agent loop (agent/loop.py AgentRollout) around `engine` with rollout.multi_turn."""
 
     def __init__(self, cfg, engine, prompts: Callable[[int], Batch], take_weights: Callable[[int], None],
                  ready: Callable[[], bool], part: int, parts: int, pad_token_id: int, eos_token_ids: list[int],
-                 device: torch.device):
+                 device: torch.device, agent=None):
         self.cfg, self.engine, self.prompts, self.take_weights, self.ready = cfg, engine, prompts, take_weights, ready
+        self.agent = agent
         self.n, self.staleness = cfg.rollout.n, cfg.rollout.staleness
         self.budget = cfg.data.max_response_length
         self.quota = cfg.data.train_batch_size // parts  # this rank's groups per batch
@@ -91,10 +117,11 @@ class ContinuousGeneration:
         self.groups: list[Group] = []  # submitted, in the order they were drawn
         self.live: dict[str, tuple[Group, int]] = {}  # request id -> (group, member)
         self.complete: list[Group] = []  # every response finished, in completion order
-        self.extra: dict[str, Response] = {}  # requests outside the batches (validation's)
         self.resumed: list[tuple[Group, int]] = []  # responses a checkpoint kept, to submit again
+        self.tooling: list[ToolCalls] = []  # agents: episodes whose tool calls run
         self._ids = itertools.count()
-        self.counts = dict(engine_steps=0, live_requests=0, restarted=0, tokens_discarded=0, tokens=0, tokens_resumed=0)
+        self.counts = dict(engine_steps=0, live_requests=0, restarted=0, tokens_discarded=0, tokens=0, tokens_resumed=0,
+                           steps_with_tools=0, tool_waits=0)
 
     # ---------------------------------------------------------------- the loop
 
@@ -121,33 +148,75 @@ class ContinuousGeneration:
         if self.weights_due():
             self.take_weights(self.filling)
             self.restart_stale(self.filling)
+        # On the fixed schedule a call's answer lands at the next step, however long it took: the rows
+        # do not depend on a tool's latency.
+        self.take_tool_results(wait=bool(self.every))
         self.top_up()
-        if not self.live and not self.extra:  # every group the staleness allows is generated: wait
-            self.wait_for_weights()
+        if not self.live:
+            if self.tooling:  # only tool calls are out: wait for the first to return
+                self.counts["tool_waits"] += 1
+                self.take_tool_results(wait=True, first=True)
+                return
+            self.wait_for_weights()  # every group the staleness allows is generated: wait
             self.restart_stale(self.filling)
             return
         deltas = self.engine.step()
         self.clock += 1
         self.counts["engine_steps"] += 1
         self.counts["live_requests"] += len(self.live)
+        self.counts["steps_with_tools"] += bool(self.tooling)
         for delta in deltas:
-            if delta.request_id in self.extra:
-                response = self.extra[delta.request_id]
-            else:
-                group, member = self.live[delta.request_id]
-                response = group.responses[member]
+            group, member = self.live[delta.request_id]
+            response = group.responses[member]
             response.tokens += delta.token_ids
             response.log_probs += delta.log_probs
             response.versions += [self.version] * len(delta.token_ids)
             self.counts["tokens"] += len(delta.token_ids)
             if delta.finished:
-                response.finished = True
-                if delta.request_id in self.extra:
-                    continue
                 del self.live[delta.request_id]
-                if group.complete:
-                    self.groups.remove(group)
-                    self.complete.append(group)
+                self.turn_ended(group, member)
+
+    def turn_ended(self, group: Group, member: int) -> None:
+        """A request finished: the response is done, or (an agent's) its turn's calls start."""
+        response = group.responses[member]
+        if self.agent is not None:
+            turn = slice(response.turn_start, None)
+            calls, turn_end = self.agent.take_turn(response.episode, response.tokens[turn], response.log_probs[turn])
+            if calls:
+                self.tooling.append(ToolCalls(group, member, response, calls, turn_end, self.agent.tools.start(calls)))
+                return
+        response.finished = True
+        if group.complete and not group.outside:
+            self.groups.remove(group)
+            self.complete.append(group)
+
+    def take_tool_results(self, wait: bool, first: bool = False) -> None:
+        """Tool calls that returned: their answers appended to the episode, and its next turn
+        submitted (or the episode ends). `wait`: for every call out (`first`: for one of them)."""
+        if not self.tooling:
+            return
+        if wait:
+            concurrent.futures.wait([t.results for t in self.tooling],
+                                     return_when=concurrent.futures.FIRST_COMPLETED if first else concurrent.futures.ALL_COMPLETED)
+        returned = [t for t in self.tooling if t.results.done()]
+        self.tooling = [t for t in self.tooling if not t.results.done()]
+        for t in returned:
+            response = t.response
+            if t.group.responses[t.member] is not response:  # restarted meanwhile (staleness): dropped
+                continue
+            self.agent.add_tool_responses(response.episode, t.calls, t.results.result(), t.turn_end)
+            tool_tokens = response.episode.response_ids[len(response.tokens):]
+            response.tokens += tool_tokens
+            response.log_probs += [0.0] * len(tool_tokens)
+            response.versions += [self.version] * len(tool_tokens)
+            if response.episode.done:
+                response.finished = True
+                if t.group.complete and not t.group.outside:
+                    self.groups.remove(t.group)
+                    self.complete.append(t.group)
+            else:
+                response.turn_start = len(response.tokens)
+                self.submit(t.group, t.member)
 
     def generate(self, prompts: Batch, validate: bool = False, greedy: bool = False) -> Batch:
         """Rows generated now, beside the requests held, which go on (validation: the engine is
@@ -155,18 +224,14 @@ class ContinuousGeneration:
         takes it as its engine."""
         if greedy:
             raise RuntimeError("continuous generation has no greedy baselines (preflight refuses ReMax with it)")
-        ids = []
-        for row, keep in zip(prompts["input_ids"], prompts["attention_mask"].bool()):
-            ids.append(f"x{next(self._ids)}")
-            self.extra[ids[-1]] = Response()
-            self.engine.submit(ids[-1], row[keep].tolist(), self.budget, None, validate=validate)
-        while not all(self.extra[i].finished for i in ids):
+        keep = prompts["attention_mask"].bool()
+        group = Group(prompts, [ids[m].tolist() for ids, m in zip(prompts["input_ids"], keep)], [None] * len(prompts),
+                      [Response() for _ in range(len(prompts))], outside=True, validate=validate)
+        for member in range(len(prompts)):
+            self.submit(group, member)
+        while not group.complete:
             self.engine_step()
-        responses = [self.extra.pop(i) for i in ids]
-        device = prompts["input_ids"].device
-        return rollout_batch(prompts, padded([r.tokens for r in responses], self.pad_token_id, device),
-                             self.pad_token_id, self.eos_token_ids,
-                             {"rollout_log_probs": padded([r.log_probs for r in responses], 0.0, device)})
+        return self.columns(prompts, group.responses, prompts["input_ids"].device)
 
     def due(self, version: int) -> int | None:
         """The fixed schedule's engine step for `version`: v*K, or later if batch v (which the
@@ -200,7 +265,7 @@ class ContinuousGeneration:
         for group, member in self.resumed:
             self.submit(group, member)
         self.resumed = []
-        while len(self.live) < self.quota * self.n and self.admits():
+        while len(self.live) + len(self.tooling) < self.quota * self.n and self.admits():
             if not self.waiting:
                 self.drawn += 1
                 self.waiting.extend(self.split(self.prompts(self.drawn)))
@@ -227,19 +292,26 @@ class ContinuousGeneration:
         return groups
 
     def submit(self, group: Group, member: int) -> None:
-        """The response's request: its prompt and the tokens it has, for the budget left."""
+        """The response's request: its prompt and the tokens it has, for the budget left (an agent's:
+        its next turn, with the turn's seed and stop tokens)."""
         response = group.responses[member]
+        seed, stop_ids = group.seeds[member], None
+        if self.agent is not None:
+            if response.episode is None:
+                response.episode = self.agent.start(group.prompts.slice(member, member + 1))[0]
+                response.episode.seed = seed
+            seed, stop_ids = self.agent.turn_seed(response.episode), self.agent.turn_stop_ids(response.episode)
         request_id = f"c{next(self._ids)}"
         self.live[request_id] = (group, member)
         self.engine.submit(request_id, group.contexts[member] + response.tokens, self.budget - len(response.tokens),
-                           group.seeds[member])
+                           seed, validate=group.validate, stop_ids=stop_ids)
 
     def restart_stale(self, batch: int) -> None:
         """Responses holding a token older than batch `batch` allows start again from their prompt
         (a later batch allows even less): complete groups waiting to be handed over included."""
         allowed = self.oldest_allowed(batch)
         stale_live = [rid for rid, (g, m) in self.live.items()
-                      if g.responses[m].versions and g.responses[m].versions[0] < allowed]
+                      if not g.outside and g.responses[m].versions and g.responses[m].versions[0] < allowed]
         if stale_live:
             self.engine.abort(stale_live)
         restart = [(self.live.pop(rid)) for rid in stale_live]
@@ -267,21 +339,31 @@ class ContinuousGeneration:
         actor checks against the staleness bound), and `row_index`: the row's place in the batch."""
         prompts = Batch.concat([g.prompts for g in groups])
         responses = [r for g in groups for r in g.responses]
-        extras = {"rollout_log_probs": padded([r.log_probs for r in responses], 0.0, self.device),
-                  "token_weights_version": padded([r.versions for r in responses], 0, self.device)}
-        rows = rollout_batch(prompts.to(self.device), padded([r.tokens for r in responses], self.pad_token_id, self.device),
-                             self.pad_token_id, self.eos_token_ids, extras)
+        rows = self.columns(prompts.to(self.device), responses, self.device)
+        rows["token_weights_version"] = padded([r.versions for r in responses], 0, self.device)[:, : rows["responses"].shape[1]]
         first = self.part * self.quota * self.n
         rows["row_index"] = torch.arange(first, first + len(rows), dtype=torch.int64, device=self.device)
         rows["weights_version"] = torch.tensor([min(r.versions) for r in responses], dtype=torch.int64,
                                                device=self.device)
         return rows
 
+    def columns(self, prompts: Batch, responses: list[Response], device) -> Batch:
+        """verl's columns of the responses with the engine's log-probs (an agent's: its episodes',
+        tool tokens masked, as batch mode's loop gives them)."""
+        if self.agent is not None:
+            return self.agent.finish(prompts, [r.episode for r in responses])
+        return rollout_batch(prompts, padded([r.tokens for r in responses], self.pad_token_id, device),
+                             self.pad_token_id, self.eos_token_ids,
+                             {"rollout_log_probs": padded([r.log_probs for r in responses], 0.0, device)})
+
     # ---------------------------------------------------------------- checkpoints
 
     def state(self) -> dict:
         """Everything drawn and not handed over: the groups waiting, in flight (each response's
-        tokens, log-probs and versions so far) and complete; how many prompt batches were drawn."""
+        tokens, log-probs and versions so far) and complete; how many prompt batches were drawn.
+        Agents' tool calls out are waited for first (their answers appended, the next turns
+        submitted): a call is never run twice, nor its answer lost."""
+        self.take_tool_results(wait=True)
         def group(g: Group) -> dict:
             return {"prompts": g.prompts.to("cpu"), "contexts": g.contexts, "seeds": g.seeds,
                     "responses": [vars(r) for r in g.responses]}
@@ -321,5 +403,8 @@ class ContinuousGeneration:
         metrics = {"rollout/engine_steps": c["engine_steps"], "rollout/occupancy": c["live_requests"] / steps,
                    "rollout/requests_restarted": c["restarted"], "rollout/tokens_discarded": c["tokens_discarded"],
                    "rollout/tokens_generated": c["tokens"], "rollout/tokens_resumed": c["tokens_resumed"]}
+        if self.agent is not None:  # how much tool time the engine ran through, and how often it only waited for tools
+            metrics.update({"rollout/engine_steps_during_tools": c["steps_with_tools"],
+                            "rollout/tool_waits": c["tool_waits"]})
         self.counts = dict.fromkeys(c, 0)
         return metrics

@@ -364,7 +364,6 @@ def check_continuous(cfg: DictConfig) -> None:
         raise ConfigError(f"{key} needs rollout.staleness >= 1 (got {r.staleness}): with 0 every batch would wait "
                           "for the weights of the update before it, and the requests held would be restarted each time")
     refusals = [
-        (r.multi_turn.enable, "rollout.multi_turn.enable=true: agent episodes are generated a batch at a time"),
         (cfg.algorithm.filter_groups.enable, "algorithm.filter_groups.enable=true: dynamic sampling fills a step "
                                              "from whole generation batches"),
         ("reward_baselines" in get_adv_estimator(cfg.algorithm.adv_estimator).inputs,

@@ -74,12 +74,36 @@ def test_vllm_continuous_job_takes_weights_mid_answer_and_resumes_with_the_answe
     assert values(logged, "rollout/tokens_resumed")[0] > 0  # the answers in flight went on, not drawn again
 
 
+@pytest.mark.e2e
+def test_agent_episodes_flow_one_by_one_in_a_continuous_job_and_resume_with_their_turns(tmp_path):
+    """The embedded lookup agent (configs/agent_lookup.yaml) on 1 | 1 under the NCCL-contract
+    layer: tool calls answered while other episodes generate, validation's episodes beside the
+    requests held, every trained token within the staleness; saved at step 2 of 4 and resumed
+    from the episodes in flight (turns, tool tokens and all)."""
+    from tests.test_agent_e2e import AGENT, POOL
+
+    ckpt = tmp_path / "ckpt"
+    common = (*AGENT, *POOL, "rollout.continuous=true", "rollout.hf_step_tokens=1", "trainer.total_steps=4",
+              f"trainer.default_local_dir={ckpt}")
+    first = job(2, *common, "trainer.save_freq=2", f"trainer.log_dir={tmp_path}/tb1", timeout=600, fresh_dir=False)
+    assert first.returncode == 0, first.stderr[-5000:]
+    logged = scalars(str(tmp_path / "tb1"))
+    assert min(values(logged, "tool/calls")) > 0 and max(values(logged, "num_turns/max")) >= 3
+    assert sum(values(logged, "rollout/engine_steps_during_tools")) > 0
+    assert max(values(logged, "rollout/token_staleness_max")) <= 1
+    assert max(values(logged, "rollout/current_version_probs_diff_max")) < 1e-4
+    assert len(values(logged, "val-core/synthetic/lookup/reward/mean@1")) >= 2  # validation's episodes, at steps 2 and 4
+    resumed = job(2, *common, f"trainer.resume={ckpt}/global_step_2", f"trainer.log_dir={tmp_path}/tb2",
+                  timeout=600, fresh_dir=False)
+    assert resumed.returncode == 0, resumed.stderr[-5000:]
+    assert values(scalars(str(tmp_path / "tb2")), "rollout/tokens_resumed")[0] > 0
+
+
 @pytest.mark.parametrize("config, overrides, message", [
     (None, ("placement.mode=colocate", "rollout.staleness=1"), "needs a rollout pool of its own"),
     (GRPO, ("rollout.staleness=0",), "needs rollout.staleness >= 1"),
     (GRPO, ("algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc"), "dynamic sampling"),
     (GRPO, ("algorithm.adv_estimator=remax", "rollout.n=1"), "greedy baselines"),
-    (GRPO, ("rollout.multi_turn.enable=true",), "agent episodes"),
     (GRPO, ("rollout.continuous=false", "rollout.partial_rollout=true"), "set rollout.continuous=true too"),
     (GRPO, ("rollout.name=vllm", "rollout.kv_after_load=keep"), "rollout.enable_prefix_caching=false"),
 ])

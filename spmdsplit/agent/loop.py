@@ -91,18 +91,16 @@ class AgentRollout:
 
     def generate(self, prompts: Batch, validate: bool = False) -> Batch:
         episodes = self.start(prompts)
-        turn = 0
         while live := [e for e in episodes if not e.done]:
             calling = []
-            # A single-turn agent's answer ends at the EOS only: a parser's stop token ("@") is text to it.
-            for uses_tools, stop_ids in ((True, self.stop_ids), (False, self.eos_ids)):
+            for uses_tools in (True, False):
                 group = [e for e in live if (e.agent == "tool_agent") is uses_tools]
                 if not group:
                     continue
-                seeds = [_splitmix64(e.seed ^ turn) >> 1 for e in group] if group[0].seed is not None else None
+                seeds = [self.turn_seed(e) for e in group] if group[0].seed is not None else None
                 outputs = self.engine.continue_ids([e.context for e in group],
                                                    [self.budget - len(e.response_ids) for e in group],
-                                                   stop_ids, seeds=seeds, validate=validate)
+                                                   self.turn_stop_ids(group[0]), seeds=seeds, validate=validate)
                 for episode, (ids, log_probs) in zip(group, outputs):
                     calls, turn_end = self.take_turn(episode, ids, log_probs)
                     if calls:
@@ -112,8 +110,17 @@ class AgentRollout:
             for episode, calls, turn_end in calling:
                 mine, results = results[: len(calls)], results[len(calls):]
                 self.add_tool_responses(episode, calls, mine, turn_end)
-            turn += 1
         return self.finish(prompts, episodes)
+
+    def turn_stop_ids(self, episode: Episode) -> list[int]:
+        """What ends the episode's turn: a single-turn agent's answer ends at the EOS only (a
+        parser's stop token, "@", is text to it)."""
+        return self.stop_ids if episode.agent == "tool_agent" else self.eos_ids
+
+    @staticmethod
+    def turn_seed(episode: Episode) -> int | None:
+        """The seed of the episode's next turn: its row's, hashed with the turn's number."""
+        return None if episode.seed is None else _splitmix64(episode.seed ^ episode.assistant_turns) >> 1
 
     def start(self, prompts: Batch) -> list[Episode]:
         ids, mask = prompts["input_ids"].cpu(), prompts["attention_mask"].cpu().bool()

@@ -22,6 +22,7 @@ every parameter of `fn` in the schema it builds, so a function taking row data n
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import copy
 import hashlib
 import importlib
@@ -316,9 +317,19 @@ class Tools:
 
     def run(self, calls: Sequence[Call]) -> list[ToolResult]:
         """Runs all calls concurrently; one result per call, in order. A tool's fault never raises here."""
+        return self.start(calls).result()
+
+    def start(self, calls: Sequence[Call]) -> concurrent.futures.Future:
+        """`run` without waiting: the calls start now, on the tools' event loop, and the future
+        gives their results (never an exception) while the caller goes on (continuous generation
+        runs other episodes' turns meanwhile)."""
         async def all_calls() -> list[ToolResult]:
             return list(await asyncio.gather(*(self._one(c) for c in calls)))
-        return asyncio.run_coroutine_threadsafe(all_calls(), self._started_loop()).result() if calls else []
+        if not calls:
+            done = concurrent.futures.Future()
+            done.set_result([])
+            return done
+        return asyncio.run_coroutine_threadsafe(all_calls(), self._started_loop())
 
     def close(self) -> None:
         """Stops the event-loop thread (a later `run` starts another); stuck tool threads are daemons."""

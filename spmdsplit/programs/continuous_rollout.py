@@ -8,6 +8,7 @@ every update but the last, each announced first).
 Step k here: batch k out (generated meanwhile: while the other pools trained on batch k-1, this
 engine went on with the requests it held), every version the actor pool sends taken as it comes.
 With rollout.partial_rollout the requests wait instead, from the hand-off to the weights of update k.
+Agent episodes flow one by one: a turn's tool calls run while other episodes generate.
 Validation runs beside the requests held. A checkpoint keeps every request in flight (tokens,
 log-probs, versions) and the prompts drawn: a resume submits them again where they stopped.
 """
@@ -35,9 +36,12 @@ class ContinuousRolloutProgram(Program):
             return step_prompts(cfg, generator.dataset, generator.tokenizer, t, generating, pools.rank)
 
         self.more = True  # whether the actor pool sends another version after the one held
-        self.stream = ContinuousGeneration(cfg, generator.engine, prompts, self.take_weights,
+        # With rollout.multi_turn the generator's engine is the agent loop around the stepwise engine:
+        # the stream drives the engine and runs the loop's turns and tools episode by episode.
+        agent = generator.engine if cfg.rollout.multi_turn.enable else None
+        self.stream = ContinuousGeneration(cfg, agent.engine if agent else generator.engine, prompts, self.take_weights,
                                            lambda: self.more and ready.arrived(), part, len(generating),
-                                           generator.tokenizer.pad_token_id, eos_ids, pools.device)
+                                           generator.tokenizer.pad_token_id, eos_ids, pools.device, agent=agent)
         self.sends = PendingSend()
 
     def start(self, step: int) -> None:

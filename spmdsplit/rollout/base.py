@@ -58,10 +58,10 @@ class StepwiseRollout(Rollout, Protocol):
     sampled with the new weights."""
 
     def submit(self, request_id: str, context: list[int], budget: int, seed: int | None = None,
-               validate: bool = False) -> None:
+               validate: bool = False, stop_ids: list[int] | None = None) -> None:
         """A request: `context` (prompt and any tokens already generated, no padding) continued by
-        at most `budget` tokens, up to an EOS (kept); `seed` seeds its sampling (vLLM);
-        `validate`: sampled as rollout.val_kwargs says."""
+        at most `budget` tokens, up to an EOS (kept; `stop_ids`: these tokens instead, an agent's
+        turn); `seed` seeds its sampling (vLLM); `validate`: sampled as rollout.val_kwargs says."""
 
     def step(self) -> list[Delta]:
         """One engine step over the requests held (vLLM: one scheduler step; HF: a few tokens)."""

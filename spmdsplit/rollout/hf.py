@@ -177,28 +177,28 @@ class HFRollout:
     # sampled with, the context included, as on vLLM (VLLMRollout.update_weights).
 
     def submit(self, request_id: str, context: list[int], budget: int, seed: int | None = None,
-               validate: bool = False) -> None:
+               validate: bool = False, stop_ids: list[int] | None = None) -> None:
         if request_id in self.requests:
             raise RuntimeError(f"HFRollout.submit: request {request_id!r} is already held")
-        self.requests[request_id] = (list(context), budget, validate)
+        self.requests[request_id] = (list(context), budget, (validate, tuple(stop_ids or self.eos_token_id)))
 
     def step(self) -> list[Delta]:
         held = list(self.requests.items())[: self.max_num_seqs]
         deltas = []
-        for validate in (False, True):  # one `generate` per sampling (rollout.* or val_kwargs)
-            rows = [(request_id, request) for request_id, request in held if request[2] == validate]
-            if not rows:
-                continue
+        # One `generate` per sampling (rollout.* or val_kwargs) and set of stop tokens (an EOS, or an agent's turn's).
+        for kind in sorted(dict.fromkeys(request[2] for _, request in held), key=lambda kind: kind[0]):
+            rows = [(request_id, request) for request_id, request in held if request[2] == kind]
+            validate, stop_ids = kind
             budgets = [min(self.step_tokens, left) for _, (_, left, _) in rows]
-            turns = self.continue_ids([context for _, (context, _, _) in rows], budgets, self.eos_token_id,
+            turns = self.continue_ids([context for _, (context, _, _) in rows], budgets, list(stop_ids),
                                       validate=validate)
             for (request_id, (context, left, _)), (tokens, log_probs) in zip(rows, turns):
                 left -= len(tokens)
-                finished = left <= 0 or tokens[-1] in self.eos_token_id
+                finished = left <= 0 or tokens[-1] in stop_ids
                 if finished:
                     del self.requests[request_id]
                 else:
-                    self.requests[request_id] = (context + tokens, left, validate)
+                    self.requests[request_id] = (context + tokens, left, kind)
                 deltas.append(Delta(request_id, tokens, log_probs, finished))
         return deltas
 

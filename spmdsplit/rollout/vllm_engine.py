@@ -406,13 +406,15 @@ class VLLMRollout:
     # in-process: each step runs the model in this thread), outputs as deltas.
 
     def submit(self, request_id: str, context: list[int], budget: int, seed: int | None = None,
-               validate: bool = False) -> None:
+               validate: bool = False, stop_ids: list[int] | None = None) -> None:
         from vllm.sampling_params import RequestOutputKind
 
         if not self.awake:
             raise RuntimeError("VLLMRollout.submit: the engine is asleep; wake_up(weights) first")
         params = (self.val_sampling if validate else self.sampling).clone()
         params.max_tokens, params.output_kind = budget, RequestOutputKind.DELTA
+        if stop_ids is not None:  # an agent's turn: its parser's stop token too (kept, as the EOS)
+            params.stop_token_ids = list(stop_ids)
         if seed is not None:
             params.seed = seed
         self.llm.llm_engine.add_request(request_id, {"prompt_token_ids": list(context)}, params,

@@ -55,10 +55,13 @@ ROLLOUT_TRAIN = ["placement.mode=custom", "placement.pool_unit=ranks_per_node", 
                  "placement.roles={rollout: gen, actor: train}", "rollout.staleness=1", "algorithm.adv_estimator=grpo",
                  "rollout.n=4", "algorithm.rollout_correction.rollout_is=token", "data.task=lookup"]
 WORKLOAD = ["trainer.num_threads=1", "trainer.seed=1", "trainer.device=cpu"]
-# mode -> (rollout.multi_turn.enable, tool); the instant tool tells the tool's latency from multi-turn's other costs
-MODES = {"single-turn": (False, "sleepy"), "multi-turn, instant tool": (True, "instant"),
-         "multi-turn": (True, "sleepy")}
-PHASES = ("gen", "sync_weights", "old_log_prob", "ref", "reward", "adv", "update_actor")
+# mode -> (rollout.multi_turn.enable, tool, other overrides); the instant tool tells the tool's latency from
+# multi-turn's other costs; continuous generation (rollout.continuous) runs each episode's turns as its calls return
+CONTINUOUS = ["rollout.continuous=true"]
+MODES = {"single-turn": (False, "sleepy", []), "multi-turn, instant tool": (True, "instant", []),
+         "multi-turn": (True, "sleepy", []), "single-turn, continuous": (False, "sleepy", CONTINUOUS),
+         "multi-turn, continuous": (True, "sleepy", CONTINUOUS)}
+PHASES = ("gen", "gen_ahead", "sync_weights", "old_log_prob", "ref", "reward", "adv", "update_actor")
 
 
 # ------------------------------------------------------------------ pure analysis
@@ -231,8 +234,9 @@ def run(args) -> dict:
                                                                   f"trainer.total_steps={args.steps}"]
     steady = bench_async.steady_steps(args.steps, args.warmup, 1)
     modes = {}
-    for i, (name, (on, tool)) in enumerate(MODES.items(), 2):
-        extra = [f"rollout.multi_turn.enable={str(on).lower()}", f"rollout.multi_turn.tool_config_path={paths[tool]}"]
+    for i, (name, (on, tool, other)) in enumerate(MODES.items(), 2):
+        extra = [f"rollout.multi_turn.enable={str(on).lower()}", f"rollout.multi_turn.tool_config_path={paths[tool]}",
+                 *other]
         print(f"tools.bench_agent: [{i}/{len(MODES) + 1}] {name}: {' '.join(extra)}", file=sys.stderr, flush=True)
         start = time.time()
         trace, scalars = run_job(2, workload + extra, os.path.join(args.out, name.replace(",", "").replace(" ", "-")))

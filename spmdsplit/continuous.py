@@ -150,12 +150,14 @@ class ContinuousGeneration:
             self.restart_stale(self.filling)
         # On the fixed schedule a call's answer lands at the next step, however long it took: the rows
         # do not depend on a tool's latency.
-        self.take_tool_results(wait=bool(self.every))
+        answered = self.take_tool_results(wait=bool(self.every))
         self.top_up()
         if not self.live:
             if self.tooling:  # only tool calls are out: wait for the first to return
                 self.counts["tool_waits"] += 1
                 self.take_tool_results(wait=True, first=True)
+                return
+            if answered:  # the calls' answers ended episodes: the caller may have what it waits for
                 return
             self.wait_for_weights()  # every group the staleness allows is generated: wait
             self.restart_stale(self.filling)
@@ -185,16 +187,20 @@ class ContinuousGeneration:
             if calls:
                 self.tooling.append(ToolCalls(group, member, response, calls, turn_end, self.agent.tools.start(calls)))
                 return
-        response.finished = True
+        self.response_done(group, member)
+
+    def response_done(self, group: Group, member: int) -> None:
+        group.responses[member].finished = True
         if group.complete and not group.outside:
             self.groups.remove(group)
             self.complete.append(group)
 
-    def take_tool_results(self, wait: bool, first: bool = False) -> None:
+    def take_tool_results(self, wait: bool, first: bool = False) -> int:
         """Tool calls that returned: their answers appended to the episode, and its next turn
-        submitted (or the episode ends). `wait`: for every call out (`first`: for one of them)."""
+        submitted (or the episode ends). `wait`: for every call out (`first`: for one of them).
+        Returns how many episodes' calls were answered."""
         if not self.tooling:
-            return
+            return 0
         if wait:
             concurrent.futures.wait([t.results for t in self.tooling],
                                      return_when=concurrent.futures.FIRST_COMPLETED if first else concurrent.futures.ALL_COMPLETED)
@@ -210,13 +216,11 @@ class ContinuousGeneration:
             response.log_probs += [0.0] * len(tool_tokens)
             response.versions += [self.version] * len(tool_tokens)
             if response.episode.done:
-                response.finished = True
-                if t.group.complete and not t.group.outside:
-                    self.groups.remove(t.group)
-                    self.complete.append(t.group)
+                self.response_done(t.group, t.member)
             else:
                 response.turn_start = len(response.tokens)
                 self.submit(t.group, t.member)
+        return len(returned)
 
     def generate(self, prompts: Batch, validate: bool = False, greedy: bool = False) -> Batch:
         """Rows generated now, beside the requests held, which go on (validation: the engine is
@@ -265,7 +269,9 @@ class ContinuousGeneration:
         for group, member in self.resumed:
             self.submit(group, member)
         self.resumed = []
-        while len(self.live) + len(self.tooling) < self.quota * self.n and self.admits():
+        # The engine's requests count, not the episodes whose tool calls are out: while they wait, new
+        # groups keep the engine busy (how many may be out at once is admits()'s: the staleness).
+        while len(self.live) < self.quota * self.n and self.admits():
             if not self.waiting:
                 self.drawn += 1
                 self.waiting.extend(self.split(self.prompts(self.drawn)))

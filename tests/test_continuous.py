@@ -120,6 +120,24 @@ def test_agent_episodes_flow_one_by_one_in_a_continuous_job_and_resume_with_thei
     assert values(scalars(str(tmp_path / "tb2")), "rollout/tokens_resumed")[0] > 0
 
 
+@pytest.mark.e2e
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_vllm_agent_episodes_flow_one_by_one_in_a_continuous_job(tmp_path):
+    """The same agent job on vLLM: each turn a request with the format's stop token, the next turn
+    submitted when its call returns, validation's episodes beside the requests held."""
+    from tests.test_agent_e2e import AGENT, POOL
+
+    result = job(2, *AGENT, *POOL, "rollout.name=vllm", "rollout.continuous=true", "trainer.total_steps=3",
+                 f"trainer.log_dir={tmp_path}/tb", timeout=600)
+    assert result.returncode == 0, result.stderr[-5000:]
+    logged = scalars(str(tmp_path / "tb"))
+    assert min(values(logged, "tool/calls")) > 0 and max(values(logged, "num_turns/max")) >= 3
+    assert sum(values(logged, "rollout/engine_steps_during_tools")) > 0
+    assert max(values(logged, "rollout/token_staleness_max")) <= 1
+    assert max(values(logged, "rollout/current_version_probs_diff_max")) < 1e-4
+    assert len(values(logged, "val-core/synthetic/lookup/reward/mean@1")) >= 1
+
+
 @pytest.mark.parametrize("config, overrides, message", [
     (None, ("placement.mode=colocate", "rollout.staleness=1"), "needs a rollout pool of its own"),
     (GRPO, ("rollout.staleness=0",), "needs rollout.staleness >= 1"),

@@ -52,8 +52,9 @@ def make_stream(cfg, tokenizer, eos_ids, rows, tmp_path, prompts_per_batch=8, n=
     dataset = PromptDataset(rows, prompts_per_batch, shuffle=False, seed=0)
     state = {}
 
-    def take_weights(step):
-        base.wake_up(weights.items()) if "stream" not in state else base.update_weights(weights.items())
+    def take_weights(step):  # version 0 at the start; no later version is ever sent
+        assert "stream" not in state, "the stream waited for weights nobody sends"
+        base.wake_up(weights.items())
         stream.loaded(0)
 
     stream = ContinuousGeneration(cfg, base, lambda t: step_prompts(cfg, dataset, tokenizer, t, [0], 0), take_weights,
@@ -118,3 +119,17 @@ def test_a_checkpoint_with_tool_calls_out_keeps_their_answers(lookup_setup, tmp_
     assert resumed.pop_metrics()["rollout/tokens_resumed"] == state["tokens_held"]
     assert len(batch) == 16 and holes(batch).any()
 
+
+
+def test_validation_ended_by_tool_answers_returns_without_waiting_for_weights(lookup_setup, tmp_path):  # noqa: F811
+    """Validation's episodes beside nothing else (no group admitted): when the last calls' answers
+    end them, `generate` returns. It once went on to wait for the next weights, which the actor
+    pool, itself waiting for these rows, never sends: a vLLM job hung so."""
+    from spmdsplit.data.prompts import collate_prompts
+
+    cfg, tokenizer, eos_ids, rows = lookup_setup
+    stream = make_stream(cfg, tokenizer, eos_ids, rows, tmp_path)
+    stream.admits = lambda: False
+    prompts = collate_prompts(rows[:16], tokenizer, cfg.data.max_prompt_length, step=1, first_row=0)
+    batch = stream.generate(prompts, validate=True)
+    assert len(batch) == 16 and batch["tool_calls"].sum() > 0 and not stream.live and not stream.tooling

@@ -34,16 +34,16 @@ from tools import bench, bench_async
 from tools.jobs import run_job
 from tools.report import fmt, run_and_write
 
-SLEEP_S, EPISODES, AT_BOOST = 0.2, 32, 10.0
+SLEEP_S, EPISODES, AT_BOOST = 0.2, 32, 10.0  # SLEEP_S: the issue's tool latency (--tool-s changes it)
 PRESET = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "agent_lookup.yaml")
 TARGETS = {"turn_added_s": 0.4, "step_growth": 0.10}
-TOOL_FILE = f'''"""bench_agent's tools: one that waits {SLEEP_S} s per call, one that answers at once."""
+TOOL_FILE = '''"""bench_agent's tools: one that waits {sleep_s} s per call, one that answers at once."""
 import time
 
 
 def sleepy() -> str:
-    """Waits {SLEEP_S} s, then answers a code."""
-    time.sleep({SLEEP_S})
+    """Waits {sleep_s} s, then answers a code."""
+    time.sleep({sleep_s})
     return "0000"
 
 
@@ -112,6 +112,15 @@ def targets(turn: dict, modes: dict[str, dict]) -> list[dict]:
     row("s=1 multi-turn: gen per batch / train pool's work per step",
         bench.ratio(multi.get("gen_s"), multi.get("train_busy_s")), 1.0,
         "rollout pool's gen / train pool's busy time (must stay < 1)", "ratio")
+    # Continuous generation: the rollout pool never stops (its gen_ahead fills the step), so whether
+    # generation keeps up shows as the train pool's wait for rows, not as the rollout pool's gen.
+    streamed = modes.get("multi-turn, continuous", {})
+    growth = bench.ratio(streamed.get("step_s"), single.get("step_s"))
+    row("s=1 continuous: train pool's step period, multi-turn vs single-turn (batches)",
+        None if growth is None else growth - 1, TARGETS["step_growth"], "step multi continuous / step single - 1", "share")
+    waited = bench.ratio(streamed.get("train_busy_s"), streamed.get("step_s"))
+    row("s=1 multi-turn, continuous: train pool's wait for rows / its step period", None if waited is None else 1 - waited,
+        TARGETS["step_growth"], "1 - train pool busy / step period", "share")
     return rows
 
 
@@ -151,12 +160,12 @@ def render_markdown(report: dict) -> str:
 
 # ------------------------------------------------------------------ measuring
 
-def write_tools(folder: str) -> dict[str, str]:
+def write_tools(folder: str, sleep_s: float = SLEEP_S) -> dict[str, str]:
     """name -> a verl-format tool YAML whose one tool is that function of TOOL_FILE."""
     os.makedirs(folder, exist_ok=True)
     code = os.path.join(os.path.abspath(folder), "bench_tools.py")
     with open(code, "w") as f:
-        f.write(TOOL_FILE)
+        f.write(TOOL_FILE.format(sleep_s=sleep_s))
     paths = {}
     for name in ("sleepy", "instant"):
         paths[name] = os.path.join(os.path.abspath(folder), f"{name}.yaml")
@@ -226,18 +235,19 @@ def run(args) -> dict:
     import torch
 
     os.makedirs(args.out, exist_ok=True)
-    paths = write_tools(os.path.join(args.out, "tools"))
-    print(f"tools.bench_agent: [1/{len(MODES) + 1}] one tool turn of {EPISODES} episodes, in this process",
+    paths = write_tools(os.path.join(args.out, "tools"), args.tool_s)
+    chosen = {name: MODES[name] for name in args.modes}
+    print(f"tools.bench_agent: [1/{len(chosen) + 1}] one tool turn of {EPISODES} episodes, in this process",
           file=sys.stderr, flush=True)
     turn = measure_turn(paths, args.repeats)
     workload = ["--config", PRESET] + ROLLOUT_TRAIN + WORKLOAD + [f"data.train_batch_size={args.batch}",
                                                                   f"trainer.total_steps={args.steps}"]
     steady = bench_async.steady_steps(args.steps, args.warmup, 1)
     modes = {}
-    for i, (name, (on, tool, other)) in enumerate(MODES.items(), 2):
+    for i, (name, (on, tool, other)) in enumerate(chosen.items(), 2):
         extra = [f"rollout.multi_turn.enable={str(on).lower()}", f"rollout.multi_turn.tool_config_path={paths[tool]}",
                  *other]
-        print(f"tools.bench_agent: [{i}/{len(MODES) + 1}] {name}: {' '.join(extra)}", file=sys.stderr, flush=True)
+        print(f"tools.bench_agent: [{i}/{len(chosen) + 1}] {name}: {' '.join(extra)}", file=sys.stderr, flush=True)
         start = time.time()
         trace, scalars = run_job(2, workload + extra, os.path.join(args.out, name.replace(",", "").replace(" ", "-")))
         analysis = bench_async.analyze(trace, scalars, args.warmup, args.batch, staleness=1)
@@ -245,7 +255,7 @@ def run(args) -> dict:
                        **job_summary(analysis, scalars, steady)}
     meta = {"device": "cpu", "torch": torch.__version__, "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "workload": workload, "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
-            "repeats": args.repeats, "sleep_s": SLEEP_S, "episodes": EPISODES}
+            "repeats": args.repeats, "sleep_s": args.tool_s, "episodes": EPISODES}
     return {"schema": "spmdsplit.bench_agent/1", "meta": meta, "turn": turn, "modes": modes,
             "targets": targets(turn, modes)}
 
@@ -258,6 +268,10 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=128, help="part 2: data.train_batch_size, prompts per step "
                    "(default 128, the preset's; x rollout.n=4 episodes)")
     p.add_argument("--repeats", type=int, default=3, help="part 1: timed runs of each measurement (default 3)")
+    p.add_argument("--tool-s", type=float, default=SLEEP_S, help=f"the sleeping tool's seconds per call (default "
+                   f"{SLEEP_S}, the issue's; the targets are set for it)")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES), metavar="MODE",
+                   help="part 2's jobs (default all): " + "; ".join(MODES))
     p.add_argument("--out", default="outputs/bench_agent", help="where bench_agent.json/.md and the jobs' files go")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     return run_and_write(args.out, "bench_agent", run, render_markdown, args)

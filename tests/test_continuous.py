@@ -95,6 +95,16 @@ def test_three_pools_continuous_with_a_critic_pool_validation_and_a_checkpoint(t
     assert "continuous" in torch.load(tmp_path / "ckpt" / "global_step_2" / "rollout" / "rank_1.pt", weights_only=False)
 
 
+def check_agent_run(logged, validations: int):
+    """Episodes called the tool and went on, the engine stepped while calls were out, the trained
+    tokens within staleness 1 and scored as the actor scores them, validation ran."""
+    assert min(values(logged, "tool/calls")) > 0 and max(values(logged, "num_turns/max")) >= 3
+    assert sum(values(logged, "rollout/engine_steps_during_tools")) > 0
+    assert max(values(logged, "rollout/token_staleness_max")) <= 1
+    assert max(values(logged, "rollout/current_version_probs_diff_max")) < 1e-4
+    assert len(values(logged, "val-core/synthetic/lookup/reward/mean@1")) >= validations
+
+
 @pytest.mark.e2e
 def test_agent_episodes_flow_one_by_one_in_a_continuous_job_and_resume_with_their_turns(tmp_path):
     """The embedded lookup agent (configs/agent_lookup.yaml) on 1 | 1 under the NCCL-contract
@@ -108,12 +118,7 @@ def test_agent_episodes_flow_one_by_one_in_a_continuous_job_and_resume_with_thei
               f"trainer.default_local_dir={ckpt}")
     first = job(2, *common, "trainer.save_freq=2", f"trainer.log_dir={tmp_path}/tb1", timeout=600, fresh_dir=False)
     assert first.returncode == 0, first.stderr[-5000:]
-    logged = scalars(str(tmp_path / "tb1"))
-    assert min(values(logged, "tool/calls")) > 0 and max(values(logged, "num_turns/max")) >= 3
-    assert sum(values(logged, "rollout/engine_steps_during_tools")) > 0
-    assert max(values(logged, "rollout/token_staleness_max")) <= 1
-    assert max(values(logged, "rollout/current_version_probs_diff_max")) < 1e-4
-    assert len(values(logged, "val-core/synthetic/lookup/reward/mean@1")) >= 2  # validation's episodes, at steps 2 and 4
+    check_agent_run(scalars(str(tmp_path / "tb1")), validations=2)  # validation's episodes at steps 2 and 4
     resumed = job(2, *common, f"trainer.resume={ckpt}/global_step_2", f"trainer.log_dir={tmp_path}/tb2",
                   timeout=600, fresh_dir=False)
     assert resumed.returncode == 0, resumed.stderr[-5000:]
@@ -130,12 +135,7 @@ def test_vllm_agent_episodes_flow_one_by_one_in_a_continuous_job(tmp_path):
     result = job(2, *AGENT, *POOL, "rollout.name=vllm", "rollout.continuous=true", "trainer.total_steps=3",
                  f"trainer.log_dir={tmp_path}/tb", timeout=600)
     assert result.returncode == 0, result.stderr[-5000:]
-    logged = scalars(str(tmp_path / "tb"))
-    assert min(values(logged, "tool/calls")) > 0 and max(values(logged, "num_turns/max")) >= 3
-    assert sum(values(logged, "rollout/engine_steps_during_tools")) > 0
-    assert max(values(logged, "rollout/token_staleness_max")) <= 1
-    assert max(values(logged, "rollout/current_version_probs_diff_max")) < 1e-4
-    assert len(values(logged, "val-core/synthetic/lookup/reward/mean@1")) >= 1
+    check_agent_run(scalars(str(tmp_path / "tb")), validations=1)
 
 
 @pytest.mark.parametrize("config, overrides, message", [

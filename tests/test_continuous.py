@@ -126,6 +126,24 @@ def test_agent_episodes_flow_one_by_one_in_a_continuous_job_and_resume_with_thei
 
 
 @pytest.mark.e2e
+def test_agents_on_the_fixed_schedule_give_the_same_rows_whatever_the_tools_latency(tmp_path):
+    """On the fixed schedule a call's answer lands at the next engine step, waited for: two runs of
+    one seed log the same numbers although the calls return at other times."""
+    from tests.test_agent_e2e import AGENT, POOL
+
+    def run(name):
+        result = job(2, *AGENT, *POOL, "rollout.continuous=true", "rollout.hf_step_tokens=1",
+                     "rollout.version_every_engine_steps=4", "trainer.total_steps=3", f"trainer.log_dir={tmp_path}/{name}",
+                     timeout=600, fresh_dir=False)
+        assert result.returncode == 0, result.stderr[-5000:]
+        return {k: v for k, v in scalars(str(tmp_path / name)).items() if not k.startswith(("timing", "perf/", "memory"))}
+
+    first, second = run("a"), run("b")
+    assert min(values(first, "tool/calls")) > 0
+    assert not [k for k in first if first[k] != second.get(k)], [k for k in first if first[k] != second.get(k)]
+
+
+@pytest.mark.e2e
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 def test_vllm_agent_episodes_flow_one_by_one_in_a_continuous_job(tmp_path):
     """The same agent job on vLLM: each turn a request with the format's stop token, the next turn

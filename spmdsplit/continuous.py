@@ -204,8 +204,11 @@ class ContinuousGeneration:
         if wait:
             concurrent.futures.wait([t.results for t in self.tooling],
                                      return_when=concurrent.futures.FIRST_COMPLETED if first else concurrent.futures.ALL_COMPLETED)
-        returned = [t for t in self.tooling if t.results.done()]
-        self.tooling = [t for t in self.tooling if not t.results.done()]
+        # One look at each future: a call that returns between two looks would land in neither list, lost.
+        returned, running = [], []
+        for t in self.tooling:
+            (returned if t.results.done() else running).append(t)
+        self.tooling = running
         for t in returned:
             response = t.response
             if t.group.responses[t.member] is not response:  # restarted meanwhile (staleness): dropped

@@ -133,3 +133,35 @@ def test_validation_ended_by_tool_answers_returns_without_waiting_for_weights(lo
     prompts = collate_prompts(rows[:16], tokenizer, cfg.data.max_prompt_length, step=1, first_row=0)
     batch = stream.generate(prompts, validate=True)
     assert len(batch) == 16 and batch["tool_calls"].sum() > 0 and not stream.live and not stream.tooling
+
+
+def test_a_call_that_returns_while_the_stream_looks_is_not_lost(lookup_setup, tmp_path):  # noqa: F811
+    """A call's future may turn done between the stream's looks at it (the tools' thread sets it at
+    any moment): it must land as still running or as answered, never in neither."""
+    import concurrent.futures
+
+    from spmdsplit.continuous import ToolCalls
+
+    class ReturnsWhileLooked(concurrent.futures.Future):
+        """Not done at the first look, done from the second on: the tools' thread finishing it in between."""
+
+        looks = 0
+
+        def done(self):
+            self.looks += 1
+            if self.looks == 2:
+                self.set_result(results)
+            return super().done()
+
+    cfg, tokenizer, eos_ids, rows = lookup_setup
+    stream = make_stream(cfg, tokenizer, eos_ids, rows, tmp_path)
+    for _ in range(400):
+        stream.engine_step()
+        if stream.tooling:
+            break
+    call = stream.tooling[0]
+    results = call.results.result()
+    stream.tooling = [ToolCalls(call.group, call.member, call.response, call.calls, call.turn_end, ReturnsWhileLooked())]
+    stream.take_tool_results(wait=False)
+    assert stream.tooling or any(g is call.group and m == call.member for g, m in stream.live.values()) \
+        or call.response.finished

@@ -2,7 +2,9 @@
 engine never drains. It holds at least a batch's worth of requests (this rank's share of
 data.train_batch_size prompts x rollout.n) and a new prompt's group enters as soon as that many
 are no longer running; a batch is handed over as soon as this rank's share of its groups is
-complete, in completion order; new weights are loaded between two engine steps while the requests
+complete, in completion order, but for the groups the next batch would not allow (a long answer
+begun for this batch and overtaken by shorter ones): the batch takes those first, waiting for the
+ones still running, so that they are not started again; new weights are loaded between two engine steps while the requests
 go on (their next tokens are the new version's: rollout/base.py StepwiseRollout).
 
 Staleness, per token: every response token records the version of the weights it was sampled with
@@ -10,7 +12,9 @@ Staleness, per token: every response token records the version of the weights it
 rollout.staleness=s allows tokens of versions k-1-s .. k-1, as in batch mode. So before the rank
 fills batch k it holds at least version k-1-s (waiting for it if it must: the only wait), and a
 request that holds a token older than that can never be trained: it starts again from its prompt
-(counted in rollout/requests_restarted). Nothing else is ever restarted or dropped.
+(counted in rollout/requests_restarted): a new version makes the answers begun under the oldest
+one it no longer allows start again; the hand-over rule above keeps them out of a later batch.
+Nothing else is ever restarted or dropped.
 
 Weights arrive when the actor pool has them (WeightsReady, polled between engine steps), not at
 fixed points: which engine step takes a version is free-running. The rows are this rank's share
@@ -132,15 +136,32 @@ class ContinuousGeneration:
         while self.version < self.oldest_allowed(batch):  # the only wait: too far ahead of training
             self.wait_for_weights()
         self.restart_stale(batch)
-        while len(self.complete) < self.quota:
+        while not self.batch_ready(batch):
             self.engine_step()
-        groups, self.complete = self.complete[: self.quota], self.complete[self.quota:]
+        # The groups the next batch would restart first, then the rest in completion order.
+        last_chance = [g for g in self.complete if self.too_old_for(batch + 1, g)]
+        rest = [g for g in self.complete if not self.too_old_for(batch + 1, g)]
+        groups, self.complete = (last_chance + rest)[: self.quota], (last_chance + rest)[self.quota:]
         self.filling = batch + 1
         self.handed[batch] = self.clock
         return self.rows(groups)
 
     def oldest_allowed(self, batch: int) -> int:
         return max(0, batch - 1 - self.staleness)
+
+    def too_old_for(self, batch: int, group: Group) -> bool:
+        return group.oldest() is not None and group.oldest() < self.oldest_allowed(batch)
+
+    def batch_ready(self, batch: int) -> bool:
+        """A batch's worth of groups complete, and none still running whose tokens the next batch
+        would not allow, unless the batch is full without it: such a group lands in this batch or
+        starts again, its tokens lost (a long answer begun for this batch, overtaken by shorter ones
+        begun later). Waiting for it costs the hand-over at most the rest of one answer; the engine
+        runs on meanwhile."""
+        if len(self.complete) < self.quota:
+            return False
+        last_chance = sum(self.too_old_for(batch + 1, g) for g in self.complete)
+        return last_chance >= self.quota or not any(self.too_old_for(batch + 1, g) for g in self.groups)
 
     def engine_step(self) -> None:
         """One engine step, the engine topped up first and new weights taken if they are there

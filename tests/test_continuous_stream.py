@@ -122,3 +122,21 @@ def test_a_checkpoint_keeps_every_answer_in_flight_and_the_resume_goes_on_from_t
             assert tokens[: len(before)] == before, (uid, tokens, before)
             carried += len(before)
     assert carried > 0
+
+
+
+def test_a_batch_takes_the_answers_the_next_batch_would_restart():
+    """Staleness 1: a group holding tokens of version k-2 can land in batch k but not in batch k+1.
+    Batch k takes such groups first (before groups that finished sooner and may wait) and waits for
+    those still running, rather than leave them to start again with their tokens lost (taking the
+    first groups to finish, this run restarted 2 answers at batch 4)."""
+    stream, actor = make_stream(staleness=1)
+    for batch in range(1, 5):
+        rows = stream.next_batch(batch)
+        assert min(min(v) for v in token_versions(rows)) >= stream.oldest_allowed(batch)
+        held = [g.oldest() for g in (*stream.groups, *stream.complete) if g.oldest() is not None]
+        assert min(held, default=batch) >= stream.oldest_allowed(batch + 1), held  # none left for a restart
+        actor.published = batch
+        for _ in range(2):  # the next version in, between two engine steps, with answers running
+            stream.engine_step()
+        assert stream.pop_metrics()["rollout/requests_restarted"] == 0, f"batch {batch}"

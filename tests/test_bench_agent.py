@@ -71,6 +71,7 @@ def test_targets_met_and_missed():
     assert [t["met"] for t in late[4:]] == [False, False]
     # a missing mode gives n/a, never an error
     assert [t["met"] for t in targets(turn, {})][2:] == [None] * 4
+    assert "the 1 s tool" in targets(turn, {}, sleep_s=1.0)[0]["how"]  # the run's latency, not the default's
 
 
 def test_markdown_shows_phases_targets_and_counts():

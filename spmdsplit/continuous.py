@@ -91,7 +91,7 @@ class Group:
         return all(r.finished for r in self.responses)
 
     def oldest(self) -> int | None:
-        versions = [min(r.versions) for r in self.responses if r.versions]
+        versions = [r.versions[0] for r in self.responses if r.versions]  # each in the order drawn: its first, its oldest
         return min(versions) if versions else None
 
 

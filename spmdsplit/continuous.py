@@ -4,17 +4,17 @@ data.train_batch_size prompts x rollout.n) and a new prompt's group enters as so
 are no longer running; a batch is handed over as soon as this rank's share of its groups is
 complete, in completion order, but for the groups the next batch would not allow (a long answer
 begun for this batch and overtaken by shorter ones): the batch takes those first, waiting for the
-ones still running, so that they are not started again; new weights are loaded between two engine steps while the requests
-go on (their next tokens are the new version's: rollout/base.py StepwiseRollout).
+ones still running, so that they are not started again; new weights are loaded between two engine
+steps while the requests go on (their next tokens are the new version's: rollout/base.py
+StepwiseRollout).
 
 Staleness, per token: every response token records the version of the weights it was sampled with
 (`token_weights_version`). Batch k trains update k with the policy of version k-1, and
 rollout.staleness=s allows tokens of versions k-1-s .. k-1, as in batch mode. So before the rank
 fills batch k it holds at least version k-1-s (waiting for it if it must: the only wait), and a
 request that holds a token older than that can never be trained: it starts again from its prompt
-(counted in rollout/requests_restarted): a new version makes the answers begun under the oldest
-one it no longer allows start again; the hand-over rule above keeps them out of a later batch.
-Nothing else is ever restarted or dropped.
+(counted in rollout/requests_restarted; the hand-over rule above leaves that only to such answers
+beyond what one batch takes). Nothing else is ever restarted or dropped.
 
 Weights arrive when the actor pool has them (WeightsReady, polled between engine steps), not at
 fixed points: which engine step takes a version is free-running. The rows are this rank's share

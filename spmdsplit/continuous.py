@@ -138,10 +138,9 @@ class ContinuousGeneration:
         self.restart_stale(batch)
         while not self.batch_ready(batch):
             self.engine_step()
-        # The groups the next batch would restart first, then the rest in completion order.
-        last_chance = [g for g in self.complete if self.too_old_for(batch + 1, g)]
-        rest = [g for g in self.complete if not self.too_old_for(batch + 1, g)]
-        groups, self.complete = (last_chance + rest)[: self.quota], (last_chance + rest)[self.quota:]
+        # The groups the next batch would restart first, then the rest in completion order (a stable sort).
+        ordered = sorted(self.complete, key=lambda g: not self.too_old_for(batch + 1, g))
+        groups, self.complete = ordered[: self.quota], ordered[self.quota:]
         self.filling = batch + 1
         self.handed[batch] = self.clock
         return self.rows(groups)
@@ -150,7 +149,8 @@ class ContinuousGeneration:
         return max(0, batch - 1 - self.staleness)
 
     def too_old_for(self, batch: int, group: Group) -> bool:
-        return group.oldest() is not None and group.oldest() < self.oldest_allowed(batch)
+        oldest = group.oldest()
+        return oldest is not None and oldest < self.oldest_allowed(batch)
 
     def batch_ready(self, batch: int) -> bool:
         """A batch's worth of groups complete, and none still running whose tokens the next batch
@@ -346,7 +346,7 @@ class ContinuousGeneration:
             self.engine.abort(stale_live)
         restart = [(self.live.pop(rid)) for rid in stale_live]
         for group in list(self.complete):
-            if group.oldest() is not None and group.oldest() < allowed:
+            if self.too_old_for(batch, group):
                 self.complete.remove(group)
                 self.groups.append(group)
         for group in self.groups:

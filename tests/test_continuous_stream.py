@@ -124,7 +124,6 @@ def test_a_checkpoint_keeps_every_answer_in_flight_and_the_resume_goes_on_from_t
     assert carried > 0
 
 
-
 def test_a_batch_takes_the_answers_the_next_batch_would_restart():
     """Staleness 1: a group holding tokens of version k-2 can land in batch k but not in batch k+1.
     Batch k takes such groups first (before groups that finished sooner and may wait) and waits for

@@ -25,12 +25,14 @@ from spmdsplit.metrics import PhaseTimer
 from spmdsplit.groups import Pools
 from spmdsplit.programs import Program
 from spmdsplit.reporting import Reports, other_pools
+from spmdsplit.score_target import ScoreTarget
 
 
-def save_due(step: int, stop: bool, save_freq: int, total_steps: int) -> bool:
-    """A checkpoint after `step`: every trainer.save_freq steps and after the last (save_freq > 0),
-    and whenever the ranks voted to stop (spmdsplit/preempt.py), whatever save_freq says."""
-    return stop or (save_freq > 0 and (step % save_freq == 0 or step == total_steps))
+def save_due(step: int, stop: bool, save_freq: int, last: bool) -> bool:
+    """A checkpoint after `step`: every trainer.save_freq steps and after the last (save_freq > 0;
+    `last`: trainer.total_steps, or the step the run ends at for its target score), and whenever
+    the ranks voted to stop (spmdsplit/preempt.py), whatever save_freq says."""
+    return stop or (save_freq > 0 and (step % save_freq == 0 or last))
 
 
 def seed_sampling(seed: int, rank: int, after_step: int = 0) -> None:
@@ -41,20 +43,24 @@ def seed_sampling(seed: int, rank: int, after_step: int = 0) -> None:
 
 class CheckpointManager:
     def __init__(self, cfg, pools: Pools, channel: PoolChannel, timer: PhaseTimer, programs: dict[str, Program],
-                 sampler: DynamicSampling | None, dataset: PromptDataset, reports: Reports):
+                 sampler: DynamicSampling | None, dataset: PromptDataset, reports: Reports, score_target: ScoreTarget):
         """`programs`: this rank's, by role group; `sampler`: dynamic sampling on a generating rank;
-        `reports`: rank 0 logs the steps up to a checkpoint's before publishing it."""
+        `reports`: rank 0 logs the steps up to a checkpoint's before publishing it; `score_target`:
+        trainer.stop_at_score's window, kept with the critic group's part."""
         self.cfg, self.pools, self.channel, self.timer = cfg, pools, channel, timer
         self.programs, self.sampler, self.dataset, self.reports = programs, sampler, dataset, reports
+        self.score_target = score_target
         self.placement, self.rank = pools.placement, pools.rank
         self.other_pools = other_pools(self.placement)  # their first ranks say "written" to rank 0
         self.layout = self.placement.layout  # written into meta.json, compared on a resume (the same layout?)
 
-    def due(self, step: int, stop: bool) -> bool:
-        return save_due(step, stop, self.cfg.trainer.save_freq, self.cfg.trainer.total_steps)
+    def due(self, step: int, stop: bool, last: bool) -> bool:
+        return save_due(step, stop, self.cfg.trainer.save_freq, last)
 
     def rank_state(self, group: str, step: int) -> dict:
         state = {"step": step, "rng": checkpoint.rng_state(self.pools.device), **self.programs[group].state(step)}
+        if group == "critic":  # the ranks that hold the score's window (trainer.stop_at_score)
+            state["score_target"] = self.score_target.state_dict()
         if self.sampler:  # dynamic sampling's data position (and where the steps generated ahead began)
             state["dynamic_sampling"] = self.sampler.state_dict()
         return state
@@ -125,6 +131,8 @@ class CheckpointManager:
                 # they are generated again from where the first of them began.
                 self.sampler.load_state_dict(state["dynamic_sampling"], keep_ahead=same_layout)
             program.load_state(state, same_layout)
+            if "score_target" in state:
+                self.score_target.load_state_dict(state["score_target"])
         if self.sampler and meta["config"]["algorithm"].get("filter_groups", {}).get("enable") is not True:
             # Dynamic sampling turned on at a resume: the stopped run took train_batch_size prompts a step.
             self.sampler.next_gen_batch = step * self.cfg.data.train_batch_size // self.dataset.batch_size + 1

@@ -110,6 +110,12 @@ def inference_zero_stage(trained: str):
 @dataclass
 class TrainerConfig:
     total_steps: int = positive(100)
+    # End the run early once it has learned: when the mean training score (critic/score/mean) of the
+    # last stop_at_score_window steps reaches this, the job stops after the next step as after its
+    # last one (exported; a checkpoint only if save_freq asks for one after the last step; no final
+    # validation beyond val_freq's) and exits 0. null = run every step (spmdsplit/score_target.py).
+    stop_at_score: Optional[float] = None
+    stop_at_score_window: int = positive(5)
     seed: int = 1
     log_dir: str = "outputs/tensorboard"  # TensorBoard event files, written by world rank 0
     # Where world rank 0 sends the metrics: console | tensorboard | wandb | mlflow (the last two are

@@ -7,7 +7,8 @@ of the whole world, without waiting; at the step's end it reads the sum. By then
 has started the step (the step's exchanges depend on all of them), so reading costs nothing
 and never stalls the overlap between pools, and all ranks see the same answer: stop after
 this step, or not. A flag set during step k is cast at step k+1, so the job stops within two
-steps of the signal.
+steps of the signal. The same vote carries "the run reached its target score" (trainer.stop_at_score),
+known to the critic group's ranks at the end of step k, so the job ends after step k+1.
 
 The vote is the only world collective inside the loop; it is control, not a pool's work, and
 runs on its own group so it never queues behind (or in front of) a pool's traffic.
@@ -51,6 +52,10 @@ def install_handlers() -> None:
 
 
 class StopVote:
+    """Two reasons to stop, voted together: a stop request (a signal on any rank: checkpoint and
+    exit EXIT_STOPPED, to go on later) and the run's target score reached (trainer.stop_at_score,
+    on the ranks that compute the score: the run ends as after its last step). A request wins."""
+
     def __init__(self, group):
         """`group`: a gloo group over the world (`stop` in spmdsplit/groups.py): CPU tensors, also
         beside an NCCL world, and a timeout as long as a wait for the other pool, since a rank
@@ -58,11 +63,13 @@ class StopVote:
         self.group = group
         self.pending = None
 
-    def cast(self) -> None:
-        flag = torch.tensor([int(stop_requested())])
-        self.pending = (flag, dist.all_reduce(flag, group=self.group, async_op=True))
+    def cast(self, target_reached: bool = False) -> None:
+        flags = torch.tensor([int(stop_requested()), int(target_reached)])
+        self.pending = (flags, dist.all_reduce(flags, group=self.group, async_op=True))
 
-    def outcome(self) -> bool:
-        flag, work = self.pending
+    def outcome(self) -> tuple[bool, bool]:
+        """(a stop was requested, the target score was reached), the same on every rank."""
+        flags, work = self.pending
         work.wait()
-        return flag.item() > 0
+        requested, reached = (int(v) > 0 for v in flags.tolist())
+        return requested, reached and not requested

@@ -43,6 +43,7 @@ from spmdsplit.programs.rollout import RolloutProgram
 from spmdsplit.reporting import Reports
 from spmdsplit.roles.build import (build_actor_roles, build_critic_roles, build_reward, build_rollout_engine,
                                    build_rule_reward)
+from spmdsplit.score_target import ScoreTarget
 from spmdsplit.staleness import validates_after
 from spmdsplit.stop_budget import StopBudget, signal_delay_s
 from spmdsplit.weight_sync import PolicyWeights, WeightBroadcast, WeightsReady
@@ -70,6 +71,8 @@ class Trainer:
                              num_val_rows=val_responses,
                              balance_group=pools.group("actor") if cfg.trainer.balance_batch else None)
         self.stop_vote = StopVote(groups.stop)
+        # trainer.stop_at_score: the critic group's ranks hold the score and say when it is reached
+        self.score_target = ScoreTarget(cfg.trainer.stop_at_score, cfg.trainer.stop_at_score_window)
         # Rank 0 warns once if Slurm's warning before the time limit is shorter than a clean stop.
         self.stop_budget = StopBudget(signal_delay_s if self.rank == 0 else None)
         # The hand-off barrier spans the actor and critic pools on purpose: it is the thing measured.
@@ -107,7 +110,7 @@ class Trainer:
         self.reports = Reports(cfg, self.placement, self.rank, self.channel, after_step=resumed["step"],
                                run_ids=resumed.get("tracking_runs", {}))
         self.checkpoints = CheckpointManager(cfg, pools, self.channel, self.timer, self.programs, self.sampler,
-                                             self.dataset, self.reports)
+                                             self.dataset, self.reports, self.score_target)
         if resume_from:
             self.checkpoints.load(resume_from)
 
@@ -168,29 +171,29 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
 
     def fit(self) -> bool:
-        """Runs the remaining steps; False when it stopped early on request (after checkpointing)."""
+        """Runs the remaining steps, up to trainer.total_steps or the step after the target score was
+        reached (trainer.stop_at_score); False when it stopped early on request (after checkpointing)."""
         total_steps = self.cfg.trainer.total_steps
         for program in self.programs.values():
             program.start(self.start_step)
         if validates_after(self.cfg, 0) and self.start_step == 1:
             self.validate(0)
         self.stop_budget.start()
-        last = total_steps
+        last, completed = total_steps, True
         for step in range(self.start_step, total_steps + 1):
-            self.stop_vote.cast()
+            self.stop_vote.cast(target_reached=self.score_target.reached)
             with self.profiler.step(step):  # trainer.profile_steps
                 self.train_step(step)
             if validates_after(self.cfg, step):  # the rule the weight schedule follows too
                 self.validate(step)
-            stop = self.stop_vote.outcome()
+            requested, reached = self.stop_vote.outcome()
             self.stop_budget.lap("step")
-            if self.checkpoints.due(step, stop):
+            if self.checkpoints.due(step, requested, last=reached or step == total_steps):
                 self.checkpoints.save(step)
                 self.stop_budget.lap("checkpoint")
-            if stop and step < total_steps:
-                last = step
+            if (requested or reached) and step < total_steps:
+                last, completed = step, reached
                 break
-        completed = last == total_steps
         self.finish(last, completed)
         return completed
 
@@ -201,6 +204,12 @@ class Trainer:
         for group, phase in STEP_PHASES:
             if group in self.programs:
                 reported.setdefault(group, {}).update(getattr(self.programs[group], phase)(step) or {})
+        if "critic" in reported and self.score_target.add(step, reported["critic"]["critic/score/mean"]):
+            if self.rank == self.placement.ranks("critic")[0]:
+                target = self.score_target
+                print(f"spmdsplit: the mean score of steps {step - target.window + 1}-{step} is {target.mean():.4f}, "
+                      f"reaching trainer.stop_at_score={target.threshold}: the run ends after step {step + 1}",
+                      flush=True)
         self.reports.step(step, reported, self.timer.pop_timings(), step_start)
 
     def validate(self, step: int) -> None:

@@ -22,12 +22,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     (7, 5, [5]),  # longer than the run: the last step only
 ])
 def test_a_checkpoint_is_due_every_save_freq_steps_and_after_the_last(save_freq, total_steps, saved):
-    assert [s for s in range(1, total_steps + 1) if save_due(s, False, save_freq, total_steps)] == saved
+    assert [s for s in range(1, total_steps + 1) if save_due(s, False, save_freq, s == total_steps)] == saved
 
 
 @pytest.mark.parametrize("save_freq", [0, 3])
 def test_a_stop_vote_always_checkpoints(save_freq):
-    assert save_due(1, True, save_freq, 10)
+    assert save_due(1, True, save_freq, last=False)
+
+
+def test_the_step_a_run_ends_at_for_its_target_score_is_its_last():
+    # trainer.stop_at_score: step 7 of 10 ends the run, so save_freq's "after the last" is step 7
+    assert save_due(7, False, 3, last=True) and not save_due(7, False, -1, last=True)
 
 
 def program_attributes(path: str) -> set[str]:

@@ -18,7 +18,12 @@ def adamw_with_warmup(params, optim) -> tuple[torch.optim.Optimizer, torch.optim
     steps (the role steps it once per update, after all its mini-batches, as verl), then holds it
     (`lr_scheduler_type=constant`) or follows a half cosine down to `min_lr_ratio` of it at
     `total_training_steps` (`cosine`). A torch optimizer on purpose: DeepSpeed's config-named ones JIT-compile."""
-    optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
+    # foreach=True: torch picks the multi-tensor update only where every parameter is on a CUDA-like
+    # device (optim/optimizer.py _default_to_fused_or_foreach), so a CPU run took the one-tensor-at-a-
+    # time loop, each op a DTensor dispatch under FSDP2: a third of a CPU train rank's step on the
+    # embedded model. Now CPU runs the GPU's code path; the update is the same, float for float.
+    optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay,
+                                  foreach=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
         lr_factor, warmup=max(0, optim.lr_warmup_steps), kind=optim.lr_scheduler_type,
         total=optim.total_training_steps, min_ratio=optim.min_lr_ratio))

@@ -11,6 +11,7 @@ anything may read the config without pulling in the runtime.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import typing
 from dataclasses import dataclass, field
@@ -723,7 +724,7 @@ EMBEDDED_PRESET = {
 def load_config(config_file: str | None = None, overrides: list[str] | None = None) -> DictConfig:
     """Schema <- embedded preset (only when model.path is empty) <- YAML file <- `key=value`
     overrides; unknown keys, wrong types and values YAML cannot parse raise ConfigError."""
-    schema = OmegaConf.structured(Config)
+    schema = _schema()
     try:
         user = [_read_config_file(config_file)] if config_file else []
         if overrides:
@@ -774,16 +775,25 @@ def config_warnings(cfg: DictConfig) -> list[str]:
     return out
 
 
-def declared_checks(cls: type = Config, prefix: str = "") -> list[tuple[str, Callable]]:
+@functools.cache
+def _schema() -> DictConfig:
+    """The schema with every default, built once (a quarter of a load's time): read-only, as
+    OmegaConf.merge copies it into each config it makes."""
+    return OmegaConf.structured(Config)
+
+
+@functools.cache
+def declared_checks(cls: type = Config, prefix: str = "") -> tuple[tuple[str, Callable], ...]:
     """(full key, check) for every field that declares one, in the schema's order."""
     out = []
+    hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        kind = typing.get_type_hints(cls)[f.name]
+        kind = hints[f.name]
         if dataclasses.is_dataclass(kind):
             out += declared_checks(kind, f"{prefix}{f.name}.")
         elif "check" in f.metadata:
             out.append((prefix + f.name, f.metadata["check"]))
-    return out
+    return tuple(out)
 
 
 def check_declared(cfg: DictConfig) -> None:

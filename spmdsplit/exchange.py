@@ -2,7 +2,7 @@
 
 **NCCL's contract** (docs/design.md): tags are ignored; between two ranks of a group both
 directions run on one stream, in posting order; a send completes only once the peer has posted the
-matching receive. Every CPU test holds the code to it (tests/nccl_p2p.py), since gloo forgives all
+matching receive. Every CPU test holds the code to it (tests/support/nccl_p2p.py), since gloo forgives all
 three. So:
 
 **Correct by order, never by tag.** NCCL ignores point-to-point tags: messages between two ranks

@@ -98,7 +98,7 @@ receives in exactly the order above, and every header is checked (spmdsplit/exch
 completes only once its receive is posted, so no phase above has two ranks send each other on a
 link: each bulk message goes one way (the reward pool's SCORES go to the critic, which sends it
 nothing), and the one exchange where any rank of a pool sends any other (BALANCE) is a collective.
-Every multi-rank test runs under these rules (tests/nccl_p2p.py).
+Every multi-rank test runs under these rules (tests/support/nccl_p2p.py).
 
 A receive from another pool ends with the receiving pool meeting (`Pools.meet`, a barrier over a
 gloo group of the pool's ranks with the long timeout) before its next collective: its ranks get

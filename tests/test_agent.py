@@ -4,7 +4,6 @@ the parsers, the chat-template glue, and the agent loop on a real engine with a 
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from spmdsplit import algo
 from spmdsplit.agent.chat import ToolChat
 from spmdsplit.agent.parsers import build_parser
 from spmdsplit.roles.reward import on_last_token
-from tests.agent_models import chat_tokenizer
+from tests.support.agent_models import chat_tokenizer
 
 LOOKUP_SCHEMA = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}]
 SEARCH_SCHEMA = [{"type": "function", "function": {"name": "search", "parameters": {
@@ -112,22 +111,6 @@ def test_token_in_token_out_equals_the_templates_whole_conversation():
 
 
 # ----------------------------------------------------------------------------- the loop on a real engine
-
-@pytest.fixture(scope="module")
-def lookup_setup(tmp_path_factory):
-    from spmdsplit.agent import check_multi_turn
-    from spmdsplit.config import load_config
-    from spmdsplit.data.sources import build_rows
-    from spmdsplit.embedded import ensure_embedded_model
-    from spmdsplit.models import eos_token_ids, load_tokenizer
-
-    root = os.path.dirname(os.path.dirname(__file__))
-    cfg = load_config(os.path.join(root, "configs", "agent_lookup.yaml"), [])
-    cfg.model.path = ensure_embedded_model(str(tmp_path_factory.mktemp("agent_model")), agent=True)
-    tokenizer = load_tokenizer(cfg.model.path)
-    tools = check_multi_turn(cfg, tokenizer)
-    rows, _ = build_rows(cfg.data, tokenizer, "train", tools=tools.schemas)
-    return cfg, tokenizer, eos_token_ids(cfg.model.path, tokenizer), rows
 
 
 def agent_rollout(cfg, tokenizer, eos_ids):

@@ -7,21 +7,16 @@ half of the random policy's episodes, so every job moves rows with holes in thei
 from __future__ import annotations
 
 import os
-
+import pathlib
 
 import pytest
 import torch
 
-from tests.launch import job
-from tests.outputs import scalars
-from tests.test_resume import assert_repeats, stop_on_request
+from tests.support.jobs import AGENT, POOL
+from tests.support.launch import cached_job, job, stop_on_request
+from tests.support.outputs import assert_repeats, scalars
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-AGENT = ["--config", os.path.join(ROOT, "configs", "agent_lookup.yaml"), "data.train_batch_size=16", "actor.ppo_mini_batch_size=8",
-         "critic.ppo_mini_batch_size=8", "trainer.timeline=", "trainer.output_dir=", "trainer.val_freq=2",
-         "actor.optim.lr_scheduler_type=constant", "critic.optim.lr_scheduler_type=constant"]
-POOL = ["placement.mode=custom", "placement.pool_unit=ranks_per_node", "placement.pools={gen: 1, train: 1}",
-        "placement.roles={rollout: gen, actor: train}", "rollout.staleness=1", "algorithm.rollout_correction.rollout_is=token"]
 LAYOUTS = {
     "split": (4, []),
     "colocate": (2, ["placement.mode=colocate", "placement.pools=[]"]),
@@ -30,23 +25,38 @@ LAYOUTS = {
 }
 
 
+STEPS = {"rollout_pool_staleness_1": 5}  # that layout's job is also the uninterrupted run of the resume test
+JOB = ("trainer.save_freq=2",)
+
+
 def run(out, nproc, *overrides, steps=3):
     result = job(nproc, *AGENT, *overrides, f"trainer.total_steps={steps}", f"trainer.log_dir={out}/tb",
-                 f"trainer.default_local_dir={out}/ckpt", "trainer.save_freq=2", timeout=600, cwd=ROOT)
+                 f"trainer.default_local_dir={out}/ckpt", *JOB, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-5000:]
     return result, scalars(str(out / "tb"))
+
+
+def pool_run() -> pathlib.Path:
+    """The rollout pool's job, straight through its 5 steps, once a session."""
+    result, out = cached_job(2, *AGENT, *POOL, f"trainer.total_steps={STEPS['rollout_pool_staleness_1']}", *JOB,
+                             timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-5000:]
+    return pathlib.Path(out)
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_multi_turn_job_runs_in_every_layout(tmp_path, layout):
     nproc, overrides = LAYOUTS[layout]
-    _, tb = run(tmp_path, nproc, *overrides)
-    assert [s for s, _ in tb["critic/score/mean"]] == [1, 2, 3]
+    out = pool_run() if layout == "rollout_pool_staleness_1" else tmp_path
+    if out == tmp_path:
+        run(out, nproc, *overrides)
+    tb = scalars(str(out / "tb"))
+    assert [s for s, _ in tb["critic/score/mean"]] == list(range(1, STEPS.get(layout, 3) + 1))
     assert sum(v for _, v in tb["tool/calls"]) > 0 and all(v >= 2 for _, v in tb["num_turns/min"])
     assert max(v for _, v in tb["num_turns/max"]) >= 4  # an answer after a tool response: holes in the mask
     assert "val-core/synthetic/lookup/reward/mean@1" in tb
-    assert os.path.isdir(tmp_path / "ckpt" / "global_step_2")
+    assert os.path.isdir(out / "ckpt" / "global_step_2")
     if layout == "rollout_ranks_all":
         # On-policy engines on both pools: their log-probs of the policy's tokens are the actor's
         # (fp32); masked tool tokens, or a row whose mask lost its holes in the exchange, would show here.
@@ -58,18 +68,17 @@ def test_multi_turn_resume_across_a_stop_is_exact_with_episodes_generated_ahead(
     """A rollout pool one batch ahead, stopped by a signal after step 2: its checkpoint holds the
     next batch's episodes (generated ahead, holes and all); the resumed run's steps equal those
     of a run that never stopped, every logged number of them."""
-    steps = 5
-    run(tmp_path / "straight", 2, *POOL, steps=steps)
+    steps, straight = STEPS["rollout_pool_staleness_1"], pool_run()
     out = tmp_path / "stopped"
     argv = [*AGENT, *POOL, f"trainer.total_steps={steps}", f"trainer.log_dir={out}/tb",
-            f"trainer.default_local_dir={out}/ckpt", "trainer.save_freq=2", "trainer.progress_bar=false"]
+            f"trainer.default_local_dir={out}/ckpt", *JOB, "trainer.progress_bar=false"]
     stopped_at = stop_on_request(2, argv, out / "ckpt", after="step 2:", rank=1)  # the rollout rank
     ahead = torch.load(out / "ckpt" / f"global_step_{stopped_at}" / "rollout" / "rank_1.pt", weights_only=False)["ahead"]
     assert list(ahead) == [stopped_at + 1] and "num_turns" in ahead[stopped_at + 1]
     result = job(2, *argv, timeout=400, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resuming from" in result.stdout
-    assert_repeats(out / "tb", tmp_path / "straight" / "tb")
+    assert_repeats(out / "tb", straight / "tb")
 
 
 @pytest.mark.e2e

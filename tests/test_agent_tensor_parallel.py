@@ -17,8 +17,7 @@ import yaml
 
 from spmdsplit.agent.tools import BaseTool, ToolResponse
 from spmdsplit.config import load_config
-from tests.launch import run_ranks
-from tests.test_vllm_rollout import agent_model_dir  # noqa: F401 - the fixture: the embedded agent model, calling more
+from tests.support.launch import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = 32
@@ -72,7 +71,7 @@ def tensor_parallel_episodes(rank, world_size, model_dir, tool_config):
         shutdown_vllm_distributed()
 
 
-def test_a_tensor_parallel_engine_runs_each_tool_call_once_and_its_ranks_agree(tmp_path, agent_model_dir):  # noqa: F811
+def test_a_tensor_parallel_engine_runs_each_tool_call_once_and_its_ranks_agree(tmp_path, agent_model_dir):
     calls_file, tool_config = tmp_path / "calls.txt", tmp_path / "tools.yaml"
     with open(os.path.join(ROOT, "spmdsplit", "agent", "lookup_tools.yaml")) as f:
         entry = yaml.safe_load(f)["tools"][0]

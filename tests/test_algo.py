@@ -4,14 +4,14 @@ is cut into ranks / micro-batches."""
 
 import math
 import statistics
-import threading
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from spmdsplit import algo
-from tests.launch import run_ranks
+from tests.support.helpers import as_ranks
+from tests.support.launch import run_ranks
 
 T = torch.tensor
 NAN = float("nan")
@@ -20,36 +20,6 @@ NAN = float("nan")
 def close(actual, expected, tol=1e-6):
     as64 = lambda x: x.detach().double() if isinstance(x, torch.Tensor) else T(x, dtype=torch.float64)  # noqa: E731
     torch.testing.assert_close(as64(actual), as64(expected), atol=tol, rtol=tol)
-
-
-def as_ranks(fn, shards):
-    """Run fn(shard, reduce_sum) on one thread per shard; reduce_sum behaves like an all-reduce SUM
-    over the shards (every "rank" deposits its tensor, waits for the others, gets the total)."""
-    n = len(shards)
-    barrier, slots, results, errors = threading.Barrier(n), [None] * n, [None] * n, []
-
-    def work(rank):
-        def reduce_sum(t):
-            slots[rank] = t.clone()
-            barrier.wait()
-            total = sum(slots[1:], slots[0].clone())
-            barrier.wait()  # nobody deposits the next round before everyone has read this one
-            return total
-
-        try:
-            results[rank] = fn(shards[rank], reduce_sum)
-        except BaseException as e:  # noqa: BLE001 - surfaced below
-            errors.append(e)
-            barrier.abort()
-
-    threads = [threading.Thread(target=work, args=(r,)) for r in range(n)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout=30)
-    if errors:
-        raise errors[0]
-    return results
 
 
 # ----------------------------------------------------------------------------- masked statistics

@@ -30,7 +30,7 @@ from spmdsplit.batch import Batch
 from spmdsplit.config import ActorConfig, load_config
 from spmdsplit.errors import ConfigError
 from spmdsplit.preflight import REGISTERED, check_config
-from tests.test_algo import as_ranks
+from tests.support.helpers import as_ranks
 
 FIXTURE = torch.load(Path(__file__).parent / "data" / "verl_core_algos.pt", weights_only=True)
 BATCHES = FIXTURE["batches"]

@@ -7,8 +7,8 @@ import pathlib
 
 import pytest
 
-from tests.launch import job
-from tests.outputs import scalars
+from tests.support.launch import job
+from tests.support.outputs import scalars
 
 pytestmark = pytest.mark.e2e
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.launch import ranks_apart, torchrun
+from tests.support.launch import ranks_apart, torchrun
 
 CASES = [
     (3, ["placement.mode=split"], "placement"),

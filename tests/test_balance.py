@@ -10,7 +10,7 @@ import torch
 from spmdsplit.balance import balanced_group_order, karmarkar_karp, seqlen_metrics, slice_sums
 from spmdsplit.batch import Batch
 from spmdsplit.exchange import Message, ProtocolError, reorder_rows, row_ranges
-from tests.launch import run_ranks
+from tests.support.launch import run_ranks
 
 
 def long_tailed_lengths(n: int, seed: int) -> list[int]:
@@ -226,8 +226,8 @@ def write_skewed_prompts(folder) -> str:
 
 
 def balance_job(tmp_path, name: str, nproc: int, balance: bool, *overrides: str) -> dict:
-    from tests.launch import job
-    from tests.outputs import scalars
+    from tests.support.launch import job
+    from tests.support.outputs import scalars
 
     out = tmp_path / name
     result = job(

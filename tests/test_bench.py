@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests import launch
+from tests.support import launch
 from tools import bench, bench_async, bench_tokens, efficiency, jobs, plan
 
 SHORT = ["data.train_batch_size=16", "actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=8",
@@ -434,7 +434,7 @@ def test_random_qwen2_draws_eos_at_the_rate_asked_and_no_other_special(tmp_path)
 
 def run_module(module: str, *args):
     """`python -m <module> *args` with its jobs started warm (tools/jobs.py's LAUNCH swapped for
-    tests/launch.py's): the tool's harness is the subject here, not torchrun's start-up."""
+    tests/support/launch.py's): the tool's harness is the subject here, not torchrun's start-up."""
     import contextlib
     import importlib
     import io

@@ -14,10 +14,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from spmdsplit.checkpoint import (
     LATEST, CheckpointError, find_resume, find_resume_after_restart, partial_dir, publish, resume_disagreement, step_dir,
 )
-from tests.helpers import full_weights
-from tests.launch import job, run_ranks
+from tests.support.helpers import full_weights
+from tests.support.launch import job, run_ranks
 
-SLOW_WRITE_JOB = os.path.join(os.path.dirname(__file__), "slow_write_job.py")
+SLOW_WRITE_JOB = os.path.join(os.path.dirname(__file__), "jobs", "slow_write.py")
 
 
 def write_half(root, step, pool="actor"):

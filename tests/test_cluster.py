@@ -10,7 +10,7 @@ import pytest
 
 from spmdsplit.cluster import choose_gloo_interface, device_index, interface_of, route_source
 from spmdsplit.errors import ConfigError
-from tests.launch import base_env, free_port
+from tests.support.launch import base_env, free_port
 
 
 def test_a_task_bound_to_one_gpu_takes_device_0_whatever_its_local_rank():

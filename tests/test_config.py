@@ -313,7 +313,7 @@ CLI_PLACEMENT_RUNS = {
     **{f"bad_map_rank{rank}": (BAD_MAP, rank) for rank in (1, 0)},
     "staleness_with_the_actor": (["rollout.staleness=1"], True),
 }
-# Runs that must see a package as not installed (tests/launch.py's `cli` hides it).
+# Runs that must see a package as not installed (tests/support/launch.py's `cli` hides it).
 CLI_HIDDEN = {"missing_logger": "mlflow"}
 
 
@@ -330,7 +330,7 @@ def cli_placement():
 
 
 def _run_cli(runs):
-    from tests import launch
+    from tests.support import launch
 
     started = {}
     for name, (args, as_rank1) in runs.items():

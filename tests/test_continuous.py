@@ -1,6 +1,6 @@
 """Continuous generation on a rollout pool (rollout.continuous; spmdsplit/continuous.py and
 programs/continuous_rollout.py), as a user runs it: torchrun jobs of 2 ranks (rollout | actor)
-under the NCCL-contract layer (tests/nccl_site), HF and vLLM.
+under the NCCL-contract layer (tests/support/nccl_site), HF and vLLM.
 
 What the jobs must show: weights land mid-answer (rows whose tokens span two versions), every
 trained token within rollout.staleness, the tokens recorded as the current version's scored by
@@ -19,8 +19,8 @@ from spmdsplit.config import load_config
 from spmdsplit.errors import ConfigError
 from spmdsplit.preflight import check_against_placement, check_config
 from spmdsplit.placement import plan_from_config
-from tests.launch import job
-from tests.outputs import scalars
+from tests.support.launch import job
+from tests.support.outputs import scalars
 
 GRPO = "configs/grpo_rollout_actor.yaml"
 # One token per engine step on the HF engine, and answers of up to 24 tokens: generating a batch takes
@@ -116,7 +116,7 @@ def test_agent_episodes_flow_one_by_one_in_a_continuous_job_and_resume_with_thei
     layer: tool calls answered while other episodes generate, validation's episodes beside the
     requests held, every trained token within the staleness; saved at step 2 of 4 and resumed
     from the episodes in flight (turns, tool tokens and all)."""
-    from tests.test_agent_e2e import AGENT, POOL
+    from tests.support.jobs import AGENT, POOL
 
     ckpt = tmp_path / "ckpt"
     common = (*AGENT, *POOL, "rollout.continuous=true", "rollout.hf_step_tokens=1", "trainer.total_steps=4",
@@ -134,7 +134,7 @@ def test_agent_episodes_flow_one_by_one_in_a_continuous_job_and_resume_with_thei
 def test_agents_on_the_fixed_schedule_give_the_same_rows_whatever_the_tools_latency(tmp_path):
     """On the fixed schedule a call's answer lands at the next engine step, waited for: two runs of
     one seed log the same numbers although the calls return at other times."""
-    from tests.test_agent_e2e import AGENT, POOL
+    from tests.support.jobs import AGENT, POOL
 
     def run(name):
         result = job(2, *AGENT, *POOL, "rollout.continuous=true", "rollout.hf_step_tokens=1",
@@ -153,7 +153,7 @@ def test_agents_on_the_fixed_schedule_give_the_same_rows_whatever_the_tools_late
 def test_vllm_agent_episodes_flow_one_by_one_in_a_continuous_job(tmp_path):
     """The same agent job on vLLM: each turn a request with the format's stop token, the next turn
     submitted when its call returns, validation's episodes beside the requests held."""
-    from tests.test_agent_e2e import AGENT, POOL
+    from tests.support.jobs import AGENT, POOL
 
     result = job(2, *AGENT, *POOL, "rollout.name=vllm", "rollout.continuous=true", "trainer.total_steps=3",
                  f"trainer.log_dir={tmp_path}/tb", timeout=600)
@@ -208,7 +208,7 @@ def test_a_continuous_job_stopped_on_request_leaves_nothing_pending_and_resumes_
     """SIGUSR2 to the rollout rank alone (the others learn it by the vote): the job checkpoints after
     the step and stops, and started again it logs what a run that never stopped logs (the fixed
     schedule, HF): the answers in flight at the stop go on where they were."""
-    from tests.test_resume import stop_on_request
+    from tests.support.launch import stop_on_request
 
     common = ("--config", GRPO, *CONTINUOUS, "rollout.version_every_engine_steps=6", "trainer.total_steps=8",
               "trainer.timeline=", "trainer.output_dir=", "trainer.progress_bar=false")

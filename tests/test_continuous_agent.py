@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from tests.test_agent import lookup_setup  # noqa: F401 - the fixture
 
 SLOW_S = 0.3
 SLOW_TOOL = f'''import asyncio

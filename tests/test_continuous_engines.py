@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.launch import run_ranks
-from tests.test_vllm_rollout import build_model, model_dir, needs_vllm  # noqa: F401 (model_dir: its fixture)
+from tests.support.launch import run_ranks
+from tests.support.engines import build_model, needs_vllm, start_engine, task_prompts
 
 R, TEMPERATURE = 16, 0.9
 
@@ -51,7 +51,6 @@ def teacher_forced(model, context: list[int], tokens: list[int]) -> torch.Tensor
 
 
 def check_in_flight_load(engine, tokenizer, load_after: int) -> dict:
-    from tests.test_vllm_rollout import task_prompts
 
     old, _ = build_model(seed=0)
     new, _ = build_model(seed=1)
@@ -85,7 +84,6 @@ def hf_checks():
 
 
 def vllm_checks(rank, world_size, model_dir):
-    from tests.test_vllm_rollout import start_engine
     from spmdsplit.rollout.vllm_engine import shutdown_vllm_distributed
 
     _, tokenizer, make_engine = start_engine(model_dir, f"data.max_response_length={R}",
@@ -120,7 +118,7 @@ def test_hf_takes_weights_between_steps_and_samples_the_rest_with_them():
 
 @pytest.mark.e2e
 @needs_vllm
-def test_vllm_takes_weights_between_steps_and_samples_the_rest_with_them(model_dir):
-    res = run_ranks(vllm_checks, 1, model_dir, timeout=400, kind="vllm")[0]
+def test_vllm_takes_weights_between_steps_and_samples_the_rest_with_them(head32_model_dir):
+    res = run_ranks(vllm_checks, 1, head32_model_dir, timeout=400, kind="vllm")[0]
     assert_in_flight(res)
     assert res["after_abort"] == ["b"]

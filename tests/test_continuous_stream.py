@@ -13,7 +13,7 @@ from spmdsplit.continuous import ContinuousGeneration
 from spmdsplit.data.prompts import PromptDataset
 from spmdsplit.data.synthetic import make_dataset
 from spmdsplit.generation import step_prompts
-from tests.test_vllm_rollout import build_model
+from tests.support.engines import build_model
 
 PROMPTS, N = 4, 2
 

@@ -13,18 +13,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from tests.helpers import PlainEngine, full_weights
-from tests.launch import run_ranks
-from tests.test_update_invariance import ROWS, after_each_backward, make_batch
+from tests.support.helpers import PlainEngine, full_weights
+from tests.support.launch import run_ranks
+from tests.support.helpers import ROWS, after_each_backward, make_batch
 
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    from spmdsplit.embedded import ensure_embedded_model
-
-    return ensure_embedded_model()
 
 
 def _role(role, model_dir, engine_for, micro):
@@ -32,7 +25,7 @@ def _role(role, model_dir, engine_for, micro):
     two optimizer steps (two mini-batches) per update, `micro` rows per micro-batch."""
     from spmdsplit.config import ActorConfig, CriticConfig, OptimConfig
     from spmdsplit.models import load_causal_lm
-    from tests.helpers import load_value_model
+    from tests.support.helpers import load_value_model
     from spmdsplit.roles.actor import Actor
     from spmdsplit.roles.critic import Critic
 
@@ -90,23 +83,23 @@ def _update_beside_unsharded(rank, world_size, model_dir, role, stage):
 
 
 @pytest.fixture(scope="module")
-def updates_beside_unsharded(model_dir):
-    return run_ranks(_updates_beside_unsharded, 3, model_dir, timeout=480, kind="deepspeed")
+def updates_beside_unsharded(embedded_model_dir):
+    return run_ranks(_updates_beside_unsharded, 3, embedded_model_dir, timeout=480, kind="deepspeed")
 
 
 @needs_deepspeed
 @pytest.mark.parametrize("role, stage", UPDATE_CASES)
-def test_zero_update_matches_unsharded_update(updates_beside_unsharded, model_dir, role, stage):
+def test_zero_update_matches_unsharded_update(updates_beside_unsharded, embedded_model_dir, role, stage):
     ds0, ds1, plain = (by_case[role, stage] for by_case in updates_beside_unsharded)
     (state, m1, m2, whole_after_micro), (expected, e1, e2, _) = ds0, plain
     # 2 updates x 2 mini-batches x 2 micro-batches; ZeRO-1 keeps whole gradients by design.
     assert len(whole_after_micro) == 8
     assert all(whole_after_micro) if stage == 1 else not any(whole_after_micro), whole_after_micro
     from spmdsplit.models import load_causal_lm
-    from tests.helpers import load_value_model
+    from tests.support.helpers import load_value_model
 
     load = load_causal_lm if role == "actor" else load_value_model
-    initial = load(model_dir, torch.float32, torch.device("cpu"), seed=3).state_dict()
+    initial = load(embedded_model_dir, torch.float32, torch.device("cpu"), seed=3).state_dict()
     assert max((expected[k] - initial[k]).abs().max().item() for k in expected) > 1e-3, "nothing moved"
     assert state.keys() == expected.keys()
     for name in expected:
@@ -187,8 +180,8 @@ def _save_load_beside_training(rank, world_size, model_dir, stage, out_dir, othe
 
 @needs_deepspeed
 @pytest.mark.parametrize("stage", [2, 3])
-def test_save_and_load_in_one_pool_while_the_other_trains(model_dir, tmp_path, stage):
-    fsdp0, _, ds2, ds3 = run_ranks(_save_load_beside_training, 4, model_dir, stage, str(tmp_path), timeout=300,
+def test_save_and_load_in_one_pool_while_the_other_trains(embedded_model_dir, tmp_path, stage):
+    fsdp0, _, ds2, ds3 = run_ranks(_save_load_beside_training, 4, embedded_model_dir, stage, str(tmp_path), timeout=300,
                                    kind="deepspeed")
     for ds in (ds2, ds3):
         for name, want in ds["expected"].items():
@@ -217,14 +210,17 @@ def test_save_and_load_in_one_pool_while_the_other_trains(model_dir, tmp_path, s
      (2, "barrier", "save_checkpoint"),  # no ZeRO-3 set-up barriers: the checkpoint's is the first
      (2, "tag_validation", "_checkpoint_tag_validation")],  # the checkpoint's barrier scoped, then this
 )
-def test_each_unscoped_call_hangs_beside_another_pool(model_dir, tmp_path, monkeypatch, stage, unscoped, where):
+def test_each_unscoped_call_hangs_beside_another_pool(embedded_model_dir, tmp_path, monkeypatch, stage, unscoped, where):
     """The job above with one of the pool scopings left out (SPMDSPLIT_DS_WITHOUT): that DeepSpeed
-    call waits on the world, which the FSDP pool never joins. The FSDP pool gives up after 10 s and
-    leaves, so the waiting call fails (peer gone) where it would otherwise hang; the traceback must
-    show the DeepSpeed function the scoping is for."""
+    call waits on the world, which the FSDP pool never joins. The FSDP pool leaves after one update,
+    so the call fails (peer gone) where it would otherwise hang, whenever the DeepSpeed pool reaches
+    it (before the FSDP pool left: at its leaving; after: at once); the traceback must show the
+    DeepSpeed function the scoping is for. A call scoped to the pool never meets the FSDP ranks, and
+    completes beside them (test_save_and_load_in_one_pool_while_the_other_trains). The FSDP pool
+    used to train 10 s first, which only made each case wait."""
     monkeypatch.setenv("SPMDSPLIT_DS_WITHOUT", unscoped)  # the ranks see the test's environment
     with pytest.raises(AssertionError, match="hang|failed") as failure:
-        run_ranks(_save_load_beside_training, 4, model_dir, stage, str(tmp_path), 10.0, timeout=90, kind="deepspeed")
+        run_ranks(_save_load_beside_training, 4, embedded_model_dir, stage, str(tmp_path), 0.0, timeout=90, kind="deepspeed")
     assert "rank(s) [2, 3]" in str(failure.value) or "rank(s) [2]" in str(failure.value) or "rank(s) [3]" in str(failure.value)
     assert where in str(failure.value)
 
@@ -269,14 +265,14 @@ def _zero3_build(rank, world_size, model_dir):
 @needs_deepspeed
 @pytest.mark.parametrize("left_out, fails_with", [("", None), ("dynamo_import", "Signature mismatch"),
                                                   ("zero_init_dtype", "bfloat16")])
-def test_zero_init_workarounds_are_needed(model_dir, monkeypatch, left_out, fails_with):
+def test_zero_init_workarounds_are_needed(embedded_model_dir, monkeypatch, left_out, fails_with):
     """deepspeed_compat 5 and 6, in fresh processes: with both, the pool builds the fp32 model it
     was asked for; without the first import outside zero.Init, importing torch._dynamo under it fails (a signature mismatch);
     without leaving zero.Init's dtype to the config, the model comes out bf16 on a CPU whose fp16
     DeepSpeed's accelerator does not support (`Init._set_dtype` keeps the asked dtype only where it
     does: bf16 where the suite has run so far, fp32 on an Intel Xeon whose fp16 it supports)."""
     monkeypatch.setenv("SPMDSPLIT_DS_WITHOUT", left_out)
-    built = lambda: run_ranks(_zero3_build, 2, model_dir, timeout=180, kind="cold")  # noqa: E731
+    built = lambda: run_ranks(_zero3_build, 2, embedded_model_dir, timeout=180, kind="cold")  # noqa: E731
     if fails_with is None:
         assert [dtypes for dtypes, _ in built()] == [["torch.float32"]] * 2
     elif left_out == "zero_init_dtype":
@@ -296,7 +292,7 @@ def _inference_beside_plain(rank, world_size, model_dir):
     from spmdsplit.exchange import row_ranges
     from spmdsplit.models import load_causal_lm
     from spmdsplit.roles.actor import Actor
-    from tests.helpers import load_reward_model
+    from tests.support.helpers import load_reward_model
 
     pool = dist.new_group([0, 1])
     dist.new_group([2])
@@ -324,8 +320,8 @@ def _inference_beside_plain(rank, world_size, model_dir):
 
 
 @needs_deepspeed
-def test_reference_and_reward_model_infer_under_zero3_and_stage0(model_dir):
-    r0, r1, plain = run_ranks(_inference_beside_plain, 3, model_dir, timeout=240, kind="deepspeed")
+def test_reference_and_reward_model_infer_under_zero3_and_stage0(embedded_model_dir):
+    r0, r1, plain = run_ranks(_inference_beside_plain, 3, embedded_model_dir, timeout=240, kind="deepspeed")
     want_logp, want_scores = plain["plain"]
     for stage in (3, 0):
         logp = torch.cat([r0[stage][0], r1[stage][0]])
@@ -379,7 +375,7 @@ MIXES = {
 def test_ppo_job_with_engine_mix_on_2_plus_2(tmp_path, monkeypatch, mix):
     """The real job under torchrun, 2+2 split, with DeepSpeed on one pool: the same metric
     names as the all-FSDP job, update_actor beside update_critic, and nothing JIT-compiled."""
-    from tests.test_e2e import run_short
+    from tests.support.jobs import run_short
 
     extensions = tmp_path / "torch_extensions"  # where a JIT build of a DeepSpeed op would land
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(extensions))
@@ -389,8 +385,8 @@ def test_ppo_job_with_engine_mix_on_2_plus_2(tmp_path, monkeypatch, mix):
 
 def check_a_2_plus_2_job(out, extensions, beside=("update_actor",)):
     """`beside`: the actor pool's phases update_critic must run beside in 3 of the 4 steps."""
-    from tests.outputs import overlapping_steps, scalars, timeline_events
-    from tests.test_e2e import VERL_METRICS
+    from tests.support.outputs import overlapping_steps, scalars, timeline_events
+    from tests.support.jobs import VERL_METRICS
 
     logged = scalars(str(out / "tb"))
     missing = [k for k in VERL_METRICS if k not in logged]
@@ -413,9 +409,9 @@ def test_trainer_checkpoint_resume_through_deepspeed_repeats_the_uninterrupted_r
     a job that stops after a checkpoint at step 2 and is started again logs steps 3-4 exactly as
     the job that ran straight through (weights, Adam moments, LR warmup and RNG all came back).
     The uninterrupted run is also the engine-mix check with DeepSpeed on both pools."""
-    from tests.launch import job
-    from tests.test_e2e import SHORT
-    from tests.test_resume import comparable
+    from tests.support.launch import job
+    from tests.support.jobs import SHORT
+    from tests.support.outputs import comparable
 
     extensions = tmp_path / "torch_extensions"  # where a JIT build of a DeepSpeed op would land
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(extensions))
@@ -479,10 +475,10 @@ def _non_finite_step(rank, world_size, model_dir):
 
 
 @needs_deepspeed
-def test_a_non_finite_gradient_skips_the_step(model_dir):
+def test_a_non_finite_gradient_skips_the_step(embedded_model_dir):
     import math
 
-    for rank_result in run_ranks(_non_finite_step, 2, model_dir, timeout=180, kind="deepspeed"):
+    for rank_result in run_ranks(_non_finite_step, 2, embedded_model_dir, timeout=180, kind="deepspeed"):
         for stage, r in rank_result.items():
             assert r["unchanged"], f"ZeRO-{stage}: a NaN gradient changed the weights"
             assert not math.isfinite(r["skipped_norm"]), f"ZeRO-{stage}: grad_norm {r['skipped_norm']}"

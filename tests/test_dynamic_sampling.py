@@ -11,7 +11,7 @@ from spmdsplit.config import load_config
 from spmdsplit.errors import ConfigError
 from spmdsplit.preflight import check_config
 from spmdsplit.dynamic_sampling import DynamicSampling, NoSpreadError, groups_with_spread
-from tests.launch import run_ranks
+from tests.support.launch import run_ranks
 
 N = 2  # responses per prompt
 GROUPS_PER_RANK = 3  # prompt groups each rank generates per generation batch
@@ -100,17 +100,10 @@ def fill_steps(rank, world, model_path, train_groups, max_num_gen_batches, steps
     return out
 
 
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    from spmdsplit.embedded import ensure_embedded_model
-
-    return ensure_embedded_model(str(tmp_path_factory.mktemp("model")))
-
-
-def test_the_kept_groups_fill_each_step_in_verls_order_and_every_rank_gets_its_even_share(model_path):
+def test_the_kept_groups_fill_each_step_in_verls_order_and_every_rank_gets_its_even_share(embedded_model_dir):
     world, train_groups, steps = 3, 6, 3
     per_rank = train_groups // world
-    results = run_ranks(fill_steps, world, model_path, train_groups, 0, steps)
+    results = run_ranks(fill_steps, world, embedded_model_dir, train_groups, 0, steps)
     first_batch = 1
     for step in range(steps):
         kept, next_batch = expected_step(train_groups, world, first_batch)
@@ -130,16 +123,16 @@ def test_the_kept_groups_fill_each_step_in_verls_order_and_every_rank_gets_its_e
         first_batch = next_batch
 
 
-def test_a_step_that_needs_more_than_max_num_gen_batches_stops_every_rank_with_the_reason(model_path):
-    results = run_ranks(fill_steps, 2, model_path, 6, 2, 1)  # 2 batches keep about 4 of the 6 groups
+def test_a_step_that_needs_more_than_max_num_gen_batches_stops_every_rank_with_the_reason(embedded_model_dir):
+    results = run_ranks(fill_steps, 2, embedded_model_dir, 6, 2, 1)  # 2 batches keep about 4 of the 6 groups
     for out in results:
         kind, message = out[0]
         assert kind == "error"
         assert "max_num_gen_batches=2" in message and "of the 6 prompt groups" in message
 
 
-def test_a_metric_the_reward_function_does_not_return_is_named_with_what_it_does_return(model_path):
-    kind, message = run_ranks(fill_steps, 1, model_path, 3, 0, 1, "acc")[0][0]
+def test_a_metric_the_reward_function_does_not_return_is_named_with_what_it_does_return(embedded_model_dir):
+    kind, message = run_ranks(fill_steps, 1, embedded_model_dir, 3, 0, 1, "acc")[0][0]
     assert kind == "error"
     assert "algorithm.filter_groups.metric=acc" in message and "a plain score" in message
 
@@ -180,12 +173,12 @@ def decoding_one_step(rank, world, model_path, train_groups):
     return filtered, trained, generation_batches, len(rows), scores, fresh
 
 
-def test_each_response_is_decoded_once_in_one_call_per_generation_batch(model_path):
+def test_each_response_is_decoded_once_in_one_call_per_generation_batch(embedded_model_dir):
     """Issue 36: the filter decoded every generated response a row at a time, and the critic
     group decoded the kept ones again to score them for training; now each response is decoded
     once, one call per generation batch (its rows share one skip_special_tokens), and the kept
     rows carry their texts to the training score, which is the same."""
-    for filtered, trained, batches, kept, scores, fresh in run_ranks(decoding_one_step, 2, model_path, 6):
+    for filtered, trained, batches, kept, scores, fresh in run_ranks(decoding_one_step, 2, embedded_model_dir, 6):
         assert kept == 6 // 2 * N and batches > 1
         assert filtered == {"responses": batches * GROUPS_PER_RANK * N, "calls": batches}
         assert trained == {}  # nothing decoded again

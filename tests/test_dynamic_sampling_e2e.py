@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from spmdsplit.checkpoint import step_dir
-from tests.launch import cached_job, job
-from tests.outputs import scalars
-from tests.test_resume import assert_repeats, stop_on_request
+from tests.support.launch import cached_job, job
+from tests.support.outputs import scalars
+from tests.support.launch import stop_on_request
+from tests.support.outputs import assert_repeats
 
 pytestmark = pytest.mark.e2e
 

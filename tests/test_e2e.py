@@ -1,47 +1,28 @@
 """The real job under torchrun on CPU/gloo: placements, metrics, timeline, output, learning."""
 
 import json
-import math
 import os
 
-import numpy as np
 import pytest
 
-from tests.extra_info_check import assert_every_split_scored, write_job_files
+from tests.support.extra_info_check import assert_every_split_scored, write_job_files
 from spmdsplit.metrics import mlflow_metric_name
-from tests.launch import job, torchrun
-from tests.outputs import mlflow_scalars, overlapping_steps, scalars, timeline_events, wandb_offline_scalars
+from tests.support.jobs import VERL_METRICS, learning_run, run_short
+from tests.support.launch import job, torchrun
+from tests.support.outputs import assert_same_scalars, mlflow_scalars, overlapping_steps, scalars, timeline_events, wandb_offline_scalars
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-VERL_METRICS = [
-    "critic/score/mean", "critic/rewards/mean", "critic/advantages/mean", "critic/returns/mean",
-    "critic/values/mean", "critic/vf_explained_var", "critic/vf_loss", "critic/vf_clipfrac",
-    "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm", "actor/lr",
-    "response_length/mean", "prompt_length/mean", "timing_s/gen", "timing_s/old_log_prob", "timing_s/ref",
-    "timing_s/values", "timing_s/reward", "timing_s/adv", "timing_s/update_actor", "timing_s/update_critic",
-    "timing_s/step", "perf/throughput", "perf/time_per_step",
-]
-SHORT = ["trainer.total_steps=4", "data.train_batch_size=16", "actor.ppo_mini_batch_size=8",
-         "critic.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size_per_gpu=4", "critic.ppo_micro_batch_size_per_gpu=4"]
-
-
-def run_short(tmp_path, nproc, *overrides, launcher=job):
-    out = tmp_path / "run"
-    result = launcher(
-        nproc, *SHORT, f"trainer.log_dir={out}/tb", f"trainer.timeline={out}/timeline.json",
-        f"trainer.output_dir={out}/actor_hf", *overrides, timeout=400,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    return out, result
 
 
 @pytest.mark.parametrize(
     "nproc, overrides, actor_ranks, critic_ranks",
     [
+        # Under real torchrun, as a user starts it (its start, its environment, its teardown); the
+        # other layouts run warm (tests/support/launch.py job: the same entry point and environment),
+        # their subject being the layout's messages, not the launcher.
         (2, ["placement.mode=split"], [0], [1]),
         # Balancing on where the actor pool has two ranks or more: its exchange is the one where
-        # any two ranks may send each other, held here to NCCL's contract (tests/nccl_p2p.py).
+        # any two ranks may send each other, held here to NCCL's contract (tests/support/nccl_p2p.py).
         (4, ["placement.mode=split", "trainer.balance_batch=true"], [0, 1], [2, 3]),
         (4, ["placement.mode=custom", "placement.pools=[3,1]", "data.train_batch_size=24",
              "actor.ppo_mini_batch_size=12", "critic.ppo_mini_batch_size=12", "trainer.balance_batch=true"],
@@ -54,7 +35,8 @@ def run_short(tmp_path, nproc, *overrides, launcher=job):
 def test_job_writes_verl_metrics_timeline_and_hf_model(tmp_path, nproc, overrides, actor_ranks, critic_ranks):
     # Scored by a custom function that checks each row gets its own extra_info, with validation on.
     checked, calls_log = write_job_files(tmp_path / "data")
-    out, result = run_short(tmp_path, nproc, *overrides, *checked, launcher=torchrun)
+    launcher = torchrun if overrides == ["placement.mode=split"] else job
+    out, result = run_short(tmp_path, nproc, *overrides, *checked, launcher=launcher)
     assert_every_split_scored(calls_log, actor_ranks, critic_ranks)
 
     logged = scalars(str(out / "tb"))
@@ -140,20 +122,6 @@ def test_kl_in_reward_critic_warmup_and_a_custom_reward_with_extras(tmp_path):
     assert {k for k in logged if k.startswith("critic/reward_extra/")} == {"critic/reward_extra/acc/mean"}
 
 
-def first_and_last_scores(log_dir: str, k: int = 5) -> tuple[float, float]:
-    scores = [v for _, v in scalars(log_dir)["critic/score/mean"]]
-    return sum(scores[:k]) / k, sum(scores[-k:]) / k
-
-
-def learning_run(out, config: str, *overrides) -> tuple[str, float, float]:
-    """A preset's learning run on 2 ranks, as a user starts it: (its output, the mean score of its
-    first and of its last 5 steps)."""
-    result = job(2, "--config", config, *overrides, f"trainer.log_dir={out}/tb", "trainer.timeline=",
-                 "trainer.output_dir=", timeout=1500, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-5000:]
-    return (result.stdout, *first_and_last_scores(str(out / "tb")))
-
-
 @pytest.mark.slow
 @pytest.mark.e2e
 def test_default_job_learns_the_embedded_task_one_step_off_policy_on_a_rollout_pool(tmp_path):
@@ -161,11 +129,11 @@ def test_default_job_learns_the_embedded_task_one_step_off_policy_on_a_rollout_p
     configs/rollout_actor+critic.yaml places it on 2 ranks: generation on a pool of its own, one
     batch ahead (rollout.staleness=1), the actor and the critic taking turns on the other, token-level
     importance weights. It must solve the task (the best score is 1.0), not merely improve: the mean
-    score of the last 5 steps reaches 0.9. The default on split 2+2 is the README's main command,
-    run from a fresh clone before every landing (0.975 at the last); the quick check that learning
-    happens at all is test_learning.py."""
-    output, first, last = learning_run(tmp_path / "run", "configs/rollout_actor+critic.yaml", "rollout.staleness=1",
-                                       "algorithm.rollout_correction.rollout_is=token")
+    score of 5 steps in a row reaches 0.9 within its 200 steps (the job ends there). The default on
+    split 2+2 is the README's main command, run from a fresh clone before every landing (0.975 at the
+    last); the quick check that learning happens at all is test_learning.py."""
+    output, first, last = learning_run(tmp_path / "run", "configs/rollout_actor+critic.yaml", 0.9,
+                                       "rollout.staleness=1", "algorithm.rollout_correction.rollout_is=token")
     assert "rollout pool ranks [1] | actor+critic pool ranks [0]" in output
     assert first < 0.15, f"the random policy already scores {first:.3f}: the task is too easy to show learning"
     assert last >= 0.9, f"score {first:.3f} -> {last:.3f}: the default one step off did not solve its task"
@@ -252,15 +220,6 @@ def test_validation_logs_verl_val_core_metrics(tmp_path, monkeypatch):
     assert_same_scalars(mlflow_scalars(f"file:{out}/mlruns"), {mlflow_metric_name(k): v for k, v in logged.items()}, "mlflow")
 
 
-def assert_same_scalars(got: dict, tensorboard: dict, sink: str) -> None:
-    """The same names, steps and values (TensorBoard keeps float32, the others float64)."""
-    assert sorted(got) == sorted(tensorboard), (sink, set(got) ^ set(tensorboard))
-    for key, points in tensorboard.items():
-        assert [s for s, _ in got[key]] == [s for s, _ in points], (sink, key)
-        for (_, value), (_, expected) in zip(got[key], points):
-            assert np.float32(value) == np.float32(expected) or (math.isnan(value) and math.isnan(expected)), (sink, key)
-
-
 def test_gsm8k_parquet_files_train_through_the_chat_template(tmp_path):
     """verl's parquet path end to end: files written by tools/make_gsm8k_parquet.py, chat
     messages rendered by the tokenizer's template, the openai/gsm8k scorer on the critic pool."""
@@ -296,13 +255,13 @@ def test_grpo_learns_the_embedded_task_one_step_off_policy_on_a_rollout_pool(tmp
     """The GRPO recipe of docs/algorithms.md as configs/grpo_rollout_actor.yaml places it: the
     rollout engine on a pool of its own generating one batch ahead (rollout.staleness=1, batch k
     from the weights of update k-2), the actor and the rule reward on the other, token-level
-    importance weights. It must learn most of the task in the recipe's 200 steps (last 5 steps
-    >= 0.75, from ~0.03): a rollout pool that loaded the wrong version's weights, rows scored
+    importance weights. It must learn most of the task in the recipe's 200 steps (5 steps in a row
+    >= 0.75, from ~0.03; the job ends there): a rollout pool that loaded the wrong version's weights, rows scored
     against the wrong version, or a correction that weighs the wrong way would stop it short
     (seed 1; the recipe's seed table is in docs/algorithms.md). The same seed's path depends on the
     CPU's kernels: 0.987 where it was first measured, 0.819 on an Intel Xeon (still rising: 0.68
     over steps 181-200), so the bound is not "solved" (0.9), which only the first CPU reached."""
-    output, first, last = learning_run(tmp_path / "run", "configs/grpo_rollout_actor.yaml")
+    output, first, last = learning_run(tmp_path / "run", "configs/grpo_rollout_actor.yaml", 0.75)
     assert "rollout pool ranks [1] | actor+critic pool ranks [0]" in output
     assert last >= 0.75, f"score {first:.3f} -> {last:.3f}: GRPO one step off did not learn the embedded task"
 

@@ -11,7 +11,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from spmdsplit.batch import Batch
 from spmdsplit.engines.common import apply_ac
 from spmdsplit.roles.common import forward_response
-from tests.launch import job
+from tests.support.launch import job
 from tools.efficiency import ModelShape, Tokens, phase_activity, phase_flops, phase_tokens, read_trace
 
 # hidden 8, one layer, 2 query heads and 1 key/value head of width 4, MLP 16, vocabulary 10

@@ -15,7 +15,7 @@ from spmdsplit.embedded import ensure_embedded_model
 from spmdsplit.models import load_tokenizer
 from spmdsplit.rollout.hf import response_mask_until_eos
 from spmdsplit.roles.reward import RuleReward
-from tests import launch
+from tests.support import launch
 
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 

@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from spmdsplit.batch import Batch
 from spmdsplit.exchange import Link, Message, PendingSend, ProtocolError, recv_rows, row_pairs, row_ranges, send_rows
-from tests.launch import run_ranks
+from tests.support.launch import run_ranks
 
 SEQ = 6
 KINDS = ["ROWS", "BACK", "OBJECT", "OTHER"]

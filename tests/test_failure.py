@@ -1,6 +1,6 @@
 """A rank that raises in any phase of either pool ends the whole job within 30 s, its error shown
 with where it happened; a pool that is only busy for longer than `trainer.dist_timeout_s` is not
-taken for dead. Faults injected on entering a phase (tests/fault_job.py); warm jobs, and a crash
+taken for dead. Faults injected on entering a phase (tests/jobs/fault.py); warm jobs, and a crash
 under real torchrun."""
 
 import os
@@ -9,22 +9,28 @@ import time
 
 import pytest
 
-from tests.launch import job, torchrun
+from tests.support.launch import job, torchrun
 
-JOB = os.path.join(os.path.dirname(__file__), "fault_job.py")
+JOB = os.path.join(os.path.dirname(__file__), "jobs", "fault.py")
 SHORT = ["trainer.total_steps=6", "trainer.seed=1", "trainer.progress_bar=false", "data.train_batch_size=16",
          "actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=8", "actor.ppo_micro_batch_size_per_gpu=4",
          "critic.ppo_micro_batch_size_per_gpu=4", "trainer.timeline=", "trainer.output_dir="]
 
 
 def run_job(tmp_path, nproc, fault, *overrides, script=JOB, timeout=240, launcher=job):
-    """The job with the fault planted, warm (tests/launch.py stops the others when a rank fails,
+    """The job with the fault planted, warm (tests/support/launch.py stops the others when a rank fails,
     as torchrun's agent does), or under real torchrun where its teardown is the subject."""
     result = launcher(nproc, *SHORT, f"trainer.log_dir={tmp_path}/tb", f"trainer.default_local_dir={tmp_path}/ckpt",
                       *overrides, script=script, timeout=timeout,
                       env={"FAULT": fault, "FAULT_TIME_FILE": str(tmp_path / "raised_at")})
     return result, time.time()
 
+
+# A busy pool against the short timeout: busy for BUSY_S seconds, twice trainer.dist_timeout_s=TIMEOUT_S,
+# so a wait under the short timeout fails halfway through it and one under the long one does not
+# (12 s against 6 s, the first sizes, told the two apart no better, at four times the cost). The
+# timeout still leaves its collectives room on 2 cores: 4 ranks' normal waits are well under 1 s.
+BUSY_S, TIMEOUT_S = 6, 3
 
 # (nproc, fault "ranks:phase:step", the failing rank's pool, extra overrides)
 FAULTS = [
@@ -64,8 +70,10 @@ def test_a_rank_that_raises_ends_the_job_within_30s_with_its_error(tmp_path, npr
 @pytest.mark.e2e
 def test_a_rank_that_segfaults_ends_the_job_with_its_python_stack(tmp_path):
     """A crash in native code runs no Python handler: the rank's faulthandler prints where it was
-    (train.main enables it), and real torchrun ends the others."""
-    result, ended = run_job(tmp_path, 4, "1:update_actor:2:segv", launcher=torchrun)
+    (train.main enables it), and real torchrun ends the others. Two ranks, colocated so that rank 1
+    updates the actor too: each real torchrun rank imports torch and the project (4 ranks doubled
+    the test's time on 2 cores), and one survivor to end is what the check needs."""
+    result, ended = run_job(tmp_path, 2, "1:update_actor:2:segv", "placement.mode=colocate", launcher=torchrun)
     assert result.returncode != 0
     raised_at = float((tmp_path / "raised_at").read_text())
     assert ended - raised_at < 30, f"the job took {ended - raised_at:.0f}s to end after rank 1 crashed"
@@ -103,7 +111,8 @@ def test_an_engine_whose_dapo_generation_runs_long_is_not_a_dead_one(tmp_path):
     dapo = ["placement.mode=custom", "placement.pools={gen: 2, train: 1}", "placement.roles={rollout: gen, actor: train}",
             "algorithm.adv_estimator=grpo", "rollout.n=4", "algorithm.filter_groups.enable=true",
             "algorithm.filter_groups.metric=seq_reward", "algorithm.use_kl_in_reward=false"]
-    result, _ = run_job(tmp_path, 3, "1:gen:2:sleep=12", *dapo, "trainer.total_steps=2", "trainer.dist_timeout_s=6")
+    result, _ = run_job(tmp_path, 3, f"1:gen:2:sleep={BUSY_S}", *dapo, "trainer.total_steps=2",
+                        f"trainer.dist_timeout_s={TIMEOUT_S}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "step 2:" in result.stdout
 
@@ -118,9 +127,10 @@ def test_a_busy_pool_is_not_a_dead_one(tmp_path):
       timeout;
     - the critic pool writes its checkpoint slowly: rank 0 waits for it, and actor rank 1 must not
       wait for rank 0 in step 3's first collective (the weights' gather) under the short timeout."""
-    faults = ";".join(["0,1:val_gen:2:sleep=12", "3:gen:2:sleep=12", "2,3:save_checkpoint/critic:2:sleep=12"])
+    faults = ";".join([f"0,1:val_gen:2:sleep={BUSY_S}", f"3:gen:2:sleep={BUSY_S}",
+                       f"2,3:save_checkpoint/critic:2:sleep={BUSY_S}"])
     result, _ = run_job(tmp_path, 4, faults, "trainer.total_steps=3", "trainer.val_freq=2", "trainer.save_freq=2",
-                        "rollout.ranks=all", "trainer.dist_timeout_s=6")
+                        "rollout.ranks=all", f"trainer.dist_timeout_s={TIMEOUT_S}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "val-core/synthetic/repeat/reward/mean@1" in result.stdout
     assert "checkpoint of step 2 written" in result.stdout and "step 3:" in result.stdout

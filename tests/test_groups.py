@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tests.launch import run_ranks
+from tests.support.launch import run_ranks
 
 # overrides, and how many groups: one per pool, bulk, control, stop, a meeting group per pool, +
 # handoff with placement.overlap=false, + one weight group per source: the actor pool's first rank

@@ -11,17 +11,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from spmdsplit import algo
-from tests.launch import run_ranks
-from tests.test_update_invariance import RESPONSE, make_batch
+from tests.support.launch import run_ranks
+from tests.support.helpers import RESPONSE, make_batch
 
 TEMPERATURE = 0.7
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    from spmdsplit.embedded import ensure_embedded_model
-
-    return ensure_embedded_model()
 
 
 def tiny_model(vocab=40, tied=False):
@@ -216,7 +209,7 @@ def test_peak_memory_falls_with_the_chunk_size(capsys):
 
     from spmdsplit.config import ActorConfig
     from spmdsplit.roles.actor import Actor
-    from tests.helpers import ppo_rows
+    from tests.support.helpers import ppo_rows
 
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=151936, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -260,9 +253,9 @@ def _chunked_on_pool(rank, world_size, model_dir, engine_name, packed):
     """An actor pool of two (FSDP2: the head's weight unsharded by the root; DeepSpeed ZeRO-3:
     gathered by the head's own hooks), log-probs and one update (tests/test_packing.py), with the
     whole logits (logits_chunk_size=0) and in chunks of 2 tokens, from the same weights."""
-    from tests.test_packing import _actor_on_pool
+    from tests.support.ragged import actor_on_pool
 
-    return {chunk: _actor_on_pool(rank, world_size, model_dir, engine_name, packed, False, chunk) for chunk in (0, 2)}
+    return {chunk: actor_on_pool(rank, world_size, model_dir, engine_name, packed, False, chunk) for chunk in (0, 2)}
 
 
 def _check_chunked_on_pool(results):
@@ -279,11 +272,11 @@ def _check_chunked_on_pool(results):
 
 # The engines' handling of the head's weight does not depend on the path (padded or packed: the
 # plain tests above), so each engine runs one.
-def test_lm_head_in_chunks_under_fsdp2(model_dir):
-    _check_chunked_on_pool(run_ranks(_chunked_on_pool, 2, model_dir, "fsdp", False))
+def test_lm_head_in_chunks_under_fsdp2(embedded_model_dir):
+    _check_chunked_on_pool(run_ranks(_chunked_on_pool, 2, embedded_model_dir, "fsdp", False))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")
-def test_lm_head_in_chunks_under_deepspeed_zero3(model_dir):
-    _check_chunked_on_pool(run_ranks(_chunked_on_pool, 2, model_dir, "deepspeed", True, timeout=300,
+def test_lm_head_in_chunks_under_deepspeed_zero3(embedded_model_dir):
+    _check_chunked_on_pool(run_ranks(_chunked_on_pool, 2, embedded_model_dir, "deepspeed", True, timeout=300,
                                      kind="deepspeed"))

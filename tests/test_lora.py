@@ -2,8 +2,6 @@
 sync moves, the adapter's files and checkpoints, and the start-up checks. The jobs that show the
 engines sampling from the adapter they were given, resume and export are tests/test_lora_e2e.py."""
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,17 +11,10 @@ from spmdsplit import lora
 from spmdsplit.config import load_config
 from spmdsplit.errors import ConfigError
 from spmdsplit.preflight import check_config, check_lora_models
-from tests.launch import run_ranks
-from tests.test_update_invariance import ROWS, make_batch
+from tests.support.launch import run_ranks
+from tests.support.helpers import ROWS, make_batch
 
 SPEC = lora.LoraSpec(rank=8, alpha=16.0)
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    from spmdsplit.embedded import ensure_embedded_model
-
-    return ensure_embedded_model()
 
 
 def peft_model(model_dir, spec=SPEC, seed=0):
@@ -47,18 +38,18 @@ def logits(model, ids):
 IDS = torch.randint(4, 14, (3, 9), generator=torch.Generator().manual_seed(1))
 
 
-def test_the_names_an_engine_takes_are_peft_saved_ones(model_dir):
+def test_the_names_an_engine_takes_are_peft_saved_ones(embedded_model_dir):
     from peft import get_peft_model_state_dict
 
     from spmdsplit.models import load_causal_lm
 
-    model = peft_model(model_dir)
+    model = peft_model(embedded_model_dir)
     names = [n for n, _ in model.named_parameters()]
     adapter = [n for n in names if lora.is_adapter(n)]
     assert adapter and all(not p.requires_grad for n, p in model.named_parameters() if n not in adapter)
     assert sorted(lora.saved_name(n) for n in adapter) == sorted(get_peft_model_state_dict(model))
     assert all(lora.model_name(lora.saved_name(n)) == n for n in adapter)
-    plain = load_causal_lm(model_dir, torch.float32, "cpu", 0)  # the model's own names: no prefix, no base_layer
+    plain = load_causal_lm(embedded_model_dir, torch.float32, "cpu", 0)  # the model's own names: no prefix, no base_layer
     assert {lora.base_name(n) for n in names if not lora.is_adapter(n)} == {n for n, _ in plain.named_parameters()}
     # all-linear: every linear layer of every block, not the output head
     assert {n.split(".")[-4] for n in adapter} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -66,13 +57,13 @@ def test_the_names_an_engine_takes_are_peft_saved_ones(model_dir):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_merged_stream_is_the_model_peft_merges(model_dir, dtype):
+def test_the_merged_stream_is_the_model_peft_merges(embedded_model_dir, dtype):
     from spmdsplit.models import hf_tensors, load_causal_lm
 
-    model = peft_model(model_dir)
+    model = peft_model(embedded_model_dir)
     merged = dict(lora.merged(hf_tensors(model), lora.scalings(model), dtype))
-    plain = load_causal_lm(model_dir, torch.float32, torch.device("cpu"), seed=0)
-    expected = peft_model(model_dir).merge_and_unload()
+    plain = load_causal_lm(embedded_model_dir, torch.float32, torch.device("cpu"), seed=0)
+    expected = peft_model(embedded_model_dir).merge_and_unload()
     assert merged.keys() == dict(plain.named_parameters()).keys()
     for name, tensor in expected.named_parameters():
         assert merged[name].dtype == dtype
@@ -82,16 +73,16 @@ def test_the_merged_stream_is_the_model_peft_merges(model_dir, dtype):
         torch.testing.assert_close(logits(plain.eval(), IDS), logits(model, IDS), rtol=0, atol=1e-5)
 
 
-def test_an_adapter_folder_loads_with_peft(model_dir, tmp_path):
+def test_an_adapter_folder_loads_with_peft(embedded_model_dir, tmp_path):
     from peft import PeftModel
 
     from spmdsplit.models import hf_tensors, load_causal_lm
 
-    model = peft_model(model_dir)
+    model = peft_model(embedded_model_dir)
     adapter = ((lora.saved_name(n), t) for n, t in hf_tensors(model) if lora.is_adapter(n))
-    written = lora.write_adapter(str(tmp_path), adapter, model.peft_config[lora.ADAPTER], model_dir)
+    written = lora.write_adapter(str(tmp_path), adapter, model.peft_config[lora.ADAPTER], embedded_model_dir)
     assert written == sum(p.nbytes for n, p in model.named_parameters() if lora.is_adapter(n))
-    loaded = PeftModel.from_pretrained(load_causal_lm(model_dir, torch.float32, "cpu", 0), str(tmp_path)).eval()
+    loaded = PeftModel.from_pretrained(load_causal_lm(embedded_model_dir, torch.float32, "cpu", 0), str(tmp_path)).eval()
     assert torch.equal(logits(loaded, IDS), logits(model, IDS))
     with model.disable_adapter():
         assert not torch.allclose(logits(loaded, IDS), logits(model, IDS))
@@ -141,8 +132,8 @@ def _lora_in_a_pool(rank, world_size, model_dir, mixed):
 
 
 @pytest.mark.parametrize("mixed", [None, torch.bfloat16], ids=["fp32", "bf16-base"])
-def test_an_adapter_trains_on_fsdp2_its_reference_is_the_base_and_an_engine_takes_it_alone(model_dir, mixed):
-    results = run_ranks(_lora_in_a_pool, 2, model_dir, mixed, timeout=180)
+def test_an_adapter_trains_on_fsdp2_its_reference_is_the_base_and_an_engine_takes_it_alone(embedded_model_dir, mixed):
+    results = run_ranks(_lora_in_a_pool, 2, embedded_model_dir, mixed, timeout=180)
     adapter = [n for n in results[0]["trained"] if lora.is_adapter(n)]
     for got in results:
         assert got["trained"] == adapter and len(adapter) == 28  # 2 blocks x 7 linear layers x (A, B)
@@ -220,9 +211,9 @@ def test_good_lora_keys_pass():
         check_config(load_config(None, overrides))
 
 
-def test_adapters_are_checked_against_their_models(model_dir, tmp_path):
+def test_adapters_are_checked_against_their_models(embedded_model_dir, tmp_path):
     def checked(*overrides):
-        cfg = load_config(None, [f"model.path={model_dir}", *overrides])
+        cfg = load_config(None, [f"model.path={embedded_model_dir}", *overrides])
         check_lora_models(cfg)
 
     checked("model.lora_rank=8", "model.target_modules=[q_proj,v_proj]", "critic.model.lora_rank=4")
@@ -237,23 +228,23 @@ def test_adapters_are_checked_against_their_models(model_dir, tmp_path):
         checked(*with_head)
     checked(*with_head, "model.lora_merge=true")
     checked(*with_head[:2], "rollout.name=hf")
-    model = peft_model(model_dir)
+    model = peft_model(embedded_model_dir)
     model.save_pretrained(str(tmp_path))
     checked("model.lora_rank=8", f"model.lora_adapter_path={tmp_path}")
     with pytest.raises(ConfigError, match=r"holds a LORA adapter of rank 8, and model.lora_rank=16; set model.lora_rank=8"):
         checked("model.lora_rank=16", f"model.lora_adapter_path={tmp_path}")
     with pytest.raises(ConfigError, match="no adapter_config.json there"):
-        checked("model.lora_rank=8", f"model.lora_adapter_path={model_dir}")
+        checked("model.lora_rank=8", f"model.lora_adapter_path={embedded_model_dir}")
 
 
-def test_a_saved_adapter_is_where_training_starts(model_dir, tmp_path):
+def test_a_saved_adapter_is_where_training_starts(embedded_model_dir, tmp_path):
     from spmdsplit.models import ModelSource
 
-    saved = peft_model(model_dir, seed=5)
+    saved = peft_model(embedded_model_dir, seed=5)
     saved.save_pretrained(str(tmp_path))
     spec = lora.LoraSpec(8, 16.0, adapter_path=str(tmp_path))
-    start = ModelSource("causal_lm", model_dir, torch.float32, lora=spec).read().eval()
+    start = ModelSource("causal_lm", embedded_model_dir, torch.float32, lora=spec).read().eval()
     assert torch.equal(logits(start, IDS), logits(saved, IDS))
     assert all(p.requires_grad == lora.is_adapter(n) for n, p in start.named_parameters())
-    skeleton = ModelSource("causal_lm", model_dir, torch.float32, lora=spec).skeleton()
+    skeleton = ModelSource("causal_lm", embedded_model_dir, torch.float32, lora=spec).skeleton()
     assert [n for n, _ in skeleton.named_parameters()] == [n for n, _ in start.named_parameters()]

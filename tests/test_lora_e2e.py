@@ -3,7 +3,7 @@ were given, in every layout and with both engines; a job resumes exactly from an
 checkpoint; the export loads with PEFT (or, merged, with transformers).
 
 "The engine samples from the adapter it was given" is checked against an oracle outside the job:
-tests/lora_probe_job.py writes down each step's rows as the engine generated them (its own
+tests/jobs/lora_probe.py writes down each step's rows as the engine generated them (its own
 log-probs included) and the policy's adapter after every update, and the test scores each row with
 plain transformers + PEFT under the adapter of the version the row says it was generated with. That
 holds at any staleness (a rollout pool's rows are one update behind the trainer), and it tells the
@@ -17,14 +17,14 @@ import re
 import pytest
 import torch
 
-from tests.launch import job
-from tests.outputs import scalars
+from tests.support.launch import job
+from tests.support.outputs import scalars
 
 pytestmark = pytest.mark.e2e
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROBE = os.path.join(REPO, "tests", "lora_probe_job.py")
+PROBE = os.path.join(REPO, "tests", "jobs", "lora_probe.py")
 GRPO_ROLLOUT_ACTOR = os.path.join(REPO, "configs", "grpo_rollout_actor.yaml")
 RANK, ALPHA, TEMPERATURE = 8, 16.0, 0.7
 # A large learning rate from the first step: the adapter moves far from the base (B starts at 0).
@@ -192,10 +192,11 @@ def test_merged_weights_sync_and_export(tmp_path):
 def test_the_lora_preset_learns_the_embedded_task(tmp_path):
     """configs/lora_grpo_rollout_actor.yaml as a user runs it: GRPO with a rank-32 adapter, the
     adapter-only sync to a rollout pool of its own one step off-policy, from the random start (~0.03)
-    to a solved task (the last 5 steps >= 0.9) in its 150 steps, within twice the default's 200."""
-    from tests.test_e2e import learning_run
+    to a solved task (5 steps in a row >= 0.9; the job ends there) within its 150 steps, within twice
+    the default's 200."""
+    from tests.support.jobs import learning_run
 
-    output, first, last = learning_run(tmp_path / "run", "configs/lora_grpo_rollout_actor.yaml")
+    output, first, last = learning_run(tmp_path / "run", "configs/lora_grpo_rollout_actor.yaml", 0.9)
     assert "rollout pool ranks [1] | actor+critic pool ranks [0]" in output
     assert first <= 0.1, f"the random policy already scores {first:.3f}: the task is too easy to show learning"
     assert last >= 0.9, f"score {first:.3f} -> {last:.3f}: the LoRA preset did not solve the embedded task"

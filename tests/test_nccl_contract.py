@@ -1,5 +1,5 @@
 """The test layer that holds every multi-rank test to NCCL's point-to-point contract
-(tests/nccl_p2p.py), shown to hold: what gloo forgives and NCCL does not fails, with a message
+(tests/support/nccl_p2p.py), shown to hold: what gloo forgives and NCCL does not fails, with a message
 naming the ranks and the group, within seconds; what NCCL allows passes. Also the layer is on in
 the worlds and jobs the suite starts."""
 
@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from spmdsplit.batch import Batch
 from spmdsplit.exchange import Link, Message, PendingSend, _pack, _unpack, reorder_rows, row_ranges
-from tests.launch import run_ranks
+from tests.support.launch import run_ranks
 
 
 def test_the_suite_turns_the_layer_on():
@@ -21,7 +21,7 @@ def test_the_suite_turns_the_layer_on():
 
 
 def _is_on(rank, world):
-    from tests import nccl_p2p
+    from tests.support import nccl_p2p
 
     return nccl_p2p.installed() and dist.isend is nccl_p2p.isend
 
@@ -165,7 +165,7 @@ def test_ranks_started_by_torchrun_run_under_it(tmp_path):
     the same cross sends, from a script under real torchrun, fail with the contract's message."""
     import subprocess
 
-    from tests.launch import base_env, torchrun_cmd
+    from tests.support.launch import base_env, torchrun_cmd
 
     script = tmp_path / "cross.py"
     script.write_text(CROSS_SCRIPT)
@@ -177,7 +177,7 @@ def test_ranks_started_by_torchrun_run_under_it(tmp_path):
 
 
 def _warm_up(rank, world):
-    from tests import nccl_p2p
+    from tests.support import nccl_p2p
 
     link = Link(["ROWS"], dist.new_group([0, 1, 2]), "cpu", "bulk")
     link.connect([(2, 0), (1, 2), (0, 2)])
@@ -193,12 +193,12 @@ def test_start_up_warms_each_connected_pair_in_both_directions_once():
 
 
 def test_the_layer_is_on_in_every_rank_of_a_warm_job(tmp_path):
-    """Training jobs run warm (tests/launch.py forks their ranks): each installs the layer itself,
+    """Training jobs run warm (tests/support/launch.py forks their ranks): each installs the layer itself,
     so a planted cross exchange in a job fails there as under torchrun."""
-    from tests.launch import job
+    from tests.support.launch import job
 
     script = tmp_path / "check.py"
-    script.write_text("import os\nfrom tests import nccl_p2p\nprint('rank', os.environ['RANK'], 'layer on:', nccl_p2p.installed())\n")
+    script.write_text("import os\nfrom tests.support import nccl_p2p\nprint('rank', os.environ['RANK'], 'layer on:', nccl_p2p.installed())\n")
     result = job(2, script=str(script))
     assert result.returncode == 0, result.stderr[-2000:]
     assert sorted(line for line in result.stdout.splitlines() if "layer on" in line) == \

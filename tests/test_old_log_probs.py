@@ -8,10 +8,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from tests.helpers import full_weights
-from tests.launch import job, run_ranks
-from tests.outputs import scalars, timeline_events
-from tests.test_update_invariance import ROWS, make_batch
+from tests.support.helpers import full_weights
+from tests.support.launch import job, run_ranks
+from tests.support.outputs import scalars, timeline_events
+from tests.support.helpers import ROWS, make_batch
 
 THRESHOLD = 1.0  # rollout-correction truncation: low enough that some of the weights below hit it
 
@@ -55,15 +55,8 @@ def _both_ways(rank, world_size, model_dir):
     return results
 
 
-@pytest.fixture(scope="module")
-def model_dir():
-    from spmdsplit.embedded import ensure_embedded_model
-
-    return ensure_embedded_model()
-
-
-def test_the_updates_own_forward_gives_the_separate_passs_old_log_probs_and_the_same_update(model_dir):
-    for rank, (separate, from_forward) in enumerate(run_ranks(_both_ways, 2, model_dir)):
+def test_the_updates_own_forward_gives_the_separate_passs_old_log_probs_and_the_same_update(embedded_model_dir):
+    for rank, (separate, from_forward) in enumerate(run_ranks(_both_ways, 2, embedded_model_dir)):
         (old_a, weights_a, state_a, metrics_a), (old_b, weights_b, state_b, metrics_b) = separate, from_forward
         torch.testing.assert_close(old_b, old_a, rtol=0, atol=1e-5)  # every row's, in its place
         assert (weights_a == THRESHOLD).any() and (weights_a < THRESHOLD).any()

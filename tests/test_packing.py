@@ -12,34 +12,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from spmdsplit.batch import Batch
 from spmdsplit.roles.micro_batches import (fixed_bins, in_row_order, micro_batches, split_to_count,
                                            token_budget_bins)
-from tests.helpers import full_weights
-from tests.launch import run_ranks
+from tests.support.helpers import full_weights
+from tests.support.launch import run_ranks
+from tests.support.ragged import PROMPT_LENGTHS, RESPONSE_LENGTHS, R, actor_on_pool, ragged_batch
 
-P, R = 7, 6
-# Left-padded prompts and right-padded responses of different lengths, some of length 1; no row
-# fills the prompt or the response width, so the padded path's trimming has columns to drop.
-PROMPT_LENGTHS = [5, 1, 3, 2, 5, 4, 1, 3]
-RESPONSE_LENGTHS = [4, 1, 3, 1, 2, 4, 3, 1]
 TOLERANCE = dict(rtol=0, atol=1e-5)
-
-
-def ragged_batch(vocab: int, prompt_lengths=PROMPT_LENGTHS, response_lengths=RESPONSE_LENGTHS) -> Batch:
-    from tests.helpers import ppo_rows
-
-    g = torch.Generator().manual_seed(0)
-    rows = len(prompt_lengths)
-    prompt_mask = (torch.arange(P)[None] >= P - torch.tensor(prompt_lengths)[:, None]).long()
-    response_mask = (torch.arange(R)[None] < torch.tensor(response_lengths)[:, None]).long()
-    prompts = torch.randint(3, vocab, (rows, P), generator=g) * prompt_mask
-    responses = torch.randint(3, vocab, (rows, R), generator=g) * response_mask
-    return ppo_rows(prompts, responses, prompt_mask, response_mask, g)
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    from spmdsplit.embedded import ensure_embedded_model
-
-    return ensure_embedded_model()
 
 
 def logprob_head(entropy="grad"):
@@ -89,10 +66,10 @@ def test_in_row_order_puts_rows_back_and_drops_dummies():
 
 # ------------------------------------------------------------------ one process, the plain model
 
-def test_packed_and_trimmed_actor_log_probs_entropy_and_gradients_match(model_dir):
+def test_packed_and_trimmed_actor_log_probs_entropy_and_gradients_match(embedded_model_dir):
     from spmdsplit.models import load_causal_lm
 
-    padded_and_packed_match(load_causal_lm(model_dir, torch.float32, torch.device("cpu"), seed=3))
+    padded_and_packed_match(load_causal_lm(embedded_model_dir, torch.float32, torch.device("cpu"), seed=3))
 
 
 def padded_and_packed_match(model, after=lambda stage: None):
@@ -120,12 +97,12 @@ def padded_and_packed_match(model, after=lambda stage: None):
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager", "varlen"])
-def test_packed_critic_values_match(model_dir, attention):
+def test_packed_critic_values_match(embedded_model_dir, attention):
     from spmdsplit.models import ModelSource
     from spmdsplit.roles.common import forward_response
     from spmdsplit.roles.critic import value_head
 
-    model = ModelSource("value", model_dir, torch.float32, 3, attn_implementation=attention).read("cpu")
+    model = ModelSource("value", embedded_model_dir, torch.float32, 3, attn_implementation=attention).read("cpu")
     assert model.config._attn_implementation == attention
     batch = ragged_batch(model.config.vocab_size)
     with torch.no_grad():
@@ -137,15 +114,15 @@ def test_packed_critic_values_match(model_dir, attention):
     torch.testing.assert_close(packed, expected, **TOLERANCE)
 
 
-def test_packed_reward_model_scores_match(model_dir):
+def test_packed_reward_model_scores_match(embedded_model_dir):
     from spmdsplit.models import load_tokenizer
     from spmdsplit.roles.reward_model import RewardModel
-    from tests.helpers import PlainEngine, load_reward_model
+    from tests.support.helpers import PlainEngine, load_reward_model
 
-    model = load_reward_model(model_dir, torch.float32, torch.device("cpu"), seed=11)
+    model = load_reward_model(embedded_model_dir, torch.float32, torch.device("cpu"), seed=11)
     with torch.no_grad():
         model.score.weight.normal_(0, 1.0, generator=torch.Generator().manual_seed(0))  # scores of size ~1
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = load_tokenizer(embedded_model_dir)
     batch = ragged_batch(model.config.vocab_size)
     scores = {}
     for packed, budget in ((False, None), (True, None), (True, 12)):
@@ -198,7 +175,7 @@ def flash_stand_in(monkeypatch):
     return calls
 
 
-def test_flash_attention_is_given_the_rows_boundaries_once_per_micro_batch(model_dir, flash_stand_in):
+def test_flash_attention_is_given_the_rows_boundaries_once_per_micro_batch(embedded_model_dir, flash_stand_in):
     """Every layer gets the same cu_seq_lens tensor (computed once, not re-derived per layer) and
     the packed result equals each row run alone."""
     import itertools
@@ -206,7 +183,7 @@ def test_flash_attention_is_given_the_rows_boundaries_once_per_micro_batch(model
     from spmdsplit.models import load_causal_lm
     from spmdsplit.roles.common import forward_response
 
-    model = load_causal_lm(model_dir, torch.float32, torch.device("cpu"), seed=3)
+    model = load_causal_lm(embedded_model_dir, torch.float32, torch.device("cpu"), seed=3)
     batch = ragged_batch(model.config.vocab_size)
     with torch.no_grad():
         expected = unpadded_reference(model, batch, logprob_head())
@@ -222,15 +199,15 @@ def test_flash_attention_is_given_the_rows_boundaries_once_per_micro_batch(model
     assert all(call["cu_seq_lens_q"] is first["cu_seq_lens_q"] for call in flash_stand_in)
 
 
-def test_the_packed_reward_model_gives_flash_attention_the_boundaries_too(model_dir, flash_stand_in):
+def test_the_packed_reward_model_gives_flash_attention_the_boundaries_too(embedded_model_dir, flash_stand_in):
     from spmdsplit.models import load_tokenizer
     from spmdsplit.roles.reward_model import RewardModel
-    from tests.helpers import PlainEngine, load_reward_model
+    from tests.support.helpers import PlainEngine, load_reward_model
 
-    model = load_reward_model(model_dir, torch.float32, torch.device("cpu"), seed=11)
+    model = load_reward_model(embedded_model_dir, torch.float32, torch.device("cpu"), seed=11)
     with torch.no_grad():
         model.score.weight.normal_(0, 1.0, generator=torch.Generator().manual_seed(0))
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = load_tokenizer(embedded_model_dir)
     batch = ragged_batch(model.config.vocab_size)
 
     def scores(packed):
@@ -274,7 +251,7 @@ def varlen_calls(monkeypatch):
     return calls
 
 
-def test_varlen_packed_passes_carry_no_mask_and_match_each_row_alone(model_dir, varlen_calls):
+def test_varlen_packed_passes_carry_no_mask_and_match_each_row_alone(embedded_model_dir, varlen_calls):
     """The model loads with attn_implementation="varlen" (registered with transformers); a packed
     pass hands every layer no mask and the one boundaries tensor, a padded pass sdpa's mask; both
     give each row's log-probs, entropy and gradients as the row run alone."""
@@ -282,7 +259,7 @@ def test_varlen_packed_passes_carry_no_mask_and_match_each_row_alone(model_dir, 
 
     from spmdsplit.models import ModelSource
 
-    model = ModelSource("causal_lm", model_dir, torch.float32, 3, attn_implementation="varlen").read("cpu")
+    model = ModelSource("causal_lm", embedded_model_dir, torch.float32, 3, attn_implementation="varlen").read("cpu")
     assert model.config._attn_implementation == "varlen"
     assert model.config.num_key_value_heads < model.config.num_attention_heads  # grouped-query heads reach it
     lengths = [p + r for p, r in zip(PROMPT_LENGTHS, RESPONSE_LENGTHS)]
@@ -388,33 +365,6 @@ def test_torch_accepts_the_varlen_kernel_call_on_meta_tensors():
 
 # ------------------------------------------------------------------ two ranks, both engines
 
-def _actor_on_pool(rank, world_size, model_dir, engine_name, packed, dynamic, logits_chunk_size=512):
-    """An actor pool of two: old log-probs of unequal shares (rank 0: 6 rows, rank 1: 2, so with a
-    small token budget rank 1 runs dummy micro-batches), then one update of equal shares; the
-    per-row log-probs in the batch's order, and the updated weights."""
-    from spmdsplit.config import ActorConfig, OptimConfig
-    from spmdsplit.engines.deepspeed import DeepSpeedEngine
-    from spmdsplit.engines.fsdp import FSDPEngine
-    from spmdsplit.models import load_causal_lm
-    from spmdsplit.roles.actor import Actor
-
-    device = torch.device("cpu")
-    cfg = ActorConfig(optim=OptimConfig(lr=1e-2, grad_clip=1e9), ppo_mini_batch_size=8,
-                      ppo_micro_batch_size_per_gpu=2, log_prob_micro_batch_size_per_gpu=2, entropy_coeff=0.01,
-                      shuffle=False, use_dynamic_bsz=dynamic, ppo_max_token_len_per_gpu=11,
-                      log_prob_max_token_len_per_gpu=9, logits_chunk_size=logits_chunk_size)
-    model = load_causal_lm(model_dir, torch.float32, device, seed=3)
-    if engine_name == "fsdp":
-        engine = FSDPEngine(model, DeviceMesh.from_group(dist.group.WORLD, "cpu"), cfg.optim)
-    else:
-        engine = DeepSpeedEngine(model, dist.group.WORLD, 3, cfg.optim)
-    actor = Actor(engine, cfg, temperature=0.7, device=device, remove_padding=packed)
-    batch = ragged_batch(model.config.vocab_size)
-    shares = [(0, 6), (6, 8)][rank]
-    log_probs = actor.compute_log_prob(batch.slice(*shares))
-    metrics = actor.update_policy(batch.slice(4 * rank, 4 * rank + 4), seed=1)
-    return log_probs, metrics, full_weights(engine)
-
 
 def _check_same(results, expected):
     (lp0, metrics, state), (lp1, _, _) = results
@@ -426,15 +376,15 @@ def _check_same(results, expected):
         assert metrics[key] == pytest.approx(e_metrics[key], rel=1e-5), key
 
 
-def test_fsdp_actor_packed_with_token_budgets_matches_padded(model_dir):
-    plain = run_ranks(_actor_on_pool, 2, model_dir, "fsdp", False, False)
-    _check_same(run_ranks(_actor_on_pool, 2, model_dir, "fsdp", True, True), plain)
+def test_fsdp_actor_packed_with_token_budgets_matches_padded(embedded_model_dir):
+    plain = run_ranks(actor_on_pool, 2, embedded_model_dir, "fsdp", False, False)
+    _check_same(run_ranks(actor_on_pool, 2, embedded_model_dir, "fsdp", True, True), plain)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")
-def test_deepspeed_zero3_actor_packed_with_token_budgets_matches_padded(model_dir):
-    plain = run_ranks(_actor_on_pool, 2, model_dir, "deepspeed", False, False, timeout=300, kind="deepspeed")
-    _check_same(run_ranks(_actor_on_pool, 2, model_dir, "deepspeed", True, True, timeout=300, kind="deepspeed"), plain)
+def test_deepspeed_zero3_actor_packed_with_token_budgets_matches_padded(embedded_model_dir):
+    plain = run_ranks(actor_on_pool, 2, embedded_model_dir, "deepspeed", False, False, timeout=300, kind="deepspeed")
+    _check_same(run_ranks(actor_on_pool, 2, embedded_model_dir, "deepspeed", True, True, timeout=300, kind="deepspeed"), plain)
 
 
 def test_fixed_bins_are_consecutive_runs():
@@ -457,7 +407,7 @@ def _dr_grpo_updates(rank, world_size, model_dir, extra_columns):
     from spmdsplit.models import load_causal_lm
     from spmdsplit.roles.actor import Actor
     from spmdsplit.roles.critic import Critic
-    from tests.helpers import load_value_model
+    from tests.support.helpers import load_value_model
 
     device, mesh = torch.device("cpu"), DeviceMesh.from_group(dist.group.WORLD, "cpu")
     optim = OptimConfig(lr=1e-2, grad_clip=1e9)
@@ -477,10 +427,10 @@ def _dr_grpo_updates(rank, world_size, model_dir, extra_columns):
             for k, v in full_weights(engine).items()}
 
 
-def test_dr_grpo_loss_does_not_depend_on_the_width_rows_were_cut_to(model_dir):
+def test_dr_grpo_loss_does_not_depend_on_the_width_rows_were_cut_to(embedded_model_dir):
     """Rollouts are cut to their longest response, so a rank's rows have any width: the Dr. GRPO
     loss divides by a constant horizon (data.max_response_length, passed by the roles), not by it."""
-    (cut,) = run_ranks(_dr_grpo_updates, 1, model_dir, 0)
-    (wide,) = run_ranks(_dr_grpo_updates, 1, model_dir, 5)
+    (cut,) = run_ranks(_dr_grpo_updates, 1, embedded_model_dir, 0)
+    (wide,) = run_ranks(_dr_grpo_updates, 1, embedded_model_dir, 5)
     for name, value in cut.items():
         torch.testing.assert_close(wide[name], value, rtol=0, atol=1e-6, msg=name)

@@ -11,7 +11,7 @@ from spmdsplit.placement import (
     launch_shape_from_env,
     plan_placement,
 )
-from tests.launch import run_ranks
+from tests.support.launch import run_ranks
 
 
 def plan(mode, pools=None, unit="ranks_per_node", *, lws, nnodes=1):

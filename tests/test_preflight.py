@@ -72,7 +72,7 @@ def test_grpo_on_rollout_actor_with_a_smaller_batch_runs():
     """The user's command line, on 2 ranks, for one step: refused at start-up before preflight
     gated the critic's keys on a critic being built."""
     from spmdsplit.embedded import ensure_embedded_model
-    from tests.launch import job
+    from tests.support.launch import job
 
     own_model = f"model.path={ensure_embedded_model()}"  # a real Hugging Face folder: the schema's batch sizes
     result = job(2, "--config", GRPO_ROLLOUT_ACTOR, own_model, *SMALLER_BATCH, "trainer.total_steps=1", "trainer.timeline=",

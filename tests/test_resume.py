@@ -11,10 +11,9 @@ import time
 import pytest
 
 from spmdsplit.checkpoint import LATEST, partial_dir, step_dir
-from tests.launch import cached_job, job, start_torchrun
+from tests.support.launch import cached_job, job, read_until, start_torchrun, worker_pid
 from spmdsplit.metrics import mlflow_metric_name
-from tests.test_e2e import assert_same_scalars
-from tests.outputs import mlflow_scalars, scalars, wandb_offline_runs, wandb_offline_scalars
+from tests.support.outputs import assert_same_scalars, comparable, mlflow_scalars, scalars, wandb_offline_runs, wandb_offline_scalars
 
 # What these tests stop, kill and crash is a job under real torchrun: its signals and teardown.
 pytestmark = pytest.mark.e2e
@@ -28,39 +27,7 @@ JOB = (
     "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.horizon=50",
     "actor.optim.lr_warmup_steps=6", "actor.use_kl_loss=true", "trainer.timeline=", "trainer.output_dir=",
 )
-FAULT_JOB = os.path.join(os.path.dirname(__file__), "ckpt_crash_job.py")
-
-
-def stop_on_request(nproc: int, argv, ckpt_dir, after: str, rank: int) -> int:
-    """Starts the job under torchrun, asks world rank `rank` alone to stop (SIGUSR2; the others
-    learn it by the vote) once `after` is printed, and returns the step it checkpointed and
-    stopped after."""
-    stopped = start_torchrun(nproc, *argv)
-    read_until(stopped, after)
-    os.kill(worker_pid(stopped.pid, rank=rank), signal.SIGUSR2)
-    output, _ = stopped.communicate(timeout=240)
-    assert "stopped on request" in output, output[-3000:]
-    return int(open(os.path.join(ckpt_dir, LATEST)).read())
-
-
-def assert_repeats(resumed_log_dir, uninterrupted_log_dir) -> None:
-    """Every logged scalar but wall-clock ones equal, step for step, to the uninterrupted run's."""
-    resumed, uninterrupted = comparable(str(resumed_log_dir)), comparable(str(uninterrupted_log_dir))
-    assert resumed.keys() == uninterrupted.keys()
-    for tag, values in uninterrupted.items():
-        assert resumed[tag] == values, f"{tag} differs after resume"
-
-
-def comparable(log_dir: str) -> dict[str, dict[int, float]]:
-    """Every logged scalar but wall-clock ones, as tag -> {step: value}; each step logged once."""
-    out = {}
-    for tag, points in scalars(log_dir).items():
-        if tag.startswith(("timing_s/", "perf/")):
-            continue
-        steps = [s for s, _ in points]
-        assert len(steps) == len(set(steps)), f"{tag} logged twice for a step: {steps}"
-        out[tag] = dict(points)
-    return out
+FAULT_JOB = os.path.join(os.path.dirname(__file__), "jobs", "ckpt_crash.py")
 
 
 @pytest.fixture(scope="module")
@@ -77,33 +44,6 @@ def start_job(out, *extra, script=None, env=None):
     """Real torchrun: what these tests stop, kill and crash is a job under it."""
     return start_torchrun(2, "trainer.progress_bar=false", *JOB, f"trainer.log_dir={out}/tb",
                           f"trainer.default_local_dir={out}/ckpt", *extra, script=script, env=env)
-
-
-def read_until(proc, marker: str, timeout: float = 240) -> str:
-    seen, deadline = [], time.monotonic() + timeout
-    for line in proc.stdout:
-        seen.append(line)
-        if marker in line:
-            return "".join(seen)
-        assert time.monotonic() < deadline, f"no {marker!r} within {timeout}s:\n{''.join(seen)[-3000:]}"
-    raise AssertionError(f"the job ended before {marker!r}:\n{''.join(seen)[-3000:]}")
-
-
-def worker_pid(torchrun_pid: int, rank: int) -> int:
-    """The pid of torchrun's worker with this RANK (read from /proc, Linux)."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            if ppid != torchrun_pid:
-                continue
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-            if env.get(b"RANK") == str(rank).encode():
-                return int(pid)
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    raise AssertionError(f"no worker with RANK={rank} under torchrun pid {torchrun_pid}")
 
 
 def resume_to_the_end(out, *extra) -> str:

@@ -12,7 +12,7 @@ from spmdsplit.models import load_tokenizer
 from spmdsplit.rewards import rule
 from spmdsplit.rewards.rule import compute_score, positional_match_score
 from spmdsplit.roles.reward import RuleReward
-from tests.host_reads import counting_host_reads
+from tests.support.host_reads import counting_host_reads
 
 
 # --------------------------------------------------------------------------- positional_match_score
@@ -239,7 +239,7 @@ def test_the_rule_reward_reads_the_device_a_fixed_number_of_times_per_batch(toke
     row = (ids(tokenizer, "5555") + [eos], 5, "synthetic/repeat", "5555")
     reads = {}
     for n in (2, 16):
-        with counting_host_reads() as during:  # tests/host_reads.py
+        with counting_host_reads() as during:  # tests/support/host_reads.py
             RuleReward(tokenizer).compute(make_batch(tokenizer, [row] * n))
         reads[n] = len(during)
     assert reads[2] == reads[16] <= 4, reads

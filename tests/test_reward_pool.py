@@ -1,6 +1,6 @@
 """A fourth role group on a pool of its own (placement.roles.reward): the reward group scores the
 rollout on its own ranks, beside the critic's values, and sends the scores to the critic group.
-Real jobs on gloo under NCCL's point-to-point rules (tests/nccl_p2p.py): the layout with a rollout
+Real jobs on gloo under NCCL's point-to-point rules (tests/support/nccl_p2p.py): the layout with a rollout
 pool running ahead logs every step, validates and checkpoints; it logs the very numbers of the same
 job with the reward group on the critic's pool (moving a role group changes where work runs, never
 what it computes); it resumes exactly; a reward model on a pool of its own scores chunked rollouts."""
@@ -11,9 +11,10 @@ import pathlib
 import pytest
 
 from spmdsplit.checkpoint import step_dir
-from tests.launch import cached_job, job
-from tests.outputs import scalars, timeline_events
-from tests.test_resume import assert_repeats, comparable, stop_on_request
+from tests.support.launch import cached_job, job
+from tests.support.outputs import scalars, timeline_events
+from tests.support.launch import stop_on_request
+from tests.support.outputs import assert_repeats, comparable
 
 STEPS = 6
 # World ranks: policy 0, gen 1, value 2, rm 3 (the actor's pool first, then the mapping's order), so

@@ -17,8 +17,8 @@ from spmdsplit.rewards import gsm8k, math_exact, rule
 from spmdsplit.rewards.custom import CustomRewardError, load_custom_reward_fn
 from spmdsplit.rewards.rule import compute_score, score_sample
 from spmdsplit.roles.reward import RewardError, RuleReward, describe_sample
-from tests.helpers import PlainEngine
-from tests.launch import run_ranks
+from tests.support.helpers import PlainEngine
+from tests.support.launch import run_ranks
 
 # --------------------------------------------------------------------------- GSM8K
 
@@ -295,9 +295,9 @@ def test_custom_fn_returning_a_float_gets_extra_info(tmp_path, tokenizer):
 ])
 def test_the_e2e_extra_info_check_stops_on_another_rows_extra_info(tmp_path, tokenizer, monkeypatch, extra_info,
                                                                    complaint):
-    """The check the real jobs run (tests/extra_info_check.py): a row given another row's
+    """The check the real jobs run (tests/support/extra_info_check.py): a row given another row's
     extra_info, or none, stops the job with a RewardError that shows the sample."""
-    from tests.extra_info_check import calls, write_job_files
+    from tests.support.extra_info_check import calls, write_job_files
 
     overrides, log = write_job_files(tmp_path)
     path = next(o for o in overrides if o.startswith("reward.custom_fn.path=")).split("=", 1)[1]
@@ -435,7 +435,7 @@ def rm_batch(tokenizer, rows=RM_ROWS):
 def rm_dir(tmp_path_factory):
     """A tiny random Qwen2ForSequenceClassification saved as a checkpoint, with no pad id in its
     config (RewardModel must set one)."""
-    from tests.helpers import load_reward_model
+    from tests.support.helpers import load_reward_model
 
     folder = ensure_embedded_model()
     model = load_reward_model(folder, torch.float32, torch.device("cpu"), seed=11)
@@ -470,7 +470,7 @@ def reference_scores(rm_dir, texts):
 def _rm_on_pool(rank, world_size, rm_dir, policy_dir):
     from spmdsplit.engines.fsdp import FSDPEngine
     from spmdsplit.roles.reward_model import RewardModel
-    from tests.helpers import load_reward_model
+    from tests.support.helpers import load_reward_model
 
     mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
     device = torch.device("cpu")
@@ -564,7 +564,7 @@ def test_reward_model_decodes_and_tokenises_the_batch_at_once_as_row_by_row(rm_d
 
 def test_reward_model_sets_a_pad_id_and_truncates_from_the_left(rm_dir, tokenizer):
     from spmdsplit.roles.reward_model import RewardModel
-    from tests.helpers import load_reward_model
+    from tests.support.helpers import load_reward_model
 
     model = load_reward_model(rm_dir, torch.float32, torch.device("cpu"), seed=1)
     assert model.config.pad_token_id is None
@@ -579,7 +579,7 @@ def test_reward_model_sets_a_pad_id_and_truncates_from_the_left(rm_dir, tokenize
 
 def test_reward_model_nan_stops_with_the_sample_shown(rm_dir, tokenizer):
     from spmdsplit.roles.reward_model import RewardModel
-    from tests.helpers import load_reward_model
+    from tests.support.helpers import load_reward_model
 
     model = load_reward_model(rm_dir, torch.float32, torch.device("cpu"), seed=1)
     with torch.no_grad():

@@ -8,9 +8,9 @@ import torch.distributed as dist
 from spmdsplit.config import RolloutConfig
 from spmdsplit.data.prompts import collate_prompts
 from spmdsplit.data.synthetic import make_dataset
-from spmdsplit.embedded import ensure_embedded_model
 from spmdsplit.models import load_causal_lm, load_tokenizer
 from spmdsplit.rollout.hf import HFRollout, position_ids_from_mask, response_mask_until_eos
+from tests.support.helpers import forcing_state_dict
 
 EOS = 2
 CPU = torch.device("cpu")
@@ -65,18 +65,13 @@ def test_position_ids_count_real_tokens_only_under_left_padding():
 
 
 @pytest.fixture(scope="module")
-def model_path():
-    return ensure_embedded_model()
+def tokenizer(embedded_model_dir):
+    return load_tokenizer(embedded_model_dir)
 
 
 @pytest.fixture(scope="module")
-def tokenizer(model_path):
-    return load_tokenizer(model_path)
-
-
-@pytest.fixture(scope="module")
-def model(model_path):
-    return load_causal_lm(model_path, torch.float32, CPU, seed=0)
+def model(embedded_model_dir):
+    return load_causal_lm(embedded_model_dir, torch.float32, CPU, seed=0)
 
 
 def prompts_batch(tokenizer, n=6, seed=0, task="repeat"):
@@ -156,9 +151,9 @@ def test_greedy_is_deterministic_and_matches_a_teacher_forced_forward(model, tok
     assert torch.equal(predicted[valid], a["responses"][valid])
 
 
-def test_rows_that_all_stop_at_once_give_one_column(model_path, tokenizer):
+def test_rows_that_all_stop_at_once_give_one_column(embedded_model_dir, tokenizer):
     """The rollout is cut to its longest response (issue 20): here one column, the EOS."""
-    model = load_causal_lm(model_path, torch.float32, CPU, seed=0)
+    model = load_causal_lm(embedded_model_dir, torch.float32, CPU, seed=0)
     rollout = HFRollout(model, tokenizer, RolloutConfig(do_sample=False), 7)
     _, prompts = prompts_batch(tokenizer, n=4, seed=1)
     before = rollout.generate(prompts)
@@ -173,23 +168,8 @@ def test_rows_that_all_stop_at_once_give_one_column(model_path, tokenizer):
     assert out["input_ids"].shape == (4, P + 1)
 
 
-def forcing_state_dict(model, token_id):
-    """Weights whose every next token is `token_id`: attention and MLP outputs zeroed, so the
-    residual stream is the (constant) embedding, which the head maps to `token_id` only."""
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    for k in state:
-        if k.endswith(("o_proj.weight", "down_proj.weight")):
-            state[k].zero_()
-    state["model.embed_tokens.weight"].fill_(1.0)
-    state["model.norm.weight"].fill_(1.0)
-    head = torch.zeros_like(state["lm_head.weight"])
-    head[token_id] = 1.0
-    state["lm_head.weight"] = head
-    return state
-
-
-def test_load_weights_changes_what_is_generated(model_path, tokenizer):
-    model = load_causal_lm(model_path, torch.float32, CPU, seed=0)
+def test_load_weights_changes_what_is_generated(embedded_model_dir, tokenizer):
+    model = load_causal_lm(embedded_model_dir, torch.float32, CPU, seed=0)
     rollout = HFRollout(model, tokenizer, RolloutConfig(do_sample=True), R)
     _, prompts = prompts_batch(tokenizer, n=6, seed=2)
     digit7 = tokenizer.convert_tokens_to_ids("7")
@@ -205,8 +185,8 @@ def test_load_weights_changes_what_is_generated(model_path, tokenizer):
     assert out["response_mask"].tolist() == [[1]] * 6
 
 
-def test_load_weights_is_strict(model_path, tokenizer):
-    model = load_causal_lm(model_path, torch.float32, CPU, seed=0)
+def test_load_weights_is_strict(embedded_model_dir, tokenizer):
+    model = load_causal_lm(embedded_model_dir, torch.float32, CPU, seed=0)
     rollout = HFRollout(model, tokenizer, RolloutConfig(), R)
     partial = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
     with pytest.raises(RuntimeError, match="lm_head.weight"):
@@ -242,12 +222,12 @@ def test_generate_needs_no_process_group_and_calls_no_collective(model, tokenize
     assert not dist.is_initialized()
 
 
-def test_checkpoint_generation_defaults_do_not_leak_into_the_rollout(model_path, tokenizer, tmp_path):
+def test_checkpoint_generation_defaults_do_not_leak_into_the_rollout(embedded_model_dir, tokenizer, tmp_path):
     import json
     import shutil
 
     folder = tmp_path / "with-generation-defaults"
-    shutil.copytree(model_path, folder)
+    shutil.copytree(embedded_model_dir, folder)
     gen = json.loads((folder / "generation_config.json").read_text())
     # What an instruct checkpoint ships (Qwen2.5-*-Instruct's values).
     gen.update(repetition_penalty=1.05, temperature=0.7, top_p=0.8, top_k=20, do_sample=True)
@@ -265,7 +245,7 @@ def test_checkpoint_generation_defaults_do_not_leak_into_the_rollout(model_path,
     assert out["responses"].tolist() == [[seven] * R] * 3
 
 
-def test_eos_token_ids_include_the_checkpoints_generation_config(model_path, tokenizer, tmp_path):
+def test_eos_token_ids_include_the_checkpoints_generation_config(embedded_model_dir, tokenizer, tmp_path):
     """Chat checkpoints end a turn with a token other than the tokenizer's EOS (Qwen's
     <|im_end|>); a rollout that stopped only at the tokenizer's EOS would run past it."""
     import json
@@ -274,13 +254,13 @@ def test_eos_token_ids_include_the_checkpoints_generation_config(model_path, tok
     from spmdsplit.models import eos_token_ids
 
     folder = tmp_path / "chat"
-    shutil.copytree(model_path, folder)
+    shutil.copytree(embedded_model_dir, folder)
     equals = tokenizer.convert_tokens_to_ids("=")
     gen = json.loads((folder / "generation_config.json").read_text())
     gen["eos_token_id"] = [equals, tokenizer.eos_token_id]
     (folder / "generation_config.json").write_text(json.dumps(gen))
     assert eos_token_ids(str(folder), tokenizer) == [tokenizer.eos_token_id, equals]
-    assert eos_token_ids(str(model_path), tokenizer) == [tokenizer.eos_token_id]
+    assert eos_token_ids(str(embedded_model_dir), tokenizer) == [tokenizer.eos_token_id]
 
     model = load_causal_lm(str(folder), torch.float32, CPU, seed=0)
     rollout = HFRollout(model, tokenizer, RolloutConfig(do_sample=False), R, eos_token_ids(str(folder), tokenizer))

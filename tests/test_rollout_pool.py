@@ -14,9 +14,10 @@ from omegaconf import OmegaConf
 from spmdsplit.batch import Batch
 from spmdsplit.checkpoint import step_dir
 from spmdsplit.staleness import check_weights_version, next_version_sent, validates_after, weights_needed
-from tests.launch import cached_job, job
-from tests.outputs import scalars, timeline_events
-from tests.test_resume import assert_repeats, stop_on_request
+from tests.support.launch import cached_job, job
+from tests.support.outputs import scalars, timeline_events
+from tests.support.launch import stop_on_request
+from tests.support.outputs import assert_repeats
 
 STEPS = 6
 # rollout | actor+critic, one step off-policy, corrected by token-level truncated IS weights.

@@ -3,9 +3,9 @@ broadcast of the policy's weights from the actor pool (spmdsplit/weight_sync.py)
 
 import pytest
 
-from tests.extra_info_check import assert_every_split_scored, write_job_files
-from tests.launch import job
-from tests.outputs import scalars, timeline_events
+from tests.support.extra_info_check import assert_every_split_scored, write_job_files
+from tests.support.launch import job
+from tests.support.outputs import scalars, timeline_events
 
 COMMON = ["rollout.do_sample=false", "trainer.total_steps=3", "data.train_batch_size=16", "actor.ppo_mini_batch_size=16",
           "critic.ppo_mini_batch_size=16", "actor.ppo_micro_batch_size_per_gpu=4", "critic.ppo_micro_batch_size_per_gpu=4",
@@ -86,7 +86,7 @@ def broadcast_three_syncs(rank, world_size):
 
 
 def test_the_weight_broadcast_sends_its_layout_once():
-    from tests.launch import run_ranks
+    from tests.support.launch import run_ranks
 
     results = run_ranks(broadcast_three_syncs, 2, timeout=120)
     sender = results[0]
@@ -146,7 +146,7 @@ def broadcast_from_two_sources(rank, world_size):
 
 
 def test_the_weight_broadcast_keeps_buckets_from_several_sources_in_flight():
-    from tests.launch import run_ranks
+    from tests.support.launch import run_ranks
 
     results = run_ranks(broadcast_from_two_sources, 3, timeout=120)
     receiver = results[2]

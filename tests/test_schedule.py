@@ -15,8 +15,8 @@ import re
 
 import pytest
 
-from tests.launch import job
-from tests.outputs import scalars
+from tests.support.launch import job
+from tests.support.outputs import scalars
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.launch import run_ranks
-from tests.test_update_invariance import ROWS, make_batch
+from tests.support.launch import run_ranks
+from tests.support.helpers import ROWS, make_batch
 
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")
 

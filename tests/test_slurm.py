@@ -26,7 +26,7 @@ import pytest
 
 from spmdsplit.launch import slurm as launcher
 from spmdsplit.stop_budget import StopBudget, command_line_signal, script_signal, signal_seconds
-from tests.outputs import scalars
+from tests.support.outputs import scalars
 
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER = REPO / "tools" / "slurm_cluster.sh"

@@ -9,7 +9,7 @@ roles/actor.py `_log_probs` (or building the reference without the rollout's tem
 
 import torch
 
-from tests.launch import run_ranks
+from tests.support.launch import run_ranks
 
 TEMPERATURE = 0.6
 

@@ -6,13 +6,12 @@ micro-batch's forward needs of its shape comes from its plan, read once for the 
 
 from collections import Counter
 
-import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from tests.launch import run_ranks
-from tests.test_update_invariance import ROWS, make_batch
+from tests.support.launch import run_ranks
+from tests.support.helpers import ROWS, make_batch
 
 # Plans of few and of many micro-batches, by (rows per micro-batch, token budget or None): one
 # micro-batch of the 8 rows or 8 of one row; a budget of 30 tokens (2 micro-batches) or of 8, the
@@ -29,8 +28,8 @@ def _reads_per_pass(rank, world_size, model_dir, role, packed):
     from spmdsplit.models import load_causal_lm
     from spmdsplit.roles.actor import Actor
     from spmdsplit.roles.critic import Critic
-    from tests.helpers import load_value_model
-    from tests.host_reads import counting_host_reads
+    from tests.support.helpers import load_value_model
+    from tests.support.host_reads import counting_host_reads
 
     mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
     device = torch.device("cpu")
@@ -67,13 +66,6 @@ def _reads_per_pass(rank, world_size, model_dir, role, packed):
     return reads
 
 
-@pytest.fixture(scope="module")
-def model_dir():
-    from spmdsplit.embedded import ensure_embedded_model
-
-    return ensure_embedded_model()
-
-
 def test_the_plans_are_of_few_and_of_many_micro_batches():
     from spmdsplit.roles.micro_batches import token_budget_bins
 
@@ -90,13 +82,13 @@ def _check_constant(reads):
         assert many_pass.total() == few_pass.total(), (kind, "pass", dict(many_pass - few_pass))
 
 
-def test_the_actor_reads_the_device_a_fixed_number_of_times_whatever_the_micro_batches(model_dir):
+def test_the_actor_reads_the_device_a_fixed_number_of_times_whatever_the_micro_batches(embedded_model_dir):
     for packed in (False, True):
-        (reads,) = run_ranks(_reads_per_pass, 1, model_dir, "actor", packed)
+        (reads,) = run_ranks(_reads_per_pass, 1, embedded_model_dir, "actor", packed)
         _check_constant(reads)
 
 
-def test_the_critic_reads_the_device_a_fixed_number_of_times_whatever_the_micro_batches(model_dir):
+def test_the_critic_reads_the_device_a_fixed_number_of_times_whatever_the_micro_batches(embedded_model_dir):
     for packed in (False, True):
-        (reads,) = run_ranks(_reads_per_pass, 1, model_dir, "critic", packed)
+        (reads,) = run_ranks(_reads_per_pass, 1, embedded_model_dir, "critic", packed)
         _check_constant(reads)

@@ -8,30 +8,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from tests.helpers import full_weights
-from tests.launch import run_ranks
-
-ROWS, PROMPT, RESPONSE = 8, 4, 5
-# How far one entry of the weights may move apart between layouts after the update's one Adam step
-# (lr 1e-2): Adam divides each gradient entry by its own magnitude, so float noise in an entry near
-# zero (other sums of the same numbers: other ranks, micro-batches, CPU kernels) becomes a step of
-# its own. Single entries reached 2.2e-5 on one CPU and 6.1e-5 on another (an Intel Xeon, 1 entry
-# of 8192, seq-mean-token-mean); a wrong loss normalisation moves entries by ~lr, and a wrong scale,
-# which Adam's first step hides, shows in the gradient norm, compared tightly.
-ADAM_NOISE = 1e-4
-
-
-def make_batch(vocab: int):
-    from tests.helpers import ppo_rows
-
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(3, vocab, (ROWS, PROMPT), generator=g)
-    responses = torch.randint(3, vocab, (ROWS, RESPONSE), generator=g)
-    lengths = torch.tensor([5, 1, 3, 5, 2, 4, 5, 1])  # ragged: token-mean must weigh tokens, not rows
-    response_mask = (torch.arange(RESPONSE)[None] < lengths[:, None]).long()
-    prompt_mask = torch.ones(ROWS, PROMPT, dtype=torch.long)
-    prompt_mask[::3, 0] = 0  # some left padding
-    return ppo_rows(prompts, responses, prompt_mask, response_mask, g)
+from tests.support.helpers import ADAM_NOISE, ROWS, after_each_backward, full_weights, make_batch
+from tests.support.launch import run_ranks
 
 
 def _update(rank, world_size, model_dir, role, micro, loss_agg_mode="token-mean", checkpointing=False,
@@ -42,7 +20,7 @@ def _update(rank, world_size, model_dir, role, micro, loss_agg_mode="token-mean"
     from spmdsplit.engines.fsdp import FSDPEngine
     from spmdsplit.exchange import row_ranges
     from spmdsplit.models import load_causal_lm
-    from tests.helpers import load_value_model
+    from tests.support.helpers import load_value_model
     from spmdsplit.roles.actor import Actor
     from spmdsplit.roles.critic import Critic
 
@@ -70,23 +48,16 @@ def _update(rank, world_size, model_dir, role, micro, loss_agg_mode="token-mean"
     return state, metrics
 
 
-@pytest.fixture(scope="module")
-def model_dir():
-    from spmdsplit.embedded import ensure_embedded_model
-
-    return ensure_embedded_model()
-
-
 @pytest.mark.parametrize(
     "role, mode",
     [("actor", "token-mean"), ("actor", "token-sum"), ("actor", "seq-mean-token-sum"), ("actor", "seq-mean-token-mean"),
      ("actor", "seq-mean-token-sum-norm"), ("critic", "token-mean")],
 )
-def test_update_matches_across_ranks_and_micro_batches(model_dir, role, mode):
-    (one_rank, metrics_1), = run_ranks(_update, 1, model_dir, role, 4, mode)
-    two_ranks = run_ranks(_update, 2, model_dir, role, 2, mode)
-    (more_micro, _), = run_ranks(_update, 1, model_dir, role, 1, mode)
-    initial = _initial_state(model_dir, role)
+def test_update_matches_across_ranks_and_micro_batches(embedded_model_dir, role, mode):
+    (one_rank, metrics_1), = run_ranks(_update, 1, embedded_model_dir, role, 4, mode)
+    two_ranks = run_ranks(_update, 2, embedded_model_dir, role, 2, mode)
+    (more_micro, _), = run_ranks(_update, 1, embedded_model_dir, role, 1, mode)
+    initial = _initial_state(embedded_model_dir, role)
 
     moved = max((one_rank[k] - initial[k]).abs().max().item() for k in one_rank)
     assert moved > 1e-3, "the update did not change the weights: nothing to compare"
@@ -103,15 +74,15 @@ def test_update_matches_across_ranks_and_micro_batches(model_dir, role, mode):
 
 
 @pytest.mark.parametrize("role, mode", [("actor", "token-mean"), ("actor", "seq-mean-token-mean"), ("critic", "token-mean")])
-def test_token_budget_micro_batches_leave_the_update_unchanged(model_dir, role, mode):
+def test_token_budget_micro_batches_leave_the_update_unchanged(embedded_model_dir, role, mode):
     """FSDP2 on 2 ranks: micro-batches of at most 11 tokens bin the two ranks' rows differently
     (4 bins and 3, so rank 1 splits one to match) and give the weights and metrics of 2 rows each."""
     from spmdsplit.roles.micro_batches import token_budget_bins
 
     tokens = make_batch(32)["attention_mask"].sum(-1).tolist()
     assert len(token_budget_bins(tokens[:4], 11)) != len(token_budget_bins(tokens[4:], 11))
-    fixed = run_ranks(_update, 2, model_dir, role, 2, mode)
-    by_tokens = run_ranks(_update, 2, model_dir, role, 2, mode, False, 11)
+    fixed = run_ranks(_update, 2, embedded_model_dir, role, 2, mode)
+    by_tokens = run_ranks(_update, 2, embedded_model_dir, role, 2, mode, False, 11)
     for (expected, m_fixed), (got, m_tokens) in zip(fixed, by_tokens):
         for name in expected:
             torch.testing.assert_close(got[name], expected[name], rtol=0, atol=ADAM_NOISE, msg=name)
@@ -121,7 +92,7 @@ def test_token_budget_micro_batches_leave_the_update_unchanged(model_dir, role, 
 
 def _initial_state(model_dir, role):
     from spmdsplit.models import load_causal_lm
-    from tests.helpers import load_value_model
+    from tests.support.helpers import load_value_model
 
     load = load_causal_lm if role == "actor" else load_value_model
     return {k: v.clone() for k, v in load(model_dir, torch.float32, torch.device("cpu"), seed=3).state_dict().items()}
@@ -145,11 +116,11 @@ def _critic_update_counting_blocks(rank, world_size, model_dir, checkpointing):
     return state, metrics, len(calls)
 
 
-def test_activation_checkpointing_leaves_the_critic_update_unchanged(model_dir):
+def test_activation_checkpointing_leaves_the_critic_update_unchanged(embedded_model_dir):
     """On a pool of two: the same weights and metrics with and without checkpointing, which did
     run (blocks ran forward more often)."""
-    plain = run_ranks(_critic_update_counting_blocks, 2, model_dir, False)
-    checkpointed = run_ranks(_critic_update_counting_blocks, 2, model_dir, True)
+    plain = run_ranks(_critic_update_counting_blocks, 2, embedded_model_dir, False)
+    checkpointed = run_ranks(_critic_update_counting_blocks, 2, embedded_model_dir, True)
     for (expected, m_plain, calls_plain), (got, m_ckpt, calls_ckpt) in zip(plain, checkpointed):
         assert calls_ckpt > calls_plain, "checkpointing did not recompute any block"
         for name in expected:
@@ -179,19 +150,6 @@ def _whole_gradients(model) -> list[str]:
     return whole
 
 
-def after_each_backward(engine, look) -> list:
-    """A list that gets `look(engine.model)` after each `engine.backward` from now on."""
-    seen = []
-    backward = engine.backward
-
-    def watched_backward(loss):
-        backward(loss)
-        seen.append(look(engine.model))
-
-    engine.backward = watched_backward
-    return seen
-
-
 def _update_watching_gradients(rank, world_size, model_dir, no_sync_accumulation):
     """An actor update on a pool of two, 4 micro-batches of one row per rank in its one mini-batch,
     with the names of whole gradients this rank holds after each micro-batch's backward."""
@@ -215,12 +173,12 @@ def _update_watching_gradients(rank, world_size, model_dir, no_sync_accumulation
     return whole_after_micro, metrics, state
 
 
-def test_micro_batches_reduce_into_shards_unless_no_sync_accumulation(model_dir):
+def test_micro_batches_reduce_into_shards_unless_no_sync_accumulation(embedded_model_dir):
     """FSDP2 on 2 ranks, a mini-batch of 4 micro-batches per rank: by default no rank ever holds a
     whole gradient of a sharded parameter; with no_sync_accumulation every micro-batch but the
     last leaves one per parameter (the cost that option names), and the update is the same."""
-    default = run_ranks(_update_watching_gradients, 2, model_dir, False)
-    no_sync = run_ranks(_update_watching_gradients, 2, model_dir, True)
+    default = run_ranks(_update_watching_gradients, 2, embedded_model_dir, False)
+    no_sync = run_ranks(_update_watching_gradients, 2, embedded_model_dir, True)
     for (whole_after_micro, _, _), (whole_no_sync, _, _) in zip(default, no_sync):
         assert len(whole_after_micro) == ROWS // 2
         assert whole_after_micro == [[]] * (ROWS // 2), whole_after_micro

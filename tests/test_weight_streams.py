@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.launch import run_ranks
+from tests.support.launch import run_ranks
 
 
 class ReceivedBytes(TorchDispatchMode):

@@ -39,7 +39,7 @@ def torchrun_job(nproc: int, args: list[str], env: dict[str, str], timeout: floa
 
 
 # How the tools start a job: real torchrun. The test suite swaps in its warm launcher
-# (tests/launch.py), which runs the same entry point in forked ranks, to check the tools'
+# (tests/support/launch.py), which runs the same entry point in forked ranks, to check the tools'
 # harness without paying every job's start-up; what the tools measure stays torchrun's.
 LAUNCH = torchrun_job
 

@@ -1,5 +1,5 @@
 """NCCL's point-to-point contract on gloo, for tests: loaded into every rank of the multi-rank tests
-(tests/launch.py's forked ranks, and every torchrun job through tests/nccl_site/sitecustomize.py).
+(tests/support/launch.py's forked ranks, and every torchrun job through tests/support/nccl_site/sitecustomize.py).
 
 gloo sends eagerly and matches messages by tag, so code that would hang on NCCL passes on gloo.
 `install()` replaces torch.distributed's point-to-point calls (isend, irecv, send, recv,

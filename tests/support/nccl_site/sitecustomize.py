@@ -1,4 +1,4 @@
-"""Loads NCCL's point-to-point contract (tests/nccl_p2p.py) into every rank the tests start with
+"""Loads NCCL's point-to-point contract (tests/support/nccl_p2p.py) into every rank the tests start with
 torchrun (or by hand): tests/conftest.py puts this folder on PYTHONPATH and sets
 SPMDSPLIT_P2P_CONTRACT=1 for the whole session. Other processes (torchrun's agent, pytest's own
 helpers) carry no LOCAL_RANK and are left alone."""

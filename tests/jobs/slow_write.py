@@ -1,6 +1,6 @@
 """The real job, with one rank's checkpoint write made slow (for test_checkpoint.py).
 
-Run as a torchrun script: `SLOW_WRITE=1:8 torchrun ... tests/slow_write_job.py key=value ...` makes
+Run as a torchrun script: `SLOW_WRITE=1:8 torchrun ... tests/jobs/slow_write.py key=value ...` makes
 world rank 1 sleep 8 s inside the first engine checkpoint write it makes, after the engine's first
 wait for its pool (DCP's planning; DeepSpeed's first barrier) and before the wait for the
 slowest writer: the stretch where a large shard's write to a busy filesystem takes its time.

@@ -1,7 +1,7 @@
 """The real job, with one rank killed right after it wrote its half of a checkpoint, before the
 checkpoint is published (for test_resume.py).
 
-Run as a torchrun script: `CRASH_RANK=1 CRASH_STEP=4 torchrun ... tests/ckpt_crash_job.py key=value ...`.
+Run as a torchrun script: `CRASH_RANK=1 CRASH_STEP=4 torchrun ... tests/jobs/ckpt_crash.py key=value ...`.
 """
 
 import os

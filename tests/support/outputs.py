@@ -1,10 +1,14 @@
-"""Reads what a job leaves behind: TensorBoard, wandb and MLflow scalars, its timeline (tests/launch.py starts it)."""
+"""Reads what a job leaves behind: TensorBoard, wandb and MLflow scalars, its timeline (tests/support/launch.py
+starts it); and compares two runs' scalars (a resumed run with the uninterrupted one, one sink with another)."""
 
 from __future__ import annotations
 
 import glob
 import json
+import math
 import os
+
+import numpy as np
 
 
 def scalars(log_dir: str) -> dict[str, list[tuple[int, float]]]:
@@ -91,3 +95,39 @@ def overlapping_steps(events: list[dict], a_name: str, a_ranks, b_name: str, b_r
         s for s in a.keys() & b.keys()
         if any(x0 < y1 and y0 < x1 for x0, x1 in a[s] for y0, y1 in b[s])
     )
+
+
+def assert_repeats(resumed_log_dir, uninterrupted_log_dir) -> None:
+    """Every logged scalar but wall-clock ones equal, step for step, to the uninterrupted run's."""
+    resumed, uninterrupted = comparable(str(resumed_log_dir)), comparable(str(uninterrupted_log_dir))
+    assert resumed.keys() == uninterrupted.keys()
+    for tag, values in uninterrupted.items():
+        assert resumed[tag] == values, f"{tag} differs after resume"
+
+
+def comparable(log_dir: str) -> dict[str, dict[int, float]]:
+    """Every logged scalar but wall-clock ones, as tag -> {step: value}; each step logged once."""
+    out = {}
+    for tag, points in scalars(log_dir).items():
+        if tag.startswith(("timing_s/", "perf/")):
+            continue
+        steps = [s for s, _ in points]
+        assert len(steps) == len(set(steps)), f"{tag} logged twice for a step: {steps}"
+        out[tag] = dict(points)
+    return out
+
+
+def first_and_best_scores(log_dir: str, k: int = 5) -> tuple[float, float]:
+    """The mean score of the first k steps, and the best mean of k steps in a row: what a run that
+    ends once it has learned (trainer.stop_at_score) reached within its budget."""
+    scores = [v for _, v in scalars(log_dir)["critic/score/mean"]]
+    return sum(scores[:k]) / k, max(sum(scores[i - k:i]) / k for i in range(k, len(scores) + 1))
+
+
+def assert_same_scalars(got: dict, tensorboard: dict, sink: str) -> None:
+    """The same names, steps and values (TensorBoard keeps float32, the others float64)."""
+    assert sorted(got) == sorted(tensorboard), (sink, set(got) ^ set(tensorboard))
+    for key, points in tensorboard.items():
+        assert [s for s, _ in got[key]] == [s for s, _ in points], (sink, key)
+        for (_, value), (_, expected) in zip(got[key], points):
+            assert np.float32(value) == np.float32(expected) or (math.isnan(value) and math.isnan(expected)), (sink, key)

@@ -21,8 +21,8 @@ starts in a fraction of a second.
 - `ranks_apart(n, argv)`: forked ranks with torchrun's variables and no launcher (each must end on
   its own); `cli(argv)`: `python -m spmdsplit.train` forked; `python(args)`: one plain interpreter.
 
-Every rank here keeps NCCL's point-to-point rules (tests/nccl_p2p.py): forked ranks install the
-layer themselves; interpreters load it from tests/nccl_site (conftest puts it on PYTHONPATH).
+Every rank here keeps NCCL's point-to-point rules (tests/support/nccl_p2p.py): forked ranks install the
+layer themselves; interpreters load it from tests/support/nccl_site (conftest puts it on PYTHONPATH).
 """
 
 from __future__ import annotations
@@ -38,16 +38,17 @@ import time
 import traceback
 from datetime import timedelta
 
+from spmdsplit.checkpoint import LATEST
 from tools.jobs import free_port
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # What the warm server imports once. The rest of what a job imports (models' code, loggers) is
 # imported by the first ranks that need it, each time: cheap next to these.
 PRELOAD = [
     "torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.checkpoint",
     "transformers", "transformers.models.qwen2.modeling_qwen2", "omegaconf", "numpy", "pyarrow.parquet",
-    "spmdsplit.train", "spmdsplit.trainer", "spmdsplit.engines.fsdp", "tests.nccl_p2p",
+    "spmdsplit.train", "spmdsplit.trainer", "spmdsplit.engines.fsdp", "tests.support.nccl_p2p",
 ]
 
 # torchrun's rendezvous variables, dropped from what a test hands to a launcher.
@@ -67,11 +68,12 @@ def base_env(**extra) -> dict[str, str]:
 # ------------------------------------------------------------------ the warm servers
 
 # A server per kind of process, started at its first use: "plain" preloads PRELOAD; "deepspeed"
-# and "vllm" that library too (~5 s and ~8 s of imports a process, and their tests start many);
+# and "vllm" that library too (~5 s and ~8 s of imports a process, and their tests start many; the
+# vLLM server also compiles what vLLM compiles on first use: tests/support/vllm_compiled.py);
 # "cold" is no server at all, a spawned interpreter that has imported nothing (a test of what an
 # import does).
 EXTRA_PRELOAD = {"plain": [], "deepspeed": ["deepspeed", "spmdsplit.engines.deepspeed"],
-                 "vllm": ["vllm", "spmdsplit.rollout.vllm_engine"]}
+                 "vllm": ["vllm", "spmdsplit.rollout.vllm_engine", "tests.support.vllm_compiled"]}
 _servers: dict = {}
 
 
@@ -125,7 +127,7 @@ def _enter_rank(env: dict[str, str], threads: int = 1) -> None:
 
     torch.set_num_threads(threads)
     if env.get("SPMDSPLIT_P2P_CONTRACT") == "1":
-        from tests import nccl_p2p
+        from tests.support import nccl_p2p
 
         nccl_p2p.install()
 
@@ -177,7 +179,7 @@ def _world_rank(rank, world_size, port, local_world_size, env, tasks, results):
 
 
 def _left_nothing_pending() -> bool:
-    from tests import nccl_p2p
+    from tests.support import nccl_p2p
 
     if not nccl_p2p.installed():
         return True
@@ -384,7 +386,10 @@ class Job:
         then SIGKILL after a grace period."""
         for p in self.procs:
             if p.is_alive():
-                os.kill(p.pid, sig)
+                try:
+                    os.kill(p.pid, sig)
+                except ProcessLookupError:  # it ended between the look and the signal
+                    pass
         end = time.monotonic() + grace
         for p in self.procs:
             p.join(timeout=max(0.0, end - time.monotonic()))
@@ -501,7 +506,7 @@ def start_torchrun(nproc: int, *args: str, script: str | None = None, env: dict 
 
 def _pythonpath() -> str:
     """The repository first (scripts under tests/ import `tests.*`), then what the session has
-    (tests/nccl_site, put there by conftest)."""
+    (tests/support/nccl_site, put there by conftest)."""
     return os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
 
 
@@ -509,3 +514,43 @@ def python(args: list[str], env: dict | None = None, cwd=None, timeout: float = 
     """One plain interpreter, `python *args`, in the session's environment less any rendezvous."""
     return subprocess.run([sys.executable, *args], cwd=cwd, env=base_env(**(env or {})), capture_output=True,
                           text=True, timeout=timeout)
+
+
+# ------------------------------------------------------------------ controlling a torchrun job
+def stop_on_request(nproc: int, argv, ckpt_dir, after: str, rank: int) -> int:
+    """Starts the job under torchrun, asks world rank `rank` alone to stop (SIGUSR2; the others
+    learn it by the vote) once `after` is printed, and returns the step it checkpointed and
+    stopped after."""
+    stopped = start_torchrun(nproc, *argv)
+    read_until(stopped, after)
+    os.kill(worker_pid(stopped.pid, rank=rank), signal.SIGUSR2)
+    output, _ = stopped.communicate(timeout=240)
+    assert "stopped on request" in output, output[-3000:]
+    return int(open(os.path.join(ckpt_dir, LATEST)).read())
+
+
+def read_until(proc, marker: str, timeout: float = 240) -> str:
+    seen, deadline = [], time.monotonic() + timeout
+    for line in proc.stdout:
+        seen.append(line)
+        if marker in line:
+            return "".join(seen)
+        assert time.monotonic() < deadline, f"no {marker!r} within {timeout}s:\n{''.join(seen)[-3000:]}"
+    raise AssertionError(f"the job ended before {marker!r}:\n{''.join(seen)[-3000:]}")
+
+
+def worker_pid(torchrun_pid: int, rank: int) -> int:
+    """The pid of torchrun's worker with this RANK (read from /proc, Linux)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != torchrun_pid:
+                continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+            if env.get(b"RANK") == str(rank).encode():
+                return int(pid)
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    raise AssertionError(f"no worker with RANK={rank} under torchrun pid {torchrun_pid}")

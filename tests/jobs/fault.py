@@ -1,6 +1,6 @@
 """The real job, with one rank made to fail (or stall) on entering a phase (for test_failure.py).
 
-Run as a torchrun script: `FAULT=3:update_critic:2 torchrun ... tests/fault_job.py key=value ...`
+Run as a torchrun script: `FAULT=3:update_critic:2 torchrun ... tests/jobs/fault.py key=value ...`
 makes rank 3 raise on entering its `update_critic` phase of step 2; `FAULT=0,1:val_gen:2:sleep=8`
 makes ranks 0 and 1 sleep 8 s there instead (several faults: separated by ";"); `FAULT=1:update_actor:2:segv` makes rank 1 die of a
 segmentation fault there (a crash in native code, where no Python handler runs). Phases are the timer's names (`timing_s/<phase>`),

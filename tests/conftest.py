@@ -14,8 +14,14 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_SITE, os.environ.get("
 @pytest.fixture(scope="session", autouse=True)
 def embedded_cache(tmp_path_factory):
     """One embedded-model cache per test session, so tests never touch the user's ~/.cache
-    and the first test that needs the model builds it for the rest."""
-    path = os.environ.get("SPMDSPLIT_TEST_CACHE") or str(tmp_path_factory.mktemp("spmdsplit-cache"))
+    and the first test that needs the model builds it for the rest. With pytest-xdist's workers
+    (pyproject.toml's addopts) the session's one is shared: their temporary folders have one
+    parent, and a model is built into a staging folder and renamed, so two builders never clash."""
+    shared = tmp_path_factory.getbasetemp()
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        shared = shared.parent
+    path = os.environ.get("SPMDSPLIT_TEST_CACHE") or str(shared / "spmdsplit-cache")
+    os.makedirs(path, exist_ok=True)
     os.environ["SPMDSPLIT_CACHE"] = path
     return path
 
@@ -93,18 +99,28 @@ def persistent_worlds():
     launch.close_worlds()
 
 
-# Each tier's time, printed at the end of every run (CI's output shows both; issue 26): the sum of
-# each test's setup, call and teardown, by whether it is marked e2e.
-_E2E: set[str] = set()
-_TIER_S = {"quick": 0.0, "e2e": 0.0}
+# The suite runs on two workers (pytest-xdist, pyproject.toml's addopts: -n 2 --dist loadfile, each
+# test file on one worker, so a file's module fixtures and cached jobs run once). A worker takes the
+# next file when it is done with its own: the files that take longest go first, so that the two
+# workers end together instead of one running the last long file alone. Seconds a file took alone
+# (docs/development.md's table); the other files follow in their usual order.
+LONGEST_FIRST = ("test_e2e.py", "test_vllm_e2e.py", "test_slurm.py", "test_lora_e2e.py", "test_continuous.py",
+                 "test_deepspeed.py", "test_bench.py", "test_failure.py", "test_agent_e2e.py", "test_resume.py")
 
 
 def pytest_collection_modifyitems(items):
-    _E2E.update(item.nodeid for item in items if item.get_closest_marker("e2e"))
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: each file's order kept
+
+
+# Each tier's time, printed at the end of every run (CI's output shows both; issue 26): the sum of
+# each test's setup, call and teardown, by whether it is marked e2e. With two workers the sums are
+# of both workers' time, so together they exceed the run's wall time.
+_TIER_S = {"quick": 0.0, "e2e": 0.0}
 
 
 def pytest_runtest_logreport(report):
-    _TIER_S["e2e" if report.nodeid in _E2E else "quick"] += report.duration
+    _TIER_S["e2e" if "e2e" in report.keywords else "quick"] += report.duration
 
 
 def pytest_terminal_summary(terminalreporter):

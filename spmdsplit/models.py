@@ -3,8 +3,10 @@ model and for a real checkpoint: `from_pretrained` on a folder or hub id."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Iterable, Iterator
@@ -31,16 +33,44 @@ def compute_dtypes(cfg, device: torch.device) -> tuple[torch.dtype, torch.dtype 
 def attention_implementation(requested: str, device: torch.device | str) -> str:
     """transformers' attention kernel for every trained and frozen model (model.attn_implementation),
     the one place it is chosen. "auto" (the default): flash_attention_2 on cuda where the flash_attn
-    package is installed; else "varlen" (spmdsplit/attention.py): packed passes attend each row on
-    its own, with torch's varlen kernel on cuda or one sdpa call per row elsewhere, no [T, T] mask;
+    package imports; else "varlen" (spmdsplit/attention.py): packed passes attend each row on its
+    own, with torch's varlen kernel on cuda or one sdpa call per row elsewhere, no [T, T] mask;
     other passes are sdpa's. Any other value is taken as it is."""
     if requested != "auto":
         return requested
+    if torch.device(device).type != "cuda":
+        return attention.VARLEN
+    why_not = flash_attn_import_error()
+    if why_not is None:
+        return "flash_attention_2"
+    if why_not != "not installed":
+        _warn_once(f"model.attn_implementation=auto: flash_attn is installed but does not load ({why_not}); "
+                   f"using {attention.VARLEN}")
+    return attention.VARLEN
+
+
+@functools.lru_cache(maxsize=None)
+def flash_attn_import_error() -> str | None:
+    """Why flash-attn cannot run here, or None. Being installed is not enough: a wheel built for
+    another torch (or CUDA) is found but its compiled extension fails to load (an undefined symbol),
+    and transformers then refuses the model. `flash_attn`'s own import loads that extension
+    (flash_attn_interface imports flash_attn_2_cuda), so importing it is the check."""
     import importlib.util
 
-    if torch.device(device).type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2"
-    return attention.VARLEN
+    if importlib.util.find_spec("flash_attn") is None:
+        return "not installed"
+    try:
+        import flash_attn  # noqa: F401
+    except Exception as e:  # ImportError, OSError from the loader, or anything its __init__ raises
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    """One line per node (its first local rank), however many models the rank builds."""
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        print(f"spmdsplit: warning: {message}", file=sys.stderr, flush=True)
 
 
 def _no_dropout(model: nn.Module) -> nn.Module:

@@ -221,17 +221,41 @@ def test_the_packed_reward_model_gives_flash_attention_the_boundaries_too(embedd
 
 # ------------------------------------------------------------------ varlen: no mask, each row on its own
 
-def test_auto_picks_flash_attn_where_installed_on_cuda_else_varlen(monkeypatch):
-    import importlib.util
+def test_auto_picks_flash_attn_where_it_loads_on_cuda_else_varlen(tmp_path, monkeypatch, capsys):
+    """Installed is not enough: a flash_attn whose compiled extension does not load (a wheel built
+    for another torch: found by find_spec, failing on import) gives varlen and one warning line
+    naming why, however often a model is built; one that imports gives flash_attention_2."""
+    import sys
 
+    from spmdsplit import models
     from spmdsplit.models import attention_implementation
 
-    assert attention_implementation("auto", "cpu") == attention_implementation("auto", "cuda:0") == "varlen"
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "flash_attn" else find_spec(name))
-    assert attention_implementation("auto", "cuda:0") == "flash_attention_2"
-    assert attention_implementation("auto", "cpu") == "varlen"
-    assert attention_implementation("sdpa", "cuda") == "sdpa"
+    def installed(body: str):
+        folder = tmp_path / str(len(list(tmp_path.iterdir())))
+        (folder / "flash_attn").mkdir(parents=True)
+        (folder / "flash_attn" / "__init__.py").write_text(body)
+        monkeypatch.syspath_prepend(str(folder))
+        models.flash_attn_import_error.cache_clear()
+        sys.modules.pop("flash_attn", None)
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    try:
+        models.flash_attn_import_error.cache_clear()
+        assert attention_implementation("auto", "cpu") == attention_implementation("auto", "cuda:0") == "varlen"
+        assert capsys.readouterr().err == ""  # not installed: nothing to say
+        installed("raise ImportError('flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDeviceEi')")
+        assert attention_implementation("auto", "cuda:0") == attention_implementation("auto", "cuda:1") == "varlen"
+        warned = capsys.readouterr().err.splitlines()
+        assert warned == ["spmdsplit: warning: model.attn_implementation=auto: flash_attn is installed but does "
+                          "not load (ImportError: flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDeviceEi); "
+                          "using varlen"], warned
+        installed("")  # a flash_attn that loads
+        assert attention_implementation("auto", "cuda:0") == "flash_attention_2"
+        assert attention_implementation("auto", "cpu") == "varlen"
+        assert attention_implementation("sdpa", "cuda") == "sdpa"
+    finally:
+        sys.modules.pop("flash_attn", None)
+        models.flash_attn_import_error.cache_clear()
 
 
 @pytest.fixture

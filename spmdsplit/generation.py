@@ -203,7 +203,10 @@ class Generator:
         """This rank's rows of step `step`, chunk by chunk (rollout.stream_chunks), each as soon as
         it is generated. Before the last one goes out, an engine that shares its device sleeps:
         vLLM's sleep synchronises the device, which on NCCL would wait for the other pool to take a
-        pending send of the rows."""
+        pending send of the rows; and the pool meets (gloo, the long timeout): each rank generated
+        on its own, for as long as its rows took (long tails, an agent's tools), and the pool's next
+        device collective (the tokens' staleness, the old log-probs' all-gather) would otherwise
+        wait for the slowest under trainer.dist_timeout_s, where NCCL's watchdog kills the job."""
         if self.chunks > 1:
             shares = engine_shares(self.cfg, self.dataset, self.tokenizer, step, self.pools.placement.generating_ranks)
         for c in range(self.chunks):
@@ -215,6 +218,7 @@ class Generator:
                     rows = shares.chunk(c, self.chunks).generate(self.engine, self.pools.device)
             if c == self.chunks - 1:
                 self.sleep(step)
+                self.pools.meet()
             yield rows
 
     def validate(self, step: int, val_rows: list[dict], channel: PoolChannel) -> int:
@@ -223,6 +227,7 @@ class Generator:
         num_rows = generate_validation_rows(self.cfg, self.pools, self.engine, channel, self.timer, self.tokenizer,
                                             step, val_rows)
         self.sleep(step)
+        self.pools.meet()  # as after a step's rows: each rank's share took its own time
         return num_rows
 
     def sleep(self, step: int) -> None:

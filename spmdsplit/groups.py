@@ -86,14 +86,16 @@ class Pools:
         """The gloo group over `role_group`'s pool with the long timeout (None off the pool)."""
         return self.meets.get(self.placement.pool_of(role_group))
 
-    def meet(self, role_group: str) -> None:
-        """The ranks of `role_group`'s pool wait until all of them are here, under the long timeout:
-        after a wait on another pool, whose rows (or go-ahead) reach the pool's ranks at different
-        times. Without it the first rank through would wait for the last inside the pool's next
-        collective, under trainer.dist_timeout_s: a long generation elsewhere, or another pool's
-        checkpoint of a large model, would trip it (NCCL's watchdog then kills the job). A gloo
-        barrier on the host costs about a millisecond."""
-        group = self.meet_group(role_group)
+    def meet(self, role_group: str | None = None) -> None:
+        """The ranks of `role_group`'s pool (None: this rank's own) wait until all of them are here,
+        under the long timeout: after a wait on another pool, whose rows (or go-ahead) reach the
+        pool's ranks at different times, or after each rank generated on its own for as long as its
+        rows took. Without it the first rank through would wait for the last inside the pool's next
+        collective, under trainer.dist_timeout_s: a long generation, or another pool's checkpoint
+        of a large model, would trip it (NCCL's watchdog then kills the job). A gloo barrier on the
+        host costs about a millisecond."""
+        pool = self.placement.pool_at(self.rank) if role_group is None else self.placement.pool_of(role_group)
+        group = self.meets.get(pool)
         if group is not None and dist.get_world_size(group) > 1:
             dist.barrier(group=group)
 

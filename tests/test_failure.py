@@ -117,6 +117,17 @@ def test_an_engine_whose_dapo_generation_runs_long_is_not_a_dead_one(tmp_path):
     assert "step 2:" in result.stdout
 
 
+def test_a_rank_whose_generation_runs_long_is_not_a_dead_one(tmp_path):
+    """Split 2+2 without balancing (whose gather is a gloo meet): actor rank 1 generates step 2 for
+    longer than trainer.dist_timeout_s while rank 0 has finished. The pool meets on gloo after
+    generating, so rank 0 waits there under trainer.pool_wait_timeout_s, not in the pool's next
+    device collective (the tokens' staleness, the old log-probs' all-gather) under the short one."""
+    result, _ = run_job(tmp_path, 4, f"1:gen:2:sleep={BUSY_S}", "trainer.balance_batch=false", "trainer.total_steps=2",
+                        f"trainer.dist_timeout_s={TIMEOUT_S}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "step 2:" in result.stdout
+
+
 def test_a_busy_pool_is_not_a_dead_one(tmp_path):
     """Three waits on another pool, each longer than trainer.dist_timeout_s, and the job completes:
     - the actor pool generates its validation set: the critic pool waits for it under

@@ -460,6 +460,10 @@ class RolloutConfig:
     # With LoRA (model.lora_rank > 0, not lora_merge): the largest adapter rank the engine takes, one
     # of vLLM's sizes (1, 8, 16, 32, 64, 128, 256, 320, 512); null = model.lora_rank rounded up to one.
     max_lora_rank: Optional[int] = bounded(None, lambda v: v is None or v > 0, "expected a positive rank, or null")
+    # With LoRA engines: the folder each engine rank writes the adapter into for vLLM to read at each
+    # sync; "" = /dev/shm where it exists. An adapter that does not fit (a container's small
+    # /dev/shm) goes to the node's temp folder (TMPDIR), with a warning.
+    lora_adapter_dir: str = ""
     max_num_seqs: int = positive(1024)
     max_num_batched_tokens: int = positive(8192)  # >= data.max_prompt_length + max_response_length
     enforce_eager: bool = True  # no CUDA graphs / no torch.compile: quicker start, slower decode
@@ -575,7 +579,7 @@ class Config:
 
 PATH_KEYS = ("trainer.log_dir", "trainer.timeline", "trainer.profile_dir", "trainer.output_dir", "trainer.default_local_dir",
              "model.path", "model.embedded_dir", "model.lora_adapter_path", "critic.model_path",
-             "critic.model.lora_adapter_path", "rollout.multi_turn.tool_config_path")
+             "critic.model.lora_adapter_path", "rollout.multi_turn.tool_config_path", "rollout.lora_adapter_dir")
 
 
 def _shape(value) -> str:

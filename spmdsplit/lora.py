@@ -106,7 +106,8 @@ def engines_take_adapter(cfg) -> LoraSpec | None:
 def apply(model: torch.nn.Module, spec: LoraSpec, kind: str, load_adapter: bool = True,
           trained: bool = True) -> torch.nn.Module:
     """`model` with the adapter on (a `peft.PeftModel`): the base's parameters frozen, the adapter's
-    trainable and in fp32 whatever the base's dtype (PEFT's autocast_adapter_dtype). From
+    trainable and in fp32 whatever the base's dtype (PEFT's autocast_adapter_dtype; a head trained
+    whole beside it, as the value model's, too). From
     spec.adapter_path its saved weights when `load_adapter` (a skeleton on the meta device takes
     none: the pool's reader hands them out). `trained=False` (a rollout engine's copy): the adapter
     in the base's dtype, as the trainer computes it under mixed precision (FSDP2 casts it to the
@@ -115,8 +116,18 @@ def apply(model: torch.nn.Module, spec: LoraSpec, kind: str, load_adapter: bool 
     from peft import PeftModel, get_peft_model
 
     if spec.adapter_path and load_adapter:
-        return PeftModel.from_pretrained(model, spec.adapter_path, is_trainable=trained, autocast_adapter_dtype=trained)
-    return get_peft_model(model, spec.peft_config(kind), autocast_adapter_dtype=trained)
+        model = PeftModel.from_pretrained(model, spec.adapter_path, is_trainable=trained, autocast_adapter_dtype=trained)
+    else:
+        model = get_peft_model(model, spec.peft_config(kind), autocast_adapter_dtype=trained)
+    if trained:
+        # autocast_adapter_dtype upcasts the adapter's layers only: what PEFT trains whole beside
+        # them (the value model's score head, any modules_to_save) is copied in the base's dtype,
+        # where an update of 1e-5 x a weight near 0.02 rounds to nothing in bf16. Every trainable
+        # tensor gets fp32 masters; FSDP2's mixed precision casts them for the compute.
+        for param in model.parameters():
+            if param.requires_grad and param.dtype != torch.float32:
+                param.data = param.data.float()
+    return model
 
 
 def is_peft(model: torch.nn.Module) -> bool:

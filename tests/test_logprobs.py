@@ -200,29 +200,39 @@ def test_a_model_that_changes_its_head_output_unannounced_is_refused():
     assert "forward" not in model.lm_head.__dict__
 
 
+def qwen_vocabulary_model_and_rows(rows: int, response: int):
+    """A one-block Qwen2 at Qwen2.5's 152k vocabulary (a tiny hidden size, tied embeddings as
+    Qwen2.5-0.5B's) and `rows` PPO rows of 4 prompt and `response` response tokens."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from tests.support.helpers import ppo_rows
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=151936, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=max(64, 4 + response),
+                         tie_word_embeddings=True)
+    model = Qwen2ForCausalLM(config).float()
+    g = torch.Generator().manual_seed(0)
+    prompt = 4
+    ones = torch.ones(rows, prompt + response, dtype=torch.long)
+    return model, ppo_rows(torch.randint(3, config.vocab_size, (rows, prompt), generator=g),
+                           torch.randint(3, config.vocab_size, (rows, response), generator=g),
+                           ones[:, :prompt], ones[:, prompt:], g)
+
+
 def test_peak_memory_falls_with_the_chunk_size(capsys):
     """At Qwen's 152k vocabulary (a tiny hidden size, tied embeddings as Qwen2.5-0.5B's), the peak
     of the update's forward and backward and of the log-prob pass, as torch's MemTracker counts it
     on CPU, falls with the chunk: the logits, their fp32 softmax and their gradient exist for one
     chunk at a time."""
     from torch.distributed._tools.mem_tracker import MemTracker
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from spmdsplit.config import ActorConfig
     from spmdsplit.roles.actor import Actor
-    from tests.support.helpers import ppo_rows
 
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=151936, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                         tie_word_embeddings=True)
-    model = Qwen2ForCausalLM(config).float()
-    g = torch.Generator().manual_seed(0)
-    rows, prompt, response = 2, 4, 16
-    ones = torch.ones(rows, prompt + response, dtype=torch.long)
-    batch = ppo_rows(torch.randint(3, config.vocab_size, (rows, prompt), generator=g),
-                     torch.randint(3, config.vocab_size, (rows, response), generator=g),
-                     ones[:, :prompt], ones[:, prompt:], g)
+    rows, response = 2, 16
+    model, batch = qwen_vocabulary_model_and_rows(rows, response)
+    config = model.config
 
     def peak_mib(actor, update: bool) -> float:
         model.zero_grad(set_to_none=True)
@@ -254,25 +264,14 @@ def test_a_chunk_holds_at_most_chunk_logits_at_a_large_vocabulary():
     """At Qwen's 152k vocabulary a 512-token chunk's fp32 logits are 311 MB, held about five times
     over in the update's backward: the chunk is cut to CHUNK_LOGITS // vocab tokens (220), forward
     and backward; below a 64k vocabulary the requested 512 stand."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from spmdsplit.config import ActorConfig
     from spmdsplit.roles.actor import Actor
     from spmdsplit.roles.lm_head import CHUNK_LOGITS, chunk_tokens
-    from tests.support.helpers import ppo_rows
 
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=151936, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
-                         tie_word_embeddings=True)
-    model = Qwen2ForCausalLM(config).float()
+    model, batch = qwen_vocabulary_model_and_rows(rows=1, response=600)
+    config = model.config
     assert chunk_tokens(512, model) == CHUNK_LOGITS // 151936 == 220 and chunk_tokens(512, tiny_model(65536)) == 512
-    g = torch.Generator().manual_seed(0)
-    rows, prompt, response = 1, 4, 600
-    ones = torch.ones(rows, prompt + response, dtype=torch.long)
-    batch = ppo_rows(torch.randint(3, config.vocab_size, (rows, prompt), generator=g),
-                     torch.randint(3, config.vocab_size, (rows, response), generator=g),
-                     ones[:, :prompt], ones[:, prompt:], g)
     actor = Actor(model, ActorConfig(logits_chunk_size=512), 1.0, torch.device("cpu"))
     with LargestLogits(config) as largest:
         lp, ent = actor._log_probs(batch, "grad")

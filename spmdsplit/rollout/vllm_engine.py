@@ -405,11 +405,8 @@ class VLLMRollout:
         if isinstance(weights, Mapping):  # a whole state dict also works
             weights = weights.items()
         if self.adapter:  # the adapter, into its folder, then into the engine's slot in place
-            from vllm.lora.request import LoRARequest
-
-            # load_inplace: vLLM reads the folder again even though the id is loaded.
-            self.llm.llm_engine.add_lora(LoRARequest("policy", AdapterFolder.ID, self.adapter.write(weights),
-                                                     load_inplace=True))
+            self.adapter.write(weights)
+            self.llm.llm_engine.add_lora(self.adapter.request(load_inplace=True))
         elif self.on_cpu:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         else:  # in place, each tensor straight into the engine's (possibly sharded) parameters
@@ -495,7 +492,7 @@ class VLLMRollout:
         """What every generate request carries with LoRA (None without): the adapter's id, without
         load_inplace. vLLM adds each request's adapter at every scheduler step, a no-op while the id
         is loaded; a request without one would silently sample from the base."""
-        return self.adapter.request if self.adapter else None
+        return self.adapter.request() if self.adapter else None
 
     def run_on_first_rank(self, fn):
         """fn() run once for the engine: on its first tensor-parallel rank, its result handed to
@@ -548,11 +545,13 @@ class AdapterFolder:
     def path(self) -> str:
         return os.path.join(self.root, "adapter")
 
-    @property
-    def request(self):
+    def request(self, load_inplace: bool = False):
+        """The LoRARequest naming the current folder under the adapter's one id. `load_inplace`: vLLM
+        reads the folder again although the id is loaded (a sync); without it, a generate request's,
+        which vLLM adds at every scheduler step, a no-op while the id is loaded."""
         from vllm.lora.request import LoRARequest
 
-        return LoRARequest("policy", self.ID, self.path)
+        return LoRARequest("policy", self.ID, self.path, load_inplace=load_inplace)
 
     def write(self, weights: Iterable[tuple[str, torch.Tensor]]) -> str:
         """The stream of (saved name, tensor) into the next folder, made the current one; returns the

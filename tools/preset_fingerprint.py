@@ -8,8 +8,9 @@ Each job validates and checkpoints at step 2, so those paths are in the numbers 
 scalars (timing_s/*, perf/*) are left out; everything else must be equal, float for float.
 Besides the presets, the layouts and paths no preset takes (EXTRA_JOBS): a balanced batch, the
 critic pool generating its share (rollout.ranks=all, with and without dynamic sampling), a reward
-pool of its own, a PPO rollout pool one step ahead, rollout chunks sent on as they come, and the
-blocking hand-offs with the KL penalty in the reward.
+pool of its own, a PPO rollout pool one step ahead, rollout chunks sent on as they come, the
+blocking hand-offs with the KL penalty in the reward, and continuous generation on its fixed
+schedule (free-running, which engine step takes a version depends on the machine's timing).
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ EXTRA_JOBS = [
       "placement.roles={actor: train, critic: critic, reward: score}"]),
     ("default+chunks+kl_in_reward", "split_blocking.yaml", 4,
      ["rollout.stream_chunks=2", "algorithm.use_kl_in_reward=true"]),
+    ("grpo_rollout_actor+continuous+fixed_schedule", "grpo_rollout_actor.yaml", 2,
+     ["rollout.continuous=true", "rollout.version_every_engine_steps=6", "rollout.hf_step_tokens=1",
+      "data.max_response_length=24", "data.train_batch_size=16", "actor.ppo_mini_batch_size=8"]),
 ]
 JOBS = [(preset, preset, nproc, []) for preset, nproc in PRESETS] + EXTRA_JOBS
 

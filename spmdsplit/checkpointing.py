@@ -44,11 +44,12 @@ def seed_sampling(seed: int, rank: int, after_step: int = 0) -> None:
 class CheckpointManager:
     def __init__(self, cfg, pools: Pools, channel: PoolChannel, timer: PhaseTimer, programs: dict[str, Program],
                  sampler: DynamicSampling | None, dataset: PromptDataset, reports: Reports, score_target: ScoreTarget):
-        """`programs`: this rank's, by role group; `sampler`: dynamic sampling on a generating rank;
+        """`programs`: this rank's, by role group (those with a part: Program.checkpointed); `sampler`: dynamic sampling on a generating rank;
         `reports`: rank 0 logs the steps up to a checkpoint's before publishing it; `score_target`:
         trainer.stop_at_score's window, kept with the critic group's part."""
         self.cfg, self.pools, self.channel, self.timer = cfg, pools, channel, timer
-        self.programs, self.sampler, self.dataset, self.reports = programs, sampler, dataset, reports
+        self.programs = {group: program for group, program in programs.items() if program.checkpointed}
+        self.sampler, self.dataset, self.reports = sampler, dataset, reports
         self.score_target = score_target
         self.placement, self.rank = pools.placement, pools.rank
         self.other_pools = other_pools(self.placement)  # their first ranks say "written" to rank 0

@@ -98,11 +98,12 @@ class Group:
 class ContinuousGeneration:
     """This rank's engine, kept full. `prompts(t)`: this rank's rows of the dataset's generation
     batch t (generation.step_prompts: each prompt rollout.n times, with its seeds); `take_weights(step)`
-    loads the next version the actor pool sends (blocking: Generator.wake); `ready()` says,
+    loads the next version the actor pool sends and returns it (blocking: row_sources.ContinuousSource);
+    `ready()` says,
     without waiting, whether the actor pool is sending one (weight_sync.WeightsReady). `agent`:
     the agent loop (agent/loop.py AgentRollout) around `engine` with rollout.multi_turn."""
 
-    def __init__(self, cfg, engine, prompts: Callable[[int], Batch], take_weights: Callable[[int], None],
+    def __init__(self, cfg, engine, prompts: Callable[[int], Batch], take_weights: Callable[[int], int],
                  ready: Callable[[], bool], part: int, parts: int, pad_token_id: int, eos_token_ids: list[int],
                  device: torch.device, agent=None):
         self.cfg, self.engine, self.prompts, self.take_weights, self.ready = cfg, engine, prompts, take_weights, ready
@@ -111,7 +112,7 @@ class ContinuousGeneration:
         self.budget = cfg.data.max_response_length
         self.quota = cfg.data.train_batch_size // parts  # this rank's groups per batch
         self.part, self.pad_token_id, self.eos_token_ids, self.device = part, pad_token_id, eos_token_ids, device
-        self.version = -1  # the weights the engine holds (set by `loaded`)
+        self.version = -1  # the weights the engine holds (what take_weights returned)
         self.every = cfg.rollout.version_every_engine_steps  # 0: free-running, else the fixed schedule
         self.clock = 0  # engine steps since the run started (the fixed schedule's clock; idle steps count)
         self.handed: dict[int, int] = {}  # batch -> the clock when it was handed over
@@ -167,7 +168,7 @@ class ContinuousGeneration:
         """One engine step, the engine topped up first and new weights taken if they are there
         (on the fixed schedule: if they are due)."""
         if self.weights_due():
-            self.take_weights(self.filling)
+            self.version = self.take_weights(self.filling)
             self.restart_stale(self.filling)
         # On the fixed schedule a call's answer lands at the next step, however long it took: the rows
         # do not depend on a tool's latency.
@@ -281,11 +282,7 @@ class ContinuousGeneration:
                 raise RuntimeError(f"continuous generation waits for the weights of update {self.version + 1}, "
                                    f"but batch {self.version + 1} was never handed over")
             self.clock = max(self.clock, due)
-        self.take_weights(self.filling)
-
-    def loaded(self, version: int) -> None:
-        """The engine now holds the weights of update `version` (the caller loaded them)."""
-        self.version = version
+        self.version = self.take_weights(self.filling)
 
     def top_up(self) -> None:
         """New groups in while fewer than a batch's worth of requests run (quota x n); first the

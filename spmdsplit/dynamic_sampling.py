@@ -25,8 +25,6 @@ even, contiguous share, so everything after sees the batch it would see without 
 from __future__ import annotations
 
 import math
-from typing import Callable
-
 import torch
 import torch.distributed as dist
 
@@ -73,6 +71,8 @@ class DynamicSampling:
         self.next_gen_batch = 1  # the data position: the next generation batch to take
         self.first_gen_batch: dict[int, int] = {}  # step -> its first generation batch, for the steps ahead
         self.step_metrics: dict[int, dict[str, float]] = {}  # step -> its train/num_gen_batches, ...
+        self.kept: list[Batch] = []  # the step being filled: this rank's kept groups so far
+        self.kept_before = self.num_gen_batches = 0  # kept groups on every rank, generation batches taken
 
     @staticmethod
     def group_device(group, device) -> torch.device:
@@ -80,38 +80,50 @@ class DynamicSampling:
         gloo = group is None or not dist.is_initialized() or dist.get_backend(group) == "gloo"
         return torch.device("cpu") if gloo else device
 
-    def fill(self, step: int, generate: Callable[[int], Batch]) -> Batch:
-        """This rank's share of step `step`'s rows: `generate(g)` gives this rank's rows of
-        generation batch g; batches are taken until the kept groups fill the step."""
+    # A step's filling, as a stage of the row source's loop:
+    #     begin(step); while wants_more(step): add(rows of generation batch next_gen_batch); take(step)
+
+    def begin(self, step: int) -> None:
         self.first_gen_batch[step] = self.next_gen_batch
-        kept, kept_before, num_gen_batches = [], 0, 0
-        while kept_before < self.train_groups:
-            if self.max_num_gen_batches > 0 and num_gen_batches >= self.max_num_gen_batches:
-                raise NoSpreadError(
-                    f"step {step}: {num_gen_batches} generation batches of {self.gen_groups} prompts gave only "
-                    f"{kept_before} of the {self.train_groups} prompt groups whose responses differ in "
-                    f"'{self.metric}' (algorithm.filter_groups.max_num_gen_batches={self.max_num_gen_batches}); "
-                    "the task may be too hard or too easy for the policy: raise the limit (0 = no limit), "
-                    "or raise data.gen_batch_size")
-            rows = generate(self.next_gen_batch)
-            rows[RESPONSE_TEXT] = self.scorer.texts(rows)  # decoded once, for the filter and for training
-            self.next_gen_batch += 1
-            num_gen_batches += 1
-            uids, keep = groups_with_spread(self.metric_values(rows), rows["uid"])
-            counts = self.all_counts(sum(keep))
-            first = kept_before + sum(counts[: self.me])  # my first kept group's place in verl's order
-            places = {u: first + i for i, u in enumerate(u for u, k in zip(uids, keep) if k)}
-            mine = [i for i, u in enumerate(rows["uid"]) if u in places]
-            if mine:
-                part = rows.index(mine)
-                part["kept_place"] = torch.tensor([places[u] for u in part["uid"]], dtype=torch.int64,
-                                                  device=part["responses"].device)
-                kept.append(part)
-            kept_before += sum(counts)
+        self.kept, self.kept_before, self.num_gen_batches = [], 0, 0
+
+    def wants_more(self, step: int) -> bool:
+        """Whether the kept groups do not fill the step yet; raises once max_num_gen_batches did not."""
+        if self.kept_before >= self.train_groups:
+            return False
+        if self.max_num_gen_batches > 0 and self.num_gen_batches >= self.max_num_gen_batches:
+            raise NoSpreadError(
+                f"step {step}: {self.num_gen_batches} generation batches of {self.gen_groups} prompts gave only "
+                f"{self.kept_before} of the {self.train_groups} prompt groups whose responses differ in "
+                f"'{self.metric}' (algorithm.filter_groups.max_num_gen_batches={self.max_num_gen_batches}); "
+                "the task may be too hard or too easy for the policy: raise the limit (0 = no limit), "
+                "or raise data.gen_batch_size")
+        return True
+
+    def add(self, rows: Batch) -> None:
+        """This rank's rows of generation batch `next_gen_batch`: its groups with a spread kept."""
+        rows[RESPONSE_TEXT] = self.scorer.texts(rows)  # decoded once, for the filter and for training
+        self.next_gen_batch += 1
+        self.num_gen_batches += 1
+        uids, keep = groups_with_spread(self.metric_values(rows), rows["uid"])
+        counts = self.all_counts(sum(keep))
+        first = self.kept_before + sum(counts[: self.me])  # my first kept group's place in verl's order
+        places = {u: first + i for i, u in enumerate(u for u, k in zip(uids, keep) if k)}
+        mine = [i for i, u in enumerate(rows["uid"]) if u in places]
+        if mine:
+            part = rows.index(mine)
+            part["kept_place"] = torch.tensor([places[u] for u in part["uid"]], dtype=torch.int64,
+                                              device=part["responses"].device)
+            self.kept.append(part)
+        self.kept_before += sum(counts)
+
+    def take(self, step: int) -> Batch:
+        """This rank's share of step `step`'s rows, once wants_more said no."""
         self.step_metrics[step] = {
-            "train/num_gen_batches": float(num_gen_batches),
-            "train/filter_groups/kept_ratio": kept_before / (num_gen_batches * self.gen_groups),
+            "train/num_gen_batches": float(self.num_gen_batches),
+            "train/filter_groups/kept_ratio": self.kept_before / (self.num_gen_batches * self.gen_groups),
         }
+        kept, self.kept = self.kept, []
         return self.share(step, kept)
 
     def metric_values(self, rows: Batch) -> list[float]:

@@ -37,8 +37,11 @@ Per training step k, with N = rollout.stream_chunks and s = rollout.staleness:
   (group)  actor[0] -> critic the policy's weights     only with rollout.ranks=all: a broadcast,
                                                        then every rank generates its share of the
                                                        step's prompts
-  bulk     generating -> actor GENERATED k             only with rollout.ranks=all: the generated
-                                                       rows into the actor pool's partition
+  bulk     generating -> actor GENERATED k, chunk c    with rollout.ranks=all: the generated rows
+                                                       into the actor pool's partition; where the
+                                                       engines share the actor pool, each rank's
+                                                       chunk c to itself (never on the wire), as
+                                                       soon as it is generated
   (actor's actor <-> actor    BALANCE k, chunk c       only with trainer.balance_batch: once the
    group)                                              actor pool holds chunk c (after GENERATED
                                                        with rollout.ranks=all or a rollout pool),
@@ -80,7 +83,7 @@ Checkpoint at step k:
   control  pool[0] -> 0       CHECKPOINT_WRITTEN k     from the first rank of every pool but world
                                                        rank 0's; rank 0 first takes POOL_METRICS <= k
 
-With rollout.continuous (a rollout pool of its own; spmdsplit/programs/continuous_rollout.py) the
+With rollout.continuous (a rollout pool of its own; spmdsplit/row_sources.py ContinuousSource) the
 rollout pool posts GENERATED k as soon as its share of batch k is complete (each row's tokens carry
 their versions: `token_weights_version`, within k-1-s .. k-1, checked), and the weights go after
 every update but the last (staleness.weights_needed), each announced first:
@@ -187,21 +190,21 @@ class PoolChannel:
         self.placement = placement
         self.ranks = placement.layout
         # Who sends GENERATED (Placement.generating_ranks): a rollout pool of its own, or with
-        # rollout.ranks=all every actor and critic rank; else the actor's ranks, which send no such message.
+        # rollout.ranks=all every actor and critic rank; else the actor's ranks, each to itself.
         self.generating = generating
         self.scored_apart = placement.apart("reward")  # ROLLOUT to the reward group too, SCORES back
         self.rows_per_step, self.chunk_rows = rows_per_step, rows_per_step // chunks
         self.meet = meet  # Pools.meet: see "A receive from another pool" above
         self.metrics_in_flight: dict[int, PendingSend] = {}  # step -> this pool's POOL_METRICS send
 
-    def connect(self, generated: bool, num_val_rows: int, balance_group=None) -> None:
+    def connect(self, num_val_rows: int, balance_group=None) -> None:
         """Every rank, once, at start-up: each pair of ranks that the bulk messages below will
         join exchanges a first message now, in the order of the schedule (Link.connect says why).
-        `generated`: rollout.ranks=all or a rollout pool of its own; `num_val_rows`: validation
+        `num_val_rows`: validation
         responses per run (0: none); `balance_group`: with trainer.balance_batch, the actor pool's
         group on its ranks, whose all_to_all is run once too (NCCL connects its pairs then)."""
         actor, critic, reward = self.ranks["actor"], self.ranks["critic"], self.ranks["reward"]
-        pairs = row_pairs(self.generating, actor, self.rows_per_step) if generated else []
+        pairs = row_pairs(self.generating, actor, self.rows_per_step)  # GENERATED (none where each rank sends itself)
         pairs += row_pairs(actor, critic, self.chunk_rows)  # ROLLOUT, LOG_PROBS
         if self.scored_apart:
             pairs += row_pairs(actor, reward, self.chunk_rows)  # ROLLOUT
@@ -231,11 +234,11 @@ class PoolChannel:
     #      rollout.ranks=all: actor pool first, then critic pool) move into the actor pool's
     #      partition of the same global order
 
-    def send_generated(self, step: int, generated: Batch) -> PendingSend:
-        return self._send(Message(GENERATED, step), generated, "generating", "actor", self.rows_per_step)
+    def send_generated(self, step: int, chunk: int, generated: Batch) -> PendingSend:
+        return self._send(Message(GENERATED, step, chunk), generated, "generating", "actor", self.chunk_rows)
 
-    def recv_generated(self, step: int, stats: dict | None = None) -> Batch:
-        return self._recv(Message(GENERATED, step), "generating", "actor", self.rows_per_step, stats)
+    def recv_generated(self, step: int, chunk: int, stats: dict | None = None) -> Batch:
+        return self._recv(Message(GENERATED, step, chunk), "generating", "actor", self.chunk_rows, stats)
 
     # ---- trainer.balance_batch: the actor pool's rows of a chunk (of the step, with
     #      rollout.ranks=all) into the balanced order, among the actor pool's ranks

@@ -1,15 +1,16 @@
 """The PPO loop: builds the programs of the role groups on this rank's pool (spmdsplit/programs/),
 steps them in the schedule's order, validates and checkpoints when due. What goes into a checkpoint
 is spmdsplit/checkpointing.py's, what rank 0 logs spmdsplit/reporting.py's; the loop calls the
-programs only through spmdsplit/programs' Program and STEP_PHASES.
+programs only through spmdsplit/programs' Program and its SCHEDULE.
 
     actor pool : gen ──rollout──► old_log_prob, ref ──(log-probs)──►   ◄──advantages── update_actor ──► gen(k+1)
     critic pool:     ──rollout──► values, reward ───(log-probs)──► adv ──advantages──► update_critic ───────────►
 
 Each rank runs the programs of the role groups on its pool, each step in the order of
-programs.STEP_PHASES: a rollout pool's step, the actor's roll-out, a reward pool's scores, the
-critic's step, the actor's update (colocate runs the actor's and the critic's; a rollout pool of its
-own runs only its own, ahead of the others by rollout.staleness). The pools meet only at the
+Program.SCHEDULE: the rollout group's rows chunk by chunk (wherever it generates) taken by the
+actor group and sent on, the actor's roll-out, a reward pool's scores, the critic's step, the
+actor's update (colocate runs the rollout group's, the actor's and the critic's; a rollout pool of
+its own runs only its own, ahead of the others by rollout.staleness). The pools meet only at the
 point-to-point messages listed in spmdsplit/messages.py, so old/ref log-probs run beside
 values/rewards, update_actor beside update_critic, and the critic update may run on while the
 actor pool starts the next rollout. Sends are non-blocking: a pool never waits for its data to be
@@ -28,21 +29,21 @@ from spmdsplit.checkpointing import CheckpointManager, seed_sampling
 from spmdsplit.data.prompts import PromptDataset
 from spmdsplit.dynamic_sampling import DynamicSampling
 from spmdsplit.batch_balancer import BatchBalancer
-from spmdsplit.generation import Generator, usable_val_rows
+from spmdsplit.generation import EngineWeights, validation_set
 from spmdsplit.groups import ProcessGroups
 from spmdsplit.messages import PoolChannel
 from spmdsplit.metrics import PhaseTimer, StepProfiler
 from spmdsplit.models import compute_dtypes, eos_token_ids, load_tokenizer
 from spmdsplit.preempt import StopVote
-from spmdsplit.programs import STEP_PHASES, own_programs
+from spmdsplit.programs import Program, own_programs
 from spmdsplit.programs.actor import ActorProgram
 from spmdsplit.programs.critic import CriticProgram
 from spmdsplit.programs.reward import RewardProgram
-from spmdsplit.programs.continuous_rollout import ContinuousRolloutProgram
 from spmdsplit.programs.rollout import RolloutProgram
 from spmdsplit.reporting import Reports
-from spmdsplit.roles.build import (build_actor_roles, build_critic_roles, build_reward, build_rollout_engine,
+from spmdsplit.roles.build import (build_actor_roles, build_critic_roles, build_reward, build_rollout_roles,
                                    build_rule_reward)
+from spmdsplit.row_sources import BatchSource, ContinuousSource
 from spmdsplit.score_target import ScoreTarget
 from spmdsplit.staleness import validates_after
 from spmdsplit.stop_budget import StopBudget, signal_delay_s
@@ -59,16 +60,14 @@ class Trainer:
         self.device, self.rank, self.placement = pools.device, pools.rank, pools.placement
         assert self.placement.pool_at(0) == self.placement.pool_of("actor"), "world rank 0 logs, as the actor"
         self.batch_size = cfg.data.train_batch_size  # prompts per step
-        self.val_rows = rows.get("val", [])
+        # The validation set as every rank uses it, or None: the run has no validation rows.
+        self.val_set = validation_set(cfg, self.placement, rows["val"]) if rows.get("val") else None
         self.timer = PhaseTimer(self.rank, self.device)
         self.profiler = StepProfiler(cfg.trainer.profile_steps, cfg.trainer.profile_dir, self.rank, self.device)
         self.channel = PoolChannel(self.placement, list(self.placement.generating_ranks), self.device,
                                    self.batch_size * cfg.rollout.n, cfg.rollout.stream_chunks, groups.bulk,
                                    groups.control, pools.meet)
-        val_responses = (len(usable_val_rows(self.val_rows, self.placement)) * cfg.rollout.val_kwargs.n
-                         if self.val_rows else 0)
-        self.channel.connect(generated=self.placement.generated_elsewhere,
-                             num_val_rows=val_responses,
+        self.channel.connect(num_val_rows=self.val_set.responses if self.val_set else 0,
                              balance_group=pools.group("actor") if cfg.trainer.balance_batch else None)
         self.stop_vote = StopVote(groups.stop)
         # trainer.stop_at_score: the critic group's ranks hold the score and say when it is reached
@@ -102,6 +101,7 @@ class Trainer:
         self.timer.record_peak_memory("memory_before_models")  # the baseline a rank's peak is read against
         builders = {"rollout": self.build_rollout, "actor": self.build_actor, "critic": self.build_critic,
                     "reward": self.build_reward}
+        self.policy_weights = None  # on actor ranks: the policy's weights to every engine (build_actor)
         self.programs = {group: builders[group]() for group in own_programs(self.placement, self.rank)}
         seed_sampling(cfg.trainer.seed, self.rank)
         # A resumed run goes on after the checkpoint's step, in its wandb / MLflow runs.
@@ -116,38 +116,37 @@ class Trainer:
 
     # ------------------------------------------------------------------ the programs on this rank
 
-    def build_generator(self, engine, pull) -> Generator:
-        """The rollout group's engine on this rank, woken with the weights `pull` gives."""
-        return Generator(self.cfg, self.pools, engine, pull, self.timer, self.dataset, self.tokenizer, self.sampler)
-
-    def build_rollout(self) -> RolloutProgram | ContinuousRolloutProgram:
-        engine = build_rollout_engine(self.cfg, self.pools, self.tokenizer, self.eos_ids)
-        generator = self.build_generator(engine, self.weights.pull)
-        if self.cfg.rollout.continuous:
-            return ContinuousRolloutProgram(self.cfg, generator, self.channel, self.weights_ready, self.eos_ids)
-        return RolloutProgram(self.cfg, generator, self.channel)
+    def build_rollout(self) -> RolloutProgram:
+        """The rollout group's program on this rank, over its row source; its engine's weights come
+        from the actor's shards on the actor pool (built first: BUILD_ORDER), else by broadcast."""
+        cfg, pools = self.cfg, self.pools
+        roles = build_rollout_roles(cfg, pools, self.tokenizer, self.eos_ids)
+        pull = self.policy_weights.pull if self.policy_weights else self.weights.pull
+        weights = EngineWeights(roles.engine, pull, self.timer, self.placement.engines_share_device)
+        if cfg.rollout.continuous:
+            source = ContinuousSource(cfg, pools, roles.engine, roles.agent, weights, self.weights_ready, self.timer,
+                                      self.dataset, self.tokenizer, self.eos_ids)
+        else:
+            source = BatchSource(cfg, pools, roles.generates, weights, self.timer, self.dataset, self.tokenizer,
+                                 self.sampler)
+        return RolloutProgram(source, self.channel)
 
     def build_actor(self) -> ActorProgram:
         cfg, pools = self.cfg, self.pools
         roles = build_actor_roles(cfg, pools, self.tokenizer, self.eos_ids)
-        weights = PolicyWeights(roles.actor.engine, compute_dtypes(cfg, self.device)[0], self.weights, pools,
-                                adapter=lora.engines_take_adapter(cfg), merge=cfg.model.lora_merge,
-                                ready=self.weights_ready)
-        generator = self.build_generator(roles.rollout, weights.pull) if roles.rollout is not None else None
+        self.policy_weights = PolicyWeights(roles.actor.engine, compute_dtypes(cfg, self.device)[0], self.weights,
+                                            pools, adapter=lora.engines_take_adapter(cfg), merge=cfg.model.lora_merge,
+                                            ready=self.weights_ready)
         # trainer.balance_batch: the rows' order over the actor pool by tokens (spmdsplit/batch_balancer.py)
         balancer = BatchBalancer(cfg, pools, self.channel, self.timer) if cfg.trainer.balance_batch else None
-        return ActorProgram(cfg, pools, roles, self.channel, self.timer, self.handoff, self.dataset, generator,
-                            weights, balancer)
+        return ActorProgram(cfg, pools, roles, self.channel, self.timer, self.handoff, self.dataset, self.sampler,
+                            self.policy_weights, balancer)
 
     def build_critic(self) -> CriticProgram:
         cfg, pools = self.cfg, self.pools
-        generator = None
-        if self.placement.critic_pool_generates:  # rollout.ranks=all: the rollout group spans this pool
-            engine = build_rollout_engine(cfg, pools, self.tokenizer, self.eos_ids)
-            generator = self.build_generator(engine, self.weights.pull)
         roles = build_critic_roles(cfg, pools)
         reward = None if self.placement.apart("reward") else build_reward(cfg, pools, self.tokenizer, self.eos_ids)
-        return CriticProgram(cfg, pools, roles, self.channel, self.timer, self.handoff, reward, generator)
+        return CriticProgram(cfg, pools, roles, self.channel, self.timer, self.handoff, reward)
 
     def build_reward(self) -> RewardProgram:
         reward = build_reward(self.cfg, self.pools, self.tokenizer, self.eos_ids)
@@ -201,9 +200,18 @@ class Trainer:
         """This rank's programs, phase by phase; the pool's first rank reports their metrics."""
         step_start = time.time()
         reported: dict[str, dict] = {}
-        for group, phase in STEP_PHASES:
-            if group in self.programs:
-                reported.setdefault(group, {}).update(getattr(self.programs[group], phase)(step) or {})
+
+        def run(phase, *args) -> None:
+            if phase.group in self.programs:
+                metrics = getattr(self.programs[phase.group], phase.method)(step, *args)
+                reported.setdefault(phase.group, {}).update(metrics or {})
+
+        schedule = Program.SCHEDULE
+        for chunk in range(self.cfg.rollout.stream_chunks):
+            for phase in schedule.per_chunk:
+                run(phase, chunk)
+        for phase in schedule.after:
+            run(phase)
         if "critic" in reported and self.score_target.add(step, reported["critic"]["critic/score/mean"]):
             if self.rank == self.placement.ranks("critic")[0]:
                 target = self.score_target
@@ -216,11 +224,10 @@ class Trainer:
         """Responses to the validation set from the rollout group's engines (a rollout pool's, with
         the newest weights, or the actor pool's), scored by the reward group; rank 0 logs verl's
         val-core/<data_source>/reward/mean@n."""
-        for program in self.programs.values():  # whichever does the rollout group's work here
-            program.validate(step, self.val_rows)
-        rows = usable_val_rows(self.val_rows, self.placement)
-        num_rows, sources = len(rows) * self.cfg.rollout.val_kwargs.n, sorted({r["data_source"] for r in rows})
-        scored = [program.score_validation(step, num_rows, sources) for program in self.programs.values()]
+        val_set = self.val_set or validation_set(self.cfg, self.placement, [])  # none: the error says so
+        for program in self.programs.values():  # the rollout group's, where it runs here
+            program.validate(step, val_set)
+        scored = [program.score_validation(step, val_set) for program in self.programs.values()]
         self.reports.validation(step, next((m for m in scored if m is not None), None))  # one program scores here
 
     def finish(self, last: int, completed: bool) -> None:

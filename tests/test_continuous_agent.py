@@ -54,11 +54,11 @@ def make_stream(cfg, tokenizer, eos_ids, rows, tmp_path, prompts_per_batch=8, n=
     def take_weights(step):  # version 0 at the start; no later version is ever sent
         assert "stream" not in state, "the stream waited for weights nobody sends"
         base.wake_up(weights.items())
-        stream.loaded(0)
+        return 0
 
     stream = ContinuousGeneration(cfg, base, lambda t: step_prompts(cfg, dataset, tokenizer, t, [0], 0), take_weights,
                                   lambda: False, 0, 1, tokenizer.pad_token_id, eos_ids, torch.device("cpu"), agent=agent)
-    take_weights(1)
+    stream.version = take_weights(1)
     state["stream"] = stream
     return stream
 

@@ -28,12 +28,12 @@ class Actor:
     def ready(self) -> bool:
         return self.stream.version < self.published
 
-    def take_weights(self, step: int) -> None:
+    def take_weights(self, step: int) -> int:
         version = self.stream.version + 1
         assert version <= self.published, "the stream waited for weights the test never publishes"
         state = self.models[version].state_dict().items()
         self.engine.update_weights(state) if self.stream.version >= 0 else self.engine.wake_up(state)
-        self.stream.loaded(version)
+        return version
 
 
 def make_stream(staleness: int):
@@ -51,7 +51,7 @@ def make_stream(staleness: int):
                                   actor.take_weights, actor.ready, 0, 1, tokenizer.pad_token_id,
                                   [tokenizer.eos_token_id], torch.device("cpu"))
     actor.stream = stream
-    actor.take_weights(1)  # version 0, as the program's start does
+    stream.version = actor.take_weights(1)  # version 0, as the source's start does
     return stream, actor
 
 
@@ -91,7 +91,7 @@ def test_answers_older_than_the_staleness_allows_start_again_and_no_group_runs_t
     stream.pop_metrics()
     # Were those answers to land in batch 3 (filled with version 1), each would start again.
     actor.published = 1
-    actor.take_weights(3)
+    stream.version = actor.take_weights(3)
     stream.restart_stale(3)
     metrics = stream.pop_metrics()
     assert metrics["rollout/requests_restarted"] == len(held)

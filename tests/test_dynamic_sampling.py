@@ -83,6 +83,14 @@ def sampler_of(tokenizer, world, train_groups, max_num_gen_batches, metric="seq_
     return DynamicSampling(cfg, RuleReward(tokenizer), list(range(world)), group, torch.device("cpu"))
 
 
+def filled(sampler, step, tokenizer, rank, world):
+    """Step `step`'s rows, the stages as the row source runs them (spmdsplit/row_sources.py)."""
+    sampler.begin(step)
+    while sampler.wants_more(step):
+        sampler.add(rows_of(tokenizer, sampler.next_gen_batch, rank, world))
+    return sampler.take(step)
+
+
 def fill_steps(rank, world, model_path, train_groups, max_num_gen_batches, steps, metric="seq_reward"):
     from spmdsplit.models import load_tokenizer
 
@@ -91,7 +99,7 @@ def fill_steps(rank, world, model_path, train_groups, max_num_gen_batches, steps
     out = []
     for step in range(1, steps + 1):
         try:
-            rows = sampler.fill(step, lambda g: rows_of(tokenizer, g, rank, world))
+            rows = filled(sampler, step, tokenizer, rank, world)
         except (NoSpreadError, ValueError) as e:
             out.append(("error", str(e)))
             break
@@ -161,7 +169,7 @@ def decoding_one_step(rank, world, model_path, train_groups):
 
     cls._decode, cls.decode = counting("responses", _decode), counting("calls", decode)
     try:
-        rows = sampler.fill(1, lambda g: rows_of(tokenizer, g, rank, world))
+        rows = filled(sampler, 1, tokenizer, rank, world)
         filtered, counts = counts, {}
         scores = score_rollout(RuleReward(tokenizer), rollout_columns(rows))["token_level_scores"]
         trained = counts

@@ -21,7 +21,7 @@ def _log_probs_at_temperature(rank, world_size, model_dir):
     from spmdsplit.models import load_tokenizer
     from spmdsplit.groups import build_pools
     from spmdsplit.placement import plan_placement
-    from spmdsplit.roles.build import build_actor_roles
+    from spmdsplit.roles.build import build_actor_roles, build_rollout_roles
     from transformers import LogitsProcessorList
 
     cfg = load_config(None, [f"model.path={model_dir}", "placement.mode=colocate", "data.max_response_length=6",
@@ -29,14 +29,15 @@ def _log_probs_at_temperature(rank, world_size, model_dir):
     pools = build_pools(plan_placement("colocate", None, "ranks_per_node", 1, 1, 1), torch.device("cpu"))
     tokenizer = load_tokenizer(model_dir)
     roles = build_actor_roles(cfg, pools, tokenizer, [tokenizer.eos_token_id])
+    engine = build_rollout_roles(cfg, pools, tokenizer, [tokenizer.eos_token_id]).engine
     prompts = collate_prompts(make_dataset("repeat", 24, seed=2), tokenizer, cfg.data.max_prompt_length,
                               step=1, first_row=0)
 
     torch.manual_seed(11)
-    rollout = roles.rollout.generate(prompts)
+    rollout = engine.generate(prompts)
     torch.manual_seed(11)  # the same draw again, now asking transformers for what it sampled from
-    config, warpers = roles.rollout.sampling  # the warpers go in as processors, as the engine gives them
-    out = roles.rollout.model.generate(
+    config, warpers = engine.sampling  # the warpers go in as processors, as the engine gives them
+    out = engine.model.generate(
         input_ids=prompts["input_ids"], attention_mask=prompts["attention_mask"], generation_config=config,
         logits_processor=LogitsProcessorList(warpers), output_scores=True, return_dict_in_generate=True,
     )
@@ -49,7 +50,7 @@ def _log_probs_at_temperature(rank, world_size, model_dir):
     ref = roles.ref.compute_log_prob(rollout)[:, :steps]
     # What a log-prob that ignored the temperature would give: the check below can tell them apart.
     with torch.no_grad():
-        logits = roles.rollout.model(input_ids=rollout["input_ids"], attention_mask=rollout["attention_mask"],
+        logits = engine.model(input_ids=rollout["input_ids"], attention_mask=rollout["attention_mask"],
                                      position_ids=rollout["position_ids"]).logits[:, P - 1: P - 1 + steps]
     untempered = torch.log_softmax(logits.float(), -1).gather(-1, rollout["responses"][:, :steps, None]).squeeze(-1)
     return sampled[mask], actor[mask], ref[mask], untempered[mask]

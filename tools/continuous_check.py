@@ -98,19 +98,19 @@ def main(argv=None) -> int:
     dataset = PromptDataset(rows_data, cfg.data.gen_batch_size or cfg.data.train_batch_size, cfg.data.shuffle,
                             cfg.data.seed)
 
-    def take_weights(step: int) -> None:  # the next version, as ContinuousRolloutProgram.take_weights
+    def take_weights(step: int) -> int:  # the next version, as row_sources.ContinuousSource.take_weights
         version = stream.version + 1
         engine.update_weights(weights(version).items())
-        stream.loaded(version)
+        return version
 
     stream = ContinuousGeneration(cfg, engine, lambda t: step_prompts(cfg, dataset, tokenizer, t, [0], 0),
                                   take_weights, lambda: False, 0, 1, tokenizer.pad_token_id, eos, device)
     if device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
-    take_weights(1)
+    stream.version = take_weights(1)
     batches, metrics = [], []
-    for step in range(1, args.batches + 1):  # ContinuousRolloutProgram.step, the actor's side played here
+    for step in range(1, args.batches + 1):  # the rollout program's step with a ContinuousSource, the actor's side played here
         batches.append(stream.next_batch(step))
         while stream.version < step and weights_needed(cfg, step):
             stream.engine_step()

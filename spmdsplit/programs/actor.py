@@ -1,14 +1,16 @@
-"""The actor group's program: roll out (the rollout group's engines on this pool generate, or the rows
-come from its pool of their own), score the rollout under the policy and the reference, and update
-the policy once the critic group's advantages are in. Messages: spmdsplit/messages.py."""
+"""The actor group's program: take the rollout group's rows (GENERATED, from this pool's own engines or
+from the pools that generate), balanced and sent on to the critic group chunk by chunk; score them
+under the policy and the reference; update the policy once the critic group's advantages are in,
+and push its weights to engines outside this pool. It trains; it never generates.
+Messages: spmdsplit/messages.py."""
 
 from __future__ import annotations
 
 from spmdsplit.batch import Batch
 from spmdsplit.batch_balancer import BatchBalancer
 from spmdsplit.data.prompts import PromptDataset
+from spmdsplit.dynamic_sampling import DynamicSampling
 from spmdsplit.exchange import PendingSend
-from spmdsplit.generation import Generator
 from spmdsplit.groups import Pools
 from spmdsplit.messages import PoolChannel, receive_for
 from spmdsplit.metrics import PhaseTimer, rollout_correction, token_staleness
@@ -16,19 +18,21 @@ from spmdsplit.roles.actor import old_from_forward
 from spmdsplit.roles.build import ActorRoles
 from spmdsplit.programs import Program
 from spmdsplit.staleness import check_weights_version, weights_needed
+from spmdsplit.seeds import update_seed
 from spmdsplit.weight_sync import PolicyWeights
 
 
 class ActorProgram(Program):
     def __init__(self, cfg, pools: Pools, roles: ActorRoles, channel: PoolChannel, timer: PhaseTimer, handoff,
-                 dataset: PromptDataset, generator: Generator | None, weights: PolicyWeights,
+                 dataset: PromptDataset, sampler: DynamicSampling | None, weights: PolicyWeights,
                  balancer: BatchBalancer | None):
-        """`generator`: the rollout group's engine here (None: a rollout pool of its own generates);
-        `weights`: the policy's to engines; `balancer`: trainer.balance_batch's row order."""
+        """`sampler`: dynamic sampling where this pool generates (its data position); `weights`:
+        the policy's, to engines; `balancer`: trainer.balance_batch's row order."""
         self.cfg, self.pools, self.channel, self.timer, self.handoff = cfg, pools, channel, timer, handoff
-        self.actor, self.ref, self.dataset = roles.actor, roles.ref, dataset
-        self.generator, self.weights, self.balancer = generator, weights, balancer
+        self.actor, self.ref, self.dataset, self.sampler = roles.actor, roles.ref, dataset, sampler
+        self.weights, self.balancer = weights, balancer
         self.sends = PendingSend()  # this step's sends to the critic pool, waited for at its end
+        self.parts: list[Batch] = []  # this step's rows, chunk by chunk, until roll_out
         self.rollout_batch: Batch | None = None  # this step's rollout, from roll_out to update
         self.rollout_metrics: dict[str, float] = {}
 
@@ -42,12 +46,23 @@ class ActorProgram(Program):
         if self.pools.placement.apart("rollout"):
             self.weights.push(step - 1)
 
+    def take_rows(self, step: int, chunk: int) -> None:
+        """Chunk `chunk` of the step's rows in (this rank's share of every generating rank's),
+        balanced once this pool holds all of them, sent on to the critic group at once."""
+        with self.timer.phase("exchange/generated", step, chunk=chunk) as stats:
+            rows = self.channel.recv_generated(step, chunk, stats)
+        if "weights_version" in rows:
+            check_weights_version(rows, step, self.cfg.rollout.staleness)
+        if self.balancer:
+            rows = self.balancer(step, chunk, rows)
+        self.sends.add(self.channel.send_rollout(step, chunk, rows))
+        self.parts.append(rows)
+
     def roll_out(self, step: int) -> None:
-        """gen (chunk by chunk, each sent on at once), or the rows from elsewhere -> old_log_prob
-        -> ref [-> log-probs sent]."""
-        parts = self.generate(step) if self.generator else [self.receive_generated(step)]
+        """old_log_prob -> ref [-> log-probs sent]."""
+        parts, self.parts = self.parts, []
         rollout = Batch.concat(parts, pad_to_widest=True)  # each chunk as wide as its longest response
-        self.rollout_metrics = self.generator.pop_metrics(step) if self.generator else {}
+        self.rollout_metrics = {}
         corr = self.cfg.algorithm.rollout_correction
         if (corr.rollout_is or corr.bypass_mode) and "rollout_log_probs" not in rollout:
             raise RuntimeError("algorithm.rollout_correction needs the engine's rollout_log_probs, and this "
@@ -67,32 +82,6 @@ class ActorProgram(Program):
                 self.sends.add(self.channel.send_log_probs(step, c, part))
         self.rollout_batch = rollout
 
-    def generate(self, step: int) -> list[Batch]:
-        """The rollout group on this pool: its engines wake with the policy's weights and generate
-        the step; each chunk goes on to the critic pool at once (with rollout.ranks=all this rank's
-        share goes to the actor pool, which then holds every rank's rows)."""
-        self.generator.wake(step)
-        if self.pools.placement.critic_pool_generates:
-            [rows] = self.generator.rows(step)
-            self.sends.add(self.channel.send_generated(step, rows))
-            return [self.receive_generated(step)]
-        parts = []
-        for c, rows in enumerate(self.generator.rows(step)):
-            parts.append(self.balancer(step, c, rows) if self.balancer else rows)
-            self.sends.add(self.channel.send_rollout(step, c, parts[-1]))
-        return parts
-
-    def receive_generated(self, step: int) -> Batch:
-        """Rows generated elsewhere, balanced once this pool holds all of them, sent on to the critic."""
-        with self.timer.phase("exchange/generated", step) as stats:
-            rows = self.channel.recv_generated(step, stats)
-        if "weights_version" in rows:
-            check_weights_version(rows, step, self.cfg.rollout.staleness)
-        if self.balancer:
-            rows = self.balancer(step, 0, rows)
-        self.sends.add(self.channel.send_rollout(step, 0, rows))
-        return rows
-
     def update(self, step: int) -> dict[str, float]:
         """Advantages in -> update_actor [-> weights to a rollout pool]. Returns the actor's metrics."""
         rollout = self.rollout_batch
@@ -102,7 +91,7 @@ class ActorProgram(Program):
         metrics, old_from_update = {}, old_from_forward(self.cfg, step)
         if step > self.cfg.trainer.critic_warmup:  # the first steps train only the critic
             with self.timer.phase("update_actor", step):
-                metrics = self.actor.update_policy(rollout, self.cfg.trainer.seed * 7919 + step, old_from_update)
+                metrics = self.actor.update_policy(rollout, update_seed(self.cfg.trainer.seed, step), old_from_update)
         if old_from_update:  # the metrics of the old log-probs the update's forward gave
             corr, group = self.cfg.algorithm.rollout_correction, self.pools.group("actor")
             self.rollout_metrics.update(rollout_correction(rollout, corr, group, self.pools.device, weights=False))
@@ -119,17 +108,9 @@ class ActorProgram(Program):
             metrics.update(self.balancer.pop_metrics())
         return metrics
 
-    def validate(self, step: int, val_rows: list[dict]) -> None:
-        """The rollout group on this pool: responses to the validation set with the policy's
-        current weights (only this pool generates them), to the reward group."""
-        if self.generator:  # else a rollout pool of its own generates them
-            self.generator.wake(step, broadcast=False)
-            self.generator.validate(step, val_rows, self.channel)
-
     def state(self, step: int) -> dict:
         """The data position: a step takes one generation batch (dynamic sampling keeps its own count)."""
-        sampler = self.generator.sampler if self.generator else None
-        return self.dataset.state(sampler.next_gen_batch - 1 if sampler else step)
+        return self.dataset.state(self.sampler.next_gen_batch - 1 if self.sampler else step)
 
     def load_state(self, state: dict, same_layout: bool) -> None:
         warning = self.dataset.check_state(state)

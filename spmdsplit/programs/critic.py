@@ -8,8 +8,6 @@ from __future__ import annotations
 from spmdsplit import algo, scoring
 from spmdsplit.batch import Batch
 from spmdsplit.distributed import pool_sum
-from spmdsplit.exchange import PendingSend
-from spmdsplit.generation import Generator
 from spmdsplit.messages import PoolChannel, check_rows, receive_for
 from spmdsplit.metrics import PhaseTimer, compute_data_metrics
 from spmdsplit.groups import Pools
@@ -17,15 +15,15 @@ from spmdsplit.programs import Program
 from spmdsplit.roles.build import CriticRoles
 from spmdsplit.roles.reward import RuleReward
 from spmdsplit.roles.reward_model import RewardModel
+from spmdsplit.seeds import update_seed
 
 
 class CriticProgram(Program):
     def __init__(self, cfg, pools: Pools, roles: CriticRoles, channel: PoolChannel, timer: PhaseTimer, handoff,
-                 reward: RuleReward | RewardModel | None, generator: Generator | None = None):
-        """`reward`: the reward group's reward when it shares this pool (None: its own pool scores);
-        `generator`: rollout.ranks=all, this rank generates its share too."""
+                 reward: RuleReward | RewardModel | None):
+        """`reward`: the reward group's reward when it shares this pool (None: its own pool scores)."""
         self.cfg, self.pools, self.channel, self.timer, self.handoff = cfg, pools, channel, timer, handoff
-        self.critic, self.kl_ctrl, self.reward, self.generator = roles.critic, roles.kl_ctrl, reward, generator
+        self.critic, self.kl_ctrl, self.reward = roles.critic, roles.kl_ctrl, reward
         self.chunks = cfg.rollout.stream_chunks
 
     @property
@@ -34,11 +32,9 @@ class CriticProgram(Program):
         return self.critic.engine if self.critic is not None else None
 
     def step(self, step: int) -> dict[str, float]:
-        """[weights in -> gen -> rows out] -> rollout in (values + scores per chunk) [-> log-probs
-        in] -> adv -> advantages out -> update_critic. Returns the group's metrics of the step."""
+        """rollout in (values + scores per chunk) [-> log-probs in] -> adv -> advantages out ->
+        update_critic. Returns the group's metrics of the step."""
         phase, channel = self.timer.phase, self.channel
-        if self.generator:
-            generated = self.generate(step)
         parts = []
         for c in range(self.chunks):
             with phase("exchange/rollout", step, chunk=c) as stats:
@@ -74,29 +70,18 @@ class CriticProgram(Program):
         sends = [channel.send_advantages(step, c, part) for c, part in enumerate(batch.split(len(parts[0])))]
         if self.critic is not None:
             with phase("update_critic", step):
-                metrics.update(self.critic.update_critic(batch, seed=self.cfg.trainer.seed * 7919 + step))
+                metrics.update(self.critic.update_critic(batch, seed=update_seed(self.cfg.trainer.seed, step)))
         metrics.update(compute_data_metrics(batch, self.pools.group("critic"), self.pools.device,
                                             self.cfg.data.max_response_length))
         self.handoff()  # blocking mode: the actor updates only after the critic did
         for sent in sends:
             sent.wait()
-        if self.generator:
-            generated.wait()
         return metrics
 
-    def generate(self, step: int) -> PendingSend:
-        """rollout.ranks=all: this rank's share of the step, generated with the policy's weights
-        from the actor pool's broadcast and sent to the actor pool, which treats it as its own."""
-        self.generator.wake(step)
-        [rows] = self.generator.rows(step)
-        self.generator.pop_metrics(step)  # dynamic sampling's: the actor pool's ranks report the same numbers
-        return self.channel.send_generated(step, rows)
-
-    def score_validation(self, step: int, num_rows: int, sources: list[str]) -> dict[str, float] | None:
+    def score_validation(self, step: int, val_set) -> dict[str, float] | None:
         if self.reward is None:  # a reward pool of its own scores them
             return None
-        return scoring.score_validation(self.cfg, self.pools, self.reward, self.channel, self.timer, step, num_rows,
-                                        sources)
+        return scoring.score_validation(self.pools, self.reward, self.channel, self.timer, step, val_set)
 
     def state(self, step: int) -> dict:
         return {"kl_ctrl": self.kl_ctrl.state_dict()}

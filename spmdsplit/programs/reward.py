@@ -40,6 +40,5 @@ class RewardProgram(Program):  # nothing trained: a checkpoint keeps only the ra
         sends.wait()
         return metrics
 
-    def score_validation(self, step: int, num_rows: int, sources: list[str]) -> dict[str, float]:
-        return scoring.score_validation(self.cfg, self.pools, self.reward, self.channel, self.timer, step, num_rows,
-                                        sources)
+    def score_validation(self, step: int, val_set) -> dict[str, float]:
+        return scoring.score_validation(self.pools, self.reward, self.channel, self.timer, step, val_set)

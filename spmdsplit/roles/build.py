@@ -3,7 +3,7 @@ group's pool, and the objects the programs call. Kept out of the trainer so that
 the algorithm.
 
     actor  : Actor (policy, trained) + reference (frozen Actor; with LoRA the policy's model, adapter off)
-    rollout: the engine (HF or vLLM), whose weights come from the actor
+    rollout: the engine (HF or vLLM), whose weights come from the actor, and the agent loop around it
     critic : Critic (value model, trained; GAE only) + the KL controller
     reward : rule reward (custom fn or built-in scorers), or a reward model
 """
@@ -11,6 +11,7 @@ the algorithm.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from omegaconf import OmegaConf
@@ -24,14 +25,29 @@ from spmdsplit.roles.actor import Actor
 from spmdsplit.roles.critic import Critic
 from spmdsplit.roles.reward import RuleReward
 from spmdsplit.roles.reward_model import RewardModel
-from spmdsplit.rollout import Rollout, build_rollout
+from spmdsplit.agent import build_agent_rollout
+from spmdsplit.rollout import Rollout
+from spmdsplit.rollout import build_engine as build_engine_of_rollout
+
+if TYPE_CHECKING:
+    from spmdsplit.agent.loop import AgentRollout
 
 
 @dataclass
 class ActorRoles:
     actor: Actor
     ref: Actor
-    rollout: Rollout | None  # the rollout group's engine when it shares the pool, else None
+
+
+@dataclass
+class RolloutRoles:
+    engine: Rollout  # takes the policy's weights, and generates (stepwise for continuous generation)
+    agent: AgentRollout | None  # rollout.multi_turn: the agent loop around the engine, what generates a batch
+
+    @property
+    def generates(self) -> Rollout:
+        """What generates a batch: the agent loop with rollout.multi_turn, else the engine."""
+        return self.agent or self.engine
 
 
 @dataclass
@@ -71,9 +87,7 @@ def build_actor_roles(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> Actor
         reference = ModelSource("causal_lm", path, dtype, seed, remote, attention)
         ref = Actor(build_engine(cfg, "ref", reference, mesh, device), ref_config(cfg), temperature, device,
                     remove_padding=packed)
-    # A rollout pool of its own holds the engines; this pool then only trains and scores.
-    rollout = None if pools.placement.apart("rollout") else build_rollout_engine(cfg, pools, tokenizer, eos_ids)
-    return ActorRoles(actor, ref, rollout)
+    return ActorRoles(actor, ref)
 
 
 def ref_config(cfg):
@@ -89,12 +103,15 @@ def ref_config(cfg):
     return OmegaConf.merge(actor, own)
 
 
-def build_rollout_engine(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> Rollout:
-    """This rank's rollout engine (rollout.name). Its weights come from the actor before each
-    rollout. vLLM: every rank must have run rollout.vllm_engine.init_vllm_distributed before."""
+def build_rollout_roles(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> RolloutRoles:
+    """This rank's rollout engine (rollout.name) and, with rollout.multi_turn, the agent loop
+    around it. Its weights come from the actor. vLLM: every rank must have run
+    rollout.vllm_engine.init_vllm_distributed before."""
     dtype, _ = compute_dtypes(cfg, pools.device)
-    return build_rollout(cfg, cfg.model.path, tokenizer, eos_ids, pools.device, dtype, cfg.trainer.seed,
-                         sleeps=pools.placement.engines_share_device)
+    engine = build_engine_of_rollout(cfg, cfg.model.path, tokenizer, eos_ids, pools.device, dtype, cfg.trainer.seed,
+                                     sleeps=pools.placement.engines_share_device)
+    agent = build_agent_rollout(cfg, engine, tokenizer, eos_ids) if cfg.rollout.multi_turn.enable else None
+    return RolloutRoles(engine, agent)
 
 
 def build_critic_roles(cfg, pools: Pools) -> CriticRoles:

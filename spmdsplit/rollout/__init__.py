@@ -1,6 +1,7 @@
 """Rollout engines behind one contract (base.Rollout): `rollout.name=hf` (transformers `generate`,
 hf.py) or `rollout.name=vllm` (vllm_engine.py; vLLM is imported only then); with
-rollout.multi_turn.enable either one runs multi-turn tool episodes (spmdsplit/agent/loop.py)."""
+rollout.multi_turn.enable either one runs multi-turn tool episodes (spmdsplit/agent/loop.py):
+`build_rollout` gives what generates, `build_engine` the engine alone."""
 
 from __future__ import annotations
 
@@ -12,6 +13,18 @@ from spmdsplit.rollout.base import Rollout, row_seeds  # noqa: F401 - the packag
 
 def build_rollout(cfg, model_path: str, tokenizer, eos_ids: list[int], device: torch.device, dtype: torch.dtype,
                   seed: int, sleeps: bool = True) -> Rollout:
+    """What generates a batch: the engine (build_engine), driven turn by turn by the agent loop
+    with rollout.multi_turn.enable (spmdsplit/agent/loop.py)."""
+    engine = build_engine(cfg, model_path, tokenizer, eos_ids, device, dtype, seed, sleeps)
+    if cfg.rollout.multi_turn.enable:
+        from spmdsplit.agent import build_agent_rollout
+
+        return build_agent_rollout(cfg, engine, tokenizer, eos_ids)
+    return engine
+
+
+def build_engine(cfg, model_path: str, tokenizer, eos_ids: list[int], device: torch.device, dtype: torch.dtype,
+                 seed: int, sleeps: bool = True) -> Rollout:
     """The engine `cfg.rollout.name` names, holding the checkpoint at `model_path` (its weights are
     replaced by `wake_up(weights)` before each step's generation, or `update_weights` while it stays
     awake; with a LoRA policy it keeps them and takes the adapter, lora.engines_take_adapter). `sleeps`:
@@ -28,8 +41,4 @@ def build_rollout(cfg, model_path: str, tokenizer, eos_ids: list[int], device: t
         model = load_causal_lm(model_path, dtype, device, seed, cfg.model.trust_remote_code)
         engine = HFRollout(model, tokenizer, cfg.rollout, cfg.data.max_response_length, eos_ids,
                            val_cfg=cfg.rollout.val_kwargs, adapter=lora.engines_take_adapter(cfg))
-    if cfg.rollout.multi_turn.enable:  # the same engine, driven turn by turn (spmdsplit/agent/loop.py)
-        from spmdsplit.agent import build_agent_rollout
-
-        return build_agent_rollout(cfg, engine, tokenizer, eos_ids)
     return engine

@@ -20,7 +20,7 @@ from spmdsplit.exchange import row_ranges
 from spmdsplit.messages import PoolChannel
 from spmdsplit.metrics import PhaseTimer
 from spmdsplit.groups import Pools
-from spmdsplit.rollout import row_seeds
+from spmdsplit.rollout.base import engine_peers, row_seeds
 
 
 def generate_validation_rows(cfg, pools: Pools, rollout_engine, channel: PoolChannel, timer: PhaseTimer, tokenizer,
@@ -30,7 +30,7 @@ def generate_validation_rows(cfg, pools: Pools, rollout_engine, channel: PoolCha
     n, rows = val_set.n, val_set.rows
     ranks = list(pools.placement.ranks("rollout"))
     ranges = row_ranges(len(rows), len(ranks))  # equal: validation_set cut them so
-    peers = engine_peers(cfg, pools.rank)
+    peers = peers_of(cfg, pools.rank)
     per_batch = max(1, cfg.data.train_batch_size // len(ranks))  # training-sized batches
 
     def val_prompts(rank: int, offset: int) -> Batch:
@@ -51,13 +51,9 @@ def generate_validation_rows(cfg, pools: Pools, rollout_engine, channel: PoolCha
     channel.send_val_rollout(step, Batch.concat(parts, pad_to_widest=True), val_set.responses).wait()
 
 
-def engine_peers(cfg, rank: int) -> list[int]:
-    """The ranks that run one rollout engine together, `rank` among them: a vLLM tensor-parallel
-    group (consecutive ranks inside one pool, checked by preflight.check_rollout_placement), else
-    `rank` alone."""
-    tp = cfg.rollout.tensor_model_parallel_size if cfg.rollout.name == "vllm" else 1
-    first = rank // tp * tp
-    return list(range(first, first + tp))
+def peers_of(cfg, rank: int) -> list[int]:
+    """The ranks whose prompts `rank`'s engine generates: its vLLM tensor-parallel group, else itself."""
+    return engine_peers(cfg.rollout.tensor_model_parallel_size if cfg.rollout.name == "vllm" else 1, rank)
 
 
 class EngineShares:
@@ -100,7 +96,7 @@ def greedy_baselines(rollout_engine, prompts: Batch, n: int, width: int) -> Batc
 def engine_shares(cfg, dataset: PromptDataset, tokenizer, step: int, generating) -> EngineShares:
     """The step's prompts of this rank's engine (`step_prompts` of each of its peers)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    peers = engine_peers(cfg, rank)
+    peers = peers_of(cfg, rank)
     remax = "reward_baselines" in algo.get_adv_estimator(cfg.algorithm.adv_estimator).inputs
     return EngineShares([step_prompts(cfg, dataset, tokenizer, step, generating, peer) for peer in peers],
                         peers.index(rank), (cfg.rollout.n, cfg.data.max_response_length) if remax else None)

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from spmdsplit.checkpointing import save_due
-from spmdsplit.programs import STEP_PHASES, Program
+from spmdsplit.programs import Program
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -57,8 +57,36 @@ def test_the_loop_calls_programs_only_through_their_common_interface(path):
     """A new feature that needs a program to do something at a point of the loop adds it to
     Program (spmdsplit/programs/__init__.py), not a reach into one program's insides."""
     interface = {name for name in vars(Program) if not name.startswith("_")}
-    assert interface == {"engine", "start", "state", "load_state", "validate", "score_validation", "export"}
+    assert interface == {"SCHEDULE", "engine", "checkpointed", "start", "state", "load_state", "validate",
+                         "score_validation", "export"}
     used = program_attributes(path)
     assert used and used <= interface, f"{path} reaches into programs: {sorted(used - interface)}"
-    # The step's phases are called by name from STEP_PHASES (getattr), nothing else.
-    assert {phase for _, phase in STEP_PHASES} == {"step", "roll_out", "update"}
+    # The step's phases are called by name from the SCHEDULE (getattr), nothing else.
+    phases = Program.SCHEDULE.per_chunk + Program.SCHEDULE.after
+    assert {p.method for p in phases} == {"generate", "take_rows", "end_step", "roll_out", "step", "update"}
+
+
+def spmdsplit_imports(path: str) -> set[str]:
+    """The spmdsplit modules a file imports (`from spmdsplit.x import y` gives x and x.y), by its syntax tree."""
+    with open(os.path.join(ROOT, path)) as f:
+        tree = ast.parse(f.read())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("spmdsplit"):
+            found |= {node.module, *(f"{node.module}.{a.name}" for a in node.names)}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("spmdsplit")}
+    return found
+
+
+PROGRAMS = sorted(f for f in os.listdir(os.path.join(ROOT, "spmdsplit", "programs")) if f != "__init__.py")
+
+
+@pytest.mark.parametrize("name", PROGRAMS)
+def test_no_program_imports_another_and_only_the_rollout_program_generates(name):
+    imported = spmdsplit_imports(f"spmdsplit/programs/{name}")
+    others = {f"spmdsplit.programs.{other[:-3]}" for other in PROGRAMS if other != name}
+    assert not imported & others, f"{name} imports {sorted(imported & others)}"
+    generation = {m for m in imported if m.startswith(("spmdsplit.generation", "spmdsplit.row_sources",
+                                                       "spmdsplit.rollout", "spmdsplit.continuous"))}
+    assert not generation or name == "rollout.py", f"{name} imports generation: {sorted(generation)}"

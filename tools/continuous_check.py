@@ -2,7 +2,7 @@
 
 Continuous generation (rollout.continuous, spmdsplit/continuous.py) on one device, in one process:
 the HF engine kept full by `ContinuousGeneration` exactly as a rollout rank drives it
-(programs/continuous_rollout.py: batch k handed over as soon as its groups are complete, then
+(row_sources.ContinuousSource: batch k handed over as soon as its groups are complete, then
 generating on until the weights of update k are in), with the actor pool played by this process:
 the weights of update k are version k-1's plus noise, taken on the fixed schedule
 (rollout.version_every_engine_steps) once batch k has been handed over. Why not a job: a

@@ -74,6 +74,14 @@ class StepwiseRollout(Rollout, Protocol):
 GREEDY = SimpleNamespace(do_sample=False, temperature=1.0, top_p=1.0, top_k=-1)
 
 
+def engine_peers(tensor_parallel_size: int, rank: int) -> list[int]:
+    """The ranks that run one engine together, `rank` among them: consecutive ranks, as vLLM cuts
+    its tensor-parallel groups out of the world (preflight.check_rollout_placement keeps each
+    inside one pool). Every engine of the job is engine_peers(tp, first) for first in range(0, world, tp)."""
+    first = rank // tensor_parallel_size * tensor_parallel_size
+    return list(range(first, first + tensor_parallel_size))
+
+
 def response_mask_until_eos(responses: torch.Tensor, eos_token_id: int | list[int]) -> torch.Tensor:
     """1 up to and including the first EOS of each row, 0 after it (all 1 if no EOS)."""
     eos_ids = torch.as_tensor(eos_token_id if isinstance(eos_token_id, list) else [eos_token_id], device=responses.device)

@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from spmdsplit import lora
 from spmdsplit.batch import Batch
-from spmdsplit.rollout.base import GREEDY, Delta, rollout_batch
+from spmdsplit.rollout.base import GREEDY, Delta, engine_peers, rollout_batch
 
 # vllm/v1/attention/backends/cpu_attn.py: CPUAttentionBackend.get_supported_head_sizes() (0.32);
 # spmdsplit/preflight.py check_vllm refuses other sizes before the job starts.
@@ -225,11 +225,11 @@ def init_vllm_distributed(cfg, model_path: str, device: torch.device, dtype: tor
         init_worker_distributed_environment(vllm_config, dist.get_rank(), "env://", vllm_local_rank(device),
                                             current_platform.dist_backend)
         _WORLDS["vllm"] = parallel_state.get_world_group()
-        # One group per engine (consecutive ranks, as vLLM's tensor-parallel groups and
-        # generation.engine_peers cut them), made by every rank in the same order; no device
-        # communicator: vLLM's world group never has one either.
+        # One group per engine (consecutive ranks, as vLLM's tensor-parallel groups: engine_peers),
+        # made by every rank in the same order; no device communicator: vLLM's world group never
+        # has one either.
         _WORLDS["engine"] = parallel_state.init_model_parallel_group(
-            [list(range(first, first + tp)) for first in range(0, world, tp)], vllm_local_rank(device),
+            [engine_peers(tp, first) for first in range(0, world, tp)], vllm_local_rank(device),
             current_platform.dist_backend, group_name="engine_world", use_device_communicator=False)
 
 

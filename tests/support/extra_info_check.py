@@ -76,7 +76,7 @@ def calls(log: str) -> list[tuple[int, str, int]]:
 
 def assert_every_split_scored(log: str, actor_ranks, critic_ranks) -> None:
     """Training and validation rows were all scored through the check, on the critic pool's ranks
-    (validation uses as many rows as divide evenly over both pools: generation.usable_val_rows)."""
+    (validation uses as many rows as divide evenly over both pools: generation.validation_set)."""
     unit = math.lcm(len(actor_ranks), len(critic_ranks))
     seen = calls(log)
     assert {rank for rank, _, _ in seen} == set(critic_ranks)

@@ -45,7 +45,7 @@ from spmdsplit.data.synthetic import AGENT_TASKS, TASKS
 from spmdsplit.embedded import ensure_embedded_model
 from spmdsplit.errors import ConfigError
 from spmdsplit.messages import ROWS_TO  # the role groups that take every step's rows
-from spmdsplit.metrics import missing_logger
+from spmdsplit.sinks import missing_logger
 from spmdsplit.models import ModelSource, load_tokenizer
 from spmdsplit.placement import launch_shape_from_env, plan_from_config
 from spmdsplit.rewards.custom import load_custom_reward_fn

@@ -107,7 +107,7 @@ def test_an_unknown_logger_is_one_line_naming_trainer_logger():
 def test_a_chosen_logger_that_is_not_installed_is_named_with_its_extra(monkeypatch):
     import importlib.util
 
-    from spmdsplit.metrics import missing_logger
+    from spmdsplit.sinks import missing_logger
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a))

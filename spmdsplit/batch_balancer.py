@@ -13,8 +13,8 @@ import torch.distributed as dist
 from spmdsplit.balance import balanced_group_order, seqlen_metrics, slice_sums
 from spmdsplit.batch import Batch
 from spmdsplit.messages import ROWS_TO, PoolChannel
-from spmdsplit.metrics import PhaseTimer
 from spmdsplit.groups import Pools
+from spmdsplit.timing import PhaseTimer
 
 
 class BatchBalancer:

@@ -21,11 +21,11 @@ from spmdsplit import checkpoint
 from spmdsplit.data.prompts import PromptDataset
 from spmdsplit.dynamic_sampling import DynamicSampling
 from spmdsplit.messages import PoolChannel
-from spmdsplit.metrics import PhaseTimer
 from spmdsplit.groups import Pools
 from spmdsplit.programs import Program
 from spmdsplit.reporting import Reports, other_pools
 from spmdsplit.score_target import ScoreTarget
+from spmdsplit.timing import PhaseTimer
 
 
 def save_due(step: int, stop: bool, save_freq: int, last: bool) -> bool:

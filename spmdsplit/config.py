@@ -128,7 +128,7 @@ class TrainerConfig:
     experiment_name: str = "default"  # the wandb / MLflow run's name
     timeline: str = "outputs/timeline.json"  # Chrome-trace JSON of every rank's phases; "" = off
     # torch.profiler over these consecutive steps (e.g. [3] or [2, 3]) on every rank, the phases as
-    # ranges, each rank's trace written to <profile_dir>/rank<r>.json.gz (spmdsplit/metrics.py
+    # ranges, each rank's trace written to <profile_dir>/rank<r>.json.gz (spmdsplit/timing.py
     # StepProfiler; tools.gpu_check reads it); [] = off. verl 0.4's trainer.profile_steps.
     profile_steps: list[int] = consecutive_steps()
     profile_dir: str = "outputs/profile"

@@ -18,7 +18,7 @@ from spmdsplit.batch import Batch
 from spmdsplit.data.prompts import PromptDataset, collate_prompts
 from spmdsplit.exchange import row_ranges
 from spmdsplit.messages import PoolChannel
-from spmdsplit.metrics import PhaseTimer
+from spmdsplit.timing import PhaseTimer
 from spmdsplit.groups import Pools
 from spmdsplit.rollout.base import engine_peers, row_seeds
 

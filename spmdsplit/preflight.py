@@ -1,9 +1,12 @@
-"""Every check a job passes before its ranks talk, in one order, each a one-line ConfigError
-naming the key (or a PlacementError, DataError, CheckpointError, as train.py prints them).
+"""Every check a job passes before its ranks talk, each a one-line ConfigError naming the key (or
+a PlacementError, as train.py prints them). Checks only: the start-up's actions between them
+(the device, the embedded model, the data, the checkpoint to resume) are train.py's `start`.
 
-`preflight(cfg)` runs them all, on every rank, before `init_process_group`, so that a bad value
-ends every rank with the same line instead of a hang on the ranks that got further:
+`start` runs them on every rank, before `init_process_group`, so that a bad value ends every rank
+with the same line instead of a hang on the ranks that got further; in this order, in three parts
+around the actions they wait for:
 
+  check_job             needs the config, the libraries and the launch shape only
   1. check_config       the keys together, the config alone: names the runtime registers
                         (estimators, losses, tasks), batch arithmetic, engines, packing, rollout
   2. versions           the libraries installed, and the ones the job chose (vLLM, DeepSpeed)
@@ -12,11 +15,14 @@ ends every rank with the same line instead of a hang on the ranks that got furth
   5. pools              check_against_placement: a rollout pool's rules, then batch sizes per pool
   6. model paths        model.path, critic.model_path, reward.model.path
   7. custom reward      reward.custom_fn loads
-  8. device, kernels    the device; flash-attn installed; a packed mask that fits the GPU
+  check_device          once the device is picked (trainer.device=cuda without CUDA: refused there)
+  8. kernels            flash-attn installed; a packed mask that fits the GPU
+  check_model           once model.path names a model (the embedded one is built where it is empty)
   9. vLLM               tensor-parallel groups inside one pool; a head size vLLM's CPU kernel takes
  10. LoRA adapters      a saved adapter's rank; target_modules that name layers of the model
- 11. multi-turn tools   the tool config loads, its call format fits the tokenizer
-then the data, read on every rank (bad rows stop every rank alike), and the checkpoint to resume.
+then `start` goes on with the multi-turn tools (spmdsplit/agent check_multi_turn: the tool config
+loads, its call format fits the tokenizer), the data, read on every rank (bad rows stop every
+rank alike), and the checkpoint to resume.
 
 A check of a part the job does not build does not run: critic.* without a value model
 (roles/build.py `trains_critic`), reward.model.* without a reward model, vLLM's without rollout.name=vllm,
@@ -34,23 +40,18 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from spmdsplit import lora, versions
-from spmdsplit.agent import check_multi_turn
 from spmdsplit.algo import (ADV_ESTIMATOR_REGISTRY, LOSS_AGG_MODES, POLICY_LOSS_REGISTRY, ROLLOUT_IS_LEVELS,
                             get_adv_estimator)
-from spmdsplit.checkpoint import find_resume_after_restart
-from spmdsplit.cluster import device_index
 from spmdsplit.config import not_one_of
-from spmdsplit.data.sources import build_rows
-from spmdsplit.data.synthetic import AGENT_TASKS, TASKS
-from spmdsplit.embedded import ensure_embedded_model
+from spmdsplit.data.synthetic import TASKS
 from spmdsplit.errors import ConfigError
 from spmdsplit.messages import ROWS_TO  # the role groups that take every step's rows
-from spmdsplit.metrics import missing_logger
-from spmdsplit.models import ModelSource, load_tokenizer
+from spmdsplit.models import ModelSource
 from spmdsplit.placement import launch_shape_from_env, plan_from_config
 from spmdsplit.rewards.custom import load_custom_reward_fn
 from spmdsplit.roles.build import trains_critic
 from spmdsplit.rollout.vllm_engine import CPU_HEAD_SIZES, MAX_LORA_RANKS, head_size
+from spmdsplit.sinks import missing_logger
 
 # The keys whose values name what the runtime registers (spmdsplit/algo.py's registries and
 # tuples, beside the math that implements them; the synthetic tasks): the schema holds them as
@@ -232,7 +233,7 @@ def check_vllm_adapter(model) -> None:
 
 def check_flash_attn_installed(cfg: DictConfig) -> None:
     """model.attn_implementation=flash_attention_2 needs the flash_attn package; checked on every
-    rank at start-up (preflight below), not in check_config, so that a GPU preset
+    rank at start-up (check_device), not in check_config, so that a GPU preset
     that chooses it still loads (and prints) on a machine without it."""
     if cfg.model.attn_implementation == "flash_attention_2":
         if importlib.util.find_spec("flash_attn") is None:
@@ -287,7 +288,7 @@ def check_packed_attention(cfg: DictConfig, device_type: str) -> None:
     """On a GPU, packing (model.use_remove_padding) under sdpa/eager only while the largest packed
     micro-batch's dense mask stays under MAX_DENSE_MASK_BYTES; the other kernels need no mask.
     Run where the device is known: with trainer.device=cuda in check_config, and on every
-    rank at start-up with the device picked (preflight below)."""
+    rank at start-up with the device picked (check_device)."""
     m = cfg.model
     if device_type != "cuda" or not m.use_remove_padding or m.attn_implementation not in ("sdpa", "eager"):
         return
@@ -510,20 +511,9 @@ def check_model_path(key: str, path: str, trust_remote_code: bool) -> None:
         raise ConfigError(f"{key}={path!r}: not a local folder and not loadable from the Hugging Face hub ({e})") from None
 
 
-def pick_device(setting: str, local_rank: int) -> torch.device:
-    if setting == "cuda" or (setting == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise ConfigError("trainer.device=cuda but CUDA is not available on this machine")
-        index = device_index(local_rank, torch.cuda.device_count())  # cuda:0 where one GPU is bound per task
-        torch.cuda.set_device(index)
-        return torch.device("cuda", index)
-    return torch.device("cpu")
-
-
-def preflight(cfg: DictConfig):
-    """Everything that can fail without talking to other ranks, in the module docstring's order,
-    the data included, so that bad rows stop every rank alike; returns (placement, device, data,
-    checkpoint to resume or None). Fills model.path with the embedded model's folder when empty."""
+def check_job(cfg: DictConfig):
+    """Checks 1-7 of the module docstring: the config, the libraries, the placement planned from
+    the launch shape, the model paths, the custom reward. Returns the Placement."""
     check_config(cfg)
     problems = versions.version_problems(cfg)  # vLLM and DeepSpeed, when chosen (and the rest, under Slurm)
     if problems:
@@ -540,21 +530,16 @@ def preflight(cfg: DictConfig):
     check_model_path("reward.model.path", cfg.reward.model.path, cfg.model.trust_remote_code)
     if cfg.reward.custom_fn.path:
         load_custom_reward_fn(cfg.reward.custom_fn.path, cfg.reward.custom_fn.name)  # fails here, on every rank
-    device = pick_device(cfg.trainer.device, int(os.environ.get("LOCAL_RANK", 0)))
+    return placement
+
+
+def check_device(cfg: DictConfig, device_type: str) -> None:
+    """Check 8, once the device is picked: the attention kernels."""
     check_flash_attn_installed(cfg)
-    check_packed_attention(cfg, device.type)  # trainer.device=auto: only now is it known to be cuda
-    if not cfg.model.path:
-        # Built before the world forms: a file race between ranks, settled by an atomic rename.
-        cfg.model.path = ensure_embedded_model(cfg.model.embedded_dir, agent=cfg.data.task in AGENT_TASKS)
-    check_vllm(cfg, placement, cfg.model.path, device.type)  # no-op unless rollout.name=vllm
+    check_packed_attention(cfg, device_type)  # trainer.device=auto: only now is it known to be cuda
+
+
+def check_model(cfg: DictConfig, placement, device_type: str) -> None:
+    """Checks 9-10, once model.path names a model: vLLM's and the LoRA adapters' against it."""
+    check_vllm(cfg, placement, cfg.model.path, device_type)  # no-op unless rollout.name=vllm
     check_lora_models(cfg)  # no-op without LoRA
-    tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
-    tools = check_multi_turn(cfg, tokenizer)  # the tool config loads here, on every rank, or the job stops
-    agents = dict(tools=tools.schemas if tools is not None else None,
-                  default_agent=cfg.rollout.agent.default_agent_loop)
-    data = {"train": build_rows(cfg.data, tokenizer, "train", **agents)}
-    if cfg.trainer.val_freq > 0 or cfg.trainer.val_before_train:
-        data["val"] = build_rows(cfg.data, tokenizer, "val", **agents)
-    restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
-    resume_from = find_resume_after_restart(cfg.trainer.resume, cfg.trainer.default_local_dir, restarts)
-    return placement, device, data, resume_from

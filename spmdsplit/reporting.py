@@ -5,7 +5,7 @@ the run's one-line summary.
 
 Each pool's first rank sends its programs' merged metrics on the control link
 (spmdsplit/messages.py); rank 0 (the actor pool's first rank) records its own. The sinks are
-spmdsplit/metrics.py's MetricsLogger."""
+spmdsplit/sinks.py's MetricsLogger."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from spmdsplit.messages import PoolChannel
-from spmdsplit.metrics import MetricsLogger, PhaseTimer, write_timeline
 from spmdsplit.placement import ROLE_GROUPS, TRAINED, Placement
+from spmdsplit.sinks import MetricsLogger
+from spmdsplit.timing import PhaseTimer, write_timeline
 
 # When two groups (or their pools) report the same metric, rank 0 logs the one of the group first
 # here: the trained groups' (the actor's before the critic's), then the others in the role order.

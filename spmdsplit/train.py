@@ -1,8 +1,8 @@
 """`torchrun --nproc-per-node N -m spmdsplit.train [--config FILE] [key=value ...]`
 
-Reads the config, runs every start-up check (spmdsplit/preflight.py: every rank, before any
-collective, so a bad value ends every rank with the same message instead of a hang), joins the
-world, builds the pools and runs the PPO loop. `--print-config` prints the resolved config and exits.
+Reads the config, starts (`start`: every start-up check of spmdsplit/preflight.py and the actions
+between them, on every rank before any collective, so a bad value ends every rank with the same
+message instead of a hang), joins the world, builds the pools and runs the PPO loop. `--print-config` prints the resolved config and exits.
 
 Also runs as one Slurm task per rank (`srun python -m spmdsplit.train`, see spmdsplit/launch/): the rank
 comes from SLURM_PROCID when torchrun's variables are absent. Exit codes: 0 done, 2 bad config
@@ -21,7 +21,7 @@ from datetime import timedelta
 from spmdsplit import versions
 
 # Before the imports below: an older transformers may not even import. The job's own choices
-# (vLLM, DeepSpeed) are checked in preflight(), once the config is read.
+# (vLLM, DeepSpeed) are checked in start(), once the config is read.
 if __name__ == "__main__" and (_problems := versions.version_problems()):
     print(f"spmdsplit [rank {os.environ.get('RANK', os.environ.get('SLURM_PROCID', 0))}]: error: {_problems[0]}",
           file=sys.stderr, flush=True)
@@ -32,15 +32,19 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from spmdsplit import failure, preempt
-from spmdsplit.checkpoint import CheckpointError, ResumeDisagreement, resume_disagreement
-from spmdsplit.cluster import choose_gloo_interface
+from spmdsplit.agent import check_multi_turn
+from spmdsplit.checkpoint import CheckpointError, ResumeDisagreement, find_resume_after_restart, resume_disagreement
+from spmdsplit.cluster import choose_gloo_interface, device_index
 from spmdsplit.config import config_warnings, load_config, to_yaml
 from spmdsplit.data.parquet import DataError
-from spmdsplit.data.sources import format_report
+from spmdsplit.data.sources import build_rows, format_report
+from spmdsplit.data.synthetic import AGENT_TASKS
+from spmdsplit.embedded import ensure_embedded_model
 from spmdsplit.errors import ConfigError
 from spmdsplit.groups import create_process_groups
+from spmdsplit.models import load_tokenizer
 from spmdsplit.placement import PlacementError
-from spmdsplit.preflight import check_config, preflight
+from spmdsplit.preflight import check_config, check_device, check_job, check_model
 
 
 EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped on request, checkpoint written; run again to go on
@@ -70,6 +74,40 @@ def parse_args(argv):
     # Intermixed: overrides may come before and after --config (a launcher script adds its own
     # key=value in front of the user's line); plain parse_args stops taking them at the option.
     return parser.parse_intermixed_args(argv)
+
+
+def pick_device(setting: str, local_rank: int) -> torch.device:
+    if setting == "cuda" or (setting == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("trainer.device=cuda but CUDA is not available on this machine")
+        index = device_index(local_rank, torch.cuda.device_count())  # cuda:0 where one GPU is bound per task
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def start(cfg):
+    """Everything before the world forms, on every rank, in one order: the start-up checks
+    (spmdsplit/preflight.py, whose docstring lists them) and the actions they wait for, the data
+    included, so that bad input stops every rank alike. Returns (placement, device, data,
+    checkpoint to resume or None). Fills model.path with the embedded model's folder when empty."""
+    placement = check_job(cfg)
+    device = pick_device(cfg.trainer.device, int(os.environ.get("LOCAL_RANK", 0)))
+    check_device(cfg, device.type)
+    if not cfg.model.path:
+        # Built before the world forms: a file race between ranks, settled by an atomic rename.
+        cfg.model.path = ensure_embedded_model(cfg.model.embedded_dir, agent=cfg.data.task in AGENT_TASKS)
+    check_model(cfg, placement, device.type)
+    tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
+    tools = check_multi_turn(cfg, tokenizer)  # the tool config loads here, on every rank, or the job stops
+    agents = dict(tools=tools.schemas if tools is not None else None,
+                  default_agent=cfg.rollout.agent.default_agent_loop)
+    data = {"train": build_rows(cfg.data, tokenizer, "train", **agents)}
+    if cfg.trainer.val_freq > 0 or cfg.trainer.val_before_train:
+        data["val"] = build_rows(cfg.data, tokenizer, "val", **agents)
+    restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    resume_from = find_resume_after_restart(cfg.trainer.resume, cfg.trainer.default_local_dir, restarts)
+    return placement, device, data, resume_from
 
 
 def agree_on_resume(resume_from: str | None, group) -> None:
@@ -120,7 +158,7 @@ def main(argv=None) -> int:
         if rank == 0:
             for warning in config_warnings(cfg):
                 print(f"spmdsplit: warning: {warning}", file=sys.stderr, flush=True)
-        placement, device, data, resume_from = preflight(cfg)
+        placement, device, data, resume_from = start(cfg)
     except (ConfigError, PlacementError, DataError, CheckpointError) as e:
         print(f"spmdsplit [rank {rank}]: error: {e}", file=sys.stderr, flush=True)
         return 2

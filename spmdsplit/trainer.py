@@ -32,7 +32,7 @@ from spmdsplit.batch_balancer import BatchBalancer
 from spmdsplit.generation import EngineWeights, validation_set
 from spmdsplit.groups import ProcessGroups
 from spmdsplit.messages import PoolChannel
-from spmdsplit.metrics import PhaseTimer, StepProfiler
+from spmdsplit.timing import PhaseTimer, StepProfiler
 from spmdsplit.models import compute_dtypes, eos_token_ids, load_tokenizer
 from spmdsplit.preempt import StopVote
 from spmdsplit.programs import Program, own_programs

@@ -107,7 +107,7 @@ def test_an_unknown_logger_is_one_line_naming_trainer_logger():
 def test_a_chosen_logger_that_is_not_installed_is_named_with_its_extra(monkeypatch):
     import importlib.util
 
-    from spmdsplit.metrics import missing_logger
+    from spmdsplit.sinks import missing_logger
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a))
@@ -586,7 +586,7 @@ def test_flash_attention_without_flash_attn_is_one_line_naming_the_key(monkeypat
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else real(name, *a))
-    # The config loads (a GPU preset prints anywhere); start-up (preflight.preflight) refuses it.
+    # The config loads (a GPU preset prints anywhere); start-up (preflight.check_device) refuses it.
     cfg = load_config(None, ["model.attn_implementation=flash_attention_2"])
     with pytest.raises(ConfigError) as e:
         check_flash_attn_installed(cfg)
@@ -757,6 +757,6 @@ def test_the_mask_check_spares_cpu_flash_attention_and_unpacked_passes():
     from spmdsplit.preflight import check_packed_attention
 
     check_packed_attention(load_config(None, big), "cuda")  # not packed: no mask at all
-    # trainer.device=cuda says so when the config loads; auto waits for start-up (preflight.preflight).
+    # trainer.device=cuda says so when the config loads; auto waits for start-up (preflight.check_device).
     assert "critic.forward_max_token_len_per_gpu" in error_of("model.use_remove_padding=true", "trainer.device=cuda",
                                                               "model.attn_implementation=sdpa", *big)

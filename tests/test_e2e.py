@@ -6,7 +6,7 @@ import os
 import pytest
 
 from tests.support.extra_info_check import assert_every_split_scored, write_job_files
-from spmdsplit.metrics import mlflow_metric_name
+from spmdsplit.sinks import mlflow_metric_name
 from tests.support.jobs import VERL_METRICS, learning_run, run_short
 from tests.support.launch import job, torchrun
 from tests.support.outputs import assert_same_scalars, mlflow_scalars, overlapping_steps, scalars, timeline_events, wandb_offline_scalars
@@ -216,7 +216,7 @@ def test_validation_logs_verl_val_core_metrics(tmp_path, monkeypatch):
     assert "step 3: score=" in result.stdout
     assert_same_scalars(wandb_offline_scalars(str(out)), logged, "wandb")
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # the reader too (the job opts in by itself)
-    # MLflow rejects `@` in a name: spmdsplit.metrics.mlflow_metric_name maps it.
+    # MLflow rejects `@` in a name: spmdsplit.sinks.mlflow_metric_name maps it.
     assert_same_scalars(mlflow_scalars(f"file:{out}/mlruns"), {mlflow_metric_name(k): v for k, v in logged.items()}, "mlflow")
 
 

@@ -190,7 +190,7 @@ def test_metrics_are_verls(level, seed):
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_metrics_of_a_pool_are_those_of_its_whole_batch(level):
-    """Each rank's local sums and extremes, reduced as the pool reduces them (metrics.py:
+    """Each rank's local sums and extremes, reduced as the pool reduces them (batch_metrics.py:
     summed sums and weights, max of maxes, min of mins), give the whole batch's metrics."""
     old, rollout, mask = random_batch(10, spread=0.4)
     parts = [algo.rollout_correction_stats(old[rows], rollout[rows], mask[rows], level, 2.0)

@@ -3,7 +3,7 @@ the device's idle share and the top kernels per phase (issue 37 item 4; `tools.g
 
 Inputs: the model's shapes (its Hugging Face config), the job's resolved config, its TensorBoard
 scalars (`timing_s/<phase>`, `prompt_length/mean`, `response_length/mean` per step) and the
-torch.profiler trace of one step (`trainer.profile_steps`, spmdsplit/metrics.py StepProfiler),
+torch.profiler trace of one step (`trainer.profile_steps`, spmdsplit/timing.py StepProfiler),
 whose `phase:<name>` ranges tell the phases apart.
 
 FLOPs, counted from shapes and tokens (one rank's share: rows = data.train_batch_size x rollout.n
@@ -47,7 +47,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 
-from spmdsplit.metrics import PHASE_RANGE
+from spmdsplit.timing import PHASE_RANGE
 
 GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # what occupies a GPU, in a kineto trace's "cat"
 FLOP_PHASES = ("gen", "old_log_prob", "ref", "values", "update_actor", "update_critic")

@@ -13,8 +13,9 @@ from spmdsplit.dynamic_sampling import DynamicSampling
 from spmdsplit.exchange import PendingSend
 from spmdsplit.groups import Pools
 from spmdsplit.messages import PoolChannel, receive_for
-from spmdsplit.metrics import PhaseTimer, rollout_correction, token_staleness
-from spmdsplit.roles.actor import old_from_forward
+from spmdsplit.batch_metrics import rollout_correction_metrics, token_staleness
+from spmdsplit.timing import PhaseTimer
+from spmdsplit.roles.actor import add_rollout_is_weights, old_from_forward
 from spmdsplit.roles.build import ActorRoles
 from spmdsplit.programs import Program
 from spmdsplit.staleness import check_weights_version, weights_needed
@@ -72,7 +73,8 @@ class ActorProgram(Program):
         elif not old_from_forward(self.cfg, step):  # else the update's own forward gives them
             with self.timer.phase("old_log_prob", step):
                 rollout["old_log_probs"] = self.actor.compute_log_prob(rollout)
-            self.rollout_metrics.update(rollout_correction(rollout, corr, self.pools.group("actor"), self.pools.device))
+            self.rollout_metrics.update(rollout_correction_metrics(rollout, corr, self.pools.group("actor"), self.pools.device))
+            add_rollout_is_weights(rollout, corr)
         self.rollout_metrics.update(token_staleness(rollout, step, self.pools.group("actor"), self.pools.device))
         with self.timer.phase("ref", step):
             rollout["ref_log_prob"] = self.ref.compute_log_prob(rollout)
@@ -94,7 +96,7 @@ class ActorProgram(Program):
                 metrics = self.actor.update_policy(rollout, update_seed(self.cfg.trainer.seed, step), old_from_update)
         if old_from_update:  # the metrics of the old log-probs the update's forward gave
             corr, group = self.cfg.algorithm.rollout_correction, self.pools.group("actor")
-            self.rollout_metrics.update(rollout_correction(rollout, corr, group, self.pools.device, weights=False))
+            self.rollout_metrics.update(rollout_correction_metrics(rollout, corr, group, self.pools.device))
         self.sends.wait()
         self.sends = PendingSend()
         if self.pools.placement.apart("rollout") and weights_needed(self.cfg, step):

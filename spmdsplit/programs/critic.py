@@ -9,7 +9,8 @@ from spmdsplit import algo, scoring
 from spmdsplit.batch import Batch
 from spmdsplit.distributed import pool_sum
 from spmdsplit.messages import PoolChannel, check_rows, receive_for
-from spmdsplit.metrics import PhaseTimer, compute_data_metrics
+from spmdsplit.batch_metrics import compute_data_metrics
+from spmdsplit.timing import PhaseTimer
 from spmdsplit.groups import Pools
 from spmdsplit.programs import Program
 from spmdsplit.roles.build import CriticRoles

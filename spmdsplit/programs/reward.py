@@ -8,7 +8,7 @@ from __future__ import annotations
 from spmdsplit import scoring
 from spmdsplit.exchange import PendingSend
 from spmdsplit.messages import PoolChannel
-from spmdsplit.metrics import PhaseTimer
+from spmdsplit.timing import PhaseTimer
 from spmdsplit.groups import Pools
 from spmdsplit.programs import Program
 from spmdsplit.roles.reward import RuleReward

@@ -26,7 +26,7 @@ NAME_KEY = "reward.custom_fn.name"
 
 class CustomRewardError(ConfigError):
     """The custom reward function cannot be loaded; the message names the config key at fault.
-    A ConfigError, so loading it in `preflight.preflight` stops every rank before the first collective."""
+    A ConfigError, so loading it in `preflight.check_job` stops every rank before the first collective."""
 
 
 def load_custom_reward_fn(path: str, name: str = "compute_score") -> Callable:

@@ -51,6 +51,17 @@ def old_from_forward(cfg, step: int) -> OldFromForward | None:
     return OldFromForward(corr.rollout_is, corr.rollout_is_threshold)
 
 
+def add_rollout_is_weights(rollout: Batch, corr) -> None:
+    """algorithm.rollout_correction.rollout_is (`corr`) with the old log-probs of a pass before the
+    update: the truncated importance weights the policy loss takes, as a column of the rows, so
+    they follow them into every micro-batch (from the update's own forward, the loss computes them:
+    update_policy's old_and_weights)."""
+    if corr.rollout_is and "rollout_log_probs" in rollout:
+        rollout["rollout_is_weights"] = algo.compute_rollout_is_weights(
+            rollout["old_log_probs"], rollout["rollout_log_probs"], rollout["response_mask"], corr.rollout_is,
+            corr.rollout_is_threshold)
+
+
 class Actor:
     """remove_padding: each micro-batch's valid tokens packed into one sequence (model.use_remove_padding).
     loss_horizon: the response width `seq-mean-token-sum-norm` (Dr. GRPO) divides by, a constant
@@ -106,7 +117,7 @@ class Actor:
         def old_and_weights(micro: Batch, log_prob: torch.Tensor):
             """PPO's old log-probs and the rollout-correction weights of this micro-batch."""
             if not old_from_forward:
-                # algorithm.rollout_correction.rollout_is (metrics.py rollout_correction)
+                # algorithm.rollout_correction.rollout_is (add_rollout_is_weights)
                 return micro["old_log_probs"], micro["rollout_is_weights"] if "rollout_is_weights" in micro else None
             # The weights the rollout is scored against are the ones this forward runs under: its
             # log-probs are the old ones (ratio 1, gradient that of the ratio), as TRL's GRPO.

@@ -13,7 +13,7 @@ import sys
 import time
 from contextlib import contextmanager
 
-from spmdsplit.metrics import PhaseTimer
+from spmdsplit.timing import PhaseTimer
 from spmdsplit.train import main
 
 def parse(spec: str) -> tuple[set[int], str, int, list[str]]:

@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from spmdsplit.metrics import PhaseTimer
+from spmdsplit.timing import PhaseTimer
 from spmdsplit.train import main
 
 VOCAB, HIDDEN = int(os.environ["LOGITS_VOCAB"]), int(os.environ["LOGITS_HIDDEN"])

@@ -34,7 +34,7 @@ from spmdsplit.generation import (EngineWeights, ValidationSet, engine_shares, g
                                   step_prompts)
 from spmdsplit.groups import Pools
 from spmdsplit.messages import PoolChannel
-from spmdsplit.metrics import PhaseTimer
+from spmdsplit.timing import PhaseTimer
 from spmdsplit.staleness import next_version_sent, validates_after, weights_needed
 from spmdsplit.weight_sync import WeightsReady
 

@@ -124,6 +124,7 @@ from spmdsplit.batch import Batch
 from spmdsplit.exchange import (Link, Message, PendingSend, ProtocolError, recv_rows, reorder_rows, row_pairs,
                                 send_rows)
 from spmdsplit.placement import Placement
+from spmdsplit.roles.reward import RESPONSE_TEXT
 
 GENERATED, BALANCE, ROLLOUT, LOG_PROBS, ADVANTAGES = "GENERATED", "BALANCE", "ROLLOUT", "LOG_PROBS", "ADVANTAGES"
 SCORES, VAL_ROLLOUT = "SCORES", "VAL_ROLLOUT"
@@ -142,9 +143,9 @@ ROLLOUT_KEYS = ("responses", "response_mask", "input_ids", "attention_mask", "po
 AGENT_KEYS = ("num_turns", "tool_calls", "tool_errors")
 # ReMax's greedy response of each row's prompt (generation.greedy_baselines), scored by the reward group.
 BASELINE_KEYS = ("baseline_responses", "baseline_response_mask")
-# The response texts dynamic sampling decoded for its filter (roles/reward.py RESPONSE_TEXT): the
-# reward group's rule reward reads them instead of decoding the rows again.
-TEXT_KEYS = ("response_text",)
+# The response texts dynamic sampling decoded for its filter: the reward group's rule reward reads
+# them instead of decoding the rows again.
+TEXT_KEYS = (RESPONSE_TEXT,)
 LOG_PROB_KEYS = ("old_log_probs", "ref_log_prob", "row_index")
 
 

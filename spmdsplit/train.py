@@ -4,7 +4,7 @@ Reads the config, starts (`start`: every start-up check of spmdsplit/preflight.p
 between them, on every rank before any collective, so a bad value ends every rank with the same
 message instead of a hang), joins the world, builds the pools and runs the PPO loop. `--print-config` prints the resolved config and exits.
 
-Also runs as one Slurm task per rank (`srun python -m spmdsplit.train`, see spmdsplit/launch/): the rank
+Also runs as one Slurm task per rank (`srun python -m spmdsplit.train`, see the repository's launch/): the rank
 comes from SLURM_PROCID when torchrun's variables are absent. Exit codes: 0 done, 2 bad config
 or data, 75 (EXIT_STOPPED) stopped early on SIGUSR2/SIGTERM after writing a checkpoint.
 """

@@ -14,7 +14,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # Folders of this repository whose files the pages name in prose and commands.
-REPO_DIRS = ("spmdsplit", "tools", "tests", "configs", "docs", ".ci")
+REPO_DIRS = ("spmdsplit", "launch", "tools", "tests", "configs", "docs", ".ci")
 FILE_SUFFIXES = (".py", ".sh", ".yaml", ".yml", ".sbatch", ".md", ".json", ".jsonl")
 
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
@@ -119,10 +119,10 @@ def command_problems(page: pathlib.Path) -> list[str]:
 
 
 def prose_problems(page: pathlib.Path) -> list[str]:
-    """`python -m spmdsplit.x` / `tools.x` and repository paths named anywhere on the page."""
+    """`python -m spmdsplit.x` / `launch.x` / `tools.x` and repository paths named anywhere on the page."""
     problems = []
     text = page.read_text()
-    for name in set(re.findall(r"python -m ((?:spmdsplit|tools)\.[\w.]*\w)", text)):
+    for name in set(re.findall(r"python -m ((?:spmdsplit|launch|tools)\.[\w.]*\w)", text)):
         problem = module_problem(name)
         if problem:
             problems.append(f"{_rel(page)}: {problem}")

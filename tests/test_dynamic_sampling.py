@@ -152,7 +152,7 @@ def decoding_one_step(rank, world, model_path, train_groups):
     generated, and the training scores next to those of the rows decoded afresh."""
     from spmdsplit.messages import rollout_columns
     from spmdsplit.models import load_tokenizer
-    from spmdsplit.roles.reward import RuleReward
+    from spmdsplit.roles.reward import RESPONSE_TEXT, RuleReward
     from spmdsplit.scoring import score_rollout
 
     tokenizer = load_tokenizer(model_path)
@@ -175,7 +175,7 @@ def decoding_one_step(rank, world, model_path, train_groups):
         trained = counts
     finally:
         cls._decode, cls.decode = _decode, decode
-    undecoded = Batch(rows.tensors, {k: v for k, v in rows.non_tensors.items() if k != "response_text"})
+    undecoded = Batch(rows.tensors, {k: v for k, v in rows.non_tensors.items() if k != RESPONSE_TEXT})
     fresh, _ = RuleReward(tokenizer).compute(undecoded)
     generation_batches = int(sampler.pop_metrics(1)["train/num_gen_batches"])
     return filtered, trained, generation_batches, len(rows), scores, fresh

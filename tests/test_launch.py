@@ -1,3 +1,7 @@
+import os
+import pathlib
+import subprocess
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -70,3 +74,19 @@ def _leave_a_send_pending(rank, world_size):
 def test_a_world_left_with_a_send_pending_is_not_reused():
     (left, _) = run_ranks(_leave_a_send_pending, 2)
     assert run_ranks(_pid_and_env, 2, "X")[0][0] != left
+
+
+# -- launch/torchrun_2x8.sh: the line each node runs, with `echo` for torchrun -----------------------------------
+
+
+def test_the_two_node_torchrun_example_runs_the_rendezvous_and_passes_the_train_arguments():
+    script = pathlib.Path(__file__).resolve().parents[1] / "launch" / "torchrun_2x8.sh"
+    env = {**os.environ, "TORCHRUN": "echo", "HEAD": "node0", "RDZV_ID": "ppo-1"}
+    out = subprocess.run(["bash", str(script), "--config", "configs/nodes_8+8.yaml", "trainer.total_steps=2"],
+                         capture_output=True, text=True, env=env, check=True).stdout
+    assert out.split() == ["--nnodes", "2", "--nproc-per-node", "8", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                           "node0:29500", "--rdzv-id", "ppo-1", "-m", "spmdsplit.train", "--config",
+                           "configs/nodes_8+8.yaml", "trainer.total_steps=2"]
+    env.pop("HEAD")
+    missing = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, check=False)
+    assert missing.returncode != 0 and "HEAD" in missing.stderr

@@ -1,7 +1,7 @@
 """Real Slurm: a one-node cluster on localhost (tools/slurm_cluster.sh: munged, MariaDB, slurmdbd,
 slurmctld, slurmd; installed from Debian's packages when missing, which needs root) runs real
-training jobs submitted the way users submit them: `python -m spmdsplit.launch.slurm` (submitit)
-and `sbatch spmdsplit/launch/spmdsplit.sbatch`. Each job is 2 ranks (1+1) on the 4 CPUs the node declares.
+training jobs submitted the way users submit them: `python -m launch.slurm` (submitit)
+and `sbatch launch/spmdsplit.sbatch`. Each job is 2 ranks (1+1) on the 4 CPUs the node declares.
 
 The preemption tests signal a running job as Slurm does and check from Slurm's accounting
 (sacct -D lists every run of a requeued job), the logs, the checkpoints and TensorBoard that it
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from spmdsplit.launch import slurm as launcher
+from launch import slurm as launcher
 from spmdsplit.stop_budget import StopBudget, command_line_signal, script_signal, signal_seconds
 from tests.support.outputs import scalars
 
@@ -85,11 +85,11 @@ def job_env() -> dict:
 
 
 def launch(folder: Path, *args: str, timeout: float, nodes: int = 1) -> tuple[subprocess.CompletedProcess, str]:
-    """`python -m spmdsplit.launch.slurm` as a user types it, 2 ranks on `nodes` nodes; returns
-    the result and the job id."""
-    cmd = [sys.executable, "-m", "spmdsplit.launch.slurm", "--nodes", str(nodes), "--ranks-per-node", str(2 // nodes),
+    """`python -m launch.slurm` as a user types it from the repository root, 2 ranks on `nodes`
+    nodes; returns the result and the job id."""
+    cmd = [sys.executable, "-m", "launch.slurm", "--nodes", str(nodes), "--ranks-per-node", str(2 // nodes),
            "--time", TIME, "--folder", str(folder), *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=job_env(), cwd=folder.parent)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=job_env(), cwd=REPO)
     found = re.search(r"submitted job (\d+)", out.stdout)
     assert found, out.stdout + out.stderr
     return out, found.group(1)
@@ -362,7 +362,7 @@ def test_sbatch_template_stops_checkpoints_and_requeues_itself(slurm_cluster, tm
     submitted = subprocess.run(
         ["sbatch", "--parsable", f"--output={run}/%j.out", "--time=20", "--signal=USR2@0", "--nodes=2",
          "--ntasks-per-node=1",
-         str(REPO / "spmdsplit" / "launch" / "spmdsplit.sbatch"),
+         str(REPO / "launch" / "spmdsplit.sbatch"),
          *TINY, f"trainer.total_steps={total}", *paths],
         capture_output=True, text=True, timeout=60, cwd=run, env={**job_env(), "PYTHON": sys.executable},
     )

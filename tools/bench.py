@@ -131,7 +131,7 @@ def exchange_stats(events: list[dict], step_times: dict[int, float], warmup: int
         for name, v in values.items():
             if v is not None:
                 sums[name][key] = sums[name].get(key, 0.0) + v
-    wait, transfer, nbytes = (_busiest_per_step(sums[k]) for k in ("wait", "transfer", "bytes"))
+    wait, transfer, nbytes = (busiest_per_step(sums[k]) for k in ("wait", "transfer", "bytes"))
     total_bytes, total_s = sum(sums["bytes"].values()), sum(sums["transfer"].values())
 
     def share(per_step):
@@ -143,7 +143,7 @@ def exchange_stats(events: list[dict], step_times: dict[int, float], warmup: int
             "bandwidth_MBps": total_bytes / total_s / 1e6 if total_bytes and total_s else None}
 
 
-def _busiest_per_step(sums: dict[tuple[int, int], float]) -> dict[int, float]:
+def busiest_per_step(sums: dict[tuple[int, int], float]) -> dict[int, float]:
     """(step, rank) -> value  to  step -> the largest value of any rank."""
     out: dict[int, float] = {}
     for (step, _), v in sums.items():

@@ -118,8 +118,8 @@ def weight_sync(events: list[dict], pools: dict[int, str]) -> dict[str, dict[int
             moved = sum(_overlap(e, r) for r in receivers if r["args"]["step"] == e["args"]["step"]) \
                 if receivers else e["dur"] / 1e6
             transfer[key] = transfer.get(key, 0.0) + min(moved, e["dur"] / 1e6)
-    return {"push": bench._busiest_per_step(push), "transfer": bench._busiest_per_step(transfer),
-            "take": bench._busiest_per_step(take)}
+    return {"push": bench.busiest_per_step(push), "transfer": bench.busiest_per_step(transfer),
+            "take": bench.busiest_per_step(take)}
 
 
 def busy_per_step(events: list[dict], pools: dict[int, str], staleness: int = 0) -> dict[str, dict[int, float]]:
@@ -141,7 +141,7 @@ def busy_per_step(events: list[dict], pools: dict[int, str], staleness: int = 0)
         step = max(1, e["args"]["step"] - staleness) if name == "gen" and is_rollout_pool(pool) else e["args"]["step"]
         key = (step, e["pid"])
         slot[key] = slot.get(key, 0.0) + sec
-    return {pool: bench._busiest_per_step(s) for pool, s in sums.items()}
+    return {pool: bench.busiest_per_step(s) for pool, s in sums.items()}
 
 
 def busy_share_in_window(events: list[dict], pools: dict[int, str], start: float, end: float) -> dict[str, float]:

@@ -29,7 +29,7 @@ from spmdsplit.agent.chat import ToolChat
 from spmdsplit.agent.parsers import ToolParser
 from spmdsplit.agent.tools import ERROR_KINDS, Tools
 from spmdsplit.batch import Batch
-from spmdsplit.rollout.base import _splitmix64, episodes_batch
+from spmdsplit.rollout.base import episodes_batch, splitmix64
 
 
 @dataclass
@@ -123,7 +123,7 @@ class AgentRollout:
     @staticmethod
     def turn_seed(episode: Episode) -> int | None:
         """The seed of the episode's next turn: its row's, hashed with the turn's number."""
-        return None if episode.seed is None else _splitmix64(episode.seed ^ episode.assistant_turns) >> 1
+        return None if episode.seed is None else splitmix64(episode.seed ^ episode.assistant_turns) >> 1
 
     def start(self, prompts: Batch) -> list[Episode]:
         ids, mask = prompts["input_ids"].cpu(), prompts["attention_mask"].cpu().bool()

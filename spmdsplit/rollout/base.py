@@ -164,7 +164,8 @@ def episodes_batch(prompts: Batch, episodes: list, pad_token_id: int) -> Batch:
 _MASK64 = (1 << 64) - 1
 
 
-def _splitmix64(x: int) -> int:
+def splitmix64(x: int) -> int:
+    """A 64-bit mixer: the rows' seeds below, and agent/loop.py's seed of each turn from its row's."""
     x = (x + 0x9E3779B97F4A7C15) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
@@ -176,8 +177,8 @@ def row_seeds(trainer_seed: int, step: int, global_row_index: torch.Tensor) -> t
     seed, the step and the row's index in the step's global batch: a row samples the same tokens
     whichever rank generates it, next to whichever other rows, on any pool size. Hashed (splitmix64)
     so neighbouring rows and steps get unrelated seeds."""
-    base = _splitmix64(_splitmix64(trainer_seed & _MASK64) ^ (step & _MASK64))
-    seeds = [_splitmix64(base ^ i) >> 1 for i in global_row_index.tolist()]
+    base = splitmix64(splitmix64(trainer_seed & _MASK64) ^ (step & _MASK64))
+    seeds = [splitmix64(base ^ i) >> 1 for i in global_row_index.tolist()]
     return torch.tensor(seeds, dtype=torch.int64)
 
 

@@ -1,4 +1,4 @@
-"""`python -m spmdsplit.launch.slurm [Slurm options] -- [--config FILE] [key=value ...]`
+"""`python -m launch.slurm [Slurm options] -- [--config FILE] [key=value ...]`
 
 Submits a training job to Slurm from the login node, through submitit. The job runs one Slurm
 task per rank (`--ranks-per-node` tasks, by default `--gpus-per-node`, on each of `--nodes`
@@ -13,6 +13,9 @@ While Slurm still runs the job (SIGUSR2), rank 0 then hands over to submitit, wh
 job again (`SlurmTrain.checkpoint`) and requeues it (`scontrol requeue`); after SIGTERM, Slurm
 has already requeued (or cancelled) the job and the job leaves it at that. A requeued job
 resumes from the latest checkpoint (`trainer.resume=auto`) and runs the remaining steps.
+
+Run it from the repository root: the job unpickles `launch.slurm.SlurmTrain`, so its ranks import
+this folder too, from the folder Slurm starts them in (the one the job was submitted from).
 """
 
 from __future__ import annotations
@@ -183,7 +186,7 @@ def key_value(text: str) -> tuple[str, object]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m spmdsplit.launch.slurm",
+        prog="python -m launch.slurm",
         description="Submit a spmdsplit training job to Slurm (one task per rank) through submitit.",
         epilog="Everything after `--` goes to spmdsplit.train: [--config FILE] [key=value ...].",
     )
@@ -280,7 +283,7 @@ def follow(job, poll_s: float = 5.0) -> int:
     while not job.done():
         state = job.state
         if state != last:
-            print(f"spmdsplit.launch.slurm: {time.strftime('%H:%M:%S')} job {job.job_id} {state}", flush=True)
+            print(f"launch.slurm: {time.strftime('%H:%M:%S')} job {job.job_id} {state}", flush=True)
             last = state
         time.sleep(poll_s)
     # The ranks' results appear just before their processes end: wait for Slurm to say so too.
@@ -290,7 +293,7 @@ def follow(job, poll_s: float = 5.0) -> int:
             break
         time.sleep(1)
     rank0 = job.task(0)
-    print(f"spmdsplit.launch.slurm: job {job.job_id} {state}; the end of {rank0.paths.stdout}:")
+    print(f"launch.slurm: job {job.job_id} {state}; the end of {rank0.paths.stdout}:")
     print("\n".join((rank0.stdout() or "").splitlines()[-15:]))
     try:
         job.results()
@@ -298,8 +301,8 @@ def follow(job, poll_s: float = 5.0) -> int:
         # submitit's message is the job's traceback followed by log paths: show the error line.
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         errors = [line for line in lines if re.match(r"[\w.]+(Error|Exception): ", line)]
-        print(f"spmdsplit.launch.slurm: job {job.job_id} failed: {(errors or lines or [repr(e)])[-1]}", file=sys.stderr)
-        print(f"spmdsplit.launch.slurm: every rank's log: {rank0.paths.folder}", file=sys.stderr)
+        print(f"launch.slurm: job {job.job_id} failed: {(errors or lines or [repr(e)])[-1]}", file=sys.stderr)
+        print(f"launch.slurm: every rank's log: {rank0.paths.folder}", file=sys.stderr)
         return 1
     return 0
 
@@ -322,11 +325,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         train_args = with_run_paths(train_args, folder)
     except ConfigError as e:
-        print(f"spmdsplit.launch.slurm: error: {e}", file=sys.stderr)
+        print(f"launch.slurm: error: {e}", file=sys.stderr)
         return 2
     job = make_executor(args, folder).submit(SlurmTrain(train_args))
     ranks = args.ranks_per_node or args.gpus_per_node
-    print(f"spmdsplit.launch.slurm: submitted job {job.job_id}: {args.nodes} node(s) x {ranks} ranks", flush=True)
+    print(f"launch.slurm: submitted job {job.job_id}: {args.nodes} node(s) x {ranks} ranks", flush=True)
     print(f"  rank 0 log:  {job.task(0).paths.stdout}  (stderr: {job.task(0).paths.stderr})")
     print(f"  all logs:    {job.paths.folder}")
     print(f"  train args:  {' '.join(train_args)}")
@@ -337,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     # Run as `python -m`, this file is __main__; submit through the module imported under its own
-    # name so the job pickles `spmdsplit.launch.slurm.SlurmTrain` by reference, not `__main__`'s copy.
-    from spmdsplit.launch import slurm
+    # name so the job pickles `launch.slurm.SlurmTrain` by reference, not `__main__`'s copy.
+    from launch import slurm
 
     sys.exit(slurm.main())

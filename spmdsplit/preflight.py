@@ -50,6 +50,7 @@ from spmdsplit.models import ModelSource
 from spmdsplit.placement import launch_shape_from_env, plan_from_config
 from spmdsplit.rewards.custom import load_custom_reward_fn
 from spmdsplit.roles.build import trains_critic
+from spmdsplit.rollout.base import engine_peers
 from spmdsplit.rollout.vllm_engine import CPU_HEAD_SIZES, MAX_LORA_RANKS, head_size
 from spmdsplit.sinks import missing_logger
 
@@ -387,7 +388,7 @@ def check_rollout_placement(cfg: DictConfig, placement) -> None:
     if placement.world_size % tp:
         raise ConfigError(f"{key}: the world size {placement.world_size} is not a multiple of it")
     for start in range(0, placement.world_size, tp):
-        group = set(range(start, start + tp))
+        group = set(engine_peers(tp, start))
         if not any(group <= set(ranks) for ranks in placement.pools.values()):
             listed = " and ".join(f"the {placement.label(name)} pool {list(ranks)}" for name, ranks in placement.pools.items())
             raise ConfigError(f"{key}: the tensor-parallel group of ranks {sorted(group)} straddles {listed}; "

@@ -1,4 +1,4 @@
-"""tools/efficiency.py: the FLOPs it counts per phase, against a hand count and against what
+"""tools/plan/efficiency.py: the FLOPs it counts per phase, against a hand count and against what
 torch's own FLOP counter sees the real passes run on a tiny Qwen2; what it reads from a trace.
 The profile it reads, from every rank of a split job (trainer.profile_steps); the whole report
 from a real job's profile: tests/test_bench.py (the gpu_check test)."""
@@ -12,7 +12,7 @@ from spmdsplit.batch import Batch
 from spmdsplit.engines.common import apply_ac
 from spmdsplit.roles.common import forward_response
 from tests.support.launch import job
-from tools.efficiency import ModelShape, Tokens, phase_activity, phase_flops, phase_tokens, read_trace
+from tools.plan.efficiency import ModelShape, Tokens, phase_activity, phase_flops, phase_tokens, read_trace
 
 # hidden 8, one layer, 2 query heads and 1 key/value head of width 4, MLP 16, vocabulary 10
 SHAPE = ModelShape(hidden=8, layers=1, heads=2, kv_heads=1, head_dim=4, mlp=16, vocab=10)

@@ -1,4 +1,4 @@
-"""Real Slurm: a one-node cluster on localhost (tools/slurm_cluster.sh: munged, MariaDB, slurmdbd,
+"""Real Slurm: a one-node cluster on localhost (tools/cluster/slurm_cluster.sh: munged, MariaDB, slurmdbd,
 slurmctld, slurmd; installed from Debian's packages when missing, which needs root) runs real
 training jobs submitted the way users submit them: `python -m spmdsplit.launch.slurm` (submitit)
 and `sbatch spmdsplit/launch/spmdsplit.sbatch`. Each job is 2 ranks (1+1) on the 4 CPUs the node declares.

@@ -102,7 +102,7 @@ QWEN25 = {
     "Qwen2.5-32B": Shape("Qwen2.5-32B", 5120, 64, 40, 8, 27648, 152064),
     "Qwen2.5-72B": Shape("Qwen2.5-72B", 8192, 80, 64, 8, 29568, 152064),
 }
-# tools.bench_memory's default model (vocabulary: the embedded tokenizer's).
+# tools.bench.memory's default model (vocabulary: the embedded tokenizer's).
 BENCH_76M = Shape("bench 76M", 768, 12, 12, 4, 2048, 15)
 
 
@@ -203,7 +203,7 @@ def activations(s: Shape, rows: int, w: Workload, training: bool) -> float:
     per_block = block_saved(s, w)
     if not training:
         # Nothing is kept past a tensor's last use: the peak is the MLP's gate, up and SiLU(gate)
-        # with a few hidden-sized tensors (residual, norm, output). tools.memory_plan's tracked
+        # with a few hidden-sized tensors (residual, norm, output). tools.plan.memory_plan's tracked
         # step measured 3i + 4h values a token at 0.5B and 7B (values pass: 1.20 and 2.34 GB).
         return tokens * w.dtype_bytes * (3 * i + 4 * h)
     if w.gradient_checkpointing:
@@ -216,7 +216,7 @@ def logits(s: Shape, rows: float, w: Workload, training: bool) -> float:
     head's backward (training), on top of the blocks' saved activations.
 
     `w.logits_chunk` tokens at a time (actor.logits_chunk_size, roles/lm_head.py): one chunk's
-    logits exist at a time, recomputed in the backward. tools.memory_plan tracked, at 0.5B with
+    logits exist at a time, recomputed in the backward. tools.plan.memory_plan tracked, at 0.5B with
     chunks of 256 to 2048 tokens, the head's backward growing 20 B per logit of a chunk, in bf16
     and in fp32 alike (the chunk's logits, their gradient, the fp32 log-softmax's input and its
     backward's temporaries), and holding the head's whole weight gradient from the first chunk's
@@ -227,7 +227,7 @@ def logits(s: Shape, rows: float, w: Workload, training: bool) -> float:
     the fp32 chunk (logits, softmax, gradient) of algo.logprobs_and_entropy's own chunks.
     Training adds three more logits-sized tensors in the head's backward: each chunk's gradient
     comes back through its slice as a zero tensor of all the logits' size, added to the sum of
-    the chunks before (tools.memory_plan tracked 3 x the bf16 logits as temporaries)."""
+    the chunks before (tools.plan.memory_plan tracked 3 x the bf16 logits as temporaries)."""
     tokens = rows * (w.prompt_len + w.response_len)
     positions = rows * (w.response_len + 1)
     if not w.logits_chunk:
@@ -244,7 +244,7 @@ def logits(s: Shape, rows: float, w: Workload, training: bool) -> float:
 def update_phase(s: Shape, params: int, head_params: int, rows: float, pool: int, w: Workload,
                  head_logits: float) -> float:
     """What one update micro-batch adds on top of what is kept: the gathered units, and the larger
-    of the backward's two peaks (as tools.memory_plan's tracked step shows them):
+    of the backward's two peaks (as tools.plan.memory_plan's tracked step shows them):
       * the head's backward: every block's saved activations (with checkpointing only their
         inputs) and the logits with their backward's temporaries (`head_logits`);
       * a block's backward: the larger of the saved activations (all there at the top block) and
@@ -446,7 +446,7 @@ def render_fit(rows: list[dict], world: int, gpu_gb: float, reserve_gb: float, w
 
 
 def bench_workload(meta: dict, layout: str = "") -> Workload:
-    """tools.bench_memory's CPU jobs as a Workload (fp32, no checkpointing, FSDP), with the
+    """tools.bench.memory's CPU jobs as a Workload (fp32, no checkpointing, FSDP), with the
     overrides the report recorded for `layout` (its micro-batching). The bench's actor and critic
     take the same mini- and micro-batch sizes."""
     overrides = meta.get("layout_overrides", {}).get(layout, [])

@@ -1,5 +1,5 @@
 """How far each phase of a job runs from the chip: model FLOPs utilisation, tokens per second,
-the device's idle share and the top kernels per phase (issue 37 item 4; `tools.gpu_check` runs it).
+the device's idle share and the top kernels per phase (issue 37 item 4; `tools.device.gpu_check` runs it).
 
 Inputs: the model's shapes (its Hugging Face config), the job's resolved config, its TensorBoard
 scalars (`timing_s/<phase>`, `prompt_length/mean`, `response_length/mean` per step) and the
@@ -316,7 +316,7 @@ def render_efficiency(report: dict, device: str, title: str) -> str:
              f"({rate['dtype']}, {rate['n']}^3{threads}). "
              f"Rows per step {report['rows_per_step']:g}; gradient checkpointing "
              f"{'on' if report['gradient_checkpointing'] else 'off'}; times: median of steps {report['timed_steps']}, "
-             f"idle and {kind}: step(s) {report['profiled_steps']} under torch.profiler. FLOPs: tools/efficiency.py.",
+             f"idle and {kind}: step(s) {report['profiled_steps']} under torch.profiler. FLOPs: tools/plan/efficiency.py.",
              "", "| phase | s/step | tokens/step | tokens/s | TFLOP/step | MFU | idle (profiled) | s/step profiled |",
              "|---|---|---|---|---|---|---|---|"]
     for name, r in report["phases"].items():

@@ -1,4 +1,4 @@
-"""`python -m tools.gpu_check [--rollouts hf vllm] [--steps 5] [key=value ...]`
+"""`python -m tools.device.gpu_check [--rollouts hf vllm] [--steps 5] [key=value ...]`
 
 The one-GPU check of issue 11 (item 8), ready for a session that has a GPU: a colocate job on
 one rank with NCCL, bf16, gradient checkpointing and the GPU presets' other settings (issue 25:
@@ -10,10 +10,10 @@ engine. Prints, side by side: the median step time (steps 2 to the one before th
 `torch.cuda.max_memory_allocated` (the timeline's `peak_memory` counter), with vLLM also what the
 whole device held right after each wake (`device_used_mb` of the `sync_weights` events:
 `torch.cuda.mem_get_info`, which sees vLLM's own memory pool where torch's statistics do not),
-and what the memory model (tools/memory.py) predicts for that shape and workload (for vLLM:
+and what the memory model (tools/plan/memory.py) predicts for that shape and workload (for vLLM:
 the trainer's resident state plus `rollout.gpu_memory_utilization` x the device). Its last step
 runs under torch.profiler (`trainer.profile_steps`), and an efficiency table per rollout engine
-follows (tools/efficiency.py, issue 37 item 4): per phase MFU (FLOPs from the model's shapes and
+follows (tools/plan/efficiency.py, issue 37 item 4): per phase MFU (FLOPs from the model's shapes and
 the step's tokens over the dense bf16 matmul rate timed in this call), tokens/s, the GPU's idle
 share and the top kernels. Writes `gpu_check.json` / `.md` into `--out`, each job's log, timeline,
 TensorBoard files and profile (`<rollout>/profile/rank0.json.gz`, Perfetto opens it) under
@@ -34,9 +34,9 @@ import statistics
 import sys
 import tempfile
 
-from tools.efficiency import ModelShape, efficiency, matmul_rate, phase_activity, read_trace, render_efficiency
+from tools.plan.efficiency import ModelShape, efficiency, matmul_rate, phase_activity, read_trace, render_efficiency
 from tools.jobs import BenchError, peak_memory, pools_by_rank, run_job
-from tools.memory import MB, Shape, Workload, colocated_rank
+from tools.plan.memory import MB, Shape, Workload, colocated_rank
 from tools.models import build_random_qwen2
 from tools.report import write_report
 
@@ -126,7 +126,7 @@ def render(report: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="tools.gpu_check", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="tools.device.gpu_check", description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--rollouts", nargs="+", default=["hf", "vllm"], choices=("hf", "vllm"))

@@ -8,6 +8,7 @@ import pytest
 
 from tests.support import launch
 from tools import jobs
+from tools.models import ModelShape
 from tools.bench import analysis, async_rollout
 from tools.bench import modes as bench_modes
 from tools.bench import tokens as bench_tokens
@@ -563,7 +564,7 @@ def test_gpu_check_runs_and_reports_against_the_memory_model_and_the_chip(tmp_pa
                                         for k in p["top_kernels"]), name
         # The step's tokens from TensorBoard's mean lengths x the rows, through the formulas.
         tokens = efficiency.step_tokens(scalars, 2, 8)
-        shape = efficiency.ModelShape(hidden=64, layers=2, heads=2, kv_heads=1, head_dim=32, mlp=128, vocab=15)
+        shape = ModelShape("small", hidden=64, layers=2, heads=2, kv_heads=1, head_dim=32, mlp=128, vocab=15)
         flops = efficiency.phase_flops(name, shape, tokens, checkpointing=True, head_in_chunks=True)
         assert p["flops"] == pytest.approx(sum(flops.values())) and p["flops_by_part"] == pytest.approx(flops)
     assert phases["gen"]["tokens"] == pytest.approx(8 * 8)  # every response runs to its 8 tokens

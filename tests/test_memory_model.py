@@ -5,18 +5,27 @@ from dataclasses import replace
 
 import pytest
 
-from tools import memory
-from tools.plan.memory import QWEN25, Shape, Workload
+from tools.models import ModelShape
+from tools.plan import memory
+from tools.plan.memory import QWEN25, Workload
 
 
-def test_shape_counts_parameters_like_transformers():
+def test_shape_counts_parameters_like_transformers(tmp_path):
+    """Also with a head_dim of the config's own (32, not 64 // 4: heads x head_dim wider than the
+    hidden size, as Qwen3 and Gemma set it), and the shape read back from the config.json written."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     for tied in (False, True):
-        s = Shape("t", 64, 3, 4, 2, 96, 50, tied=tied)
-        config = Qwen2Config(vocab_size=50, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
-                             num_key_value_heads=2, intermediate_size=96, tie_word_embeddings=tied)
-        assert s.params == sum(p.numel() for p in Qwen2ForCausalLM(config).parameters())
+        for head_dim in (None, 32):
+            s = ModelShape("t", 64, 3, 4, 2, 96, 50, tied=tied, head_dim=head_dim or 0)
+            config = Qwen2Config(vocab_size=50, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                 num_key_value_heads=2, intermediate_size=96, tie_word_embeddings=tied,
+                                 **({"head_dim": head_dim} if head_dim else {}))
+            model = Qwen2ForCausalLM(config)
+            assert s.params == sum(p.numel() for p in model.parameters())
+            assert s.kv_dim == model.model.layers[0].self_attn.k_proj.out_features
+            config.save_pretrained(tmp_path)
+            assert ModelShape.from_folder(str(tmp_path)) == s
 
 
 def test_qwen25_shapes_give_the_published_sizes():
@@ -112,7 +121,7 @@ def test_inference_holds_the_mlp_peak_or_the_logits_never_both():
     s = QWEN25["Qwen2.5-7B"]
     w = Workload(log_prob_max_token_len=16384, ppo_max_token_len=16384, forward_max_token_len=16384)
     rows = memory.micro_rows(0, 16384, w)
-    assert memory.activations(s, rows, w, False) == pytest.approx(16384 * 2 * (3 * s.intermediate + 4 * s.hidden))
+    assert memory.activations(s, rows, w, False) == pytest.approx(16384 * 2 * (3 * s.mlp + 4 * s.hidden))
     assert memory.activations(s, rows, w, False) / memory.GB == pytest.approx(2.33, abs=0.01)
     rank = memory.actor_rank(s, 4, w)
     head = memory.logits(s, rows, w, False)

@@ -45,39 +45,14 @@ import gzip
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from spmdsplit.timing import PHASE_RANGE
+from tools.models import ModelShape
 
 GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # what occupies a GPU, in a kineto trace's "cat"
 FLOP_PHASES = ("gen", "old_log_prob", "ref", "values", "update_actor", "update_critic")
 TOP_KERNELS = 5
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    mlp: int
-    vocab: int
-
-    @classmethod
-    def from_hf_config(cls, config) -> "ModelShape":
-        """From a transformers config of a LLaMA-like decoder (Qwen2, Llama, Mistral)."""
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return cls(config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
-                   config.num_key_value_heads, head_dim, config.intermediate_size, config.vocab_size)
-
-    def layer_weights(self) -> int:
-        """One decoder layer's matmul weights: q, k, v, o, and the MLP's gate, up and down."""
-        h, d = self.hidden, self.head_dim
-        return h * (self.heads + 2 * self.kv_heads) * d + self.heads * d * h + 3 * h * self.mlp
-
-    def body_weights(self) -> int:
-        return self.layers * self.layer_weights()
 
 
 @dataclass(frozen=True)
@@ -298,7 +273,8 @@ def efficiency(shape: ModelShape, cfg, scalars: dict, activity: dict, rate: dict
                                      "share": v[0] / seen["wall_s"] if seen["wall_s"] > 0 else None}
                                     for k, v in kernels])
         phases[name] = row
-    return {"shape": asdict(shape), "rows_per_step": rows, "gradient_checkpointing": checkpointing, **epochs,
+    flop_fields = ("hidden", "layers", "heads", "kv_heads", "head_dim", "mlp", "vocab")  # what the FLOPs read
+    return {"shape": {k: getattr(shape, k) for k in flop_fields}, "rows_per_step": rows, "gradient_checkpointing": checkpointing, **epochs,
             "matmul_rate": rate, "timed_steps": timed_steps, "profiled_steps": profiled_steps, "phases": phases}
 
 

@@ -42,12 +42,13 @@ import json
 import os
 import sys
 import tempfile
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
-from tools import memory
-from tools.plan.memory import GB, QWEN25, Shape, Workload
+from tools.models import ModelShape
+from tools.plan import memory
+from tools.plan.memory import GB, QWEN25, Workload
 
 CATEGORIES = ("parameters", "gradients", "optimizer state", "activations", "temporaries")
 # FSDPMemTracker's categories (torch/distributed/_tools/fsdp2_mem_tracker.py _FSDPRefType) in ours.
@@ -63,31 +64,18 @@ TRACKER_CATEGORIES = {
 # The model's config
 
 
-def write_config(shape: Shape, folder: str) -> str:
+def write_config(shape: ModelShape, folder: str) -> str:
     """A Qwen2 config.json of `shape` in `folder` (what ModelSource.skeleton reads)."""
-    from transformers import Qwen2Config
-
-    Qwen2Config(vocab_size=shape.vocab, hidden_size=shape.hidden, num_hidden_layers=shape.layers,
-                num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-                intermediate_size=shape.intermediate, tie_word_embeddings=shape.tied).save_pretrained(folder)
+    shape.qwen2_config().save_pretrained(folder)
     return folder
 
 
-def shape_of(folder: str) -> Shape:
-    """memory.Shape of a Qwen2-like config.json (the fields the memory model reads)."""
-    with open(os.path.join(folder, "config.json")) as f:
-        c = json.load(f)
-    return Shape(c.get("_name_or_path") or os.path.basename(os.path.normpath(folder)), c["hidden_size"],
-                 c["num_hidden_layers"], c["num_attention_heads"], c.get("num_key_value_heads") or c["num_attention_heads"],
-                 c["intermediate_size"], c["vocab_size"], tied=bool(c.get("tie_word_embeddings", False)))
-
-
-def model_folder(model: str, scratch: str) -> tuple[str, Shape]:
+def model_folder(model: str, scratch: str) -> tuple[str, ModelShape]:
     """(folder holding config.json, its shape) for a name of memory.QWEN25, a config.json or a folder."""
     if model in QWEN25:
         return write_config(QWEN25[model], os.path.join(scratch, model)), QWEN25[model]
     folder = os.path.dirname(model) if model.endswith(".json") else model
-    return folder, shape_of(folder)
+    return folder, ModelShape.from_folder(folder)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -437,7 +425,7 @@ def workload_of(cfg, device_gb: float) -> Workload:
                     device_gb=device_gb, nccl_mb=0.0, logits_chunk=a.logits_chunk_size)
 
 
-def rank_peak(plan: dict, cfg, shape: Shape, size: int, groups: set[str], w: Workload) -> dict:
+def rank_peak(plan: dict, cfg, shape: ModelShape, size: int, groups: set[str], w: Workload) -> dict:
     """One rank's phases, each the tracked peak plus what the rank's other models keep meanwhile,
     and the rollout engine's (not simulated: memory.py's arithmetic); the largest is the rank's peak."""
     resident = plan["resident"]
@@ -468,7 +456,7 @@ def rank_peak(plan: dict, cfg, shape: Shape, size: int, groups: set[str], w: Wor
             "by_category": phases[worst]}
 
 
-def predicted(shape: Shape, size: int, groups: set[str], w: Workload) -> dict:
+def predicted(shape: ModelShape, size: int, groups: set[str], w: Workload) -> dict:
     """tools/plan/memory.py's rank of the same kind: {phase: bytes incl. what is kept} and its peak."""
     ranks = []
     if "actor" in groups:

@@ -35,7 +35,8 @@ from tools.jobs import run_job
 from tools.report import fmt, run_and_write
 
 SLEEP_S, EPISODES, AT_BOOST = 0.2, 32, 10.0  # SLEEP_S: the issue's tool latency (--tool-s changes it)
-PRESET = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "agent_lookup.yaml")
+PRESET = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs",
+                      "agent_lookup.yaml")
 TARGETS = {"turn_added_s": 0.4, "step_growth": 0.10}
 TOOL_FILE = '''"""bench_agent's tools: one that waits {sleep_s} s per call, one that answers at once."""
 import time

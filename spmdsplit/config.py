@@ -129,7 +129,7 @@ class TrainerConfig:
     timeline: str = "outputs/timeline.json"  # Chrome-trace JSON of every rank's phases; "" = off
     # torch.profiler over these consecutive steps (e.g. [3] or [2, 3]) on every rank, the phases as
     # ranges, each rank's trace written to <profile_dir>/rank<r>.json.gz (spmdsplit/timing.py
-    # StepProfiler; tools.gpu_check reads it); [] = off. verl 0.4's trainer.profile_steps.
+    # StepProfiler; tools.device.gpu_check reads it); [] = off. verl 0.4's trainer.profile_steps.
     profile_steps: list[int] = consecutive_steps()
     profile_dir: str = "outputs/profile"
     output_dir: str = "outputs/actor_hf"  # the trained actor in Hugging Face format; "" = don't save
@@ -227,7 +227,7 @@ class ModelConfig(LoraKeys):
     trust_remote_code: bool = False
     # Recompute each decoder block's activations in the backward instead of keeping them: about one
     # more forward per update (~1/3 more compute) for activation memory that no longer grows with
-    # the layer count (tools/memory.py models both). Off for the CPU toy; on in every GPU preset.
+    # the layer count (tools/plan/memory.py models both). Off for the CPU toy; on in every GPU preset.
     gradient_checkpointing: bool = False
     # Padding-free forward passes (verl's name) for the actor, reference, critic and reward model:
     # each micro-batch's real tokens packed into one sequence, so no compute goes to padding.

@@ -188,7 +188,7 @@ class EngineWeights:
             else:
                 self.engine.wake_up(weights)
                 self.awake = True
-            event.update(self.timer.device_in_use())  # the engine's share included (tools/gpu_check.py)
+            event.update(self.timer.device_in_use())  # the engine's share included (tools/device/gpu_check.py)
 
     def release(self, step: int) -> None:
         if self.shares_device:

@@ -196,7 +196,7 @@ def warm_up(groups: ProcessGroups, device: torch.device) -> list[ProcessGroup]:
     then allocates its buffers on the device: at the first weight sync in the loop, that was after a
     vLLM engine had reserved its share of the GPU (gpu_memory_utilization, on top of what is
     resident), so the buffers had to fit in what was left. Now they are resident before, and
-    tools/memory.py counts them. Every rank walks its groups in the one creation order, so no two
+    tools/plan/memory.py counts them. Every rank walks its groups in the one creation order, so no two
     ranks wait on each other in opposite orders. The links between pools (2) are warmed pair by
     pair by PoolChannel.connect; the gloo groups need nothing."""
     mine = [g for g in (*groups.pools.groups.values(), groups.handoff, *groups.weights, groups.generating)

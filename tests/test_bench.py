@@ -7,7 +7,13 @@ import json
 import pytest
 
 from tests.support import launch
-from tools import bench, bench_async, bench_tokens, efficiency, jobs, plan
+from tools import jobs
+from tools.models import ModelShape
+from tools.bench import analysis, async_rollout
+from tools.bench import modes as bench_modes
+from tools.bench import tokens as bench_tokens
+from tools.bench.__main__ import parse_args
+from tools.plan import efficiency, split
 
 SHORT = ["data.train_batch_size=16", "actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=8",
          "actor.ppo_micro_batch_size_per_gpu=4", "critic.ppo_micro_batch_size_per_gpu=4"]
@@ -24,17 +30,17 @@ def meta(rank, pool):
 # ------------------------------------------------------------------ pure pieces
 
 def test_ideal_speedup():
-    assert bench.ideal_speedup(1.0, 1.0) == 2.0
-    assert bench.ideal_speedup(1.0, 4.0) == pytest.approx(1.25)
-    assert bench.ideal_speedup(3.0, 1.0) == pytest.approx(4 / 3)
-    assert bench.ideal_speedup(None, 1.0) is None and bench.ideal_speedup(0.0, 1.0) is None
+    assert analysis.ideal_speedup(1.0, 1.0) == 2.0
+    assert analysis.ideal_speedup(1.0, 4.0) == pytest.approx(1.25)
+    assert analysis.ideal_speedup(3.0, 1.0) == pytest.approx(4 / 3)
+    assert analysis.ideal_speedup(None, 1.0) is None and analysis.ideal_speedup(0.0, 1.0) is None
 
 
 def test_median_skips_warmup_steps():
     by_step = {1: 100.0, 2: 50.0, 3: 1.0, 4: 2.0, 5: 3.0}
-    assert bench.median_after_warmup(by_step, 2) == 2.0
-    assert bench.median_after_warmup(by_step, 0) == 3.0
-    assert bench.median_after_warmup({1: 5.0, 2: 6.0}, 2) is None
+    assert analysis.median_after_warmup(by_step, 2) == 2.0
+    assert analysis.median_after_warmup(by_step, 0) == 3.0
+    assert analysis.median_after_warmup({1: 5.0, 2: 6.0}, 2) is None
 
 
 def test_update_span_from_the_earliest_start_to_the_latest_end():
@@ -43,7 +49,7 @@ def test_update_span_from_the_earliest_start_to_the_latest_end():
         ev("update_actor", 0, 2, ts=5_000_000, dur=300_000), ev("update_critic", 1, 2, ts=5_300_000, dur=200_000),
         ev("gen", 0, 2, ts=0, dur=9_000_000),  # other phases do not count
     ]
-    assert bench.update_spans(events) == {1: pytest.approx(0.8), 2: pytest.approx(0.5)}
+    assert analysis.update_spans(events) == {1: pytest.approx(0.8), 2: pytest.approx(0.5)}
 
 
 def test_pool_phase_medians_sum_chunks_and_take_the_slowest_rank():
@@ -55,7 +61,7 @@ def test_pool_phase_medians_sum_chunks_and_take_the_slowest_rank():
         ev("values", 2, s, 0, s * 100_000) for s in (1, 2, 3)]}
     pools = jobs.pools_by_rank(trace)
     assert pools == {0: "actor", 1: "actor", 2: "critic"}
-    medians = bench.pool_phase_medians(bench.complete_events(trace), pools, warmup=1)
+    medians = analysis.pool_phase_medians(analysis.complete_events(trace), pools, warmup=1)
     assert medians == {"actor": {"gen": pytest.approx(0.3)}, "critic": {"values": pytest.approx(0.25)}}
 
 
@@ -63,12 +69,12 @@ def test_exchange_stats_with_and_without_transfer_fields():
     step_times = {1: 10.0, 2: 2.0, 3: 4.0}
     events = [ev("exchange/rollout", 1, s, 0, 400_000, bytes=1_000_000, transfer_us=200_000) for s in (1, 2, 3)]
     events += [ev("exchange/advantages", 0, s, 0, 100_000, bytes=1_000_000, transfer_us=100_000) for s in (2, 3)]
-    stats = bench.exchange_stats(events, step_times, warmup=1)
+    stats = analysis.exchange_stats(events, step_times, warmup=1)
     assert stats["transfer_s"] == pytest.approx(0.2)  # the busiest receiving rank
     assert stats["share"] == pytest.approx((0.2 / 2 + 0.2 / 4) / 2)
     assert stats["wait_share"] == pytest.approx((0.4 / 2 + 0.4 / 4) / 2)
     assert stats["bandwidth_MBps"] == pytest.approx(4e6 / 6e5)  # 4 MB in 0.6 s
-    old = bench.exchange_stats([ev("exchange/rollout", 1, 2, 0, 400_000)], step_times, warmup=1)
+    old = analysis.exchange_stats([ev("exchange/rollout", 1, 2, 0, 400_000)], step_times, warmup=1)
     assert old["share"] is None and old["bandwidth_MBps"] is None and old["wait_s"] == pytest.approx(0.4)
 
 
@@ -80,9 +86,9 @@ def test_peak_memory_and_overlap_summary():
         {"rank": 1, "pool": "critic", "rss_mb": 300.0, "cuda_max_allocated_mb": 0.0}]
     modes = {"split-blocking": {"update": {"T_actor_s": 1.0, "T_critic_s": 1.0, "span_s": 2.0}},
              "split": {"update": {"T_actor_s": 1.0, "T_critic_s": 1.0, "span_s": 1.25}}}
-    summary = bench.overlap_summary(modes)
+    summary = bench_modes.overlap_summary(modes)
     assert summary["ideal"] == 2.0 and summary["measured"] == pytest.approx(1.6)
-    assert bench.overlap_summary({"split": modes["split"]}) == {}
+    assert bench_modes.overlap_summary({"split": modes["split"]}) == {}
 
 
 def async_trace(s: int, gen: float, train: float, steps: int = 5):
@@ -110,30 +116,30 @@ def test_async_step_periods_from_rank_0s_step_ends():
     events = [ev("update_actor", 0, 1, ts=0, dur=1_000_000), ev("sync_weights", 0, 1, ts=1_000_000, dur=500_000),
               ev("update_actor", 0, 2, ts=2_000_000, dur=1_500_000), ev("update_actor", 0, 3, ts=4_000_000, dur=1_000_000),
               ev("gen", 1, 9, ts=0, dur=99_000_000)]  # other ranks do not count
-    assert bench_async.step_ends(events) == {1: 1.5, 2: 3.5, 3: 5.0}
-    assert bench_async.step_periods(events) == {2: pytest.approx(2.0), 3: pytest.approx(1.5)}
+    assert async_rollout.step_ends(events) == {1: 1.5, 2: 3.5, 3: 5.0}
+    assert async_rollout.step_periods(events) == {2: pytest.approx(2.0), 3: pytest.approx(1.5)}
 
 
 def test_async_weight_sync_and_busy_split_the_push_into_transfer_and_wait():
     trace = async_trace(s=1, gen=2.0, train=1.0)
-    events, pools = bench.complete_events(trace), jobs.pools_by_rank(trace)
-    sync = bench_async.weight_sync(events, pools)
+    events, pools = analysis.complete_events(trace), jobs.pools_by_rank(trace)
+    sync = async_rollout.weight_sync(events, pools)
     # train ends 1 s before the rollout pool is done generating: the push waits 1 s, moves 0.1 s
     assert sync["push"][3] == pytest.approx(1.1) and sync["transfer"][3] == pytest.approx(0.1)
     assert sync["take"][3] == pytest.approx(0.1)
-    busy = bench_async.busy_per_step(events, pools, staleness=1)
+    busy = async_rollout.busy_per_step(events, pools, staleness=1)
     assert busy["actor+critic"][3] == pytest.approx(1.1)  # train + transfer, no wait
     assert busy["rollout"][3] == pytest.approx(2.0)  # gen of batch 4 (during step 3), its take left out
     assert set(busy["rollout"]) == {1, 2, 3, 4, 5}  # batch 2 counts in step 1, batch 6 in step 5
-    assert bench_async.steady_steps(8, warmup=2, staleness=2) == range(3, 7)  # steps 7-8 only drain
-    ends = bench_async.step_ends(events)  # steps 3-4: 2.1 s each; train 1 s + transfer 0.1 s, gen 2 s
-    shares = bench_async.busy_share_in_window(events, pools, ends[2], ends[4])
+    assert async_rollout.steady_steps(8, warmup=2, staleness=2) == range(3, 7)  # steps 7-8 only drain
+    ends = async_rollout.step_ends(events)  # steps 3-4: 2.1 s each; train 1 s + transfer 0.1 s, gen 2 s
+    shares = async_rollout.busy_share_in_window(events, pools, ends[2], ends[4])
     assert shares == {"actor+critic": pytest.approx(1.1 / 2.1, rel=1e-4), "rollout": pytest.approx(2.0 / 2.1, rel=1e-4)}
     # without a rollout pool apart, sync_weights is a local load: all of it transfer, all of it busy
     local = [ev("sync_weights", 0, 1, 0, 300_000), ev("gen", 0, 1, 300_000, 1_000_000),
              ev("exchange/advantages", 0, 1, 1_300_000, 500_000)]
-    assert bench_async.weight_sync(local, {0: "actor", 1: "critic"})["transfer"] == {1: pytest.approx(0.3)}
-    assert bench_async.busy_per_step(local, {0: "actor"}) == {"actor": {1: pytest.approx(1.3)}}
+    assert async_rollout.weight_sync(local, {0: "actor", 1: "critic"})["transfer"] == {1: pytest.approx(0.3)}
+    assert async_rollout.busy_per_step(local, {0: "actor"}) == {"actor": {1: pytest.approx(1.3)}}
 
 
 def test_async_analysis_targets_and_report_from_hand_made_runs():
@@ -141,50 +147,50 @@ def test_async_analysis_targets_and_report_from_hand_made_runs():
     modes = {}
     for name, s, (gen, train) in (("colocate", 0, (1.0, 1.0)), ("split", 0, (1.0, 1.0)),
                                   ("rollout|train s=0", 0, (1.0, 1.0)), ("rollout|train s=1", 1, (1.0, 1.0))):
-        modes[name] = {"ranks": 2, **bench_async.analyze(async_trace(s, gen, train), scalars, 2, 8, staleness=s)}
+        modes[name] = {"ranks": 2, **async_rollout.analyze(async_trace(s, gen, train), scalars, 2, 8, staleness=s)}
     s0, s1 = modes["rollout|train s=0"], modes["rollout|train s=1"]
     assert s0["step_time_s"] == pytest.approx(2.1) and s1["step_time_s"] == pytest.approx(1.1)
     assert s1["tokens_per_s"] == pytest.approx(192 * 8 / 1.1) and s1["steps_used"] == 2 and s0["steps_used"] == 3
-    assert bench_async.ideal_pipelining(s0) == {"gen_s": pytest.approx(1.0), "train_s": pytest.approx(1.1),
+    assert async_rollout.ideal_pipelining(s0) == {"gen_s": pytest.approx(1.0), "train_s": pytest.approx(1.1),
                                                 "ideal": pytest.approx(2.1 / 1.1)}
-    rows = {r["target"]: r for r in bench_async.targets(modes)}
+    rows = {r["target"]: r for r in async_rollout.targets(modes)}
     speed = rows["rollout|train s=1 step rate vs best synchronous"]
     assert speed["value"] == pytest.approx(2.1 / 1.1) and speed["met"]
     assert rows["s=1 vs s=0: share of the ideal pipelining gain"]["value"] == pytest.approx(1.0)
     assert rows["weight sync on the actor pool / step at s=1 (transfer only)"]["value"] == pytest.approx(0.1 / 1.1, rel=1e-4)
     assert rows["s=1: actor+critic pool busy"]["met"] and rows["s=1: rollout pool busy"]["met"]
-    markdown = bench_async.render_markdown({"meta": {"device": "cpu", "torch": "x", "date": "d", "model": {},
+    markdown = async_rollout.render_markdown({"meta": {"device": "cpu", "torch": "x", "date": "d", "model": {},
                                                      "params": 330_000, "workload": ["a=1"], "steps": 5, "warmup": 2},
-                                            "modes": modes, "targets": bench_async.targets(modes)})
+                                            "modes": modes, "targets": async_rollout.targets(modes)})
     assert "| rollout|train s=1 | 2 | 1.100 | 2.100 | 1.91x |" in markdown
     assert "| s=1 vs s=0: share of the ideal pipelining gain | 100% | >= 80% | met |" in markdown
-    assert bench_async.targets({})[0]["met"] is None  # a missing mode is n/a, not a failure
+    assert async_rollout.targets({})[0]["met"] is None  # a missing mode is n/a, not a failure
 
 
 def test_async_rollout_flag_defaults_and_refuses_unknown_modes():
-    args = bench.parse_args(["--async-rollout"])
-    assert (args.steps, args.warmup) == (12, 2) and args.async_modes == list(bench_async.MODES)
-    assert bench_async.staleness_of(bench_async.MODES["rollout|train s=2"][1]) == 2
-    assert bench_async.MODES["rollout|train s=1"][0] == 2 and bench_async.MODES["rollout|actor|critic s=1"][0] == 3
+    args = parse_args(["--async-rollout"])
+    assert (args.steps, args.warmup) == (12, 2) and args.async_modes == list(async_rollout.MODES)
+    assert async_rollout.staleness_of(async_rollout.MODES["rollout|train s=2"][1]) == 2
+    assert async_rollout.MODES["rollout|train s=1"][0] == 2 and async_rollout.MODES["rollout|actor|critic s=1"][0] == 3
     with pytest.raises(SystemExit):
-        bench.parse_args(["--async-rollout", "--async-modes", "rollout s=9"])
+        parse_args(["--async-rollout", "--async-modes", "rollout s=9"])
 
 
-@pytest.mark.parametrize("first, other", [("tools.bench", "tools.bench_memory"), ("tools.bench_memory", "tools.bench")])
+@pytest.mark.parametrize("first, other", [("tools.bench.__main__", "tools.bench.memory"), ("tools.bench.memory", "tools.bench.__main__")])
 def test_bench_modules_import_alone_and_in_either_order(first, other):
-    """Neither bench module imports the other (what they share lives in tools.jobs, tools.models
-    and tools.report), so each imports alone, and both import in either order."""
+    """Neither the bench command nor the memory bench imports the other (what they share lives in
+    tools.jobs, tools.models and tools.report), so each imports alone, and both in either order."""
     code = (f"import sys, {first}; assert {other!r} not in sys.modules, 'pulled in {other}'; import {other}")
     result = launch.python(["-c", code], cwd=launch.REPO, timeout=120)  # a fresh interpreter: nothing imported yet
     assert result.returncode == 0, result.stderr
 
 
 def test_mode_overrides_keep_a_custom_layout():
-    assert bench.mode_overrides("split", [], 1) == ["placement.mode=split", "placement.overlap=true"]
+    assert bench_modes.mode_overrides("split", [], 1) == ["placement.mode=split", "placement.overlap=true"]
     custom = ["placement.mode=custom", "placement.pools=[3,1]"]
-    assert bench.mode_overrides("split-blocking", custom, 1) == ["placement.overlap=false"]
-    assert "rollout.stream_chunks=4" in bench.mode_overrides("split-stream", [], 4)
-    assert bench.mode_overrides("colocate", custom, 1) == ["placement.mode=colocate", "placement.pools=[]"]
+    assert bench_modes.mode_overrides("split-blocking", custom, 1) == ["placement.overlap=false"]
+    assert "rollout.stream_chunks=4" in bench_modes.mode_overrides("split-stream", [], 4)
+    assert bench_modes.mode_overrides("colocate", custom, 1) == ["placement.mode=colocate", "placement.pools=[]"]
 
 
 def profile(actor_s, critic_s):
@@ -197,7 +203,7 @@ def profile(actor_s, critic_s):
 def test_planner_prediction_is_linear_in_pool_size():
     p = profile(1.0, 2.0)
     p["actor"]["sync_weights"] = 0.1  # does not shrink with the pool
-    got = plan.predict(p, 2, 4)
+    got = split.predict(p, 2, 4)
     assert got["actor_s"] == pytest.approx(0.6) and got["critic_s"] == pytest.approx(0.5)
     assert got["step_s"] == pytest.approx(0.61)
 
@@ -207,35 +213,35 @@ def test_planner_says_when_every_rank_generating_pays_off():
     update-bound (gen small, the critic's update hidden behind the next gen today): it does not."""
     gen_bound = {"actor_size": 1, "critic_size": 1, "exchange_s": 0.0,
                  "actor": {"sync_weights": 0.05, "gen": 2.0, "update_actor": 0.2}, "critic": {"update_critic": 0.2}}
-    got = plan.predict(gen_bound, 1, 1)
+    got = split.predict(gen_bound, 1, 1)
     assert got["step_s"] == pytest.approx(2.25)
     assert got["all_step_s"] == pytest.approx(2 * 0.05 + 1.0 + 0.2)
     update_bound = {**gen_bound, "actor": {"sync_weights": 0.05, "gen": 0.1, "update_actor": 1.0},
                     "critic": {"update_critic": 1.2}}
-    got = plan.predict(update_bound, 1, 1)
+    got = split.predict(update_bound, 1, 1)
     assert got["all_step_s"] > got["step_s"] - 1e-9
 
 
 def test_planner_gives_the_slower_pool_more_ranks():
     workload = ["data.train_batch_size=120", "actor.ppo_mini_batch_size=120", "critic.ppo_mini_batch_size=120",
                 "actor.ppo_micro_batch_size_per_gpu=1", "critic.ppo_micro_batch_size_per_gpu=1"]
-    best, _ = plan.rank_candidates(profile(1.0, 2.0), 8, None, workload)
+    best, _ = split.rank_candidates(profile(1.0, 2.0), 8, None, workload)
     assert best[0]["pools"] == [3, 5]  # max(1/3, 2/5) beats max(1/2, 2/6) and max(1/4, 2/4)
-    best, _ = plan.rank_candidates(profile(2.0, 1.0), 8, None, workload)
+    best, _ = split.rank_candidates(profile(2.0, 1.0), 8, None, workload)
     assert best[0]["pools"] == [5, 3]
 
 
 def test_planner_only_ranks_splits_the_batch_sizes_allow():
-    accepted, rejected = plan.rank_candidates(profile(1.0, 3.0), 4, None, SHORT)
+    accepted, rejected = split.rank_candidates(profile(1.0, 3.0), 4, None, SHORT)
     assert [r["pools"] for r in accepted] == [[2, 2]]  # 16 rows do not split over 3 ranks
     assert sorted(r["pools"] for r in rejected) == [[1, 3], [3, 1]]
     assert all("divisible" in r["reason"] for r in rejected)
 
 
 def test_planner_candidates_per_node_and_node_level():
-    got = plan.candidates(16, 8)
+    got = split.candidates(16, 8)
     assert ("ranks_per_node", 6, 2, 12, 4) in got and ("nodes", 1, 1, 8, 8) in got and len(got) == 8
-    assert plan.candidates(4) == [("ranks_per_node", a, 4 - a, a, 4 - a) for a in (1, 2, 3)]
+    assert split.candidates(4) == [("ranks_per_node", a, 4 - a, a, 4 - a) for a in (1, 2, 3)]
 
 
 # ------------------------------------------------------------------ tokens, not padding (bench_tokens)
@@ -451,7 +457,7 @@ def run_module(module: str, *args):
 @pytest.fixture(scope="module")
 def short_bench(tmp_path_factory, embedded_cache):
     out = tmp_path_factory.mktemp("bench")
-    result = run_module("tools.bench", "--short", "--out", str(out))
+    result = run_module("tools.bench.__main__", "--short", "--out", str(out))
     with open(out / "bench.json") as f:
         return out, json.load(f), result.stdout
 
@@ -511,7 +517,7 @@ def test_plan_prints_an_override_line_the_job_accepts(tmp_path, embedded_cache):
     from spmdsplit.preflight import check_against_pools
     from spmdsplit.placement import plan_placement
 
-    result = run_module("tools.plan", "--world-size", "4", "--steps", "3", "--warmup", "1",
+    result = run_module("tools.plan.__main__", "--world-size", "4", "--steps", "3", "--warmup", "1",
                         "--out", str(tmp_path), "--", *SHORT)
     line = result.stdout.strip().splitlines()[-1]
     assert line.startswith("placement.mode=custom placement.pool_unit=ranks_per_node placement.pools=[")
@@ -522,10 +528,10 @@ def test_plan_prints_an_override_line_the_job_accepts(tmp_path, embedded_cache):
 
 
 def test_gpu_check_runs_and_reports_against_the_memory_model_and_the_chip(tmp_path):
-    """tools.gpu_check is what a session with a GPU runs first (issue 11's one-GPU check); its
+    """tools.device.gpu_check is what a session with a GPU runs first (issue 11's one-GPU check); its
     --small CPU form keeps it from rotting where there is none. Its efficiency report (issue 37
     item 4) runs the same way on CPU: CPU ops for kernels, an fp32 matmul rate for the chip."""
-    result = run_module("tools.gpu_check", "--device", "cpu", "--small", "--steps", "3", "--rollouts", "hf",
+    result = run_module("tools.device.gpu_check", "--device", "cpu", "--small", "--steps", "3", "--rollouts", "hf",
                         "--lora", "8", "--out", str(tmp_path))
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     row = report["rollouts"]["hf"]
@@ -558,7 +564,7 @@ def test_gpu_check_runs_and_reports_against_the_memory_model_and_the_chip(tmp_pa
                                         for k in p["top_kernels"]), name
         # The step's tokens from TensorBoard's mean lengths x the rows, through the formulas.
         tokens = efficiency.step_tokens(scalars, 2, 8)
-        shape = efficiency.ModelShape(hidden=64, layers=2, heads=2, kv_heads=1, head_dim=32, mlp=128, vocab=15)
+        shape = ModelShape("small", hidden=64, layers=2, heads=2, kv_heads=1, head_dim=32, mlp=128, vocab=15)
         flops = efficiency.phase_flops(name, shape, tokens, checkpointing=True, head_in_chunks=True)
         assert p["flops"] == pytest.approx(sum(flops.values())) and p["flops_by_part"] == pytest.approx(flops)
     assert phases["gen"]["tokens"] == pytest.approx(8 * 8)  # every response runs to its 8 tokens
@@ -568,9 +574,9 @@ def test_gpu_check_runs_and_reports_against_the_memory_model_and_the_chip(tmp_pa
 
 
 def test_lora_bench_runs_both_jobs_and_reads_memory_sync_and_checkpoint(tmp_path):
-    """tools.bench_lora at the embedded shape (docs/lora.md holds its 76M run): both jobs' numbers
+    """tools.bench.lora at the embedded shape (docs/lora.md holds its 76M run): both jobs' numbers
     read from what they left, by shape and by what holds on any machine."""
-    result = run_module("tools.bench_lora", "--hidden", "64", "--layers", "2", "--heads", "2", "--kv-heads", "1",
+    result = run_module("tools.bench.lora", "--hidden", "64", "--layers", "2", "--heads", "2", "--kv-heads", "1",
                         "--mlp", "128", "--steps", "2", "--out", str(tmp_path))
     report = json.loads((tmp_path / "bench_lora.json").read_text())
     full, adapter = report["full"], report["lora"]
@@ -591,7 +597,7 @@ def test_long_tail_bench_runs_fixed_and_tokens_and_reads_what_they_left(tmp_path
     """`tools.bench --long-tail` end to end at its smallest (1+1, long tail, 3 steps): checked by
     shape and by what must hold whatever the machine (same rollouts in both modes, no padding in
     tokens mode, some in fixed), never by timings."""
-    run_module("tools.bench", "--long-tail", "--layouts", "1+1", "--workloads", "long-tail", "--steps", "3",
+    run_module("tools.bench.__main__", "--long-tail", "--layouts", "1+1", "--workloads", "long-tail", "--steps", "3",
                "--out", str(tmp_path))
     report = json.loads((tmp_path / "bench_tokens.json").read_text())
     fixed, tokens = report["runs"]
@@ -610,7 +616,7 @@ def test_long_tail_bench_runs_fixed_and_tokens_and_reads_what_they_left(tmp_path
 
 
 def test_continuous_bench_reads_occupancy_engine_steps_and_staleness_from_each_modes_scalars():
-    from tools import bench_continuous as bc
+    from tools.bench import continuous as bc
 
     steady = {4: 0, 5: 0}
     rows = bc.PROMPTS * bc.N

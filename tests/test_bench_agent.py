@@ -1,9 +1,9 @@
-"""tools/bench_agent.py's pure analysis on hand-made numbers and timelines (no jobs, no models)."""
+"""tools/bench/agent.py's pure analysis on hand-made numbers and timelines (no jobs, no models)."""
 
 import pytest
 
-from tools import bench_agent, bench_async
-from tools.bench_agent import job_summary, render_markdown, targets, tool_turn
+from tools.bench import agent as bench_agent, async_rollout
+from tools.bench.agent import job_summary, render_markdown, targets, tool_turn
 
 
 def ev(name, rank, step, ts, dur):
@@ -27,9 +27,9 @@ def trace(gen_s: float, steps: int = 6) -> dict:
 
 
 def summary(gen_s: float, calls: float | None = None) -> dict:
-    steady = bench_async.steady_steps(6, warmup=1, staleness=1)
+    steady = async_rollout.steady_steps(6, warmup=1, staleness=1)
     scalars = {"tool/calls": {s: calls for s in range(1, 7)}} if calls is not None else {}
-    return job_summary(bench_async.analyze(trace(gen_s), scalars, warmup=1, batch=4, staleness=1), scalars, steady)
+    return job_summary(async_rollout.analyze(trace(gen_s), scalars, warmup=1, batch=4, staleness=1), scalars, steady)
 
 
 def test_tool_turn_is_the_median_difference_per_round():

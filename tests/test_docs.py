@@ -152,8 +152,8 @@ def test_named_modules_and_repository_paths_exist(page):
 
 def test_readme_keeps_its_two_commands_and_links_every_docs_page():
     readme = (ROOT / "README.md").read_text()
-    assert "bash tools/setup_cpu.sh && .venv/bin/torchrun --nproc-per-node 4 -m spmdsplit.train\n" in readme
-    assert "bash tools/setup_cpu.sh && .venv/bin/python -m pytest -q\n" in readme
+    assert "bash tools/setup/setup_cpu.sh && .venv/bin/torchrun --nproc-per-node 4 -m spmdsplit.train\n" in readme
+    assert "bash tools/setup/setup_cpu.sh && .venv/bin/python -m pytest -q\n" in readme
     linked = {(ROOT / t.partition("#")[0]).resolve() for t in LINK.findall(readme)}
     missing = [_rel(p) for p in PAGES[1:] if p.resolve() not in linked]
     assert missing == [], f"docs pages the README's table of contents does not link: {missing}"

@@ -1,4 +1,4 @@
-"""tools/efficiency.py: the FLOPs it counts per phase, against a hand count and against what
+"""tools/plan/efficiency.py: the FLOPs it counts per phase, against a hand count and against what
 torch's own FLOP counter sees the real passes run on a tiny Qwen2; what it reads from a trace.
 The profile it reads, from every rank of a split job (trainer.profile_steps); the whole report
 from a real job's profile: tests/test_bench.py (the gpu_check test)."""
@@ -12,10 +12,11 @@ from spmdsplit.batch import Batch
 from spmdsplit.engines.common import apply_ac
 from spmdsplit.roles.common import forward_response
 from tests.support.launch import job
-from tools.efficiency import ModelShape, Tokens, phase_activity, phase_flops, phase_tokens, read_trace
+from tools.models import ModelShape
+from tools.plan.efficiency import Tokens, phase_activity, phase_flops, phase_tokens, read_trace
 
 # hidden 8, one layer, 2 query heads and 1 key/value head of width 4, MLP 16, vocabulary 10
-SHAPE = ModelShape(hidden=8, layers=1, heads=2, kv_heads=1, head_dim=4, mlp=16, vocab=10)
+SHAPE = ModelShape("tiny", hidden=8, layers=1, heads=2, kv_heads=1, head_dim=4, mlp=16, vocab=10)
 
 
 def test_flops_of_a_tiny_model_by_hand():
@@ -45,7 +46,7 @@ def tiny_qwen2():
     config = Qwen2Config(vocab_size=10, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
                          num_key_value_heads=1, intermediate_size=16, max_position_embeddings=32,
                          tie_word_embeddings=False, attn_implementation="sdpa")
-    assert ModelShape.from_hf_config(config) == SHAPE
+    assert ModelShape.from_config(config) == SHAPE
     return Qwen2ForCausalLM(config)
 
 

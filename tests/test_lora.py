@@ -249,8 +249,8 @@ def _bytes_per_sync(rank, world_size, model_dir):
 
 
 def test_a_sync_at_rank_8_on_the_76m_shape_moves_under_3_percent_of_a_full_one(tmp_path):
-    from tools.memory import BENCH_76M
-    from tools.memory_plan import write_config
+    from tools.plan.memory import BENCH_76M
+    from tools.plan.memory_plan import write_config
 
     folder = write_config(BENCH_76M, str(tmp_path))
     [counts] = run_ranks(_bytes_per_sync, 1, folder, timeout=180)

@@ -1,22 +1,31 @@
-"""The memory model's arithmetic (tools/memory.py): parameter counts from shapes, what sharding
+"""The memory model's arithmetic (tools/plan/memory.py): parameter counts from shapes, what sharding
 divides by the pool size and what it does not."""
 
 from dataclasses import replace
 
 import pytest
 
-from tools import memory
-from tools.memory import QWEN25, Shape, Workload
+from tools.models import ModelShape
+from tools.plan import memory
+from tools.plan.memory import QWEN25, Workload
 
 
-def test_shape_counts_parameters_like_transformers():
+def test_shape_counts_parameters_like_transformers(tmp_path):
+    """Also with a head_dim of the config's own (32, not 64 // 4: heads x head_dim wider than the
+    hidden size, as Qwen3 and Gemma set it), and the shape read back from the config.json written."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     for tied in (False, True):
-        s = Shape("t", 64, 3, 4, 2, 96, 50, tied=tied)
-        config = Qwen2Config(vocab_size=50, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
-                             num_key_value_heads=2, intermediate_size=96, tie_word_embeddings=tied)
-        assert s.params == sum(p.numel() for p in Qwen2ForCausalLM(config).parameters())
+        for head_dim in (None, 32):
+            s = ModelShape("t", 64, 3, 4, 2, 96, 50, tied=tied, head_dim=head_dim or 0)
+            config = Qwen2Config(vocab_size=50, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                 num_key_value_heads=2, intermediate_size=96, tie_word_embeddings=tied,
+                                 **({"head_dim": head_dim} if head_dim else {}))
+            model = Qwen2ForCausalLM(config)
+            assert s.params == sum(p.numel() for p in model.parameters())
+            assert s.kv_dim == model.model.layers[0].self_attn.k_proj.out_features
+            config.save_pretrained(tmp_path)
+            assert ModelShape.from_folder(str(tmp_path)) == s
 
 
 def test_qwen25_shapes_give_the_published_sizes():
@@ -50,7 +59,7 @@ def test_checkpointing_keeps_one_block_plus_block_inputs():
 
 
 def test_the_update_peaks_at_the_head_or_at_a_block_never_both():
-    """Measured by tools.memory_plan with the logits whole (actor.logits_chunk_size=0; Qwen2.5-7B,
+    """Measured by tools.plan.memory_plan with the logits whole (actor.logits_chunk_size=0; Qwen2.5-7B,
     the 7B preset's 16384-token budget, 4 ranks): the
     actor's update peaked at a block's backward (44.9 GB with the reference's shards), the 0.5B
     preset's at the head's (its 152k logits are large beside 0.5B's blocks) with three more
@@ -72,7 +81,7 @@ def test_the_update_peaks_at_the_head_or_at_a_block_never_both():
     assert memory.critic_rank(s, 4, wide)["phases"]["update"] > memory.critic_rank(s, 4, w)["phases"]["update"]
 
 
-# tools.memory_plan's tracked peaks (GB, what the rank's other models keep and the HF copy
+# tools.plan.memory_plan's tracked peaks (GB, what the rank's other models keep and the HF copy
 # included), the 0.5B preset on Qwen2.5-0.5B (actor pool of 4), by actor.logits_chunk_size.
 PLANNED_05B = {512: {"actor log-probs": 4.45, "ref log-probs": 4.25, "update actor": 5.87},
                0: {"actor log-probs": 6.84, "ref log-probs": 6.58, "update actor": 10.61}}
@@ -83,10 +92,10 @@ def test_the_lm_head_in_chunks_holds_one_chunks_logits(chunk):
     """actor.logits_chunk_size (roles/lm_head.py) runs the head and the log-softmax a chunk of
     tokens at a time, recomputed in the backward: the update's head no longer holds the whole
     logits and three logits-sized temporaries (0.5B preset: 4.96 GB), nor the log-prob pass the
-    whole logits. The model follows the option within 10 % of tools.memory_plan's tracked step in
+    whole logits. The model follows the option within 10 % of tools.plan.memory_plan's tracked step in
     every phase; the whole-logits term it had before was 95 % over on the update at 512."""
     from spmdsplit.config import load_config
-    from tools.memory_plan import predicted, workload_of
+    from tools.plan.memory_plan import predicted, workload_of
 
     cfg = load_config("configs/gpu_qwen2.5_0.5b.yaml", ["model.path=Qwen2.5-0.5B", f"actor.logits_chunk_size={chunk}"])
     w = workload_of(cfg, 80.0)
@@ -103,7 +112,7 @@ def test_the_lm_head_in_chunks_holds_one_chunks_logits(chunk):
 
 
 def test_inference_holds_the_mlp_peak_or_the_logits_never_both():
-    """Measured by tools.memory_plan (FSDPMemTracker over our own log-prob and values passes, bf16,
+    """Measured by tools.plan.memory_plan (FSDPMemTracker over our own log-prob and values passes, bf16,
     token budgets of the GPU presets): a token's activations peak at the MLP's three
     intermediate-sized tensors and four hidden-sized ones (7B, 16384 tokens: 2.34 GB tracked), and
     the head's logits come after the last block, so the log-prob pass holds the larger of the two.
@@ -112,7 +121,7 @@ def test_inference_holds_the_mlp_peak_or_the_logits_never_both():
     s = QWEN25["Qwen2.5-7B"]
     w = Workload(log_prob_max_token_len=16384, ppo_max_token_len=16384, forward_max_token_len=16384)
     rows = memory.micro_rows(0, 16384, w)
-    assert memory.activations(s, rows, w, False) == pytest.approx(16384 * 2 * (3 * s.intermediate + 4 * s.hidden))
+    assert memory.activations(s, rows, w, False) == pytest.approx(16384 * 2 * (3 * s.mlp + 4 * s.hidden))
     assert memory.activations(s, rows, w, False) / memory.GB == pytest.approx(2.33, abs=0.01)
     rank = memory.actor_rank(s, 4, w)
     head = memory.logits(s, rows, w, False)
@@ -121,7 +130,7 @@ def test_inference_holds_the_mlp_peak_or_the_logits_never_both():
 
 
 def test_model_matches_the_checked_in_cpu_benchmark():
-    """tests/data/bench_memory_76m.json: `python -m tools.bench_memory --layouts 1+1 2+2 2+2/4
+    """tests/data/bench_memory_76m.json: `python -m tools.bench.memory --layouts 1+1 2+2 2+2/4
     2+2/4-nosync` on the 76M model (CPU, fp32, freed memory returned to the system). The model
     predicts each pool's largest rank within 20%, whatever the micro-batching: it leaves out
     allocator slack and transient copies inside torch ops. Re-measure and replace the file when
@@ -172,8 +181,8 @@ def test_vllm_adds_its_share_of_the_device_to_the_resident_state_only():
 
 
 def test_bench_layouts_cut_each_ranks_mini_batch_into_micro_batches():
-    """tools.bench_memory's a+c/k layouts: k micro-batches per mini-batch on every rank of both pools."""
-    from tools.bench_memory import WORKLOAD, layout_overrides
+    """tools.bench.memory's a+c/k layouts: k micro-batches per mini-batch on every rank of both pools."""
+    from tools.bench.memory import WORKLOAD, layout_overrides
 
     world, extra = layout_overrides("2+2/4-nosync", WORKLOAD)  # 8 rows per mini-batch, 4 per rank
     assert world == 4

@@ -1,4 +1,4 @@
-"""tools/memory_plan.py: our own step on fake tensors counts what the same step on real tensors
+"""tools/plan/memory_plan.py: our own step on fake tensors counts what the same step on real tensors
 holds, phase by phase and by category (FSDPMemTracker over both, in one process: the fake
 process group of a pool of 2, a tiny Qwen2 at the 0.5B preset's layout, packed micro-batches
 under sdpa)."""
@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from tools import memory_plan
-from tools.memory import Shape
+from tools.models import ModelShape
+from tools.plan import memory_plan
 
 REPO = memory_plan.__file__.rsplit("/tools/", 1)[0]
 TINY = ["model.attn_implementation=sdpa", "data.max_prompt_length=16", "data.max_response_length=16",
@@ -20,8 +20,8 @@ TINY = ["model.attn_implementation=sdpa", "data.max_prompt_length=16", "data.max
 
 @pytest.fixture(scope="module")
 def fake_and_real(tmp_path_factory):
-    folder = memory_plan.write_config(Shape("tiny", 64, 2, 4, 2, 128, 2048), str(tmp_path_factory.mktemp("tiny")))
-    out = subprocess.run([sys.executable, "-m", "tools.memory_plan", "--config", "configs/gpu_qwen2.5_0.5b.yaml",
+    folder = memory_plan.write_config(ModelShape("tiny", 64, 2, 4, 2, 128, 2048), str(tmp_path_factory.mktemp("tiny")))
+    out = subprocess.run([sys.executable, "-m", "tools.plan.memory_plan", "--config", "configs/gpu_qwen2.5_0.5b.yaml",
                           "--model", folder, "--world-size", "4", "--compare-real", *TINY],
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""Real Slurm: a one-node cluster on localhost (tools/slurm_cluster.sh: munged, MariaDB, slurmdbd,
+"""Real Slurm: a one-node cluster on localhost (tools/cluster/slurm_cluster.sh: munged, MariaDB, slurmdbd,
 slurmctld, slurmd; installed from Debian's packages when missing, which needs root) runs real
 training jobs submitted the way users submit them: `python -m launch.slurm` (submitit)
 and `sbatch launch/spmdsplit.sbatch`. Each job is 2 ranks (1+1) on the 4 CPUs the node declares.
@@ -29,7 +29,7 @@ from spmdsplit.stop_budget import StopBudget, command_line_signal, script_signal
 from tests.support.outputs import scalars
 
 REPO = Path(__file__).resolve().parents[1]
-CLUSTER = REPO / "tools" / "slurm_cluster.sh"
+CLUSTER = REPO / "tools" / "cluster" / "slurm_cluster.sh"
 TINY = ["data.train_batch_size=16", "actor.ppo_mini_batch_size=8", "critic.ppo_mini_batch_size=8",
         "actor.ppo_micro_batch_size_per_gpu=4", "critic.ppo_micro_batch_size_per_gpu=4", "trainer.progress_bar=false"]
 # More than 10 minutes: submitit counts a signal in the last 10 minutes of a job's time limit as a

@@ -1,7 +1,7 @@
 """Running one `torchrun -m spmdsplit.train` job for a tool, and reading back what it left: the
 Chrome-trace timeline (which rank sits in which pool, each rank's peak memory) and the
-TensorBoard scalars. Shared by tools.bench, tools.bench_memory, tools.bench_engines,
-tools.gpu_check and tools.plan, so that none of them has to import another for it.
+TensorBoard scalars, and the device the jobs run on. Shared by the benches (tools/bench/), the
+device checks (tools/device/) and tools.plan, so that none of them has to import another for it.
 """
 
 from __future__ import annotations
@@ -21,6 +21,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def pick_device(overrides: list[str], nproc: int) -> str:
+    """The device every job runs on: trainer.device if set, else cuda when there is a GPU per
+    rank (torchrun puts rank r on cuda:r), else cpu. Passed to every job, so the label is true."""
+    for o in reversed(overrides):
+        if o.startswith("trainer.device=") and o.split("=", 1)[1] != "auto":
+            return o.split("=", 1)[1]
+    import torch
+
+    return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= nproc else "cpu"
 
 
 def read_scalars(log_dir: str) -> dict[str, dict[int, float]]:

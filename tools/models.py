@@ -1,7 +1,103 @@
-"""Random Qwen2 checkpoints for the tools' jobs: a model of a chosen shape with the embedded
-tokenizer, saved where `model.path=` can point, so that a bench needs no download."""
+"""A model's shape, and random Qwen2 checkpoints of a shape for the tools' jobs.
+
+`ModelShape` is the one place a Hugging Face config's fields are read into the planners' names
+(tools/plan/: the memory model, the memory plan, the efficiency report; tools/device/gpu_check.py)
+and written back into a Qwen2 config (`qwen2_config`: the memory plan's weightless models and
+`build_random_qwen2`'s checkpoints), so that the MLP's width, the attention heads' width and tied
+embeddings mean one thing everywhere. `build_random_qwen2` saves a model of a chosen shape with the
+embedded tokenizer where `model.path=` can point, so that a bench needs no download.
+"""
 
 from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A LLaMA-like decoder (Qwen2, Llama, Mistral): SwiGLU MLP of width `mlp` (HF's
+    intermediate_size), `heads` query and `kv_heads` key/value heads of width `head_dim`."""
+    name: str = field(compare=False)  # a label for the tables, not part of the shape
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    mlp: int
+    vocab: int
+    tied: bool = False  # tie_word_embeddings: the LM head is the embedding, no weights of its own
+    head_dim: int = 0  # 0: hidden // heads, what transformers takes where a config sets none
+
+    def __post_init__(self):
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", self.hidden // self.heads)
+
+    @classmethod
+    def from_config(cls, config, name: str = "") -> ModelShape:
+        """From a config.json's dict or a transformers config (named by its _name_or_path, else
+        `name`). An explicit head_dim is honoured: Qwen3 or Gemma set one that is not hidden // heads."""
+        c = config if isinstance(config, dict) else config.to_dict()
+        return cls(c.get("_name_or_path") or name, c["hidden_size"], c["num_hidden_layers"],
+                   c["num_attention_heads"], c.get("num_key_value_heads") or c["num_attention_heads"],
+                   c["intermediate_size"], c["vocab_size"], tied=bool(c.get("tie_word_embeddings", False)),
+                   head_dim=c.get("head_dim") or 0)
+
+    @classmethod
+    def from_folder(cls, folder: str) -> ModelShape:
+        """From the config.json in `folder` (a config.json's own path also does)."""
+        folder = os.path.dirname(folder) if folder.endswith(".json") else folder
+        with open(os.path.join(folder, "config.json")) as f:
+            return cls.from_config(json.load(f), os.path.basename(os.path.normpath(folder)))
+
+    def qwen2_config(self, **extra):
+        """A transformers Qwen2Config of this shape; `extra`: its other fields."""
+        from transformers import Qwen2Config
+
+        # head_dim only where it is not Qwen2's own default, so configs written before stay the same.
+        own = {} if self.head_dim == self.hidden // self.heads else {"head_dim": self.head_dim}
+        return Qwen2Config(vocab_size=self.vocab, hidden_size=self.hidden, num_hidden_layers=self.layers,
+                           num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
+                           intermediate_size=self.mlp, tie_word_embeddings=self.tied, **own, **extra)
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def block_params(self) -> int:
+        """One Qwen2 decoder layer's parameters: q, k, v (with biases), o, the SwiGLU MLP, two RMSNorms."""
+        h, q, kv = self.hidden, self.q_dim, self.kv_dim
+        attention = h * q + q + 2 * (h * kv + kv) + q * h
+        return attention + 3 * h * self.mlp + 2 * h
+
+    @property
+    def embed_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def params(self) -> int:
+        """The causal LM's parameter count (Qwen2 architecture)."""
+        head = 0 if self.tied else self.embed_params
+        return self.layers * self.block_params + self.embed_params + head + self.hidden
+
+    @property
+    def critic_params(self) -> int:
+        """The value model: the backbone and a one-output head instead of the LM head."""
+        return self.layers * self.block_params + self.embed_params + self.hidden + self.hidden + 1
+
+    def layer_weights(self) -> int:
+        """One decoder layer's matmul weights (what its FLOPs are counted from): q, k, v, o, and the
+        MLP's gate, up and down."""
+        h, d = self.hidden, self.head_dim
+        return h * (self.heads + 2 * self.kv_heads) * d + self.heads * d * h + 3 * h * self.mlp
+
+    def body_weights(self) -> int:
+        return self.layers * self.layer_weights()
 
 
 def build_random_qwen2(folder: str, hidden: int, layers: int, heads: int, kv_heads: int, mlp: int,
@@ -15,16 +111,14 @@ def build_random_qwen2(folder: str, hidden: int, layers: int, heads: int, kv_hea
     `eos_rate`: EOS drawn with this probability at every position (and pad/bos/unk never), so
     response lengths spread geometrically, a long tail (see `set_token_rates`)."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     from spmdsplit.embedded import build_tokenizer
 
     tokenizer = build_tokenizer()
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=mlp,
-                         max_position_embeddings=max_positions, tie_word_embeddings=False,
-                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id)
+    config = ModelShape("", hidden, layers, heads, kv_heads, mlp, len(tokenizer)).qwen2_config(
+        max_position_embeddings=max_positions, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)
     if long_answers:

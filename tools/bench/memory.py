@@ -1,4 +1,4 @@
-"""`python -m tools.bench_memory [--hidden 768 --layers 12 ...] [--layouts 1+1 2+2 2+2/4] [key=value ...]`
+"""`python -m tools.bench.memory [--hidden 768 --layers 12 ...] [--layouts 1+1 2+2 2+2/4] [key=value ...]`
 
 Peak memory per rank, per layout: does a pool's ranks' peak fall as the pool grows, and does it
 stay put when a rank's mini-batch is cut into more micro-batches? Builds a random Qwen2 of the
@@ -146,7 +146,7 @@ def render(report: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="tools.bench_memory", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="tools.bench.memory", description=__doc__.splitlines()[0])
     p.add_argument("--hidden", type=int, default=768)
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--heads", type=int, default=12)

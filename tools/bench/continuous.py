@@ -10,7 +10,7 @@ Issue 40's question: on a long-tailed generation shape, what does continuous gen
   * training cheap beside generation (one mini-batch, one epoch, a small model), as on GPUs where
     decoding long answers dominates an RL step.
 
-Per mode, medians over the steps after the warmup (bench_async.analyze: the period between rank
+Per mode, medians over the steps after the warmup (async_rollout.analyze: the period between rank
 0's step ends; rank 0 is the actor): trained tokens per second (the response tokens each step
 trains, over the step period), the engine's occupancy (requests running per engine step:
 measured by the continuous engine; for batches derived as rows x mean length / longest, since each
@@ -26,7 +26,7 @@ import os
 import sys
 import time
 
-from tools import bench, bench_async
+from tools.bench import analysis, async_rollout
 from tools.jobs import run_job
 from tools.models import build_random_qwen2
 from tools.report import fmt, run_and_write
@@ -64,9 +64,9 @@ def occupancy(mode: dict, scalars: dict) -> float | None:
     mean length / longest (every request runs for its length, the batch for its longest)."""
     steady = mode["steady"]
     if "rollout/occupancy" in scalars:
-        return bench.median(v for k, v in scalars["rollout/occupancy"].items() if k in steady)
+        return analysis.median(v for k, v in scalars["rollout/occupancy"].items() if k in steady)
     means, maxes = scalars.get("response_length/mean", {}), scalars.get("response_length/max", {})
-    return bench.median(PROMPTS * N * means[k] / maxes[k] for k in steady if k in means and maxes.get(k))
+    return analysis.median(PROMPTS * N * means[k] / maxes[k] for k in steady if k in means and maxes.get(k))
 
 
 def engine_steps(mode: dict, scalars: dict) -> float | None:
@@ -76,14 +76,14 @@ def engine_steps(mode: dict, scalars: dict) -> float | None:
     on CPU a step costs more the more requests it runs."""
     steady = set(mode["steady"])
     by_step = scalars.get("rollout/engine_steps") or scalars.get("response_length/max", {})
-    return bench.median(v for k, v in by_step.items() if k in steady)
+    return analysis.median(v for k, v in by_step.items() if k in steady)
 
 
 def staleness(scalars: dict, steady: set[int], s: int) -> float | None:
     """Mean versions behind the trained policy: measured per token in continuous mode; s for batches
     (every token of batch k is update k-1-s's, k > s)."""
     if "rollout/token_staleness_mean" in scalars:
-        return bench.median(v for k, v in scalars["rollout/token_staleness_mean"].items() if k in steady)
+        return analysis.median(v for k, v in scalars["rollout/token_staleness_mean"].items() if k in steady)
     return float(s)
 
 
@@ -101,10 +101,10 @@ def run(args) -> dict:
         start = time.time()
         slug = name.replace(" ", "_").replace("=", "")
         trace, scalars = run_job(2, workload + extra, os.path.join(args.out, slug))
-        s = bench_async.staleness_of(extra)
+        s = async_rollout.staleness_of(extra)
         mode = {"overrides": extra, "wall_s": time.time() - start,
-                **bench_async.analyze(trace, scalars, args.warmup, PROMPTS * N, s)}
-        mode["steady"] = set(bench_async.steady_steps(args.steps, args.warmup, s))
+                **async_rollout.analyze(trace, scalars, args.warmup, PROMPTS * N, s)}
+        mode["steady"] = set(async_rollout.steady_steps(args.steps, args.warmup, s))
         mode["occupancy"] = occupancy(mode, scalars)
         mode["token_staleness"] = staleness(scalars, mode["steady"], s)
         mode["restarted"] = sum(scalars.get("rollout/requests_restarted", {}).values())
@@ -112,7 +112,7 @@ def run(args) -> dict:
         mode["steady"] = sorted(mode["steady"])
         modes[name] = mode
     base = modes["batches s=1"]["tokens_per_s"]
-    speedups = {name: bench.ratio(d["tokens_per_s"], base) for name, d in modes.items() if name != "batches s=1"}
+    speedups = {name: analysis.ratio(d["tokens_per_s"], base) for name, d in modes.items() if name != "batches s=1"}
     speedup = max((v for v in speedups.values() if v is not None), default=None)
     meta = {"device": "cpu", "torch": torch.__version__, "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "model": MODEL, "params": params, "eos_rate": EOS_RATE, "workload": workload, "steps": args.steps,

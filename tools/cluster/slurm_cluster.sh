@@ -2,12 +2,12 @@
 # A one-node Slurm cluster on localhost, with real accounting, for the tests and for trying the
 # Slurm launcher on a machine without a cluster. Not for production.
 #
-#   bash tools/slurm_cluster.sh start [STATE_DIR]   # installs Debian's packages if missing (root), starts
+#   bash tools/cluster/slurm_cluster.sh start [STATE_DIR]   # installs Debian's packages if missing (root), starts
 #                                                    # munged, mariadbd, slurmdbd, slurmctld, slurmd
 #   source STATE_DIR/env                             # SLURM_CONF for sbatch/squeue/sacct/scontrol/submitit
-#   bash tools/slurm_cluster.sh stop [STATE_DIR]    # cancels the cluster's jobs, stops only the daemons
+#   bash tools/cluster/slurm_cluster.sh stop [STATE_DIR]    # cancels the cluster's jobs, stops only the daemons
 #                                                    # that `start` recorded in STATE_DIR/pids
-#   bash tools/slurm_cluster.sh status [STATE_DIR]
+#   bash tools/cluster/slurm_cluster.sh status [STATE_DIR]
 #
 # STATE_DIR (default $SPMDSPLIT_SLURM_DIR or /tmp/spmdsplit-slurm) holds every config, socket,
 # database, spool, log and pid file, so nothing in /etc or /run is touched and two clusters can run

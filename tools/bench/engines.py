@@ -1,6 +1,6 @@
 """Step time per training engine: FSDP2 and DeepSpeed ZeRO-1/2/3, the same engine on both pools.
 
-    python -m tools.bench_engines [--nproc 2] [--steps 12] [--engines fsdp zero1 zero2 zero3] [key=value ...]
+    python -m tools.bench.engines [--nproc 2] [--steps 12] [--engines fsdp zero1 zero2 zero3] [key=value ...]
 
 Each engine is a real `torchrun -m spmdsplit.train` job in split placement (default 1+1 on two
 ranks, one per core) on the same workload; the numbers come from what the job leaves behind
@@ -18,7 +18,8 @@ import os
 import sys
 import time
 
-from tools.bench import SHORT_WORKLOAD, analyze
+from tools.bench.analysis import analyze
+from tools.bench.modes import SHORT_WORKLOAD
 from tools.jobs import run_job
 from tools.report import write_report
 

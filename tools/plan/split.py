@@ -1,6 +1,6 @@
 """`python -m tools.plan --world-size W [--ranks-per-node L] [-- key=value ...]`
 
-(`python -m tools.plan --memory ...` predicts per-rank memory instead: see tools/memory.py.)
+(`python -m tools.plan --memory ...` predicts per-rank memory instead: see tools/plan/memory.py.)
 
 Picks the actor/critic split of a world for a workload: verl's "give the slower pool more
 ranks", made automatic. It profiles a short `split` run of the workload (2 ranks, 1+1, with
@@ -35,8 +35,8 @@ import json
 import os
 import sys
 
-from tools import bench
-from tools.jobs import BenchError, run_job
+from tools.bench.analysis import analyze
+from tools.jobs import BenchError, pick_device, run_job
 from tools.report import fmt
 
 ACTOR_PHASES = ("gen", "old_log_prob", "ref", "update_actor")
@@ -120,11 +120,11 @@ def rank_candidates(profile: dict, world: int, lws: int | None, overrides: list[
 
 def profile_workload(overrides: list[str], nproc: int, steps: int, warmup: int, out: str) -> dict:
     """Per-phase costs of each pool, from a short blocking `split` run on nproc ranks (halves)."""
-    device = bench.pick_device(overrides, nproc)
+    device = pick_device(overrides, nproc)
     run = [*overrides, f"trainer.total_steps={steps}", f"trainer.device={device}",
            "placement.mode=split", "placement.pools=[]", "placement.overlap=false"]
     trace, scalars = run_job(nproc, run, os.path.join(out, "profile"))
-    m = bench.analyze(trace, scalars, warmup)
+    m = analyze(trace, scalars, warmup)
     return {"device": device, "workload": list(overrides), "overrides": run,
             "actor_size": nproc // 2, "critic_size": nproc // 2,
             "actor": m["phases"].get("actor", {}), "critic": m["phases"].get("critic", {}),
@@ -148,11 +148,6 @@ def render(profile: dict, accepted: list[dict], rejected: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if "--memory" in argv:
-        from tools import memory
-
-        return memory.main([a for a in argv if a != "--memory"])
     p = argparse.ArgumentParser(prog="tools.plan", description=__doc__.splitlines()[0])
     p.add_argument("--world-size", type=int, required=True, help="ranks of the job to plan (W)")
     p.add_argument("--ranks-per-node", type=int, help="ranks per node (L); default: one node of W")

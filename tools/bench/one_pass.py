@@ -1,6 +1,6 @@
 """The old log-probs from the update's own forward against a separate old_log_prob pass, side by side.
 
-    python -m tools.bench_one_pass [--steps 6] [--warmup 2] [key=value ...]
+    python -m tools.bench.one_pass [--steps 6] [--warmup 2] [key=value ...]
 
 The GRPO preset (configs/grpo_rollout_actor.yaml: rollout | actor 1+1 on two ranks, one step
 off-policy, token importance weights) on a random Qwen2 that answers at length (every response
@@ -18,7 +18,8 @@ import datetime
 import os
 import sys
 
-from tools.bench import GEN_HEAVY_MODEL, analyze
+from tools.bench.analysis import analyze
+from tools.bench.modes import GEN_HEAVY_MODEL
 from tools.jobs import run_job
 from tools.models import build_random_qwen2
 from tools.report import write_report

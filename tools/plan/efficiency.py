@@ -1,5 +1,5 @@
 """How far each phase of a job runs from the chip: model FLOPs utilisation, tokens per second,
-the device's idle share and the top kernels per phase (issue 37 item 4; `tools.gpu_check` runs it).
+the device's idle share and the top kernels per phase (issue 37 item 4; `tools.device.gpu_check` runs it).
 
 Inputs: the model's shapes (its Hugging Face config), the job's resolved config, its TensorBoard
 scalars (`timing_s/<phase>`, `prompt_length/mean`, `response_length/mean` per step) and the
@@ -45,39 +45,14 @@ import gzip
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from spmdsplit.timing import PHASE_RANGE
+from tools.models import ModelShape
 
 GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # what occupies a GPU, in a kineto trace's "cat"
 FLOP_PHASES = ("gen", "old_log_prob", "ref", "values", "update_actor", "update_critic")
 TOP_KERNELS = 5
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    mlp: int
-    vocab: int
-
-    @classmethod
-    def from_hf_config(cls, config) -> "ModelShape":
-        """From a transformers config of a LLaMA-like decoder (Qwen2, Llama, Mistral)."""
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return cls(config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
-                   config.num_key_value_heads, head_dim, config.intermediate_size, config.vocab_size)
-
-    def layer_weights(self) -> int:
-        """One decoder layer's matmul weights: q, k, v, o, and the MLP's gate, up and down."""
-        h, d = self.hidden, self.head_dim
-        return h * (self.heads + 2 * self.kv_heads) * d + self.heads * d * h + 3 * h * self.mlp
-
-    def body_weights(self) -> int:
-        return self.layers * self.layer_weights()
 
 
 @dataclass(frozen=True)
@@ -298,7 +273,8 @@ def efficiency(shape: ModelShape, cfg, scalars: dict, activity: dict, rate: dict
                                      "share": v[0] / seen["wall_s"] if seen["wall_s"] > 0 else None}
                                     for k, v in kernels])
         phases[name] = row
-    return {"shape": asdict(shape), "rows_per_step": rows, "gradient_checkpointing": checkpointing, **epochs,
+    flop_fields = ("hidden", "layers", "heads", "kv_heads", "head_dim", "mlp", "vocab")  # what the FLOPs read
+    return {"shape": {k: getattr(shape, k) for k in flop_fields}, "rows_per_step": rows, "gradient_checkpointing": checkpointing, **epochs,
             "matmul_rate": rate, "timed_steps": timed_steps, "profiled_steps": profiled_steps, "phases": phases}
 
 
@@ -316,7 +292,7 @@ def render_efficiency(report: dict, device: str, title: str) -> str:
              f"({rate['dtype']}, {rate['n']}^3{threads}). "
              f"Rows per step {report['rows_per_step']:g}; gradient checkpointing "
              f"{'on' if report['gradient_checkpointing'] else 'off'}; times: median of steps {report['timed_steps']}, "
-             f"idle and {kind}: step(s) {report['profiled_steps']} under torch.profiler. FLOPs: tools/efficiency.py.",
+             f"idle and {kind}: step(s) {report['profiled_steps']} under torch.profiler. FLOPs: tools/plan/efficiency.py.",
              "", "| phase | s/step | tokens/step | tokens/s | TFLOP/step | MFU | idle (profiled) | s/step profiled |",
              "|---|---|---|---|---|---|---|---|"]
     for name, r in report["phases"].items():

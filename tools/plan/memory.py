@@ -53,57 +53,22 @@ import math
 import sys
 from dataclasses import dataclass, replace
 
+from tools.models import ModelShape
+
 GB = 1e9
 MB = 2**20
 
 
-@dataclass(frozen=True)
-class Shape:
-    name: str
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    intermediate: int
-    vocab: int
-    tied: bool = False
-
-    @property
-    def kv_dim(self) -> int:
-        return self.hidden // self.heads * self.kv_heads
-
-    @property
-    def block_params(self) -> int:
-        h, kv = self.hidden, self.kv_dim
-        attention = h * h + h + 2 * (h * kv + kv) + h * h  # q (bias), k, v (bias), o
-        return attention + 3 * h * self.intermediate + 2 * h  # SwiGLU MLP, two RMSNorms
-
-    @property
-    def embed_params(self) -> int:
-        return self.vocab * self.hidden
-
-    @property
-    def params(self) -> int:
-        """The causal LM's parameter count (Qwen2 architecture)."""
-        head = 0 if self.tied else self.embed_params
-        return self.layers * self.block_params + self.embed_params + head + self.hidden
-
-    @property
-    def critic_params(self) -> int:
-        """The value model: the backbone and a one-output head instead of the LM head."""
-        return self.layers * self.block_params + self.embed_params + self.hidden + self.hidden + 1
-
-
 # Published config.json values of the Qwen2.5 base models.
 QWEN25 = {
-    "Qwen2.5-0.5B": Shape("Qwen2.5-0.5B", 896, 24, 14, 2, 4864, 151936, tied=True),
-    "Qwen2.5-7B": Shape("Qwen2.5-7B", 3584, 28, 28, 4, 18944, 152064),
-    "Qwen2.5-14B": Shape("Qwen2.5-14B", 5120, 48, 40, 8, 13824, 152064),
-    "Qwen2.5-32B": Shape("Qwen2.5-32B", 5120, 64, 40, 8, 27648, 152064),
-    "Qwen2.5-72B": Shape("Qwen2.5-72B", 8192, 80, 64, 8, 29568, 152064),
+    "Qwen2.5-0.5B": ModelShape("Qwen2.5-0.5B", 896, 24, 14, 2, 4864, 151936, tied=True),
+    "Qwen2.5-7B": ModelShape("Qwen2.5-7B", 3584, 28, 28, 4, 18944, 152064),
+    "Qwen2.5-14B": ModelShape("Qwen2.5-14B", 5120, 48, 40, 8, 13824, 152064),
+    "Qwen2.5-32B": ModelShape("Qwen2.5-32B", 5120, 64, 40, 8, 27648, 152064),
+    "Qwen2.5-72B": ModelShape("Qwen2.5-72B", 8192, 80, 64, 8, 29568, 152064),
 }
-# tools.bench_memory's default model (vocabulary: the embedded tokenizer's).
-BENCH_76M = Shape("bench 76M", 768, 12, 12, 4, 2048, 15)
+# tools.bench.memory's default model (vocabulary: the embedded tokenizer's).
+BENCH_76M = ModelShape("bench 76M", 768, 12, 12, 4, 2048, 15)
 
 
 @dataclass(frozen=True)
@@ -178,7 +143,7 @@ def update_gradients(params: int, pool: int, w: Workload) -> float:
     return 4 * params / pool
 
 
-def gathered_units(s: Shape, params: int, pool: int, w: Workload) -> float:
+def gathered_units(s: ModelShape, params: int, pool: int, w: Workload) -> float:
     """Transient FSDP/ZeRO-3 all-gathers: the root unit (embeddings, head) and two blocks in the
     compute dtype, and one block's unsharded fp32 gradient in backward."""
     if pool == 1 or (w.engine == "deepspeed" and w.zero_stage < 3):
@@ -187,23 +152,24 @@ def gathered_units(s: Shape, params: int, pool: int, w: Workload) -> float:
     return w.dtype_bytes * (root + 2 * s.block_params) + 4 * s.block_params
 
 
-def block_saved(s: Shape, w: Workload) -> float:
+def block_saved(s: ModelShape, w: Workload) -> float:
     """Bytes a token's pass through one block saves for backward, as autograd saves them: norm
     inputs/outputs (the RMSNorm upcasts to fp32), q, k, v, attention output, o_proj input, gate,
-    up, SiLU(gate), their product."""
+    up, SiLU(gate), their product. q, the attention output and o_proj's input are heads x head_dim
+    wide (hidden wide unless the config sets its own head_dim), k and v kv_heads x head_dim."""
     h = s.hidden
-    return w.dtype_bytes * (6 * h + 2 * s.kv_dim + 4 * s.intermediate) + 4 * 2 * h
+    return w.dtype_bytes * (3 * h + 3 * s.q_dim + 2 * s.kv_dim + 4 * s.mlp) + 4 * 2 * h
 
 
-def activations(s: Shape, rows: int, w: Workload, training: bool) -> float:
+def activations(s: ModelShape, rows: int, w: Workload, training: bool) -> float:
     """Saved activations of one micro-batch's forward (training) or one block's (inference);
     `rows` of prompt_len + response_len tokens (see micro_rows)."""
     tokens = rows * (w.prompt_len + w.response_len)
-    h, i = s.hidden, s.intermediate
+    h, i = s.hidden, s.mlp
     per_block = block_saved(s, w)
     if not training:
         # Nothing is kept past a tensor's last use: the peak is the MLP's gate, up and SiLU(gate)
-        # with a few hidden-sized tensors (residual, norm, output). tools.memory_plan's tracked
+        # with a few hidden-sized tensors (residual, norm, output). tools.plan.memory_plan's tracked
         # step measured 3i + 4h values a token at 0.5B and 7B (values pass: 1.20 and 2.34 GB).
         return tokens * w.dtype_bytes * (3 * i + 4 * h)
     if w.gradient_checkpointing:
@@ -211,12 +177,12 @@ def activations(s: Shape, rows: int, w: Workload, training: bool) -> float:
     return tokens * s.layers * per_block
 
 
-def logits(s: Shape, rows: float, w: Workload, training: bool) -> float:
+def logits(s: ModelShape, rows: float, w: Workload, training: bool) -> float:
     """What the LM head and the log-softmax hold in one micro-batch's pass (inference) or at the
     head's backward (training), on top of the blocks' saved activations.
 
     `w.logits_chunk` tokens at a time (actor.logits_chunk_size, roles/lm_head.py): one chunk's
-    logits exist at a time, recomputed in the backward. tools.memory_plan tracked, at 0.5B with
+    logits exist at a time, recomputed in the backward. tools.plan.memory_plan tracked, at 0.5B with
     chunks of 256 to 2048 tokens, the head's backward growing 20 B per logit of a chunk, in bf16
     and in fp32 alike (the chunk's logits, their gradient, the fp32 log-softmax's input and its
     backward's temporaries), and holding the head's whole weight gradient from the first chunk's
@@ -227,7 +193,7 @@ def logits(s: Shape, rows: float, w: Workload, training: bool) -> float:
     the fp32 chunk (logits, softmax, gradient) of algo.logprobs_and_entropy's own chunks.
     Training adds three more logits-sized tensors in the head's backward: each chunk's gradient
     comes back through its slice as a zero tensor of all the logits' size, added to the sum of
-    the chunks before (tools.memory_plan tracked 3 x the bf16 logits as temporaries)."""
+    the chunks before (tools.plan.memory_plan tracked 3 x the bf16 logits as temporaries)."""
     tokens = rows * (w.prompt_len + w.response_len)
     positions = rows * (w.response_len + 1)
     if not w.logits_chunk:
@@ -241,10 +207,10 @@ def logits(s: Shape, rows: float, w: Workload, training: bool) -> float:
     return n * 20 + w.dtype_bytes * s.vocab * s.hidden + tokens * s.hidden * (w.dtype_bytes + 4)
 
 
-def update_phase(s: Shape, params: int, head_params: int, rows: float, pool: int, w: Workload,
+def update_phase(s: ModelShape, params: int, head_params: int, rows: float, pool: int, w: Workload,
                  head_logits: float) -> float:
     """What one update micro-batch adds on top of what is kept: the gathered units, and the larger
-    of the backward's two peaks (as tools.memory_plan's tracked step shows them):
+    of the backward's two peaks (as tools.plan.memory_plan's tracked step shows them):
       * the head's backward: every block's saved activations (with checkpointing only their
         inputs) and the logits with their backward's temporaries (`head_logits`);
       * a block's backward: the larger of the saved activations (all there at the top block) and
@@ -254,7 +220,7 @@ def update_phase(s: Shape, params: int, head_params: int, rows: float, pool: int
         gradient, whole in the compute dtype until the root unit's reduce-scatter at the end.
     The root's own gradient shards come last, when the activations are gone."""
     tokens = rows * (w.prompt_len + w.response_len)
-    h, i = s.hidden, s.intermediate
+    h, i = s.hidden, s.mlp
     recomputed = tokens * block_saved(s, w) if w.gradient_checkpointing else 0.0
     kept = activations(s, rows, w, True) - recomputed  # the block inputs (checkpointing) or every block's saved tensors
     block_grads = update_gradients(params, pool, w) * s.layers * s.block_params / params
@@ -262,11 +228,11 @@ def update_phase(s: Shape, params: int, head_params: int, rows: float, pool: int
     return gathered_units(s, params, pool, w) + max(kept + head_logits, block, update_gradients(params, pool, w))
 
 
-def kv_cache(s: Shape, rows: int, w: Workload) -> float:
+def kv_cache(s: ModelShape, rows: int, w: Workload) -> float:
     return 2 * s.layers * s.kv_dim * w.dtype_bytes * rows * (w.prompt_len + w.response_len)
 
 
-def generate(s: Shape, rows: int, w: Workload) -> tuple[str, float]:
+def generate(s: ModelShape, rows: int, w: Workload) -> tuple[str, float]:
     """(name, bytes) of the rollout phase on top of the resident state: the HF copy's KV cache,
     or all vLLM reserves when it wakes (its weights, KV cache and activations)."""
     if w.rollout == "vllm":
@@ -290,7 +256,7 @@ def in_flight(sources: int) -> int:
     return min(4, max(2, sources))
 
 
-def actor_rank(s: Shape, pool: int, w: Workload, peers: int = 0, engine: bool = True,
+def actor_rank(s: ModelShape, pool: int, w: Workload, peers: int = 0, engine: bool = True,
                streams_to: int = 0) -> dict[str, float]:
     """Bytes on one actor-pool rank: what it keeps, and the largest transient of any phase. `peers`:
     ranks of other pools it trades rows with; `engine`: the rollout engine is on this rank;
@@ -319,7 +285,7 @@ def actor_rank(s: Shape, pool: int, w: Workload, peers: int = 0, engine: bool = 
     return _total(keep, phases)
 
 
-def critic_rank(s: Shape, pool: int, w: Workload, peers: int = 0) -> dict[str, float]:
+def critic_rank(s: ModelShape, pool: int, w: Workload, peers: int = 0) -> dict[str, float]:
     p = s.critic_params
     forward_rows = micro_rows(w.log_prob_micro, w.forward_max_token_len, w)
     budget = w.ppo_max_token_len if w.critic_ppo_max_token_len < 0 else w.critic_ppo_max_token_len
@@ -333,7 +299,7 @@ def critic_rank(s: Shape, pool: int, w: Workload, peers: int = 0) -> dict[str, f
     return _total(keep, phases)
 
 
-def colocated_rank(s: Shape, world: int, w: Workload, peers: int = 0, engine: bool = True,
+def colocated_rank(s: ModelShape, world: int, w: Workload, peers: int = 0, engine: bool = True,
                    streams_to: int = 0) -> dict[str, float]:
     """Every trained role on every rank, each sharded over the whole pool; the phases run one by
     one (and the engine too, unless a rollout pool apart holds it)."""
@@ -343,7 +309,7 @@ def colocated_rank(s: Shape, world: int, w: Workload, peers: int = 0, engine: bo
     return _total(keep, phases)
 
 
-def rollout_rank(s: Shape, pool: int, sources: int, train: int, w: Workload) -> dict[str, float]:
+def rollout_rank(s: ModelShape, pool: int, sources: int, train: int, w: Workload) -> dict[str, float]:
     """A rank of a rollout pool apart, fed by `sources` actor ranks and sending rows to a train pool
     of `train` ranks: its engine keeps its share of the device for the whole job (vLLM: all of
     `gpu_memory_utilization` x the device; HF: its copy and KV cache), and while it takes new
@@ -375,7 +341,7 @@ def layouts(world: int, rollout_pool: int = 0) -> dict[str, tuple[int, ...] | No
     return out
 
 
-def layout_ranks(s: Shape, world: int, pools: tuple | None, w: Workload) -> dict[str, dict]:
+def layout_ranks(s: ModelShape, world: int, pools: tuple | None, w: Workload) -> dict[str, dict]:
     """Each kind of rank of a layout (None = colocate) and its prediction."""
     if pools is None:
         return {"all": colocated_rank(s, world, w)}
@@ -446,7 +412,7 @@ def render_fit(rows: list[dict], world: int, gpu_gb: float, reserve_gb: float, w
 
 
 def bench_workload(meta: dict, layout: str = "") -> Workload:
-    """tools.bench_memory's CPU jobs as a Workload (fp32, no checkpointing, FSDP), with the
+    """tools.bench.memory's CPU jobs as a Workload (fp32, no checkpointing, FSDP), with the
     overrides the report recorded for `layout` (its micro-batching). The bench's actor and critic
     take the same mini- and micro-batch sizes."""
     overrides = meta.get("layout_overrides", {}).get(layout, [])
@@ -462,7 +428,7 @@ def bench_workload(meta: dict, layout: str = "") -> Workload:
 def check_against_bench(report: dict) -> list[dict]:
     """Predicted vs measured peak RSS of each pool's largest rank, per layout of a bench_memory report."""
     meta = report["meta"]
-    s = Shape("bench", meta["hidden"], meta["layers"], meta["heads"], meta["kv_heads"], meta["mlp"], meta["vocab"])
+    s = ModelShape("bench", meta["hidden"], meta["layers"], meta["heads"], meta["kv_heads"], meta["mlp"], meta["vocab"])
     rows = []
     for layout, measured in report["summary"]["max_mb"].items():
         w = bench_workload(meta, layout)

@@ -1,4 +1,4 @@
-"""`python -m tools.gpu_check [--rollouts hf vllm] [--steps 5] [key=value ...]`
+"""`python -m tools.device.gpu_check [--rollouts hf vllm] [--steps 5] [key=value ...]`
 
 The one-GPU check of issue 11 (item 8), ready for a session that has a GPU: a colocate job on
 one rank with NCCL, bf16, gradient checkpointing and the GPU presets' other settings (issue 25:
@@ -10,10 +10,10 @@ engine. Prints, side by side: the median step time (steps 2 to the one before th
 `torch.cuda.max_memory_allocated` (the timeline's `peak_memory` counter), with vLLM also what the
 whole device held right after each wake (`device_used_mb` of the `sync_weights` events:
 `torch.cuda.mem_get_info`, which sees vLLM's own memory pool where torch's statistics do not),
-and what the memory model (tools/memory.py) predicts for that shape and workload (for vLLM:
+and what the memory model (tools/plan/memory.py) predicts for that shape and workload (for vLLM:
 the trainer's resident state plus `rollout.gpu_memory_utilization` x the device). Its last step
 runs under torch.profiler (`trainer.profile_steps`), and an efficiency table per rollout engine
-follows (tools/efficiency.py, issue 37 item 4): per phase MFU (FLOPs from the model's shapes and
+follows (tools/plan/efficiency.py, issue 37 item 4): per phase MFU (FLOPs from the model's shapes and
 the step's tokens over the dense bf16 matmul rate timed in this call), tokens/s, the GPU's idle
 share and the top kernels. Writes `gpu_check.json` / `.md` into `--out`, each job's log, timeline,
 TensorBoard files and profile (`<rollout>/profile/rank0.json.gz`, Perfetto opens it) under
@@ -34,10 +34,10 @@ import statistics
 import sys
 import tempfile
 
-from tools.efficiency import ModelShape, efficiency, matmul_rate, phase_activity, read_trace, render_efficiency
 from tools.jobs import BenchError, peak_memory, pools_by_rank, run_job
-from tools.memory import MB, Shape, Workload, colocated_rank
-from tools.models import build_random_qwen2
+from tools.models import ModelShape, build_random_qwen2
+from tools.plan.efficiency import efficiency, matmul_rate, phase_activity, read_trace, render_efficiency
+from tools.plan.memory import MB, Workload, colocated_rank
 from tools.report import write_report
 
 QWEN25_05B = dict(hidden=896, layers=24, heads=14, kv_heads=2, mlp=4864)
@@ -72,10 +72,8 @@ def job_overrides(device: str, w: dict) -> list[str]:
             f"critic.forward_micro_batch_size_per_gpu={w['log_prob_micro']}"]
 
 
-def predicted_mb(shape: dict, vocab: int, device: str, w: dict, rollout: str, utilization: float,
-                 device_gb: float) -> float:
+def predicted_mb(s: ModelShape, device: str, w: dict, rollout: str, utilization: float, device_gb: float) -> float:
     """The memory model's peak for the rank."""
-    s = Shape("check", shape["hidden"], shape["layers"], shape["heads"], shape["kv_heads"], shape["mlp"], vocab)
     model = Workload(dtype_bytes=2 if device == "cuda" else 4, gradient_checkpointing=True, cpu=device == "cpu",
                      prompts_per_step=w["batch"], prompt_len=w["prompt_len"], response_len=w["response_len"],
                      mini=w["batch"], micro=w["micro"], log_prob_micro=w["log_prob_micro"], rollout=rollout,
@@ -126,7 +124,7 @@ def render(report: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="tools.gpu_check", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="tools.device.gpu_check", description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--rollouts", nargs="+", default=["hf", "vllm"], choices=("hf", "vllm"))
@@ -138,7 +136,6 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     import torch
-    from transformers import AutoConfig
 
     from spmdsplit.config import load_config
     from spmdsplit.embedded import build_tokenizer
@@ -159,7 +156,7 @@ def main(argv=None) -> int:
         params = build_random_qwen2(folder, **shape, long_answers=True)
         workload = [f"model.path={folder}", f"trainer.total_steps={args.steps}", *job_overrides(args.device, w),
                     *args.overrides]
-        model_shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(folder))
+        model_shape = ModelShape.from_folder(folder)  # the checkpoint's own, for both predictions
         lora = [f"model.lora_rank={args.lora}", f"model.lora_alpha={2 * args.lora}"] if args.lora else None
         for name, extra in [(r, v) for r in args.rollouts for v in ([], lora) if v is not None]:
             label = f"{name}+lora{args.lora}" if extra else name
@@ -175,7 +172,7 @@ def main(argv=None) -> int:
             utilization = float(next((o.split("=", 1)[1] for o in args.overrides
                                       if o.startswith("rollout.gpu_memory_utilization=")), 0.5))
             device_gb = torch.cuda.get_device_properties(0).total_memory / 2**30 if args.device == "cuda" else 0.0
-            predicted = None if extra else predicted_mb(shape, vocab, args.device, w, name, utilization, device_gb)
+            predicted = None if extra else predicted_mb(model_shape, args.device, w, name, utilization, device_gb)
             rollouts[label] = {**measure(trace, scalars, timed), "predicted_mb": predicted}
             if not extra:
                 jobs[name] = (load_config(None, overrides), scalars, os.path.join(job_dir, "profile", "rank0.json.gz"))

@@ -1,4 +1,4 @@
-"""`python -m tools.continuous_check [--device cuda|cpu] [--batches 4] [--out DIR] [key=value ...]`
+"""`python -m tools.device.continuous_check [--device cuda|cpu] [--batches 4] [--out DIR] [key=value ...]`
 
 Continuous generation (rollout.continuous, spmdsplit/continuous.py) on one device, in one process:
 the HF engine kept full by `ContinuousGeneration` exactly as a rollout rank drives it
@@ -30,7 +30,7 @@ import time
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRESET = os.path.join(REPO, "configs", "grpo_rollout_actor.yaml")
 # tests/test_continuous.py's job: one token per engine step and answers of up to 24 tokens, so versions
 # land while answers are half done; a fixed schedule, so where they land does not depend on timing.
@@ -52,7 +52,7 @@ def teacher_forced(model, rows, temperature: float) -> torch.Tensor:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="tools.continuous_check", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="tools.device.continuous_check", description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--batches", type=int, default=4, help="batches handed over (trainer.total_steps)")
     p.add_argument("--out", default="outputs/continuous_check")

@@ -1,7 +1,7 @@
-"""`python -m tools.bench_lora [--rank 8] [--hidden 768 --layers 12 ...] [key=value ...]`
+"""`python -m tools.bench.lora [--rank 8] [--hidden 768 --layers 12 ...] [key=value ...]`
 
 LoRA beside full fine-tuning, in one run (docs/lora.md): the same job twice on a random Qwen2 of the
-given shape (default: the 76.0M shape of tools.bench_memory), GRPO with generation on a pool of its
+given shape (default: the 76.0M shape of tools.bench.memory), GRPO with generation on a pool of its
 own (configs/grpo_rollout_actor.yaml: rank 0 the actor and its reference, rank 1 the rollout
 engine), once fully fine-tuned and once with `model.lora_rank`. Side by side, with LoRA / full:
 
@@ -28,13 +28,13 @@ from tools.jobs import BenchError, peak_memory, pools_by_rank, run_job
 from tools.models import build_random_qwen2
 from tools.report import fmt, write_report
 
-# The GRPO layout, short rows (tools.bench_memory's workload, with rollout.n >= 2 for GRPO's groups).
+# The GRPO layout, short rows (tools.bench.memory's workload, with rollout.n >= 2 for GRPO's groups).
 WORKLOAD = ["--config", "configs/grpo_rollout_actor.yaml", "data.train_batch_size=8", "rollout.n=2",
             "data.max_prompt_length=16", "data.max_response_length=16", "actor.ppo_mini_batch_size=8",
             "actor.ppo_micro_batch_size_per_gpu=4", "actor.log_prob_micro_batch_size_per_gpu=4",
             "ref.log_prob_micro_batch_size_per_gpu=4"]
 TARGETS = {"memory": 0.35, "sync_bytes": 0.03}
-RETURN_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}  # as tools.bench_memory
+RETURN_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}  # as tools.bench.memory
 
 
 def folder_mb(path: str) -> float:
@@ -88,7 +88,7 @@ def render(report: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="tools.bench_lora", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="tools.bench.lora", description=__doc__.splitlines()[0])
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--alpha", type=float, default=16.0)
     p.add_argument("--hidden", type=int, default=768)

@@ -1,4 +1,4 @@
-"""`python -m tools.memory_plan [--config PRESET] [--model NAME|config.json] [--world-size N] [--json] [key=value ...]`
+"""`python -m tools.plan.memory_plan [--config PRESET] [--model NAME|config.json] [--world-size N] [--json] [key=value ...]`
 
 A memory plan from our own step: each pool of a preset's layout builds its models (actor and
 reference where the actor group sits, the critic where the critic group sits) from a Hugging
@@ -13,11 +13,11 @@ checkpointing and mixed precision as the config sets them. torch's `FSDPMemTrack
 one rank holds through each phase, by category; a rank's peak is its largest phase, plus what its
 other models keep meanwhile (their shards and optimizer state), plus the rollout engine, which is
 not simulated: vLLM's `gpu_memory_utilization` x the device while it is awake, or the HF copy and
-its KV cache (tools/memory.py's arithmetic). Printed next to tools/memory.py's prediction of the
+its KV cache (tools/plan/memory.py's arithmetic). Printed next to tools/plan/memory.py's prediction of the
 same shape and workload.
 
 Every micro-batch holds rows of the full prompt + response length (the widest a rollout gets,
-what tools/memory.py sizes for): with a token budget (use_dynamic_bsz) budget // row tokens of
+what tools/plan/memory.py sizes for): with a token budget (use_dynamic_bsz) budget // row tokens of
 them, packed; else the configured rows, padded. One micro-batch per mini-batch, so gradients are
 reduce-scattered in the one backward (no_sync_accumulation's whole gradient is not planned).
 
@@ -42,12 +42,13 @@ import json
 import os
 import sys
 import tempfile
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
-from tools import memory
-from tools.memory import GB, QWEN25, Shape, Workload
+from tools.models import ModelShape
+from tools.plan import memory
+from tools.plan.memory import GB, QWEN25, Workload
 
 CATEGORIES = ("parameters", "gradients", "optimizer state", "activations", "temporaries")
 # FSDPMemTracker's categories (torch/distributed/_tools/fsdp2_mem_tracker.py _FSDPRefType) in ours.
@@ -63,31 +64,18 @@ TRACKER_CATEGORIES = {
 # The model's config
 
 
-def write_config(shape: Shape, folder: str) -> str:
+def write_config(shape: ModelShape, folder: str) -> str:
     """A Qwen2 config.json of `shape` in `folder` (what ModelSource.skeleton reads)."""
-    from transformers import Qwen2Config
-
-    Qwen2Config(vocab_size=shape.vocab, hidden_size=shape.hidden, num_hidden_layers=shape.layers,
-                num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-                intermediate_size=shape.intermediate, tie_word_embeddings=shape.tied).save_pretrained(folder)
+    shape.qwen2_config().save_pretrained(folder)
     return folder
 
 
-def shape_of(folder: str) -> Shape:
-    """memory.Shape of a Qwen2-like config.json (the fields the memory model reads)."""
-    with open(os.path.join(folder, "config.json")) as f:
-        c = json.load(f)
-    return Shape(c.get("_name_or_path") or os.path.basename(os.path.normpath(folder)), c["hidden_size"],
-                 c["num_hidden_layers"], c["num_attention_heads"], c.get("num_key_value_heads") or c["num_attention_heads"],
-                 c["intermediate_size"], c["vocab_size"], tied=bool(c.get("tie_word_embeddings", False)))
-
-
-def model_folder(model: str, scratch: str) -> tuple[str, Shape]:
+def model_folder(model: str, scratch: str) -> tuple[str, ModelShape]:
     """(folder holding config.json, its shape) for a name of memory.QWEN25, a config.json or a folder."""
     if model in QWEN25:
         return write_config(QWEN25[model], os.path.join(scratch, model)), QWEN25[model]
     folder = os.path.dirname(model) if model.endswith(".json") else model
-    return folder, shape_of(folder)
+    return folder, ModelShape.from_folder(folder)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -420,7 +408,7 @@ def pool_phases(cfg, folder: str, vocab: int, size: int, groups: set[str], fake:
 
 
 def workload_of(cfg, device_gb: float) -> Workload:
-    """tools.memory's Workload of a config: the same shapes, budgets and rollout; NCCL's buffers
+    """tools.plan.memory's Workload of a config: the same shapes, budgets and rollout; NCCL's buffers
     left out (the plan does not see them; the fit table adds them)."""
     a, c = cfg.actor, cfg.critic
     return Workload(dtype_bytes=2 if cfg.model.dtype in ("bfloat16", "auto") else 4, engine="fsdp",
@@ -437,7 +425,7 @@ def workload_of(cfg, device_gb: float) -> Workload:
                     device_gb=device_gb, nccl_mb=0.0, logits_chunk=a.logits_chunk_size)
 
 
-def rank_peak(plan: dict, cfg, shape: Shape, size: int, groups: set[str], w: Workload) -> dict:
+def rank_peak(plan: dict, cfg, shape: ModelShape, size: int, groups: set[str], w: Workload) -> dict:
     """One rank's phases, each the tracked peak plus what the rank's other models keep meanwhile,
     and the rollout engine's (not simulated: memory.py's arithmetic); the largest is the rank's peak."""
     resident = plan["resident"]
@@ -468,8 +456,8 @@ def rank_peak(plan: dict, cfg, shape: Shape, size: int, groups: set[str], w: Wor
             "by_category": phases[worst]}
 
 
-def predicted(shape: Shape, size: int, groups: set[str], w: Workload) -> dict:
-    """tools/memory.py's rank of the same kind: {phase: bytes incl. what is kept} and its peak."""
+def predicted(shape: ModelShape, size: int, groups: set[str], w: Workload) -> dict:
+    """tools/plan/memory.py's rank of the same kind: {phase: bytes incl. what is kept} and its peak."""
     ranks = []
     if "actor" in groups:
         ranks.append(("actor ", memory.actor_rank(shape, size, w, engine="rollout" in groups)))
@@ -520,7 +508,7 @@ def render(pools: list[dict]) -> str:
         lines.append(f"pool {p['pool']}: {p['ranks']} ranks, {', '.join(p['groups'])}; {p['model']} "
                      f"({p['params'] / 1e9:.2f}B); per rank, GB:")
         cats = list(CATEGORIES) + sorted({k for v in p["phases"].values() for k in v} - set(CATEGORIES))
-        lines.append("| phase | " + " | ".join(cats) + " | total | tools/memory.py |")
+        lines.append("| phase | " + " | ".join(cats) + " | total | tools/plan/memory.py |")
         lines.append("|---" * (len(cats) + 3) + "|")
         model = p["predicted"]["phases"]
         for phase, v in p["phases"].items():
@@ -529,7 +517,7 @@ def render(pools: list[dict]) -> str:
                      "vLLM awake": "actor vLLM awake", "generate": "actor generate (KV cache)"}.get(phase)
             lines.append(f"| {phase} | " + " | ".join(gib(v.get(k, 0)) for k in cats)
                          + f" | {gib(p['totals'][phase])} | {gib(model[guess]) if guess in model else ''} |")
-        lines.append(f"peak: {gib(p['peak'])} GB ({p['peak_phase']}); tools/memory.py: "
+        lines.append(f"peak: {gib(p['peak'])} GB ({p['peak_phase']}); tools/plan/memory.py: "
                      f"{gib(p['predicted']['peak'])} GB ({p['predicted']['peak'] / p['peak'] - 1:+.0%})\n")
     return "\n".join(lines)
 
@@ -547,7 +535,7 @@ CASES = [("Qwen2.5-0.5B", HALF, 8, ()), ("Qwen2.5-0.5B", HALF, 8, ("actor.logits
          ("Qwen2.5-72B", SEVEN, 64, ("rollout.gpu_memory_utilization=0.45", "rollout.tensor_model_parallel_size=8",
                                      "actor.ppo_max_token_len_per_gpu=8192", "critic.ppo_max_token_len_per_gpu=8192"))]
 RESERVE_GB = 4.0  # left per GPU for the CUDA context and fragmentation, as tools.plan --memory leaves
-MARK = "<!-- tools.memory_plan table -->"
+MARK = "<!-- tools.plan.memory_plan table -->"
 
 
 def fit_rows(pools: list[dict], w: Workload, gpu_gb: float) -> list[dict]:
@@ -568,7 +556,7 @@ def table(cases=CASES, gpu_gb: float = 80.0, gpus_per_node: int = 8) -> str:
     """docs/memory.md's table: each case's pools, planned peak (GB), memory.py's, and the fit."""
     from spmdsplit.config import load_config
 
-    lines = ["| model | preset | GPUs | changes | pool (ranks) | planned peak (phase) | + NCCL | tools/memory.py, "
+    lines = ["| model | preset | GPUs | changes | pool (ranks) | planned peak (phase) | + NCCL | tools/plan/memory.py, "
              "no NCCL | fits 80 GB (4 GB reserve) |", "|---|---|---|---|---|---|---|---|---|"]
     for model, preset, gpus, overrides in cases:
         cfg = load_config(preset, [f"model.path={model}", *overrides])
@@ -592,7 +580,7 @@ def write_doc(path: str, text: str) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="tools.memory_plan", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="tools.plan.memory_plan", description=__doc__.splitlines()[0])
     p.add_argument("--config", default="configs/gpu_qwen2.5_7b.yaml", help="a preset (its layout and workload)")
     p.add_argument("--model", default="Qwen2.5-7B",
                    help=f"one of {', '.join(QWEN25)}, a config.json or a folder holding one")

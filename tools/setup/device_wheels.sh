@@ -1,13 +1,13 @@
 #!/bin/bash
-# bash tools/device_wheels.sh [DIR]   (default .whl, ignored by git; PY=python3, the pip that downloads)
+# bash tools/setup/device_wheels.sh [DIR]   (default .whl, ignored by git; PY=python3, the pip that downloads)
 #
 # The wheels a lent GPU machine lacks, downloaded here into one folder that travels with the working
-# tree (the device tool carries at most 64 MiB), for tools/device_check.sh to install there with no
+# tree (the device tool carries at most 64 MiB), for tools/device/device_check.sh to install there with no
 # index. That machine has Python 3.12, torch, transformers, peft, safetensors, tensorboard, pyarrow,
 # numpy, pyyaml, cloudpickle, tqdm, packaging and typing_extensions, and no network; of pyproject.toml's
 # runtime dependencies it lacks omegaconf and submitit (their own dependencies: PyYAML, cloudpickle,
 # typing_extensions, all there; omegaconf 2.4 vendors its ANTLR runtime, so no antlr4-python3-runtime).
-# Pinned to what the CPU venv runs (tools/setup_cpu.sh). Prints each wheel and the total; fails over 60 MiB.
+# Pinned to what the CPU venv runs (tools/setup/setup_cpu.sh). Prints each wheel and the total; fails over 60 MiB.
 set -euo pipefail
 DIR=${1:-.whl}; PY=${PY:-python3}
 WHEELS=(omegaconf==2.4.0 submitit==1.5.4)

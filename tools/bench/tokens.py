@@ -32,8 +32,8 @@ import statistics
 import sys
 import time
 
-from tools import bench
-from tools.jobs import run_job
+from tools.bench import analysis
+from tools.jobs import pick_device, run_job
 from tools.models import build_random_qwen2
 from tools.report import fmt
 
@@ -80,7 +80,7 @@ BUDGETS = {"actor.ppo_max_token_len_per_gpu": "actor.ppo_micro_batch_size_per_gp
            "ref.log_prob_max_token_len_per_gpu": "ref.log_prob_micro_batch_size_per_gpu",
            "critic.forward_max_token_len_per_gpu": "critic.forward_micro_batch_size_per_gpu"}
 
-REWARD_FN = '''"""Written by tools.bench_tokens: the built-in positional-match score, and each row's
+REWARD_FN = '''"""Written by tools.bench.tokens: the built-in positional-match score, and each row's
 prompt length (extra_info.prompt_tokens, from the bench's parquet) and response length (characters
 = tokens but the EOS: the bench's model never draws another special token) appended to a file of
 this process, in the order the rows come, for the bench's histogram and padding count."""
@@ -261,7 +261,7 @@ def padding_share(tokens: dict[int, dict[str, float]], warmup: int) -> float | N
 
 def tokens_per_second(tokens: dict[int, dict[str, float]], step_times: dict[int, float], warmup: int) -> float | None:
     """Valid tokens per second of step time, median over the steps after the warm-up."""
-    return bench.median(tokens[s]["valid"] / t for s, t in step_times.items() if s > warmup and s in tokens and t)
+    return analysis.median(tokens[s]["valid"] / t for s, t in step_times.items() if s > warmup and s in tokens and t)
 
 
 def train_phase_seconds(phases: dict[str, dict[str, float]]) -> dict[str, float | None]:
@@ -282,7 +282,7 @@ def balance_metrics(scalars: dict[str, dict[int, float]], warmup: int) -> dict[s
     for pool, prefix in (("actor", "global_seqlen"), ("critic", "global_seqlen/critic")):
         for when, lo, hi in (("before", "min", "max"), ("after", "balanced_min", "balanced_max")):
             low, high = scalars.get(f"{prefix}/{lo}", {}), scalars.get(f"{prefix}/{hi}", {})
-            value = bench.median_after_warmup({s: high[s] / low[s] for s in high if low.get(s)}, warmup)
+            value = analysis.median_after_warmup({s: high[s] / low[s] for s in high if low.get(s)}, warmup)
             if value is not None:
                 out[f"{pool} max/min tokens per rank, {when}"] = value
     return out
@@ -303,13 +303,13 @@ def agree(a: float | None, b: float | None, rtol: float = 0.05, atol: float = 0.
 def compare(fixed: dict, tokens: dict) -> dict:
     """fixed / another mode (`tokens`) per training phase, for their sum and for the step; tokens/s
     both ways; the final metrics side by side."""
-    phases = {p: bench.ratio(fixed["train_phases"].get(p), tokens["train_phases"].get(p))
+    phases = {p: analysis.ratio(fixed["train_phases"].get(p), tokens["train_phases"].get(p))
               for p in (*TRAIN_PHASES, "sum")}
     metrics = {k: {"fixed": fixed["final"].get(k), "mode": tokens["final"].get(k),
                    "agree": agree(tokens["final"].get(k), fixed["final"].get(k))}
                for k in FINAL_METRICS if k in fixed["final"] or k in tokens["final"]}
-    return {"phase_ratio": phases, "step_ratio": bench.ratio(fixed["step_time_s"], tokens["step_time_s"]),
-            "tokens_per_s_ratio": bench.ratio(tokens["tokens_per_s"], fixed["tokens_per_s"]), "final": metrics}
+    return {"phase_ratio": phases, "step_ratio": analysis.ratio(fixed["step_time_s"], tokens["step_time_s"]),
+            "tokens_per_s_ratio": analysis.ratio(tokens["tokens_per_s"], fixed["tokens_per_s"]), "final": metrics}
 
 
 def targets(comparisons: dict, runs: list[dict]) -> list[dict]:
@@ -325,7 +325,7 @@ def targets(comparisons: dict, runs: list[dict]) -> list[dict]:
             out.append({"target": "long tail, 2+2: five phases fixed / tokens >= 1.8", "value": c["phase_ratio"]["sum"],
                         "met": None if c["phase_ratio"]["sum"] is None else c["phase_ratio"]["sum"] >= 1.8})
         if workload == "default":
-            slower = bench.ratio(1.0, c["phase_ratio"]["sum"])
+            slower = analysis.ratio(1.0, c["phase_ratio"]["sum"])
             out.append({"target": f"default, {layout}: five phases tokens / fixed <= 1.05", "value": slower,
                         "met": None if slower is None else slower <= 1.05})
     for r in runs:
@@ -401,7 +401,7 @@ def run_one(workload: str, mode: str, layout: str, base: list[str], shapes: dict
     print(f"tools.bench: {name}: {' '.join(extra)}", file=sys.stderr, flush=True)
     start = time.time()
     trace, scalars = run_job(LAYOUTS[layout], base + dump_overrides + extra, job_dir)
-    m = bench.analyze(trace, scalars, args.warmup)
+    m = analysis.analyze(trace, scalars, args.warmup)
     rows, max_response = int(shapes["data.train_batch_size"]), int(shapes["data.max_response_length"])
     per_rank = read_lengths(dump, max_response) if dump else []
     lengths = [r for rank in per_rank for _, r in rank]
@@ -413,8 +413,8 @@ def run_one(workload: str, mode: str, layout: str, base: list[str], shapes: dict
             "step_time_s": m["step_time_s"], "steps_used": m["steps_used"], "train_phases": train_phase_seconds(m["phases"]),
             "phases": m["phases"], **padding,
             "tokens_per_s": tokens_per_second(tokens, scalars.get("timing_s/step", {}), args.warmup),
-            "valid_tokens_per_step": bench.median(t["valid"] for s, t in tokens.items() if s > args.warmup),
-            "response_length_tb": {k: bench.median(scalars.get(f"response_length/{k}", {}).values())
+            "valid_tokens_per_step": analysis.median(t["valid"] for s, t in tokens.items() if s > args.warmup),
+            "response_length_tb": {k: analysis.median(scalars.get(f"response_length/{k}", {}).values())
                                    for k in ("mean", "max", "min")},
             "response_lengths": length_stats(lengths),
             "histogram": histogram(lengths, max_response) if lengths else [],
@@ -425,7 +425,7 @@ def run_one(workload: str, mode: str, layout: str, base: list[str], shapes: dict
 def run(args) -> dict:
     import torch
 
-    device = bench.pick_device(args.overrides, max(LAYOUTS[lay] for lay in args.layouts))
+    device = pick_device(args.overrides, max(LAYOUTS[lay] for lay in args.layouts))
     os.makedirs(args.out, exist_ok=True)
     common = [*args.overrides, f"trainer.device={device}"]
     runs = []

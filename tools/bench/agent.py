@@ -1,4 +1,4 @@
-"""`python -m tools.bench_agent [--steps S] [--warmup W] [--batch B] [--repeats R] [--out DIR]`
+"""`python -m tools.bench.agent [--steps S] [--warmup W] [--batch B] [--repeats R] [--out DIR]`
 
 Also `python -m tools.bench --agent [...]`. What multi-turn tool calls cost (spmdsplit/agent/),
 against the issue's targets, with a tool that sleeps 0.2 s per call (a plain function in a
@@ -11,7 +11,7 @@ verl-format tool YAML, written under --out):
    makes nearly every first turn a call; the calls and tool rounds that happened are counted.
    Target: the turn adds <= 0.4 s to generation (gen sleeping - gen instant, per tool round).
 2. Three real `torchrun -m spmdsplit.train` jobs on 2 ranks, a rollout pool of its own at
-   staleness 1 (tools/bench_async.py's analysis), data.task=lookup with configs/agent_lookup.yaml:
+   staleness 1 (tools/bench/async_rollout.py's analysis), data.task=lookup with configs/agent_lookup.yaml:
    multi-turn with the sleeping tool vs rollout.multi_turn.enable=false, the same workload; and
    multi-turn with the instant tool, which tells the tool's latency from multi-turn's other costs
    (more engine calls per batch, tool tokens in the rows).
@@ -30,12 +30,13 @@ import statistics
 import sys
 import time
 
-from tools import bench, bench_async
+from tools.bench import analysis, async_rollout
 from tools.jobs import run_job
 from tools.report import fmt, run_and_write
 
 SLEEP_S, EPISODES, AT_BOOST = 0.2, 32, 10.0  # SLEEP_S: the issue's tool latency (--tool-s changes it)
-PRESET = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "agent_lookup.yaml")
+PRESET = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs",
+                      "agent_lookup.yaml")
 TARGETS = {"turn_added_s": 0.4, "step_growth": 0.10}
 TOOL_FILE = '''"""bench_agent's tools: one that waits {sleep_s} s per call, one that answers at once."""
 import time
@@ -75,18 +76,18 @@ def tool_turn(run_s: list[float], gen_sleepy_s: list[float], gen_instant_s: list
               calls: int) -> dict:
     """Part 1's numbers from the repeated timings: `rounds` holds the calls of each tool round of
     one sleeping generate; the turn's cost is the median difference over the number of rounds."""
-    added = bench.ratio(median(gen_sleepy_s) - median(gen_instant_s), len(rounds)) \
+    added = analysis.ratio(median(gen_sleepy_s) - median(gen_instant_s), len(rounds)) \
         if gen_sleepy_s and gen_instant_s else None
     return {"run_s": median(run_s), "gen_sleepy_s": median(gen_sleepy_s), "gen_instant_s": median(gen_instant_s),
             "rounds": len(rounds), "calls_per_round": rounds, "calls": calls, "added_per_round_s": added}
 
 
 def job_summary(analysis: dict, scalars: dict[str, dict[int, float]], steady: range) -> dict:
-    """One job's row: phase medians per pool (bench_async.analyze), the train pool's step period and
+    """One job's row: phase medians per pool (async_rollout.analyze), the train pool's step period and
     busy time, and the tool counts per step (TensorBoard), medians over the steady steps."""
     phases, busy = analysis["phases"], analysis["busy_s"]
-    gen_pool = next((p for p in phases if bench_async.is_rollout_pool(p)), None)
-    train_pool = next((p for p in phases if bench_async.is_actor_pool(p)), None)
+    gen_pool = next((p for p in phases if async_rollout.is_rollout_pool(p)), None)
+    train_pool = next((p for p in phases if async_rollout.is_actor_pool(p)), None)
     scalar = {k: median(v for s, v in scalars.get(k, {}).items() if s in steady)
               for k in ("tool/calls", "num_turns/mean", "response_length/mean", "tool/errors")}
     return {"step_s": analysis["step_time_s"], "gen_s": phases.get(gen_pool, {}).get("gen"),
@@ -98,7 +99,7 @@ def targets(turn: dict, modes: dict[str, dict], sleep_s: float = SLEEP_S) -> lis
     """The issue's targets, each with its value, bound and met (None where a number is missing);
     `sleep_s` the tool's latency the run used (the bounds are set for the issue's SLEEP_S)."""
     single, multi = modes.get("single-turn", {}), modes.get("multi-turn", {})
-    growth = bench.ratio(multi.get("step_s"), single.get("step_s"))
+    growth = analysis.ratio(multi.get("step_s"), single.get("step_s"))
     rows = []
 
     def row(name, value, bound, how, unit):
@@ -111,15 +112,15 @@ def targets(turn: dict, modes: dict[str, dict], sleep_s: float = SLEEP_S) -> lis
     row("s=1: train pool's step period, multi-turn vs single-turn", None if growth is None else growth - 1,
         TARGETS["step_growth"], "step multi / step single - 1", "share")
     row("s=1 multi-turn: gen per batch / train pool's work per step",
-        bench.ratio(multi.get("gen_s"), multi.get("train_busy_s")), 1.0,
+        analysis.ratio(multi.get("gen_s"), multi.get("train_busy_s")), 1.0,
         "rollout pool's gen / train pool's busy time (must stay < 1)", "ratio")
     # Continuous generation: the rollout pool never stops (its gen_ahead fills the step), so whether
     # generation keeps up shows as the train pool's wait for rows, not as the rollout pool's gen.
     streamed = modes.get("multi-turn, continuous", {})
-    growth = bench.ratio(streamed.get("step_s"), single.get("step_s"))
+    growth = analysis.ratio(streamed.get("step_s"), single.get("step_s"))
     row("s=1 continuous: train pool's step period, multi-turn vs single-turn (batches)",
         None if growth is None else growth - 1, TARGETS["step_growth"], "step multi continuous / step single - 1", "share")
-    waited = bench.ratio(streamed.get("train_busy_s"), streamed.get("step_s"))
+    waited = analysis.ratio(streamed.get("train_busy_s"), streamed.get("step_s"))
     row("s=1 multi-turn, continuous: train pool's wait for rows / its step period", None if waited is None else 1 - waited,
         TARGETS["step_growth"], "1 - train pool busy / step period", "share")
     return rows
@@ -238,20 +239,20 @@ def run(args) -> dict:
     os.makedirs(args.out, exist_ok=True)
     paths = write_tools(os.path.join(args.out, "tools"), args.tool_s)
     chosen = {name: MODES[name] for name in args.modes}
-    print(f"tools.bench_agent: [1/{len(chosen) + 1}] one tool turn of {EPISODES} episodes, in this process",
+    print(f"tools.bench.agent: [1/{len(chosen) + 1}] one tool turn of {EPISODES} episodes, in this process",
           file=sys.stderr, flush=True)
     turn = measure_turn(paths, args.repeats)
     workload = ["--config", PRESET] + ROLLOUT_TRAIN + WORKLOAD + [f"data.train_batch_size={args.batch}",
                                                                   f"trainer.total_steps={args.steps}"]
-    steady = bench_async.steady_steps(args.steps, args.warmup, 1)
+    steady = async_rollout.steady_steps(args.steps, args.warmup, 1)
     modes = {}
     for i, (name, (on, tool, other)) in enumerate(chosen.items(), 2):
         extra = [f"rollout.multi_turn.enable={str(on).lower()}", f"rollout.multi_turn.tool_config_path={paths[tool]}",
                  *other]
-        print(f"tools.bench_agent: [{i}/{len(chosen) + 1}] {name}: {' '.join(extra)}", file=sys.stderr, flush=True)
+        print(f"tools.bench.agent: [{i}/{len(chosen) + 1}] {name}: {' '.join(extra)}", file=sys.stderr, flush=True)
         start = time.time()
         trace, scalars = run_job(2, workload + extra, os.path.join(args.out, name.replace(",", "").replace(" ", "-")))
-        analysis = bench_async.analyze(trace, scalars, args.warmup, args.batch, staleness=1)
+        analysis = async_rollout.analyze(trace, scalars, args.warmup, args.batch, staleness=1)
         modes[name] = {"overrides": extra, "wall_s": time.time() - start, "pools": analysis["pools"],
                        **job_summary(analysis, scalars, steady)}
     meta = {"device": "cpu", "torch": torch.__version__, "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -262,7 +263,7 @@ def run(args) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="tools.bench_agent", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="tools.bench.agent", description=__doc__.splitlines()[0])
     p.add_argument("--agent", action="store_true", help=argparse.SUPPRESS)  # as passed on by tools.bench --agent
     p.add_argument("--steps", type=int, default=12, help="training steps per job (default 12)")
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians (default 2)")

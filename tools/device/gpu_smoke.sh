@@ -1,5 +1,5 @@
 #!/bin/bash
-# bash tools/gpu_smoke.sh [OUT_DIR]   (DEVICE=cpu PY=.venv/bin/python to try it here, ~40 s)
+# bash tools/device/gpu_smoke.sh [OUT_DIR]   (DEVICE=cpu PY=.venv/bin/python to try it here, ~40 s)
 #
 # One-rank jobs of 3 steps each on DEVICE (default cuda) through the paths the default job does not
 # take: multi-turn tool calls, DAPO's dynamic sampling and overlong shaping, a reward model with
@@ -7,7 +7,7 @@
 # micro-batches in bf16, LoRA adapters on the policy and the value model in bf16 (the adapter-only sync,
 # the reference as the base). A tensor left on the wrong device, or a CPU-only call, shows here first.
 # One line per job: its exit code, its time and its step 3; each job's log in OUT_DIR.
-# DEADLINE (seconds since the epoch, set by tools/device_check.sh): no job runs past it (rc=124).
+# DEADLINE (seconds since the epoch, set by tools/device/device_check.sh): no job runs past it (rc=124).
 DEV=${DEVICE:-cuda}; PY=${PY:-python3}; OUT_DIR=${1:-outputs/gpu_smoke}; mkdir -p "$OUT_DIR"
 RM=$($PY -c "from spmdsplit.embedded import ensure_embedded_model as e; print(e())") || exit 1
 ONE_POOL=(placement.mode=custom 'placement.pools={train: 1}' 'placement.roles={rollout: train, actor: train}'

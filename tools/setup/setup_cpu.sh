@@ -8,7 +8,7 @@
 # vLLM rollout engine is tested here too. It is built against exactly our CPU torch and pins
 # transformers below 5.20; SPMDSPLIT_NO_VLLM=1 leaves it out (rollout.name=hf still works).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 python=${PYTHON:-python3}
 torch_pin="torch==2.13.0"
 extras="test"

@@ -1,29 +1,29 @@
 #!/bin/bash
-# bash tools/device_check.sh [OUT_DIR]   (default outputs/device_check)
-#   DEVICE=cpu PY=.venv/bin/python bash tools/device_check.sh /tmp/devcheck   the same steps on CPU
+# bash tools/device/device_check.sh [OUT_DIR]   (default outputs/device_check)
+#   DEVICE=cpu PY=.venv/bin/python bash tools/device/device_check.sh /tmp/devcheck   the same steps on CPU
 #
 # The device checks of a lent one-GPU machine, as one prepared script (issue 49 item 9), run from the
 # repository root of a copy of the working tree. That machine has torch, transformers, peft, ... but
-# not omegaconf or submitit, and no network: `bash tools/device_wheels.sh` fills .whl/ here, the
+# not omegaconf or submitit, and no network: `bash tools/setup/device_wheels.sh` fills .whl/ here, the
 # folder travels with the tree (the device tool's carry: [".whl"]) and is installed first into
 # $SITE with no index. Then, in sequence, each under a timeout and all within BUDGET seconds
 # (default 470 on cuda: under 8 minutes; a step that would start past it is not run, rc=124):
 #   deps        every runtime import of pyproject.toml, and where omegaconf and submitit come from
-#   gpu_check   python -m tools.gpu_check, HF rollout only (no vLLM there), at configs/gpu_qwen2.5_0.5b.yaml's
+#   gpu_check   python -m tools.device.gpu_check, HF rollout only (no vLLM there), at configs/gpu_qwen2.5_0.5b.yaml's
 #               own batching: its token budgets (use_dynamic_bsz, *_max_token_len_per_gpu), packed passes
 #               (use_remove_padding) and attention (auto: varlen without flash-attn), on Qwen2.5-0.5B's
-#               shape, 4 steps, the last profiled: the step time and MFU per phase (tools/efficiency.py)
+#               shape, 4 steps, the last profiled: the step time and MFU per phase (tools/plan/efficiency.py)
 #   lora_resume configs/lora_grpo_rollout_actor.yaml on one rank (its rollout pool folded onto it), bf16:
 #               4 steps saving at steps 2 and 4, then a run resumed from global_step_2, which must say it
 #               resumes at step 3 and log steps 3 and 4 only; the checkpoint must hold adapters only
-#   continuous  python -m tools.continuous_check: continuous generation (rollout.continuous) with the HF
+#   continuous  python -m tools.device.continuous_check: continuous generation (rollout.continuous) with the HF
 #               engine, weights taken mid-answer, every token's log-prob checked against its version
-#   smoke       bash tools/gpu_smoke.sh: the paths the default job does not take, 3 steps each
+#   smoke       bash tools/device/gpu_smoke.sh: the paths the default job does not take, 3 steps each
 # and prints one table: check | rc | seconds | key number (also OUT_DIR/device_check.md). Exit code 1
 # if any check failed. DEVICE=cpu: the same steps on CPU (gpu_check on its --small shape, 3 steps
 # instead of 4). ONLY="lora_resume smoke": deps and those checks alone (a rerun of what the budget cut).
 DEV=${DEVICE:-cuda}; PY=${PY:-python3}; OUT_DIR=${1:-outputs/device_check}
-REPO=$(cd "$(dirname "$0")/.." && pwd); cd "$REPO" || exit 1
+REPO=$(cd "$(dirname "$0")/../.." && pwd); cd "$REPO" || exit 1
 mkdir -p "$OUT_DIR" && OUT_DIR=$(cd "$OUT_DIR" && pwd)
 if [ "$DEV" = cuda ]; then BUDGET=${BUDGET:-470}; else BUDGET=${BUDGET:-1800}; fi
 T0=$(date +%s); export DEADLINE=$((T0 + BUDGET)) DEVICE=$DEV PY
@@ -95,7 +95,7 @@ for section in ("model", "actor", "critic", "ref"):
 EOF
 )
 if [ "$DEV" = cuda ]; then CHECK=(--steps 4); else CHECK=(--steps 3 --small); fi
-run_step gpu_check 300 "$OUT_DIR/gpu_check.log" "$PY" -m tools.gpu_check --device "$DEV" --rollouts hf "${CHECK[@]}" \
+run_step gpu_check 300 "$OUT_DIR/gpu_check.log" "$PY" -m tools.device.gpu_check --device "$DEV" --rollouts hf "${CHECK[@]}" \
     --out "$OUT_DIR/gpu_check" "${BATCHING[@]}"
 KEY=$("$PY" - "$OUT_DIR/gpu_check/gpu_check.json" "$DEV" "${BATCHING[@]}" <<'EOF' 2>/dev/null
 import json, sys
@@ -174,7 +174,7 @@ fi
 
 # ---- continuous generation with the HF engine
 if want continuous; then
-run_step continuous 120 "$OUT_DIR/continuous.log" "$PY" -m tools.continuous_check --device "$DEV" --out "$OUT_DIR/continuous"
+run_step continuous 120 "$OUT_DIR/continuous.log" "$PY" -m tools.device.continuous_check --device "$DEV" --out "$OUT_DIR/continuous"
 KEY=$("$PY" - "$OUT_DIR/continuous/continuous_check.json" <<'EOF' 2>/dev/null
 import json, sys
 r = json.load(open(sys.argv[1]))
@@ -188,7 +188,7 @@ fi
 # ---- the smoke jobs (each stops at DEADLINE by itself; the outer timeout only backs that up)
 if want smoke; then
 t0=$SECONDS
-timeout -k 10 $(( $(left 100000) + 30 )) bash tools/gpu_smoke.sh "$OUT_DIR/smoke" >"$OUT_DIR/smoke.log" 2>&1
+timeout -k 10 $(( $(left 100000) + 30 )) bash tools/device/gpu_smoke.sh "$OUT_DIR/smoke" >"$OUT_DIR/smoke.log" 2>&1
 SMOKE_RC=$?
 cat "$OUT_DIR/smoke.log" >&2
 ok=$(grep -c ": rc=0 in" "$OUT_DIR/smoke.log"); all=$(grep -cE "^[a-z_]+: rc=[0-9]+ in" "$OUT_DIR/smoke.log")

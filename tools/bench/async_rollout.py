@@ -40,8 +40,8 @@ import os
 import sys
 import time
 
-from tools import bench
-from tools.jobs import run_job
+from tools.bench import analysis
+from tools.jobs import pools_by_rank, run_job
 from tools.models import build_random_qwen2
 from tools.report import fmt
 
@@ -118,8 +118,8 @@ def weight_sync(events: list[dict], pools: dict[int, str]) -> dict[str, dict[int
             moved = sum(_overlap(e, r) for r in receivers if r["args"]["step"] == e["args"]["step"]) \
                 if receivers else e["dur"] / 1e6
             transfer[key] = transfer.get(key, 0.0) + min(moved, e["dur"] / 1e6)
-    return {"push": bench.busiest_per_step(push), "transfer": bench.busiest_per_step(transfer),
-            "take": bench.busiest_per_step(take)}
+    return {"push": analysis.busiest_per_step(push), "transfer": analysis.busiest_per_step(transfer),
+            "take": analysis.busiest_per_step(take)}
 
 
 def busy_per_step(events: list[dict], pools: dict[int, str], staleness: int = 0) -> dict[str, dict[int, float]]:
@@ -141,7 +141,7 @@ def busy_per_step(events: list[dict], pools: dict[int, str], staleness: int = 0)
         step = max(1, e["args"]["step"] - staleness) if name == "gen" and is_rollout_pool(pool) else e["args"]["step"]
         key = (step, e["pid"])
         slot[key] = slot.get(key, 0.0) + sec
-    return {pool: bench.busiest_per_step(s) for pool, s in sums.items()}
+    return {pool: analysis.busiest_per_step(s) for pool, s in sums.items()}
 
 
 def busy_share_in_window(events: list[dict], pools: dict[int, str], start: float, end: float) -> dict[str, float]:
@@ -178,12 +178,12 @@ def steady_steps(total_steps: int, warmup: int, staleness: int) -> range:
 
 def analyze(trace: dict, scalars: dict[str, dict[int, float]], warmup: int, batch: int, staleness: int = 0) -> dict:
     """One mode's numbers from its timeline and TensorBoard scalars, medians over steady_steps."""
-    events, pools = bench.complete_events(trace), bench.pools_by_rank(trace)
+    events, pools = analysis.complete_events(trace), pools_by_rank(trace)
     periods = step_periods(events)
     steady = set(steady_steps(max(periods, default=0), warmup, staleness))
 
     def after(by_step):
-        return bench.median(v for k, v in by_step.items() if k in steady)
+        return analysis.median(v for k, v in by_step.items() if k in steady)
 
     step = after(periods)
     length = after(scalars.get("response_length/mean", {}))
@@ -197,11 +197,11 @@ def analyze(trace: dict, scalars: dict[str, dict[int, float]], warmup: int, batc
         "steps_used": sum(1 for k in periods if k in steady), "staleness": staleness,
         "pools": {str(r): p for r, p in sorted(pools.items())},
         "response_tokens_per_step": length * batch if length is not None else None,
-        "tokens_per_s": bench.ratio(length * batch, step) if length is not None else None,
+        "tokens_per_s": analysis.ratio(length * batch, step) if length is not None else None,
         "sync": {"push_s": sync["push"], "transfer_s": sync["transfer"], "take_s": sync["take"],
-                 "push_share": bench.ratio(sync["push"], step), "transfer_share": bench.ratio(sync["transfer"], step)},
+                 "push_share": analysis.ratio(sync["push"], step), "transfer_share": analysis.ratio(sync["transfer"], step)},
         "busy_s": busy, "busy_share": busy_share,
-        "phases": bench.pool_phase_medians(events, pools, warmup),
+        "phases": analysis.pool_phase_medians(events, pools, warmup),
     }
 
 
@@ -210,7 +210,7 @@ def ideal_pipelining(mode: dict) -> dict:
     the train pools' busiest busy time; pipelining can gain at best (gen + train) / max(gen, train)."""
     gen = mode["phases"].get("rollout", {}).get("gen")
     train = max((v for p, v in mode["busy_s"].items() if not is_rollout_pool(p) and v is not None), default=None)
-    return {"gen_s": gen, "train_s": train, "ideal": bench.ideal_speedup(gen, train)}
+    return {"gen_s": gen, "train_s": train, "ideal": analysis.ideal_speedup(gen, train)}
 
 
 def targets(modes: dict[str, dict]) -> list[dict]:
@@ -226,10 +226,10 @@ def targets(modes: dict[str, dict]) -> list[dict]:
                      "unit": unit})
 
     s1_step = s1["step_time_s"] if s1 else None
-    row("rollout|train s=1 step rate vs best synchronous", bench.ratio(best_sync, s1_step), TARGETS["speedup"], True,
+    row("rollout|train s=1 step rate vs best synchronous", analysis.ratio(best_sync, s1_step), TARGETS["speedup"], True,
         "min(step colocate, step split) / step s=1", unit="ratio")
     ideal = ideal_pipelining(s0) if s0 else {}
-    measured = bench.ratio(s0["step_time_s"], s1_step) if s0 else None
+    measured = analysis.ratio(s0["step_time_s"], s1_step) if s0 else None
     share = (measured - 1) / (ideal["ideal"] - 1) if measured is not None and ideal.get("ideal") and ideal["ideal"] > 1 \
         else None
     row("s=1 vs s=0: share of the ideal pipelining gain", share, TARGETS["pipelining"], True,
@@ -261,7 +261,7 @@ def render_markdown(report: dict) -> str:
         busy = ", ".join(f"{p} {fmt(v, '{:.0%}')}" for p, v in sorted(m["busy_share"].items()))
         s = m["sync"]
         lines.append(f"| {name} | {m['ranks']} | {fmt(m['step_time_s'])} | {fmt(m['timing_s_step'])} | "
-                     f"{fmt(bench.ratio(best, m['step_time_s']), '{:.2f}x')} | {fmt(m['tokens_per_s'], '{:.0f}')} | "
+                     f"{fmt(analysis.ratio(best, m['step_time_s']), '{:.2f}x')} | {fmt(m['tokens_per_s'], '{:.0f}')} | "
                      f"{fmt(s['push_s'])} | {fmt(s['transfer_s'])} | {fmt(s['take_s'])} | {busy} |")
     lines += ["", "| target | value | bound | met? | how |", "|---|---|---|---|---|"]
     for t in report["targets"]:
@@ -270,7 +270,7 @@ def render_markdown(report: dict) -> str:
         lines.append(f"| {t['target']} | {fmt(t['value'], spec)} | {'>=' if t['at_least'] else '<='} "
                      f"{spec.format(t['bound'])} | {met} | {t['how']} |")
     columns = [(n, p) for n, m in modes.items() for p in m["phases"]]
-    names = [p for p in bench.PHASES + ("balance",) if any(p in modes[n]["phases"][q] for n, q in columns)]
+    names = [p for p in analysis.PHASES + ("balance",) if any(p in modes[n]["phases"][q] for n, q in columns)]
     lines += ["", "Median seconds per step of each phase, per pool (a pool's time is its slowest rank's; the rollout "
               "pool's gen by batch number):", "",
               "| phase | " + " | ".join(f"{n} {p}" for n, p in columns) + " |", "|---" * (len(columns) + 1) + "|"]
@@ -282,7 +282,7 @@ def render_markdown(report: dict) -> str:
               "takes the weights), *transfer* = the part of it when the rollout pool is inside sync_weights of the "
               "same step too, *take* = the rollout pool's sync_weights, waiting included; *busy* = the busiest "
               "rank's time inside phases (exchange/*, take and push-minus-transfer left out) / the wall time of "
-              "the steady steps (see tools/bench_async.py's docstring).", ""]
+              "the steady steps (see tools/bench/async_rollout.py's docstring).", ""]
     return "\n".join(lines)
 
 
@@ -312,7 +312,7 @@ def run(args) -> dict:
         modes[name] = {"ranks": nproc, "overrides": extra, "wall_s": time.time() - start,
                        **analyze(trace, scalars, args.warmup, BATCH, staleness_of(extra)),
                        "timeline_png": f"timeline_{slug}.png"}
-        bench.plot_timeline(trace, f"{name}: steps {window[0]}-{window[1]} (cpu, {nproc} ranks)",
+        analysis.plot_timeline(trace, f"{name}: steps {window[0]}-{window[1]} (cpu, {nproc} ranks)",
                             os.path.join(args.out, modes[name]["timeline_png"]), window)
     meta = {"device": "cpu", "torch": torch.__version__, "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "model": MODEL, "params": params, "workload": workload, "steps": args.steps, "warmup": args.warmup}

@@ -133,6 +133,10 @@ class TrainerConfig:
     profile_steps: list[int] = consecutive_steps()
     profile_dir: str = "outputs/profile"
     output_dir: str = "outputs/actor_hf"  # the trained actor in Hugging Face format; "" = don't save
+    # verl's dumps: each step's responses as <dir>/<step>.jsonl (input, output, gts, score, step, and
+    # ours: data_source, uid, row_index, weights_version, agent turns; spmdsplit/dumps.py); "" = off.
+    rollout_data_dir: str = ""  # the training rows, as trained
+    validation_data_dir: str = ""  # the validation responses
     device: str = choice("auto", "cpu", "cuda")  # auto: cuda when available
     num_threads: int = 1  # torch threads per rank on CPU (1 avoids oversubscribing cores); 0 = torch's default
     dist_timeout_s: int = positive(600)  # a collective inside a pool that waits longer than this fails instead of hanging
@@ -579,6 +583,7 @@ class Config:
 
 
 PATH_KEYS = ("trainer.log_dir", "trainer.timeline", "trainer.profile_dir", "trainer.output_dir", "trainer.default_local_dir",
+             "trainer.rollout_data_dir", "trainer.validation_data_dir",
              "model.path", "model.embedded_dir", "model.lora_adapter_path", "critic.model_path",
              "critic.model.lora_adapter_path", "rollout.multi_turn.tool_config_path", "rollout.lora_adapter_dir")
 

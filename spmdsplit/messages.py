@@ -143,6 +143,8 @@ ROLLOUT_KEYS = ("responses", "response_mask", "input_ids", "attention_mask", "po
 AGENT_KEYS = ("num_turns", "tool_calls", "tool_errors")
 # ReMax's greedy response of each row's prompt (generation.greedy_baselines), scored by the reward group.
 BASELINE_KEYS = ("baseline_responses", "baseline_response_mask")
+# The update whose weights generated each row, where a rollout pool of its own says so (the dumps' column).
+VERSION_KEYS = ("weights_version",)
 # The response texts dynamic sampling decoded for its filter: the reward group's rule reward reads
 # them instead of decoding the rows again.
 TEXT_KEYS = (RESPONSE_TEXT,)
@@ -151,8 +153,10 @@ LOG_PROB_KEYS = ("old_log_probs", "ref_log_prob", "row_index")
 
 def rollout_columns(part: Batch) -> Batch:
     """What of a rollout goes to the critic and reward groups: ROLLOUT_KEYS, AGENT_KEYS when the rollout was
-    multi-turn (every row of a step is, or none), BASELINE_KEYS with ReMax, TEXT_KEYS with dynamic sampling."""
-    return part.select(ROLLOUT_KEYS + tuple(k for k in AGENT_KEYS + BASELINE_KEYS + TEXT_KEYS if k in part))
+    multi-turn (every row of a step is, or none), BASELINE_KEYS with ReMax, TEXT_KEYS with dynamic sampling,
+    VERSION_KEYS from a rollout pool of its own."""
+    optional = AGENT_KEYS + BASELINE_KEYS + TEXT_KEYS + VERSION_KEYS
+    return part.select(ROLLOUT_KEYS + tuple(k for k in optional if k in part))
 ADVANTAGE_KEYS = ("advantages", "row_index")
 SCORE_KEYS = ("token_level_scores", "row_index")  # + reward_baselines with ReMax
 

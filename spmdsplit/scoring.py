@@ -39,13 +39,17 @@ def score_baselines(reward, part: Batch) -> torch.Tensor:
     return scores[torch.tensor([group[uid] for uid in part["uid"]], device=scores.device)]
 
 
-def score_validation(pools, reward, channel, timer, step: int, val_set) -> dict[str, float]:
+def score_validation(pools, reward, channel, timer, step: int, val_set, dump=None) -> dict[str, float]:
     """The validation responses in (VAL_ROLLOUT), scored: verl's val-core/<data_source>/reward/mean@n,
-    reduced over the reward group's pool (generation.ValidationSet: every rank the same keys)."""
+    reduced over the reward group's pool (generation.ValidationSet: every rank the same keys);
+    `dump`: trainer.validation_data_dir's (dumps.RowDump)."""
     n = val_set.n
     batch = channel.recv_val_rollout(step, val_set.responses)
     with timer.phase("val_reward", step):
         _, scores = reward.compute(batch)
+    if dump is not None:
+        with timer.phase("dump", step):
+            dump.write(step, batch, scores)
     sums = {f"val-core/{ds}/reward/mean@{n}": 0.0 for ds in val_set.sources}
     counts = dict.fromkeys(sums, 0.0)
     for ds, score in zip(batch["data_source"], scores.tolist()):

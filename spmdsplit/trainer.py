@@ -27,6 +27,7 @@ import torch.distributed as dist
 from spmdsplit import checkpoint, lora
 from spmdsplit.checkpointing import CheckpointManager, seed_sampling
 from spmdsplit.data.prompts import PromptDataset
+from spmdsplit.dumps import Dumps, RowDump
 from spmdsplit.dynamic_sampling import DynamicSampling
 from spmdsplit.batch_balancer import BatchBalancer
 from spmdsplit.generation import EngineWeights, validation_set
@@ -102,6 +103,9 @@ class Trainer:
         builders = {"rollout": self.build_rollout, "actor": self.build_actor, "critic": self.build_critic,
                     "reward": self.build_reward}
         self.policy_weights = None  # on actor ranks: the policy's weights to every engine (build_actor)
+        # verl's trainer.rollout_data_dir / validation_data_dir, where the scored rows are
+        self.dumps = Dumps(rollout=self.build_dump(cfg.trainer.rollout_data_dir, "critic"),
+                           validation=self.build_dump(cfg.trainer.validation_data_dir, "reward"))
         self.programs = {group: builders[group]() for group in own_programs(self.placement, self.rank)}
         seed_sampling(cfg.trainer.seed, self.rank)
         # A resumed run goes on after the checkpoint's step, in its wandb / MLflow runs.
@@ -146,11 +150,19 @@ class Trainer:
         cfg, pools = self.cfg, self.pools
         roles = build_critic_roles(cfg, pools)
         reward = None if self.placement.apart("reward") else build_reward(cfg, pools, self.tokenizer, self.eos_ids)
-        return CriticProgram(cfg, pools, roles, self.channel, self.timer, self.handoff, reward)
+        return CriticProgram(cfg, pools, roles, self.channel, self.timer, self.handoff, reward, self.dumps)
 
     def build_reward(self) -> RewardProgram:
         reward = build_reward(self.cfg, self.pools, self.tokenizer, self.eos_ids)
-        return RewardProgram(self.cfg, self.pools, reward, self.channel, self.timer)
+        return RewardProgram(self.cfg, self.pools, reward, self.channel, self.timer, self.dumps)
+
+    def build_dump(self, folder: str, group: str) -> RowDump | None:
+        """A dump of the rows `group` holds scored, on its ranks: each decodes its own, its pool's
+        first rank writes."""
+        if not folder or self.rank not in self.placement.ranks(group):
+            return None
+        return RowDump(folder, self.tokenizer, self.eos_ids, self.pools.meet_group(group),
+                       writer=self.rank == self.placement.ranks(group)[0])
 
     def build_sampler(self, groups: ProcessGroups) -> DynamicSampling | None:
         """DAPO's dynamic sampling on the ranks that generate, over their group: a rollout pool's,
@@ -244,6 +256,7 @@ class Trainer:
         if trainer.timeline:
             self.reports.timeline(trainer.timeline, self.timer)
         self.reports.close()
+        self.dumps.close()
         # Every rank is done with every message before any leaves: from here on a rank that is
         # gone has finished, not failed (spmdsplit/failure.py).
         dist.barrier(group=self.channel.control_group)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from spmdsplit import algo, scoring
 from spmdsplit.batch import Batch
 from spmdsplit.distributed import pool_sum
+from spmdsplit.dumps import Dumps
 from spmdsplit.messages import PoolChannel, check_rows, receive_for
 from spmdsplit.batch_metrics import compute_data_metrics
 from spmdsplit.timing import PhaseTimer
@@ -21,10 +22,11 @@ from spmdsplit.seeds import update_seed
 
 class CriticProgram(Program):
     def __init__(self, cfg, pools: Pools, roles: CriticRoles, channel: PoolChannel, timer: PhaseTimer, handoff,
-                 reward: RuleReward | RewardModel | None):
-        """`reward`: the reward group's reward when it shares this pool (None: its own pool scores)."""
+                 reward: RuleReward | RewardModel | None, dumps: Dumps):
+        """`reward`: the reward group's reward when it shares this pool (None: its own pool scores);
+        `dumps`: trainer.rollout_data_dir's (the rows as trained) and, scoring here, validation_data_dir's."""
         self.cfg, self.pools, self.channel, self.timer, self.handoff = cfg, pools, channel, timer, handoff
-        self.critic, self.kl_ctrl, self.reward = roles.critic, roles.kl_ctrl, reward
+        self.critic, self.kl_ctrl, self.reward, self.dumps = roles.critic, roles.kl_ctrl, reward, dumps
         self.chunks = cfg.rollout.stream_chunks
 
     @property
@@ -74,6 +76,9 @@ class CriticProgram(Program):
                 metrics.update(self.critic.update_critic(batch, seed=update_seed(self.cfg.trainer.seed, step)))
         metrics.update(compute_data_metrics(batch, self.pools.group("critic"), self.pools.device,
                                             self.cfg.data.max_response_length))
+        if self.dumps.rollout:
+            with phase("dump", step):
+                self.dumps.rollout.write(step, batch, batch["token_level_scores"].sum(-1))
         self.handoff()  # blocking mode: the actor updates only after the critic did
         for sent in sends:
             sent.wait()
@@ -82,7 +87,8 @@ class CriticProgram(Program):
     def score_validation(self, step: int, val_set) -> dict[str, float] | None:
         if self.reward is None:  # a reward pool of its own scores them
             return None
-        return scoring.score_validation(self.pools, self.reward, self.channel, self.timer, step, val_set)
+        return scoring.score_validation(self.pools, self.reward, self.channel, self.timer, step, val_set,
+                                        self.dumps.validation)
 
     def state(self, step: int) -> dict:
         return {"kl_ctrl": self.kl_ctrl.state_dict()}

@@ -6,6 +6,7 @@ pool's mesh with its own token budgets (reward.model.*). Messages: spmdsplit/mes
 from __future__ import annotations
 
 from spmdsplit import scoring
+from spmdsplit.dumps import Dumps
 from spmdsplit.exchange import PendingSend
 from spmdsplit.messages import PoolChannel
 from spmdsplit.timing import PhaseTimer
@@ -17,8 +18,11 @@ from spmdsplit.roles.reward_model import RewardModel
 
 class RewardProgram(Program):  # nothing trained: a checkpoint keeps only the ranks' state
 
-    def __init__(self, cfg, pools: Pools, reward: RuleReward | RewardModel, channel: PoolChannel, timer: PhaseTimer):
+    def __init__(self, cfg, pools: Pools, reward: RuleReward | RewardModel, channel: PoolChannel, timer: PhaseTimer,
+                 dumps: Dumps):
+        """`dumps`: trainer.validation_data_dir's, written where the validation responses are scored."""
         self.cfg, self.pools, self.reward, self.channel, self.timer = cfg, pools, reward, channel, timer
+        self.dumps = dumps
         self.chunks = cfg.rollout.stream_chunks
 
     def step(self, step: int) -> dict[str, float]:
@@ -41,4 +45,5 @@ class RewardProgram(Program):  # nothing trained: a checkpoint keeps only the ra
         return metrics
 
     def score_validation(self, step: int, val_set) -> dict[str, float]:
-        return scoring.score_validation(self.pools, self.reward, self.channel, self.timer, step, val_set)
+        return scoring.score_validation(self.pools, self.reward, self.channel, self.timer, step, val_set,
+                                        self.dumps.validation)

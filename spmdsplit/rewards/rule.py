@@ -7,7 +7,8 @@ what the scorer gave (a float, or the dict as is); `score_sample` turns either i
 reward function alike.
 
 Names route as in verl's `default_compute_score` (verl 0.9.1): the exact names of SCORERS, then a
-name that starts with one of SCORER_PREFIXES (verl's `data_source.startswith("aime")`).
+name that starts with one of SCORER_PREFIXES (verl's `data_source.startswith("aime")`). Beyond
+verl's: `math_verify` (Math-Verify, the `math` extra, imported on first use).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import numbers
 from typing import Any, Callable, Mapping
 
 from spmdsplit.data.synthetic import TASKS, TOOL_CLOSE, data_source
-from spmdsplit.rewards import gsm8k, math_dapo, math_exact
+from spmdsplit.rewards import gsm8k, math_dapo, math_exact, math_verify
 
 
 def positional_match_score(solution_str: str, ground_truth: str) -> float:
@@ -49,6 +50,8 @@ for _name in math_exact.DATA_SOURCES:
     SCORERS[_name] = math_exact.compute_score
 for _name in math_dapo.DATA_SOURCES:  # +1 / -1 with "acc", as verl
     SCORERS[_name] = math_dapo.compute_score
+for _name in math_verify.DATA_SOURCES:
+    SCORERS[_name] = math_verify.compute_score
 SCORER_PREFIXES: dict[str, Callable[[str, Any], Any]] = dict.fromkeys(math_dapo.DATA_SOURCE_PREFIXES,
                                                                      math_dapo.compute_score)
 

@@ -248,12 +248,29 @@ class ModelConfig(LoraKeys):
 
 
 @dataclass
+class ReasoningGymConfig:
+    """reasoning-gym's tasks as data: a data.train_files / data.val_files entry
+    `reasoning_gym:<task>[,<task>...]` (spmdsplit/data/reasoning_gym.py; the `reasoning-gym` extra)."""
+    size: int = positive(1000)  # entries per task in the training set
+    val_size: int = positive(100)  # entries per task in the validation set
+    seed: int = 1  # the training set's; the validation set's is this + 1_000_003, so the two never share an entry
+    # the system message before each question: a name in reasoning_gym.utils.SYSTEM_PROMPTS (the scorer
+    # reads the answer between <answer> tags, which they all ask for), or "" for the question alone
+    system_prompt: str = "default"
+    # false: each prompt is one plain string (system prompt, blank line, question), for a model
+    # without a chat template (the embedded one)
+    chat: bool = True
+
+
+@dataclass
 class DataConfig:
     task: str = "repeat"  # the built-in synthetic task (spmdsplit/data/synthetic.py TASKS), when no train_files
     num_train_samples: int = positive(20000)  # size of the synthetic training set
-    # verl's parquet files (a path or a list of paths); "" = the synthetic task
+    # verl's parquet files (a path or a list of paths), or reasoning_gym:<task>[,<task>...] for
+    # reasoning-gym's tasks (data.reasoning_gym); "" = the synthetic task
     train_files: Any = paths("")
     val_files: Any = paths("")
+    reasoning_gym: ReasoningGymConfig = field(default_factory=ReasoningGymConfig)
     prompt_key: str = "prompt"
     train_batch_size: int = positive(128)  # prompts per step, over the whole world
     # prompts per generation batch with algorithm.filter_groups (verl's name; null = train_batch_size):

@@ -1,4 +1,5 @@
-"""Where a job's prompts come from: verl parquet files (`data.train_files` / `data.val_files`)
+"""Where a job's prompts come from: verl parquet files (`data.train_files` / `data.val_files`),
+reasoning-gym's tasks (an entry `reasoning_gym:<task>[,<task>...]` there, spmdsplit/data/reasoning_gym.py)
 or, when none are given, the built-in synthetic task (`data.task`).
 
 `build_rows` is the one entry point: it returns rows of one shape whatever the source,
@@ -14,6 +15,7 @@ Every rank may call it: it reads and decides the same way everywhere, with no co
 
 from __future__ import annotations
 
+from spmdsplit.data import reasoning_gym
 from spmdsplit.data.parquet import DataError, as_file_list, has_chat_template, read_parquet_rows
 from spmdsplit.data.prompts import TRUNCATIONS, filter_overlong_prompts, prompt_lengths
 from spmdsplit.data.synthetic import make_dataset
@@ -46,7 +48,8 @@ def build_rows(data_cfg, tokenizer, split: str, tools: list[dict] | None = None,
                default_agent: str = "single_turn_agent") -> tuple[list[dict], dict]:
     """The rows of `split` ("train" or "val") and a report:
     {"split", "source" ("parquet" | "synthetic/<task>"), "files", "rows_read", "malformed",
-     "malformed_examples", "skipped", "filtered_overlong", "rows"}.
+     "malformed_examples", "skipped", "filtered_overlong", "rows"}, and "reasoning_gym" (the tasks)
+    when data.train_files / data.val_files name reasoning-gym's.
 
     Parquet rows are checked (data.skip_malformed_rows decides whether malformed ones stop the
     job or are dropped and counted); with data.filter_overlong_prompts, prompts longer than
@@ -61,14 +64,22 @@ def build_rows(data_cfg, tokenizer, split: str, tools: list[dict] | None = None,
         raise DataError(f"data.truncation={truncation!r}: expected one of {list(TRUNCATIONS)}")
     max_len = int(data_cfg.max_prompt_length)
 
+    specs = [f for f in files if reasoning_gym.is_spec(f)]
+    parquet_files = [f for f in files if not reasoning_gym.is_spec(f)]
     if files:
-        rows, report = read_parquet_rows(
-            files,
-            prompt_key=getattr(data_cfg, "prompt_key", "prompt") or "prompt",
-            skip_malformed=bool(getattr(data_cfg, "skip_malformed_rows", False)),
-            key=key,
-        )
+        rows, report = [], {"files": [], "rows_read": 0, "malformed": {}, "malformed_examples": {}, "skipped": 0}
+        if parquet_files:
+            rows, report = read_parquet_rows(
+                parquet_files,
+                prompt_key=getattr(data_cfg, "prompt_key", "prompt") or "prompt",
+                skip_malformed=bool(getattr(data_cfg, "skip_malformed_rows", False)),
+                key=key,
+            )
         report = {"split": split, "source": "parquet", **report}
+        if specs:
+            generated, tasks = reasoning_gym.build_rows(specs, data_cfg.reasoning_gym, split, key)
+            rows += generated
+            report.update(rows_read=report["rows_read"] + len(generated), reasoning_gym=tasks)
     else:
         rows = _synthetic_rows(data_cfg, split)
         report = {
@@ -90,6 +101,7 @@ def build_rows(data_cfg, tokenizer, split: str, tools: list[dict] | None = None,
         raise DataError(
             f"{key}: the prompts are chat messages, but the tokenizer has no chat template: use a chat "
             "model's tokenizer (model.path), or give the prompts as plain strings"
+            + (" (data.reasoning_gym.chat=false)" if specs else "")
         )
 
     filtered = 0
@@ -125,7 +137,10 @@ def format_report(report: dict, max_prompt_length: int | None = None) -> str:
     """One line for the job's log."""
     split, source = report["split"], report["source"]
     if source == "parquet":
-        text = f"data ({split}): {report['rows_read']} row(s) from {len(report['files'])} parquet file(s)"
+        parts = [f"{len(report['files'])} parquet file(s)"] if report["files"] else []
+        if report.get("reasoning_gym"):
+            parts.append(f"reasoning-gym's task(s) {', '.join(report['reasoning_gym'])}")
+        text = f"data ({split}): {report['rows_read']} row(s) from {' and '.join(parts)}"
     else:
         text = f"data ({split}): {report['rows_read']} row(s) of the synthetic task {source}"
     if report.get("skipped"):

@@ -7,7 +7,9 @@ what the scorer gave (a float, or the dict as is); `score_sample` turns either i
 reward function alike.
 
 Names route as in verl's `default_compute_score` (verl 0.9.1): the exact names of SCORERS, then a
-name that starts with one of SCORER_PREFIXES (verl's `data_source.startswith("aime")`).
+name that starts with one of SCORER_PREFIXES (verl's `data_source.startswith("aime")`). Beyond
+verl's: `math_verify` (Math-Verify) and `reasoning_gym/<task>` (that task's own scorer), each with
+its optional package (the `math` and `reasoning-gym` extras), imported on first use.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import numbers
 from typing import Any, Callable, Mapping
 
 from spmdsplit.data.synthetic import TASKS, TOOL_CLOSE, data_source
-from spmdsplit.rewards import gsm8k, math_dapo, math_exact
+from spmdsplit.rewards import gsm8k, math_dapo, math_exact, math_verify, reasoning_gym
 
 
 def positional_match_score(solution_str: str, ground_truth: str) -> float:
@@ -49,8 +51,13 @@ for _name in math_exact.DATA_SOURCES:
     SCORERS[_name] = math_exact.compute_score
 for _name in math_dapo.DATA_SOURCES:  # +1 / -1 with "acc", as verl
     SCORERS[_name] = math_dapo.compute_score
+for _name in math_verify.DATA_SOURCES:
+    SCORERS[_name] = math_verify.compute_score
 SCORER_PREFIXES: dict[str, Callable[[str, Any], Any]] = dict.fromkeys(math_dapo.DATA_SOURCE_PREFIXES,
                                                                      math_dapo.compute_score)
+SCORER_PREFIXES[reasoning_gym.DATA_SOURCE_PREFIX] = reasoning_gym.compute_score
+# The scorers that also read the row's extra_info (where the entry they score is described).
+READS_EXTRA_INFO = frozenset({reasoning_gym.compute_score})
 
 
 def find_scorer(data_source: str) -> Callable[[str, Any], Any] | None:
@@ -73,12 +80,15 @@ def _check_finite(score: float, data_source: str, solution_str: str, ground_trut
 
 def compute_score(data_source: str, solution_str: str, ground_truth, extra_info=None):
     """The built-in scorer of `data_source` on one response: a float, or the scorer's dict as is.
-    `extra_info` is accepted for verl's signature; the built-in scorers do not use it."""
+    `extra_info` is verl's argument; only the scorers of READS_EXTRA_INFO read it."""
     scorer = find_scorer(data_source)
     if scorer is None:
         known = sorted(SCORERS) + [f"{prefix}*" for prefix in SCORER_PREFIXES]
         raise KeyError(f"no reward function for data_source={data_source!r}; known: {known}")
-    result = scorer(solution_str, ground_truth)
+    if scorer in READS_EXTRA_INFO:
+        result = scorer(solution_str, ground_truth, extra_info)
+    else:
+        result = scorer(solution_str, ground_truth)
     if isinstance(result, Mapping):
         return result
     return normalize_result(result, data_source, solution_str, ground_truth)[0]

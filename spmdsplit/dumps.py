@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from spmdsplit.batch import Batch
-from spmdsplit.roles.reward import decode_rows, host_lists, response_lengths, response_texts
+from spmdsplit.roles.reward import decoded_prompts, host_lists, response_lengths, response_texts
 
 # Our columns a line carries when the rows have them (besides verl's fields).
 EXTRA_COLUMNS = ("weights_version", "num_turns", "tool_calls", "tool_errors")
@@ -31,10 +31,7 @@ EXTRA_COLUMNS = ("weights_version", "num_turns", "tool_calls", "tool_errors")
 def dump_lines(tokenizer, eos_ids: list[int], step: int, rows: Batch, scores: torch.Tensor) -> list[dict]:
     """One dict per row: verl's fields and ours, texts decoded as verl decodes them for its dumps
     (special tokens dropped; the EOS ending a response too)."""
-    R = rows["responses"].shape[1]
-    prompt_ids, prompt_mask = host_lists(rows["input_ids"][:, :-R], rows["attention_mask"][:, :-R])
-    inputs = decode_rows(tokenizer, [[t for t, m in zip(ids, mask) if m] for ids, mask in zip(prompt_ids, prompt_mask)],
-                         skip_special_tokens=True)
+    inputs = decoded_prompts(tokenizer, rows, skip_special_tokens=True)
     outputs = response_texts(tokenizer, rows["responses"], response_lengths(rows), set(eos_ids), skip_special_tokens=True)
     columns = {"score": scores.float(), "row_index": rows["row_index"],
                **{k: rows[k] for k in EXTRA_COLUMNS if k in rows}}

@@ -28,7 +28,7 @@ from torch import nn
 from spmdsplit.batch import Batch
 from spmdsplit.roles.common import packed_attention_kwargs
 from spmdsplit.roles.micro_batches import in_row_order, plan_bins
-from spmdsplit.roles.reward import (RewardError, decode_rows, describe_sample, host_lists, on_last_token, per_flag,
+from spmdsplit.roles.reward import (RewardError, decoded_prompts, describe_sample, on_last_token, per_flag,
                                     response_lengths, response_texts)
 
 
@@ -95,13 +95,8 @@ class RewardModel:
 
     def texts(self, batch: Batch) -> tuple[list[str], list[str]]:
         """(prompt texts, response texts), decoded with the policy's tokenizer."""
-        input_ids, attention_mask, responses = batch["input_ids"], batch["attention_mask"], batch["responses"]
-        P = input_ids.shape[1] - responses.shape[1]
-        # The prompt columns copied to the host once, not a row (and a sync) at a time; decoded in one call.
-        prompt_ids = [[token for token, kept in zip(ids, keep) if kept]
-                      for ids, keep in zip(*host_lists(input_ids[:, :P], attention_mask[:, :P]))]
-        prompts = decode_rows(self.policy_tokenizer, prompt_ids)
-        answers = response_texts(self.policy_tokenizer, responses, response_lengths(batch), self.eos_token_ids)
+        prompts = decoded_prompts(self.policy_tokenizer, batch)
+        answers = response_texts(self.policy_tokenizer, batch["responses"], response_lengths(batch), self.eos_token_ids)
         return prompts, answers
 
     def encode(self, texts: list[str], max_length: int) -> list[list[int]]:

@@ -100,6 +100,16 @@ class ModelShape:
         return self.layers * self.layer_weights()
 
 
+def add_shape_flags(parser) -> None:
+    """--hidden, --layers, --heads, --kv-heads, --mlp: the random Qwen2 a bench builds
+    (build_random_qwen2); the same defaults in every bench that takes them."""
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--mlp", type=int, default=2048)
+
+
 def build_random_qwen2(folder: str, hidden: int, layers: int, heads: int, kv_heads: int, mlp: int,
                        long_answers: bool = False, eos_rate: float | None = None,
                        max_positions: int = 256) -> int:

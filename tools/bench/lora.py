@@ -25,7 +25,7 @@ import sys
 import tempfile
 
 from tools.jobs import BenchError, peak_memory, pools_by_rank, run_job
-from tools.models import build_random_qwen2
+from tools.models import add_shape_flags, build_random_qwen2
 from tools.report import fmt, write_report
 
 # The GRPO layout, short rows (tools.bench.memory's workload, with rollout.n >= 2 for GRPO's groups).
@@ -91,11 +91,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="tools.bench.lora", description=__doc__.splitlines()[0])
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--alpha", type=float, default=16.0)
-    p.add_argument("--hidden", type=int, default=768)
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--mlp", type=int, default=2048)
+    add_shape_flags(p)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--device", default="cpu", help="trainer.device of both jobs (cpu | cuda)")
     p.add_argument("--out", default="outputs/bench_lora")

@@ -30,7 +30,7 @@ import tempfile
 import time
 
 from tools.jobs import BenchError, peak_memory, pools_by_rank, run_job
-from tools.models import build_random_qwen2
+from tools.models import add_shape_flags, build_random_qwen2
 from tools.report import fmt, write_report
 
 # Issue 11's workload: 2 steps, 8 prompts, short prompts and responses, mini-batch 8, micro-batch 4.
@@ -147,11 +147,7 @@ def render(report: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="tools.bench.memory", description=__doc__.splitlines()[0])
-    p.add_argument("--hidden", type=int, default=768)
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--mlp", type=int, default=2048)
+    add_shape_flags(p)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--layouts", nargs="+", default=["1+1", "2+2", "2+2/4"],
                    help="actor+critic ranks, e.g. 1+1 2+2; /k: k micro-batches per mini-batch on each rank; "

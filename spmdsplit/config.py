@@ -417,11 +417,21 @@ class MultiTurnConfig:
     # the embedded task's lookup tool
     tool_config_path: str = ""
     max_assistant_turns: Optional[int] = None  # null: only the token budget ends an episode
+    # Tokens of one policy turn at most (a turn cut there ends its episode); null: the response's budget
+    max_turn_length: Optional[int] = None
     max_parallel_calls: int = positive(1)  # calls of one turn that run (verl's default: 1); the rest are dropped
     max_tool_response_length: int = positive(256)  # characters of a tool response the model sees
     tool_response_truncate_side: str = choice("middle", "left", "right")
     tool_timeout_s: float = positive(30.0)  # a call that runs longer is answered with an error
     format: str = choice("hermes", "compact")  # how calls are written (spmdsplit/agent/parsers.py)
+    # A gym-style environment (spmdsplit/agent/environments.py, docs/environments.md): each row an
+    # episode of it (its reset, then a step per policy turn), as pkg.mod.Name or path/to/file.py:Name;
+    # OpenEnv Environment subclasses run as they are. "" = none.
+    environment: str = ""
+    environment_kwargs: dict[str, Any] = field(default_factory=dict)  # the constructor's keyword arguments
+    environment_reward: str = choice("sum", "last")  # an episode's reward: its steps' sum, or the last step's
+    # The field of step's action model (OpenEnv) the policy's text fills; "": its one required string field
+    environment_action_field: str = ""
 
 
 @dataclass

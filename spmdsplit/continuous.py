@@ -26,7 +26,9 @@ its turns is one request. When a turn ends with tool calls they start at once, o
 (Tools.start), and the episode leaves the engine; other episodes' turns go on meanwhile, and the
 next engine step after the calls return submits its next turn (the tool's tokens appended, mask 0,
 recorded with the version then held, which no check reads). Nothing waits for a whole turn of
-every episode, as batch mode's loop does.
+every episode, as batch mode's loop does. An environment's episode (rollout.multi_turn.environment)
+is the same, its reset run as the episode's first call and each step as a turn's; a checkpoint
+keeps no environment's state, so its episodes still running start again from their prompts.
 """
 
 from __future__ import annotations
@@ -207,7 +209,7 @@ class ContinuousGeneration:
             turn = slice(response.turn_start, None)
             calls, turn_end = self.agent.take_turn(response.episode, response.tokens[turn], response.log_probs[turn])
             if calls:
-                self.tooling.append(ToolCalls(group, member, response, calls, turn_end, self.agent.tools.start(calls)))
+                self.tooling.append(ToolCalls(group, member, response, calls, turn_end, self.agent.start_calls(calls)))
                 return
         self.response_done(group, member)
 
@@ -235,7 +237,7 @@ class ContinuousGeneration:
             response = t.response
             if t.group.responses[t.member] is not response:  # restarted meanwhile (staleness): dropped
                 continue
-            self.agent.add_tool_responses(response.episode, t.calls, t.results.result(), t.turn_end)
+            self.agent.add_responses(response.episode, t.calls, t.results.result(), t.turn_end)
             tool_tokens = response.episode.response_ids[len(response.tokens):]
             response.tokens += tool_tokens
             response.log_probs += [0.0] * len(tool_tokens)
@@ -322,15 +324,20 @@ class ContinuousGeneration:
         """The response's request: its prompt and the tokens it has, for the budget left (an agent's:
         its next turn, with the turn's seed and stop tokens)."""
         response = group.responses[member]
-        seed, stop_ids = group.seeds[member], None
+        seed, stop_ids, budget = group.seeds[member], None, self.budget - len(response.tokens)
         if self.agent is not None:
             if response.episode is None:
                 response.episode = self.agent.start(group.prompts.slice(member, member + 1))[0]
                 response.episode.seed = seed
+                opening = self.agent.opening_calls(response.episode)  # an environment's reset, first
+                if opening:
+                    self.tooling.append(ToolCalls(group, member, response, opening, "", self.agent.start_calls(opening)))
+                    return
             seed, stop_ids = self.agent.turn_seed(response.episode), self.agent.turn_stop_ids(response.episode)
+            budget = self.agent.turn_budget(response.episode)
         request_id = f"c{next(self._ids)}"
         self.live[request_id] = (group, member)
-        self.engine.submit(request_id, group.contexts[member] + response.tokens, self.budget - len(response.tokens),
+        self.engine.submit(request_id, group.contexts[member] + response.tokens, budget,
                            seed, validate=group.validate, stop_ids=stop_ids)
 
     def restart_stale(self, batch: int) -> None:
@@ -393,7 +400,8 @@ class ContinuousGeneration:
         self.take_tool_results(wait=True)
         def group(g: Group) -> dict:
             return {"prompts": g.prompts.to("cpu"), "contexts": g.contexts, "seeds": g.seeds,
-                    "responses": [vars(r) for r in g.responses]}
+                    "responses": [vars(r if self.agent is None or self.agent.resumable(r.episode) else Response())
+                                  for r in g.responses]}
 
         # The order the engine holds them in (an HF step batches its requests in that order): a
         # resume submits them again in it.

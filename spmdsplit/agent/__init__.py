@@ -12,10 +12,47 @@ from __future__ import annotations
 import functools
 import os
 
+from spmdsplit.data.parquet import ENVIRONMENT_AGENT
 from spmdsplit.data.synthetic import AGENT_TASKS
 
-AGENTS = ("single_turn_agent", "tool_agent")  # verl's agent_name values
+# verl's agent_name values, and ours for an environment's episodes (rollout.multi_turn.environment)
+AGENTS = ("single_turn_agent", "tool_agent", ENVIRONMENT_AGENT)
 LOOKUP_TOOLS = os.path.join(os.path.dirname(__file__), "lookup_tools.yaml")  # the embedded task's tool config
+ECHO_ENVIRONMENT = "spmdsplit.agent.echo.EchoDigits"  # the embedded echo task's environment
+
+
+def environment_path(cfg) -> str:
+    """rollout.multi_turn.environment, or the embedded echo task's own when it is empty and that
+    task is the data."""
+    path = cfg.rollout.multi_turn.environment
+    if not path and not cfg.data.train_files and cfg.data.task == "echo":
+        return ECHO_ENVIRONMENT
+    return path
+
+
+def default_agent(cfg) -> str:
+    """The agent of rows without agent_name: an environment's, when the job has one."""
+    return ENVIRONMENT_AGENT if environment_path(cfg) else cfg.rollout.agent.default_agent_loop
+
+
+def load_job_environments(cfg):
+    """The job's environments (None without one); a bad environment raises ToolConfigError."""
+    if not cfg.rollout.multi_turn.enable or not environment_path(cfg):
+        return None
+    from spmdsplit.agent.environments import Environments, load_environment
+
+    m = cfg.rollout.multi_turn
+    kwargs = dict(m.environment_kwargs or {})
+    key = (environment_path(cfg), repr(sorted(kwargs.items())), m.environment_action_field)
+    if key not in _ENVIRONMENTS:  # built once per process, like the tools
+        factory = load_environment(environment_path(cfg), kwargs, m.environment_action_field)
+        _ENVIRONMENTS[key] = Environments(factory, timeout_s=m.tool_timeout_s, max_text_chars=m.max_tool_response_length,
+                                          truncate_side=m.tool_response_truncate_side,
+                                          action_field=m.environment_action_field)
+    return _ENVIRONMENTS[key]
+
+
+_ENVIRONMENTS: dict = {}
 
 
 def tool_config_path(cfg) -> str:
@@ -58,11 +95,17 @@ def check_multi_turn(cfg, tokenizer):
     from spmdsplit.errors import ConfigError
 
     if not cfg.rollout.multi_turn.enable:
+        if environment_path(cfg):
+            what = (f"rollout.multi_turn.environment={cfg.rollout.multi_turn.environment}"
+                    if cfg.rollout.multi_turn.environment else "data.task=echo")
+            raise ConfigError(f"{what}: an environment's episodes are multi-turn; set rollout.multi_turn.enable=true")
         return None
     try:
         tools = load_job_tools(cfg)
         parser = build_parser(cfg.rollout.multi_turn.format, tools.schemas)
-        ToolChat(tokenizer)
+        chat = ToolChat(tokenizer)
+        if load_job_environments(cfg) is not None:
+            chat.opening_ids("x")  # a template that re-renders the first message cannot open an episode
     except (ToolConfigError, ValueError) as e:
         raise ConfigError(str(e)) from None
     unknown = [t for t in parser.stop_tokens if tokenizer.convert_tokens_to_ids(t) in (None, tokenizer.unk_token_id)]
@@ -82,6 +125,9 @@ def attach_tools(rows: list[dict], schemas: list[dict], default_agent: str, key:
         names = sorted({rows[i].get("agent_name") for i in unknown})
         raise DataError(f"{key}: {len(unknown)} row(s) have an agent_name this trainer does not run: {names} "
                         f"(rows {unknown[:5]}); expected one of {list(AGENTS)}")
+    if default_agent != ENVIRONMENT_AGENT and any(r.get("agent_name") == ENVIRONMENT_AGENT for r in rows):
+        raise DataError(f"{key}: rows name agent_name={ENVIRONMENT_AGENT}, but the job has no environment: set "
+                        f"rollout.multi_turn.environment")
     for r in rows:
         r["agent_name"] = r.get("agent_name") or default_agent
         r["tools"] = schemas if r["agent_name"] == "tool_agent" else None
@@ -92,7 +138,9 @@ def build_agent_rollout(cfg, engine, tokenizer, eos_ids: list[int]):
     from spmdsplit.agent.parsers import build_parser
 
     tools = load_job_tools(cfg)
-    # An engine whose ranks generate in lockstep (vLLM) runs each turn's tool calls on its first rank only.
+    # An engine whose ranks generate in lockstep (vLLM) runs each turn's tool calls and environment
+    # steps on its first rank only.
     return AgentRollout(engine, tokenizer, eos_ids, tools, build_parser(cfg.rollout.multi_turn.format, tools.schemas),
-                        cfg.rollout.multi_turn, cfg.data.max_response_length, cfg.rollout.agent.default_agent_loop,
-                        run_once=getattr(engine, "run_on_first_rank", None))
+                        cfg.rollout.multi_turn, cfg.data.max_response_length, default_agent(cfg),
+                        run_once=getattr(engine, "run_on_first_rank", None),
+                        environments=load_job_environments(cfg), seed=cfg.trainer.seed)

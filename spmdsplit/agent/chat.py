@@ -33,11 +33,12 @@ class ToolChat:
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
 
-    def tool_turn_ids(self, contents: list[str], turn_end: str) -> list[int]:
+    def tool_turn_ids(self, contents: list[str], turn_end: str, role: str = "tool") -> list[int]:
         """The tokens that follow a policy turn whose last token's text is `turn_end` ("" if it
-        stopped without one): the rest of the assistant message's markup, one `role: tool` message
-        per content, and the generation prompt of the next assistant turn."""
-        full = self._render(self.convo + [{"role": "tool", "content": c} for c in contents], add_generation_prompt=True)
+        stopped without one): the rest of the assistant message's markup, one `role` message per
+        content (tool responses; an environment's observation is a user message), and the
+        generation prompt of the next assistant turn."""
+        full = self._render(self.convo + [{"role": role, "content": c} for c in contents], add_generation_prompt=True)
         if full.startswith(self.before_tools):
             text = self.end + full[len(self.before_tools):]
         else:  # a template that renders earlier messages otherwise once more follow: the text after the content
@@ -45,3 +46,15 @@ class ToolChat:
         if turn_end and text.startswith(turn_end):
             text = text[len(turn_end):]
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def opening_ids(self, content: str) -> list[int]:
+        """The tokens that open an environment's episode after its prompt, which was rendered
+        without the generation prompt (data/parquet.render_prompt): the first observation as a
+        user message ("": none) and the generation prompt of the first assistant turn."""
+        user = self.convo[:1]
+        before = self._render(user, add_generation_prompt=False)
+        full = self._render(user + ([{"role": "user", "content": content}] if content else []), add_generation_prompt=True)
+        if not full.startswith(before):
+            raise ValueError("the chat template renders a conversation's first message differently once another "
+                             "follows; environment episodes need a template that only appends")
+        return self.tokenizer.encode(full[len(before):], add_special_tokens=False)

@@ -20,15 +20,18 @@ get response_mask 0 and log-prob 0: conditioned on, never trained on.
 
 from __future__ import annotations
 
+import concurrent.futures
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from spmdsplit.agent.chat import ToolChat
+from spmdsplit.agent.environments import EnvCall, Environments, EnvSlot, reset_seed
 from spmdsplit.agent.parsers import ToolParser
 from spmdsplit.agent.tools import ERROR_KINDS, Tools
 from spmdsplit.batch import Batch
+from spmdsplit.rewards.rule import ENVIRONMENT_REWARD
 from spmdsplit.rollout.base import episodes_batch, splitmix64
 
 
@@ -48,6 +51,10 @@ class Episode:
     tool_rewards: list[float] = field(default_factory=list)
     tool_scores: dict = field(default_factory=dict)
     done: bool = False
+    env: EnvSlot | None = None  # an environment's episode (rollout.multi_turn.environment)
+    env_reset: EnvCall | None = None  # its reset, until it has run
+    env_rewards: list[float] = field(default_factory=list)  # each step's reward
+    last_turn: bool = False  # an environment's episode: the turn just stepped is its last
 
     def append(self, ids: list[int], policy: bool, log_probs: list[float] | None = None) -> None:
         self.context += ids
@@ -65,16 +72,22 @@ class AgentRollout:
     """A rollout engine (HFRollout, VLLMRollout: anything with `continue_ids`) driven turn by turn."""
 
     def __init__(self, engine, tokenizer, eos_ids: list[int], tools: Tools, parser: ToolParser, multi_turn,
-                 max_response_length: int, default_agent: str, run_once: Callable | None = None):
+                 max_response_length: int, default_agent: str, run_once: Callable | None = None,
+                 environments: Environments | None = None, seed: int = 0):
         """`run_once(fn)`: fn() run once for all the engine's ranks, each given its result (the
-        engine's `run_on_first_rank`); None for an engine of one rank: fn() here."""
+        engine's `run_on_first_rank`); None for an engine of one rank: fn() here. `environments`:
+        rollout.multi_turn.environment's, for the rows of the environment agent; `seed`: the
+        trainer's, which the environments' reset seeds derive from."""
         self.engine, self.tokenizer, self.tools, self.parser = engine, tokenizer, tools, parser
+        self.environments, self.seed = environments, seed
+        self.env_reward = multi_turn.environment_reward
         self.run_once = run_once or (lambda fn: fn())
         self.eos_ids = list(eos_ids)
         stops = [tokenizer.convert_tokens_to_ids(t) for t in parser.stop_tokens]
         self.stop_ids = self.eos_ids + [s for s in stops if s not in self.eos_ids]
         self.chat = ToolChat(tokenizer)
         self.max_turns = multi_turn.max_assistant_turns or 0  # 0/None: only the budget ends an episode
+        self.max_turn_length = multi_turn.max_turn_length or max_response_length
         self.max_parallel_calls = multi_turn.max_parallel_calls
         self.budget = max_response_length
         self.default_agent = default_agent
@@ -94,31 +107,63 @@ class AgentRollout:
 
     def generate(self, prompts: Batch, validate: bool = False) -> Batch:
         episodes = self.start(prompts)
+        if self.environments is not None:  # the environments' resets: their first observations
+            self.run_calls([(e, self.opening_calls(e), "") for e in episodes])
         while live := [e for e in episodes if not e.done]:
             calling = []
-            for uses_tools in (True, False):
+            for uses_tools in (True, False):  # the two kinds of turn end (turn_stop_ids)
                 group = [e for e in live if (e.agent == "tool_agent") is uses_tools]
                 if not group:
                     continue
                 seeds = [self.turn_seed(e) for e in group] if group[0].seed is not None else None
-                outputs = self.engine.continue_ids([e.context for e in group],
-                                                   [self.budget - len(e.response_ids) for e in group],
+                outputs = self.engine.continue_ids([e.context for e in group], [self.turn_budget(e) for e in group],
                                                    self.turn_stop_ids(group[0]), seeds=seeds, validate=validate)
                 for episode, (ids, log_probs) in zip(group, outputs):
                     calls, turn_end = self.take_turn(episode, ids, log_probs)
-                    if calls:
-                        calling.append((episode, calls, turn_end))
-            turn_calls = [c for _, calls, _ in calling for c in calls]
-            results = self.run_once(lambda: self.tools.run(turn_calls))
-            for episode, calls, turn_end in calling:
-                mine, results = results[: len(calls)], results[len(calls):]
-                self.add_tool_responses(episode, calls, mine, turn_end)
+                    calling.append((episode, calls, turn_end))
+            self.run_calls(calling)
         return self.finish(prompts, episodes)
 
+    def run_calls(self, calling: list) -> None:
+        """Every episode's calls of a turn (tools' and environments'), all at once; each episode
+        then gets its answers. (episode, calls, turn_end) with no calls are skipped."""
+        calling = [c for c in calling if c[1]]
+        results = self.run_once(lambda: [f.result() for f in [self.start_calls(calls) for _, calls, _ in calling]])
+        for (episode, calls, turn_end), answers in zip(calling, results):
+            self.add_responses(episode, calls, answers, turn_end)
+
+    def start_calls(self, calls: list) -> concurrent.futures.Future:
+        """One episode's calls started now, off this thread: a future of their answers."""
+        if calls and isinstance(calls[0], EnvCall):
+            return self.environments.start(calls)
+        return self.tools.start(calls)
+
+    def add_responses(self, episode: Episode, calls: list, results: list, turn_end: str) -> None:
+        if episode.env is not None:
+            self.add_observation(episode, calls[0], results[0], turn_end)
+        else:
+            self.add_tool_responses(episode, calls, results, turn_end)
+
+    def opening_calls(self, episode: Episode) -> list:
+        """An environment's episode's reset, before its first turn ([] for any other, or once run)."""
+        call, episode.env_reset = episode.env_reset, None
+        return [call] if call is not None else []
+
+    @staticmethod
+    def resumable(episode: Episode | None) -> bool:
+        """Whether the episode can be checkpointed as it is: not while an environment holds its
+        state (an environment cannot be saved; such an episode starts again from its prompt)."""
+        return episode is None or episode.env is None or episode.done
+
     def turn_stop_ids(self, episode: Episode) -> list[int]:
-        """What ends the episode's turn: a single-turn agent's answer ends at the EOS only (a
-        parser's stop token, "@", is text to it)."""
+        """What ends the episode's turn: a single-turn agent's answer and an environment's action
+        end at the EOS only (a parser's stop token, "@", is text to them)."""
         return self.stop_ids if episode.agent == "tool_agent" else self.eos_ids
+
+    def turn_budget(self, episode: Episode) -> int:
+        """How many tokens the episode's next turn may have: what is left of the response's
+        budget, at most rollout.multi_turn.max_turn_length."""
+        return min(self.budget - len(episode.response_ids), self.max_turn_length)
 
     @staticmethod
     def turn_seed(episode: Episode) -> int | None:
@@ -130,8 +175,16 @@ class AgentRollout:
         agents = prompts["agent_name"] if "agent_name" in prompts else [None] * len(prompts)
         extra = prompts["extra_info"] if "extra_info" in prompts else [{}] * len(prompts)
         seeds = prompts["sample_seed"].tolist() if "sample_seed" in prompts else [None] * len(prompts)
-        return [Episode(row[keep].tolist(), agent or self.default_agent, (info or {}).get("tools_kwargs") or {}, seed)
-                for row, keep, agent, info, seed in zip(ids, mask, agents, extra, seeds)]
+        uids = prompts["uid"] if "uid" in prompts else [str(i) for i in range(len(prompts))]
+        episodes = [Episode(row[keep].tolist(), agent or self.default_agent, (info or {}).get("tools_kwargs") or {}, seed)
+                    for row, keep, agent, info, seed in zip(ids, mask, agents, extra, seeds)]
+        for e, info, uid in zip(episodes, extra, uids):
+            if e.agent == "environment_agent":
+                kwargs = (info or {}).get("environment_kwargs")
+                e.env = EnvSlot()
+                e.env_reset = EnvCall(e.env, None, dict(kwargs) if isinstance(kwargs, dict) else {},
+                                      reset_seed(str(uid), self.seed))
+        return episodes
 
     def take_turn(self, episode: Episode, ids: list[int], log_probs: list[float]):
         """Appends a policy turn; returns its tool calls ([] when the episode ends here) and the
@@ -139,6 +192,15 @@ class AgentRollout:
         episode.append(ids, policy=True, log_probs=log_probs)
         episode.assistant_turns += 1
         stopped = bool(ids) and ids[-1] in self.stop_ids
+        if episode.env is not None:
+            # Every action is stepped, the last one too (the environment scores it), and a turn cut
+            # at rollout.multi_turn.max_turn_length is an action as well: the environment says when
+            # its episode is done, or the response's budget or max_assistant_turns does.
+            stopped = bool(ids) and ids[-1] in self.eos_ids
+            episode.last_turn = (len(episode.response_ids) >= self.budget
+                                 or bool(self.max_turns and episode.assistant_turns >= self.max_turns))
+            action = self.tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=False)
+            return [EnvCall(episode.env, action)], (self.tokenizer.decode(ids[-1:], skip_special_tokens=False) if stopped else "")
         if (not stopped or len(episode.response_ids) >= self.budget or episode.agent != "tool_agent"
                 or (self.max_turns and episode.assistant_turns >= self.max_turns)):
             episode.done = True
@@ -164,6 +226,33 @@ class AgentRollout:
         episode.append(ids, policy=False)
         episode.tool_turns += 1
 
+    def add_observation(self, episode: Episode, call: EnvCall, result, turn_end: str) -> None:
+        """An environment's answer: the reset's first observation opens the response, a step's
+        reward is kept and its observation follows the turn as a user message; the episode ends
+        when the environment says done, fails, or the turn was its last."""
+        if result.error:
+            episode.errors[ERROR_KINDS.index(result.error)] += 1
+        if call.action is not None:
+            episode.tool_calls += 1
+            episode.env_rewards.append(result.reward)
+        if result.error or result.done or episode.last_turn:
+            episode.done = True
+            return
+        ids = (self.chat.opening_ids(result.text) if call.action is None
+               else self.chat.tool_turn_ids([result.text], turn_end, role="user"))
+        if len(episode.response_ids) + len(ids) >= self.budget:
+            episode.done = True
+            return
+        episode.append(ids, policy=False)
+        episode.tool_turns += call.action is not None
+
+    def episode_reward(self, episode: Episode) -> float:
+        """An environment's episode's reward (rollout.multi_turn.environment_reward): its steps'
+        sum, or the last step's."""
+        if not episode.env_rewards:
+            return 0.0
+        return episode.env_rewards[-1] if self.env_reward == "last" else sum(episode.env_rewards)
+
     def finish(self, prompts: Batch, episodes: list[Episode]) -> Batch:
         batch = episodes_batch(prompts, episodes, self.tokenizer.pad_token_id)
         device = prompts["input_ids"].device
@@ -175,6 +264,8 @@ class AgentRollout:
             # What verl's reward managers add to a tool agent's extra_info: each row its own dict
             # (rollout.n repeats one), so the scorer sees this episode's numbers.
             batch["extra_info"] = [{**(info or {}), "num_turns": e.num_turns, "tool_rewards": e.tool_rewards,
-                                    "rollout_reward_scores": e.tool_scores}
+                                    "rollout_reward_scores": e.tool_scores,
+                                    **({ENVIRONMENT_REWARD: self.episode_reward(e), "environment_rewards": e.env_rewards}
+                                       if e.env is not None else {})}
                                    for info, e in zip(batch["extra_info"], episodes)]
         return batch

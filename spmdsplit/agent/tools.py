@@ -224,7 +224,7 @@ def _load_entry(entry: Any, where: str) -> Tool:
         raise ToolConfigError(f"{where}.tool_schema: expected a mapping, got {type(schema).__name__}")
     key = "class_name" if "class_name" in entry else "function"
     where = f"{where}.{key}={entry[key]!r}"
-    target = _import(entry[key], where)
+    target = import_target(entry[key], where)
     if inspect.isclass(target):
         if key == "function":
             raise ToolConfigError(f"{where}: is a class, not a function; list it under class_name")
@@ -240,7 +240,8 @@ def _load_entry(entry: Any, where: str) -> Tool:
         raise ToolConfigError(f"{where}: {' '.join(str(e).split())}") from None
 
 
-def _import(ref: Any, where: str) -> Any:
+def import_target(ref: Any, where: str) -> Any:
+    """What `pkg.mod.Name` or `path/to/file.py:Name` names; ToolConfigError (one line) if nothing."""
     if not isinstance(ref, str) or not (":" in ref or "." in ref.strip(".")):
         raise ToolConfigError(f"{where}: expected a dotted path pkg.mod.Name or path/to/file.py:Name")
     label, _, name = ref.rpartition(":") if ":" in ref else ref.rpartition(".")  # pkg.mod:Name works too
@@ -473,11 +474,15 @@ class Tools:
         return ToolResult(text, error=kind, truncated=cut)
 
     def _truncate(self, text: str) -> tuple[str, bool]:
-        n, side = self.max_response_chars, self.truncate_side
-        if len(text) <= n:
-            return text, False
-        head = n if side == "left" else 0 if side == "right" else (n + 1) // 2
-        return text[:head] + CUT + text[len(text) - (n - head):], True
+        return truncate(text, self.max_response_chars, self.truncate_side)
+
+
+def truncate(text: str, n: int, side: str) -> tuple[str, bool]:
+    """`text` cut to `n` characters (and the CUT mark), keeping `side` (verl's meaning); and whether it was cut."""
+    if len(text) <= n:
+        return text, False
+    head = n if side == "left" else 0 if side == "right" else (n + 1) // 2
+    return text[:head] + CUT + text[len(text) - (n - head):], True
 
 
 def _properties(tool: Tool) -> dict:

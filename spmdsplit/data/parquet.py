@@ -220,10 +220,17 @@ def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def render_prompt(prompt: str | list[dict], tokenizer, tools: list[dict] | None = None) -> str:
+# The agent of an environment's episodes (rollout.multi_turn.environment): its prompt is rendered
+# without the generation prompt, which follows the environment's first observation (agent/chat.py).
+ENVIRONMENT_AGENT = "environment_agent"
+
+
+def render_prompt(prompt: str | list[dict], tokenizer, tools: list[dict] | None = None,
+                  generation_prompt: bool = True) -> str:
     """The text the model sees: chat messages through the tokenizer's chat template, with the
-    generation prompt (as verl does) and, for a tool agent's row, the tools' schemas (the template
-    decides how the model is shown them); a plain string as it is."""
+    generation prompt (as verl does; not for an environment's episode, whose first observation
+    comes first) and, for a tool agent's row, the tools' schemas (the template decides how the
+    model is shown them); a plain string as it is."""
     if isinstance(prompt, str):
         return prompt
     if not has_chat_template(tokenizer):
@@ -232,7 +239,7 @@ def render_prompt(prompt: str | list[dict], tokenizer, tools: list[dict] | None 
             "tokenizer (model.path), set tokenizer.chat_template, or give the prompts as plain strings"
         )
     messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False,
                                          **({"tools": tools} if tools else {}))
     if not isinstance(text, str):  # some tokenizers return a list for a single conversation
         text = text[0] if isinstance(text, (list, tuple)) and len(text) == 1 else str(text)

@@ -9,7 +9,7 @@ import random
 import torch
 
 from spmdsplit.batch import Batch
-from spmdsplit.data.parquet import DataError, render_prompt
+from spmdsplit.data.parquet import ENVIRONMENT_AGENT, DataError, render_prompt
 from spmdsplit.exchange import row_ranges
 
 TRUNCATIONS = ("error", "left", "right")
@@ -55,7 +55,7 @@ class PromptDataset:
 
 def prompt_texts(rows: list[dict], tokenizer) -> list[str]:
     """Each row's prompt as the model sees it (chat messages rendered by the chat template)."""
-    return [render_prompt(r["prompt"], tokenizer, r.get("tools")) for r in rows]
+    return [render_prompt(r["prompt"], tokenizer, r.get("tools"), r.get("agent_name") != ENVIRONMENT_AGENT) for r in rows]
 
 
 def prompt_lengths(rows: list[dict], tokenizer, chunk: int = 1024) -> list[int]:

@@ -10,6 +10,9 @@ scores above zero and the best score is exactly 1.0.
 - count:   "345=" -> "6789": keep counting mod 10 (harder: a different next-token rule per digit).
 - copy:    repeat the prompt's digits.
 - reverse: the prompt's digits in reverse order.
+- echo:    the environment task (spmdsplit/agent/echo.py, configs/environment_echo.yaml): each row an
+           episode of a small stateful environment that shows a digit, takes the policy's answer,
+           and shows the next digit, which depends on that answer.
 - lookup:  the agentic task (spmdsplit/agent/, configs/agent_lookup.yaml): "37?" -> a code ("7777",
            one random digit four times) that only the row's lookup tool knows
            (extra_info.tools_kwargs), so no policy can score above chance without calling it. Its
@@ -41,8 +44,9 @@ TASKS = {
 }
 
 
-AGENT_TASKS = ("lookup",)  # tasks whose rows are tool_agent episodes; the embedded agent model serves them
+AGENT_TASKS = ("lookup", "echo")  # tasks whose rows are agent episodes; the embedded agent model serves them
 TASKS["lookup"] = None  # its answer is drawn at random, not computed from the prompt (make_dataset)
+TASKS["echo"] = None  # an environment's episodes (agent/echo.py): the environment scores them
 TOOL_CALL, TOOL_OPEN, TOOL_CLOSE, QUESTION = "@", "=", ";", "?"  # the agent model's extra characters
 
 
@@ -59,6 +63,9 @@ def make_dataset(task: str, num_samples: int, seed: int, min_digits: int = 2, ma
     rows = []
     for i in range(num_samples):
         digits = "".join(rng.choice(DIGITS) for _ in range(rng.randint(min_digits, max_digits)))
+        if task == "echo":
+            rows.append(echo_row(i))
+            continue
         if task in AGENT_TASKS:
             # One digit four times: a 2-layer model learns to copy it from the tool's response in
             # minutes; a code of four independent digits had not moved the score in 90 steps.
@@ -84,6 +91,18 @@ def lookup_row(key: str, code: str, index: int) -> dict:
         "reward_model": {"ground_truth": code, "style": "rule"},
         "extra_info": {"index": index, "tools_kwargs": {"lookup": {"create_kwargs": {"code": code}}}},
         "agent_name": "tool_agent",
+    }
+
+
+def echo_row(index: int) -> dict:
+    """A row of the echo task: an episode of the embedded environment (agent/echo.py), which draws
+    the episode's digits from its reset seed and scores every turn; the prompt only opens it."""
+    return {
+        "prompt": [{"role": "user", "content": QUESTION}],
+        "data_source": data_source("echo"),
+        "reward_model": {"ground_truth": "", "style": "environment"},
+        "extra_info": {"index": index},
+        "agent_name": "environment_agent",
     }
 
 

@@ -78,9 +78,17 @@ def _check_finite(score: float, data_source: str, solution_str: str, ground_trut
     return score
 
 
+# An environment's episode carries its reward here (agent/loop.py): the environment is its scorer.
+ENVIRONMENT_REWARD = "environment_reward"
+
+
 def compute_score(data_source: str, solution_str: str, ground_truth, extra_info=None):
     """The built-in scorer of `data_source` on one response: a float, or the scorer's dict as is.
-    `extra_info` is verl's argument; only the scorers of READS_EXTRA_INFO read it."""
+    `extra_info` is verl's argument; only the scorers of READS_EXTRA_INFO read it. An environment's
+    episode is scored by its environment, whatever its data_source (a custom reward function gets
+    that reward in extra_info and decides)."""
+    if isinstance(extra_info, Mapping) and ENVIRONMENT_REWARD in extra_info:
+        return normalize_result(extra_info[ENVIRONMENT_REWARD], data_source, solution_str, ground_truth)[0]
     scorer = find_scorer(data_source)
     if scorer is None:
         known = sorted(SCORERS) + [f"{prefix}*" for prefix in SCORER_PREFIXES]

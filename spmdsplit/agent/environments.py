@@ -1,0 +1,317 @@
+"""Environments users bring, run as multi-turn episodes (rollout.multi_turn.environment).
+
+The protocol is gym's and OpenEnv's, three calls on one instance per episode:
+
+    reset(seed=None, **row_kwargs) -> observation     the first observation
+    step(action) -> observation                       after each policy turn
+    close()                                           optional, when the episode ends
+
+An observation is anything with `done` and `reward` attributes and its text: our `Observation`
+below, an OpenEnv `Observation` (a pydantic model: its one text field, or its fields other than
+done/reward/metadata as JSON), or a plain string (reward 0, not done). The action is the policy's
+turn as text, or, when `step` is annotated with a pydantic model (an OpenEnv `Action` subclass),
+that model built from the text: its field named by rollout.multi_turn.environment_action_field, or
+its one required string field. So an OpenEnv `Environment` subclass runs as it is and OpenEnv is
+never imported; users who do not have it write the same three methods.
+
+Environments are user code: each call runs in a fresh daemon thread bounded by
+rollout.multi_turn.tool_timeout_s; one that raises, hangs or returns what is not an observation
+ends its episode there (the steps' rewards so far kept), is counted under the tools' error kinds
+(exception, timeout, not_text) and is never shown to the job as an exception. An observation's
+text is cut to rollout.multi_turn.max_tool_response_length characters like a tool's response. The
+instance is closed when its episode ends, or when the episode is dropped (a continuous stream's
+restart) and collected.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import inspect
+import json
+import math
+import numbers
+import threading
+import time
+import typing
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from spmdsplit.agent.tools import ToolConfigError, import_target, truncate
+
+SETTING = "rollout.multi_turn.environment"
+NOT_TEXT = ("done", "reward", "metadata")  # an OpenEnv observation's fields that are not what the model reads
+
+
+@dataclass
+class Observation:
+    """What an environment of our own returns from reset and step."""
+    text: str
+    reward: float | None = None
+    done: bool = False
+    metadata: dict = field(default_factory=dict)
+
+
+@dataclass
+class EnvSlot:
+    """An episode's environment instance; empty on the ranks of an engine that do not run it
+    (`run_once`), and after the instance hung or failed."""
+    instance: Any = None
+    broken: bool = False
+    closer: Any = None  # weakref.finalize: closes the instance if the episode is dropped unfinished
+
+    def __getstate__(self) -> dict:  # a checkpoint keeps finished episodes; their instance is gone
+        return {"instance": None, "broken": self.broken, "closer": None}
+
+
+@dataclass
+class EnvCall:
+    """One call of an episode's environment: its reset (`action` None) or a step."""
+    slot: EnvSlot
+    action: str | None
+    reset_kwargs: dict = field(default_factory=dict)
+    seed: int | None = None
+
+
+@dataclass
+class EnvResult:
+    text: str = ""
+    reward: float = 0.0
+    done: bool = False
+    error: str = ""  # "" or one of the tools' ERROR_KINDS
+    truncated: bool = False
+    seconds: float = 0.0
+
+
+def load_environment(path: str, kwargs: dict, action_field: str = "") -> Callable[[], Any]:
+    """A factory of the environment `path` names (pkg.mod.Name or path/to/file.py:Name), called with
+    `kwargs` (rollout.multi_turn.environment_kwargs); one instance is built now, to fail here, on
+    every rank before the first collective, with one line: a missing class, a constructor that
+    raises, a class without reset/step, an action model the text cannot fill."""
+    where = f"{SETTING}={path}"
+    target = import_target(path, where)
+    if not callable(target):
+        raise ToolConfigError(f"{where}: expected a class (or a function returning an environment), "
+                              f"got {type(target).__name__}")
+    missing = [m for m in ("reset", "step") if not callable(getattr(target, m, None))]
+    if inspect.isclass(target) and missing:
+        raise ToolConfigError(f"{where}: an environment needs reset and step methods; {target.__name__} has no "
+                              f"{' or '.join(missing)}")
+
+    def build() -> Any:
+        return target(**kwargs)
+    try:
+        probe = build()
+    except Exception as e:
+        raise ToolConfigError(f"{where}: constructing it with rollout.multi_turn.environment_kwargs={kwargs} "
+                              f"raised {type(e).__name__}: {' '.join(str(e).split())}") from None
+    missing = [m for m in ("reset", "step") if not callable(getattr(probe, m, None))]
+    if missing:
+        raise ToolConfigError(f"{where}: an environment needs reset and step methods; it has no {' or '.join(missing)}")
+    try:
+        action_builder(probe, action_field)
+    except ValueError as e:
+        raise ToolConfigError(f"{where}: {e}") from None
+    close = getattr(probe, "close", None)
+    if callable(close):
+        try:
+            close()
+        except Exception:
+            pass
+    return build
+
+
+def action_builder(env: Any, action_field: str = "") -> Callable[[str], Any]:
+    """How a turn's text becomes the argument of `env.step`: the text itself, or the pydantic model
+    `step` is annotated with (OpenEnv's Action subclasses), filled from the text."""
+    try:
+        hints = typing.get_type_hints(type(env).step)
+    except Exception:  # annotations that do not resolve: the text as it is
+        hints = {}
+    params = [p for p in inspect.signature(env.step).parameters.values() if p.name != "self"]
+    model = hints.get(params[0].name) if params else None
+    fields = getattr(model, "model_fields", None)
+    if not inspect.isclass(model) or not isinstance(fields, dict):
+        return lambda text: text
+    if action_field:
+        if action_field not in fields:
+            raise ValueError(f"rollout.multi_turn.environment_action_field={action_field!r}: {model.__name__} has "
+                             f"no such field; its fields: {sorted(fields)}")
+        name = action_field
+    else:
+        required = [n for n, f in fields.items() if f.is_required()]
+        texts = [n for n in required if fields[n].annotation is str]
+        if len(required) != 1 or len(texts) != 1:
+            raise ValueError(f"{model.__name__} (the action type of step) needs {required or 'no field'}; name the "
+                             f"one the model's text fills with rollout.multi_turn.environment_action_field")
+        name = texts[0]
+    return lambda text: model(**{name: text})
+
+
+def read_observation(obs: Any) -> tuple[str, float, bool]:
+    """(text, reward, done) of what reset or step returned; ValueError if it is not an observation."""
+    if isinstance(obs, str):
+        return obs, 0.0, False
+    if not hasattr(obs, "done"):
+        raise ValueError(f"returned {type(obs).__name__}, not an observation (a string, or an object with done, "
+                         f"reward and its text)")
+    reward = getattr(obs, "reward", None)
+    number = 0.0 if reward is None else float(reward) if isinstance(reward, numbers.Real) else None
+    if number is None or not math.isfinite(number):
+        raise ValueError(f"returned an observation whose reward is {reward!r}, not a finite number")
+    text = getattr(obs, "text", None)
+    if not isinstance(text, str):
+        if hasattr(obs, "model_dump"):  # an OpenEnv observation: the fields the model reads
+            rest = {k: v for k, v in obs.model_dump().items() if k not in NOT_TEXT}
+        elif dataclasses.is_dataclass(obs):
+            rest = {k: v for k, v in dataclasses.asdict(obs).items() if k not in NOT_TEXT}
+        else:
+            raise ValueError(f"returned {type(obs).__name__}, whose text cannot be read (give it a `text` string)")
+        strings = [v for v in rest.values() if isinstance(v, str)]
+        text = strings[0] if len(rest) == 1 and strings else json.dumps(rest, default=str, sort_keys=True)
+    return text, number, bool(obs.done)
+
+
+def reset_seed(uid: str, trainer_seed: int) -> int:
+    """The seed of a prompt's environment: the same for the rollout.n episodes of one prompt (GRPO
+    compares them on one task), another for every prompt and run."""
+    return int.from_bytes(hashlib.sha256(f"{trainer_seed}/{uid}".encode()).digest()[:7], "big")
+
+
+def _accepts(fn: Callable, name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in params)
+
+
+class Environments:
+    """Builds, steps and closes the episodes' environment instances, each call in a fresh daemon
+    thread (a hung environment never holds up the job or its exit) within `timeout_s`."""
+
+    def __init__(self, factory: Callable[[], Any], *, timeout_s: float, max_text_chars: int, truncate_side: str,
+                 action_field: str = ""):
+        self.factory, self.timeout_s, self.action_field = factory, timeout_s, action_field
+        self.max_text_chars, self.truncate_side = max_text_chars, truncate_side
+        self.close_errors = 0
+        self._builders: dict[type, Callable[[str], Any]] = {}  # per environment class: text -> action
+        self._abandoned: set[threading.Thread] = set()
+        self._lock = threading.Lock()
+
+    @property
+    def stuck(self) -> int:
+        """How many threads of timed-out calls are still running."""
+        with self._lock:
+            self._abandoned = {t for t in self._abandoned if t.is_alive()}
+            return len(self._abandoned)
+
+    def start(self, calls: Sequence[EnvCall]) -> concurrent.futures.Future:
+        """All calls at once, each in a thread of its own; a future of one EnvResult per call, in
+        order, never an exception. One timer bounds them all: they start together."""
+        combined: concurrent.futures.Future = concurrent.futures.Future()
+        if not calls:
+            combined.set_result([])
+            return combined
+        results: list[EnvResult | None] = [None] * len(calls)
+        # The calls not answered yet, with their threads: emptied as they answer, so that nothing
+        # here (the timer's closure included) keeps a finished episode's slot alive.
+        pending: dict[int, tuple[EnvCall, threading.Thread]] = {}
+        lock, start = threading.Lock(), time.monotonic()
+
+        def settle(i: int, r: EnvResult) -> None:
+            with lock:
+                if i not in pending:  # answered after its timeout: too late
+                    return
+                call, _ = pending.pop(i)
+                r.seconds, results[i] = time.monotonic() - start, r
+                last = not pending
+            if r.error or r.done:
+                self.release(call.slot)
+            if last:
+                timer.cancel()
+                combined.set_result(results)
+
+        def overrun() -> None:
+            with lock:
+                late = list(pending.items())
+            for i, (call, thread) in late:
+                call.slot.broken = True  # the instance may be mid-call: never used or closed again
+                with self._lock:
+                    self._abandoned.add(thread)
+                settle(i, self._error("timeout", f"the environment did not answer within {self.timeout_s:g} s"))
+
+        for i, call in enumerate(calls):
+            pending[i] = (call, threading.Thread(target=self._work, args=(call, i, settle), daemon=True,
+                                                 name="spmdsplit-environment"))
+        timer = threading.Timer(self.timeout_s, overrun)
+        timer.daemon = True
+        timer.start()
+        for _, thread in list(pending.values()):
+            thread.start()
+        return combined
+
+    def run(self, calls: Sequence[EnvCall]) -> list[EnvResult]:
+        return self.start(calls).result()
+
+    def _work(self, call: EnvCall, i: int, settle: Callable[[int, EnvResult], None]) -> None:
+        what = "reset" if call.action is None else "step"
+        try:
+            result = self._call(call)
+        except _NotObservation as e:  # user code's garbage or fault: contained, counted
+            result = self._error("not_text", f"{what} {e}")
+        except Exception as e:
+            result = self._error("exception", f"{what} raised {type(e).__name__}: {' '.join(str(e).split())}")
+        settle(i, result)
+
+    def _call(self, call: EnvCall) -> EnvResult:
+        slot = call.slot
+        if call.action is None:
+            slot.instance = self.factory()
+            slot.closer = weakref.finalize(slot, _close_quietly, slot.instance)
+            kwargs = dict(call.reset_kwargs)
+            if call.seed is not None and _accepts(slot.instance.reset, "seed"):
+                kwargs.setdefault("seed", call.seed)
+            obs = slot.instance.reset(**kwargs)
+        else:
+            if slot.instance is None or slot.broken:
+                raise RuntimeError("the episode's environment is gone")
+            kind = type(slot.instance)
+            if kind not in self._builders:
+                self._builders[kind] = action_builder(slot.instance, self.action_field)
+            obs = slot.instance.step(self._builders[kind](call.action))
+        try:
+            text, reward, done = read_observation(obs)
+        except ValueError as e:
+            raise _NotObservation(str(e)) from None
+        text, cut = truncate(text, self.max_text_chars, self.truncate_side)
+        return EnvResult(text, reward, done, truncated=cut)
+
+    def release(self, slot: EnvSlot) -> None:
+        """Closes the episode's instance now (a broken one is left alone: it may be mid-call)."""
+        instance, slot.instance = slot.instance, None
+        if slot.closer is not None:
+            slot.closer.detach()
+        if instance is not None and not slot.broken:
+            self.close_errors += not _close_quietly(instance)
+
+    def _error(self, kind: str, message: str) -> EnvResult:
+        text, cut = truncate(f"Error: environment: {message}", self.max_text_chars, self.truncate_side)
+        return EnvResult(text, error=kind, done=True, truncated=cut)
+
+
+class _NotObservation(ValueError):
+    pass
+
+
+def _close_quietly(instance: Any) -> bool:
+    close = getattr(instance, "close", None)
+    if not callable(close):
+        return True
+    try:
+        close()
+        return True
+    except Exception:
+        return False

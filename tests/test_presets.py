@@ -26,6 +26,7 @@ LAUNCHES = {
     "dapo_rollout_actor.yaml": ((2, 2, 1), [0], [0], [1]),
     "lora_grpo_rollout_actor.yaml": ((2, 2, 1), [0], [0], [1]),
     "agent_lookup.yaml": ((4, 4, 1), [0, 1], [2, 3]),
+    "environment_echo.yaml": ((4, 4, 1), [0, 1], [2, 3]),
 }
 
 

@@ -604,10 +604,11 @@ def test_vllm_not_installed_is_a_config_error(head32_model_dir, monkeypatch):
 # ----------------------------------------------------------------------------- multi-turn episodes
 
 def agent_engine_checks(rank, world_size, model_dir):
-    """Greedy multi-turn episodes of the lookup task from vLLM and from HF on the same weights."""
+    """Greedy multi-turn episodes of the lookup task, and of the embedded echo environment, from
+    vLLM and from HF on the same weights."""
     import os
 
-    from spmdsplit.agent import check_multi_turn
+    from spmdsplit.agent import build_agent_rollout, check_multi_turn, default_agent
     from spmdsplit.data.prompts import collate_prompts
     from spmdsplit.data.sources import build_rows
     from spmdsplit.models import eos_token_ids, load_causal_lm, load_tokenizer
@@ -626,11 +627,18 @@ def agent_engine_checks(rank, world_size, model_dir):
         prompts = collate_prompts(rows[:32], tokenizer, cfg.data.max_prompt_length, step=1, first_row=0)
         model = load_causal_lm(model_dir, torch.float32, torch.device("cpu"), 0)
         out = {}
+        echo = load_config(os.path.join(root, "configs", "environment_echo.yaml"), overrides)
+        rows, _ = build_rows(echo.data, tokenizer, "train", tools=check_multi_turn(echo, tokenizer).schemas,
+                             default_agent=default_agent(echo))
+        echo_prompts = collate_prompts(rows[:32], tokenizer, echo.data.max_prompt_length, step=1, first_row=0)
         for name, c in (("vllm", cfg), ("hf", hf_cfg)):
             engine = build_rollout(c, model_dir, tokenizer, eos, torch.device("cpu"), torch.float32, 0)
             engine.wake_up(model.state_dict().items())
             out[name] = engine.generate(prompts, validate=True)  # greedy
             out[name + "_actor"] = actor_log_probs(model, out[name], temperature=1.0)
+            # The same engine running the embedded echo environment's episodes (one vLLM engine a process).
+            batch = build_agent_rollout(echo, engine.engine, tokenizer, eos).generate(echo_prompts, validate=True)
+            out["echo_" + name] = {**batch.tensors, "reward": [i["environment_reward"] for i in batch["extra_info"]]}
         return {k: (v.tensors if hasattr(v, "tensors") else v) for k, v in out.items()}
     finally:
         shutdown_vllm_distributed()
@@ -650,3 +658,8 @@ def test_vllm_and_hf_agent_episodes_agree_and_score_only_the_policys_tokens(agen
         policy = mask == 1
         assert (res[name]["rollout_log_probs"][~policy] == 0).all()
         assert (res[name]["rollout_log_probs"][policy] - res[name + "_actor"][policy]).abs().max() < 1e-5, name
+    # An environment's episodes: the same turns, observations and rewards from both engines.
+    echo_vllm, echo_hf = res["echo_vllm"], res["echo_hf"]
+    for column in ("responses", "response_mask", "attention_mask", "num_turns", "tool_calls"):
+        assert torch.equal(echo_vllm[column], echo_hf[column]), column
+    assert echo_vllm["reward"] == echo_hf["reward"] and (echo_vllm["num_turns"] == 6).all()

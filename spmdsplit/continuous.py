@@ -406,10 +406,10 @@ class ContinuousGeneration:
         # The order the engine holds them in (an HF step batches its requests in that order): a
         # resume submits them again in it.
         running = [(self.groups.index(g), m) for g, m in [*self.live.values(), *self.resumed]]
+        in_flight, complete = [group(g) for g in self.groups], [group(g) for g in self.complete]
         return {"drawn": self.drawn, "clock": self.clock, "handed": dict(self.handed), "running": running,
-                "waiting": [group(g) for g in self.waiting],
-                "in_flight": [group(g) for g in self.groups], "complete": [group(g) for g in self.complete],
-                "tokens_held": sum(len(r.tokens) for g in (*self.groups, *self.complete) for r in g.responses)}
+                "waiting": [group(g) for g in self.waiting], "in_flight": in_flight, "complete": complete,
+                "tokens_held": sum(len(r["tokens"]) for g in (*in_flight, *complete) for r in g["responses"])}
 
     def load_state(self, state: dict, same_layout: bool) -> None:
         """What `state` kept, the unfinished responses submitted again at the first engine step

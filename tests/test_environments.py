@@ -213,3 +213,56 @@ def test_echo_episodes_on_the_hf_engine_mask_observations_and_carry_the_environm
         assert info[ENVIRONMENT_REWARD] == pytest.approx(reward) == pytest.approx(scores[i].item())
         assert batch["num_turns"][i] == 1 + n // 2 + (n - 1) // 2 and batch["tool_calls"][i] == n // 2
     assert batch["tool_errors"].sum() == 0 and (batch["rollout_log_probs"][batch["response_mask"] == 0] == 0).all()
+
+
+def test_a_continuous_checkpoint_restarts_the_environments_episodes_still_running(echo_setup, tmp_path):
+    """An environment's state cannot be saved: a checkpoint of the stream keeps the finished
+    episodes and starts those still running again from their prompt; the resumed stream hands over
+    whole episodes, each scored by its own environment."""
+    import io
+
+    from omegaconf import OmegaConf
+
+    from spmdsplit.agent import build_agent_rollout
+    from spmdsplit.continuous import ContinuousGeneration
+    from spmdsplit.data.prompts import PromptDataset
+    from spmdsplit.generation import step_prompts
+    from spmdsplit.rollout import build_rollout
+
+    cfg, tokenizer, eos_ids, rows = echo_setup
+    cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([
+        "rollout.continuous=true", "rollout.hf_step_tokens=1", "rollout.n=2", "rollout.staleness=4",
+        "data.train_batch_size=8", "rollout.per_row_seed=false"]))
+
+    def make_stream():
+        torch.manual_seed(5)
+        base = build_rollout(cfg, cfg.model.path, tokenizer, eos_ids, torch.device("cpu"), torch.float32, seed=3).engine
+        dataset = PromptDataset(rows, 8, shuffle=False, seed=0)
+        weights = {k: v.clone() for k, v in base.model.state_dict().items()}
+
+        def take_weights(step):
+            base.wake_up(weights.items())
+            return 0
+        stream = ContinuousGeneration(cfg, base, lambda t: step_prompts(cfg, dataset, tokenizer, t, [0], 0),
+                                      take_weights, lambda: False, 0, 1, tokenizer.pad_token_id, eos_ids,
+                                      torch.device("cpu"), agent=build_agent_rollout(cfg, base, tokenizer, eos_ids))
+        stream.version = take_weights(1)
+        return stream
+
+    stream = make_stream()
+    for _ in range(200):  # until some episodes are midway and some have finished
+        stream.engine_step()
+        responses = [r for g in (*stream.groups, *stream.complete) for r in g.responses]
+        if any(r.finished for r in responses) and any(r.tokens and not r.finished for r in responses):
+            break
+    state = stream.state()
+    saved = [r for g in state["in_flight"] + state["complete"] for r in g["responses"]]
+    assert any(r["finished"] and r["tokens"] for r in saved) and not any(r["tokens"] and not r["finished"] for r in saved)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)  # a finished episode's environment slot pickles empty
+    buffer.seek(0)
+    resumed = make_stream()
+    resumed.load_state(torch.load(buffer, weights_only=False), same_layout=True)
+    batch = resumed.next_batch(1)
+    assert len(batch) == 16 and (batch["num_turns"] == 6).all()
+    assert all(info["environment_reward"] == pytest.approx(sum(info["environment_rewards"])) for info in batch["extra_info"])

@@ -84,7 +84,7 @@ def test_a_step_annotated_with_an_action_model_gets_one_built_from_the_text():
 
 def test_bad_environments_fail_at_load_with_one_line(tmp_path):
     (tmp_path / "envs.py").write_text(
-        "class NoStep:\n    def reset(self): return ''\n"
+        "class NoStep:\n    def __init__(self, **kw): pass\n    def reset(self): return ''\n"
         "class Broken:\n    def __init__(self, size=1):\n        raise RuntimeError(f'no board of {size}')\n"
         "    def reset(self): pass\n    def step(self, a): pass\n")
     cases = [("nowhere.Env", "cannot import module 'nowhere'"), (f"{tmp_path}/envs.py:Missing", "has no attribute"),

@@ -95,10 +95,6 @@ def load_environment(path: str, kwargs: dict, action_field: str = "") -> Callabl
     if not callable(target):
         raise ToolConfigError(f"{where}: expected a class (or a function returning an environment), "
                               f"got {type(target).__name__}")
-    missing = [m for m in ("reset", "step") if not callable(getattr(target, m, None))]
-    if inspect.isclass(target) and missing:
-        raise ToolConfigError(f"{where}: an environment needs reset and step methods; {target.__name__} has no "
-                              f"{' or '.join(missing)}")
 
     def build() -> Any:
         return target(**kwargs)
@@ -114,12 +110,7 @@ def load_environment(path: str, kwargs: dict, action_field: str = "") -> Callabl
         action_builder(probe, action_field)
     except ValueError as e:
         raise ToolConfigError(f"{where}: {e}") from None
-    close = getattr(probe, "close", None)
-    if callable(close):
-        try:
-            close()
-        except Exception:
-            pass
+    _close_quietly(probe)
     return build
 
 

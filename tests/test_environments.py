@@ -14,8 +14,16 @@ import pytest
 import torch
 
 from spmdsplit.agent.chat import ToolChat
-from spmdsplit.agent.environments import (EnvCall, Environments, EnvSlot, Observation, action_builder,
-                                          load_environment, read_observation, reset_seed)
+from spmdsplit.agent.environments import (
+    EnvCall,
+    Environments,
+    EnvSlot,
+    Observation,
+    action_builder,
+    load_environment,
+    read_observation,
+    reset_seed,
+)
 from spmdsplit.agent.tools import ERROR_KINDS, ToolConfigError
 from tests.support.agent_models import chat_tokenizer
 

@@ -170,6 +170,11 @@ class ContinuousGeneration:
         if self.weights_due():
             self.version = self.take_weights(self.filling)
             self.restart_stale(self.filling)
+            # Free-running, the caller may have waited for these weights (gen_ahead: the batch it
+            # hands over next): it looks first, before new groups come in and a step runs over them.
+            # (The fixed schedule steps on: its clock at each hand-over sets when versions are due.)
+            if not self.every:
+                return
         # On the fixed schedule a call's answer lands at the next step, however long it took: the rows
         # do not depend on a tool's latency.
         answered = self.take_tool_results(wait=bool(self.every))

@@ -119,6 +119,7 @@ class ContinuousGeneration:
         self.clock = 0  # engine steps since the run started (the fixed schedule's clock; idle steps count)
         self.handed: dict[int, int] = {}  # batch -> the clock when it was handed over
         self.filling = 1  # the batch being filled
+        self.awaited: int | None = None  # agents: the batch next_batch generates while its caller waits
         self.drawn = 0  # generation batches of prompts drawn from the dataset
         self.waiting: deque[Group] = deque()  # drawn, not yet submitted
         self.groups: list[Group] = []  # submitted, in the order they were drawn
@@ -139,8 +140,12 @@ class ContinuousGeneration:
         while self.version < self.oldest_allowed(batch):  # the only wait: too far ahead of training
             self.wait_for_weights()
         self.restart_stale(batch)
+        # Agents: the actor pool waits for this batch, so no episode of a later batch starts meanwhile
+        # (admits): their first turns would slow every engine step of this batch's last turns.
+        self.awaited = batch if self.agent is not None else None
         while not self.batch_ready(batch):
             self.engine_step()
+        self.awaited = None
         # The groups the next batch would restart first, then the rest in completion order (a stable sort).
         ordered = sorted(self.complete, key=lambda g: not self.too_old_for(batch + 1, g))
         groups, self.complete = ordered[: self.quota], ordered[self.quota:]
@@ -172,6 +177,11 @@ class ContinuousGeneration:
         if self.weights_due():
             self.version = self.take_weights(self.filling)
             self.restart_stale(self.filling)
+            # Free-running, the caller may have waited for these weights (gen_ahead: the batch it
+            # hands over next): it looks first, before new groups come in and a step runs over them.
+            # (The fixed schedule steps on: its clock at each hand-over sets when versions are due.)
+            if not self.every:
+                return
         # On the fixed schedule a call's answer lands at the next step, however long it took: the rows
         # do not depend on a tool's latency.
         answered = self.take_tool_results(wait=bool(self.every))
@@ -308,6 +318,8 @@ class ContinuousGeneration:
         the batches before) allows tokens of the version held. Generating further ahead would only
         make tokens that staleness restarts; this is the rollout pool's one wait for training."""
         landing = self.filling + (len(self.complete) + len(self.groups)) // self.quota
+        if self.awaited is not None and landing > self.awaited:
+            return False
         return self.version >= self.oldest_allowed(landing)
 
     def split(self, prompts: Batch) -> list[Group]:

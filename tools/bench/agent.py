@@ -1,4 +1,4 @@
-"""`python -m tools.bench.agent [--steps S] [--warmup W] [--batch B] [--repeats R] [--out DIR]`
+"""`python -m tools.bench.agent [--steps S] [--warmup W] [--batch B] [--repeats R] [--engine hf|vllm] [--skip-turn] [--out DIR]`
 
 Also `python -m tools.bench --agent [...]`. What multi-turn tool calls cost (spmdsplit/agent/),
 against the issue's targets, with a tool that sleeps 0.2 s per call (a plain function in a
@@ -241,9 +241,10 @@ def run(args) -> dict:
     chosen = {name: MODES[name] for name in args.modes}
     print(f"tools.bench.agent: [1/{len(chosen) + 1}] one tool turn of {EPISODES} episodes, in this process",
           file=sys.stderr, flush=True)
-    turn = measure_turn(paths, args.repeats)
+    turn = tool_turn([], [], [], [], 0) if args.skip_turn else measure_turn(paths, args.repeats)
     workload = ["--config", PRESET] + ROLLOUT_TRAIN + WORKLOAD + [f"data.train_batch_size={args.batch}",
-                                                                  f"trainer.total_steps={args.steps}"]
+                                                                  f"trainer.total_steps={args.steps}",
+                                                                  f"rollout.name={args.engine}"]
     steady = async_rollout.steady_steps(args.steps, args.warmup, 1)
     modes = {}
     for i, (name, (on, tool, other)) in enumerate(chosen.items(), 2):
@@ -257,7 +258,7 @@ def run(args) -> dict:
                        **job_summary(analysis, scalars, steady)}
     meta = {"device": "cpu", "torch": torch.__version__, "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "workload": workload, "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
-            "repeats": args.repeats, "sleep_s": args.tool_s, "episodes": EPISODES}
+            "repeats": args.repeats, "sleep_s": args.tool_s, "episodes": EPISODES, "engine": args.engine}
     return {"schema": "spmdsplit.bench_agent/1", "meta": meta, "turn": turn, "modes": modes,
             "targets": targets(turn, modes, args.tool_s)}
 
@@ -272,6 +273,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="part 1: timed runs of each measurement (default 3)")
     p.add_argument("--tool-s", type=float, default=SLEEP_S, help=f"the sleeping tool's seconds per call (default "
                    f"{SLEEP_S}, the issue's; the targets are set for it)")
+    p.add_argument("--engine", choices=("hf", "vllm"), default="hf", help="part 2's rollout.name (default hf; "
+                   "part 1 always runs HF in this process)")
+    p.add_argument("--skip-turn", action="store_true", help="leave part 1 out (its numbers: n/a)")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES), metavar="MODE",
                    help="part 2's jobs (default all): " + "; ".join(MODES))
     p.add_argument("--out", default="outputs/bench_agent", help="where bench_agent.json/.md and the jobs' files go")

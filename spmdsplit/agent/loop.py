@@ -125,15 +125,24 @@ class AgentRollout:
         return self.finish(prompts, episodes)
 
     def run_calls(self, calling: list) -> None:
-        """Every episode's calls of a turn (tools' and environments'), all at once; each episode
+        """Every episode's calls of a turn, all at once: one Tools.start for the tools' and one
+        Environments.start for the environments' (one timer, not one an episode); each episode
         then gets its answers. (episode, calls, turn_end) with no calls are skipped."""
         calling = [c for c in calling if c[1]]
-        results = self.run_once(lambda: [f.result() for f in [self.start_calls(calls) for _, calls, _ in calling]])
-        for (episode, calls, turn_end), answers in zip(calling, results):
-            self.add_responses(episode, calls, answers, turn_end)
+
+        def run_all() -> list[list]:
+            calls = [call for _, episode_calls, _ in calling for call in episode_calls]
+            steps = [c for c in calls if isinstance(c, EnvCall)]
+            answers = iter(self.tools.start([c for c in calls if not isinstance(c, EnvCall)]).result())
+            observations = iter(self.environments.start(steps).result() if steps else [])
+            return [[next(observations) if isinstance(c, EnvCall) else next(answers) for c in episode_calls]
+                    for _, episode_calls, _ in calling]
+        for (episode, calls, turn_end), results in zip(calling, self.run_once(run_all)):
+            self.add_responses(episode, calls, results, turn_end)
 
     def start_calls(self, calls: list) -> concurrent.futures.Future:
-        """One episode's calls started now, off this thread: a future of their answers."""
+        """One episode's calls started now, off this thread: a future of their answers (the
+        continuous stream's way; batch mode's turns run all episodes' calls together, run_calls)."""
         if calls and isinstance(calls[0], EnvCall):
             return self.environments.start(calls)
         return self.tools.start(calls)

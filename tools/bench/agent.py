@@ -15,6 +15,8 @@ verl-format tool YAML, written under --out):
    multi-turn with the sleeping tool vs rollout.multi_turn.enable=false, the same workload; and
    multi-turn with the instant tool, which tells the tool's latency from multi-turn's other costs
    (more engine calls per batch, tool tokens in the rows).
+   Also the embedded echo environment's episodes (3 one-token turns, each step sleeping as the
+   tool does), batch and continuous: modes "environment" and "environment, continuous".
    Targets: the train pool's step period grows <= 10 %, and the rollout pool's gen per batch stays
    shorter than the train pool's work per step (its busy time, waits left out).
 
@@ -38,8 +40,10 @@ SLEEP_S, EPISODES, AT_BOOST = 0.2, 32, 10.0  # SLEEP_S: the issue's tool latency
 PRESET = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs",
                       "agent_lookup.yaml")
 TARGETS = {"turn_added_s": 0.4, "step_growth": 0.10}
-TOOL_FILE = '''"""bench_agent's tools: one that waits {sleep_s} s per call, one that answers at once."""
+TOOL_FILE = '''"""bench_agent's tools: one that waits {sleep_s} s per call, one that answers at once; and an environment."""
 import time
+
+from spmdsplit.agent.echo import EchoDigits
 
 
 def sleepy() -> str:
@@ -51,6 +55,14 @@ def sleepy() -> str:
 def instant() -> str:
     """Answers a code at once."""
     return "0000"
+
+
+class SleepyEcho(EchoDigits):
+    """The embedded echo environment, each step waiting {sleep_s} s as the sleeping tool does."""
+
+    def step(self, action):
+        time.sleep({sleep_s})
+        return super().step(action)
 '''
 ROLLOUT_TRAIN = ["placement.mode=custom", "placement.pool_unit=ranks_per_node", "placement.pools={gen: 1, train: 1}",
                  "placement.roles={rollout: gen, actor: train}", "rollout.staleness=1", "algorithm.adv_estimator=grpo",
@@ -59,9 +71,14 @@ WORKLOAD = ["trainer.num_threads=1", "trainer.seed=1", "trainer.device=cpu"]
 # mode -> (rollout.multi_turn.enable, tool, other overrides); the instant tool tells the tool's latency from
 # multi-turn's other costs; continuous generation (rollout.continuous) runs each episode's turns as its calls return
 CONTINUOUS = ["rollout.continuous=true"]
+# The embedded echo environment's episodes (configs/environment_echo.yaml's keys; ENVIRONMENT is
+# filled in with the sleeping environment's path): 3 one-token turns, each stepped in SLEEP_S.
+ECHO = ["data.task=echo", "data.max_prompt_length=4", "data.max_response_length=8", "rollout.multi_turn.max_turn_length=1",
+        "rollout.multi_turn.environment_kwargs={turns: 3}", "ENVIRONMENT"]
 MODES = {"single-turn": (False, "sleepy", []), "multi-turn, instant tool": (True, "instant", []),
          "multi-turn": (True, "sleepy", []), "single-turn, continuous": (False, "sleepy", CONTINUOUS),
-         "multi-turn, continuous": (True, "sleepy", CONTINUOUS)}
+         "multi-turn, continuous": (True, "sleepy", CONTINUOUS),
+         "environment": (True, "sleepy", ECHO), "environment, continuous": (True, "sleepy", [*ECHO, *CONTINUOUS])}
 PHASES = ("gen", "gen_ahead", "sync_weights", "old_log_prob", "ref", "reward", "adv", "update_actor")
 
 
@@ -173,6 +190,7 @@ def write_tools(folder: str, sleep_s: float = SLEEP_S) -> dict[str, str]:
         paths[name] = os.path.join(os.path.abspath(folder), f"{name}.yaml")
         with open(paths[name], "w") as f:
             f.write(f'tools:\n  - class_name: "{code}:{name}"\n    config: {{type: native}}\n')
+    paths["environment"] = f"{code}:SleepyEcho"
     return paths
 
 
@@ -248,8 +266,9 @@ def run(args) -> dict:
     steady = async_rollout.steady_steps(args.steps, args.warmup, 1)
     modes = {}
     for i, (name, (on, tool, other)) in enumerate(chosen.items(), 2):
+        environment = f"rollout.multi_turn.environment={paths['environment']}"
         extra = [f"rollout.multi_turn.enable={str(on).lower()}", f"rollout.multi_turn.tool_config_path={paths[tool]}",
-                 *other]
+                 *(environment if o == "ENVIRONMENT" else o for o in other)]
         print(f"tools.bench.agent: [{i}/{len(chosen) + 1}] {name}: {' '.join(extra)}", file=sys.stderr, flush=True)
         start = time.time()
         trace, scalars = run_job(2, workload + extra, os.path.join(args.out, name.replace(",", "").replace(" ", "-")))

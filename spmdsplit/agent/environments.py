@@ -28,7 +28,9 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import hashlib
+import heapq
 import inspect
+import itertools
 import json
 import math
 import numbers
@@ -179,6 +181,50 @@ def _accepts(fn: Callable, name: str) -> bool:
     return any(p.name == name or p.kind is p.VAR_KEYWORD for p in params)
 
 
+class _Deadlines:
+    """One daemon thread that calls each scheduled function at its deadline unless cancelled first:
+    every batch of calls gets a deadline without a thread of its own (a threading.Timer is one, and
+    the continuous stream starts an episode's calls as its turn ends, hundreds a batch)."""
+
+    def __init__(self):
+        self._heap: list[list] = []  # [deadline, key, fn]; fn None once cancelled
+        self._entries: dict[int, list] = {}
+        self._keys = itertools.count()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def schedule(self, delay_s: float, fn: Callable[[], None]) -> int:
+        with self._cond:
+            entry = [time.monotonic() + delay_s, next(self._keys), fn]
+            heapq.heappush(self._heap, entry)
+            self._entries[entry[1]] = entry
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="spmdsplit-environment-deadlines", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+            return entry[1]
+
+    def cancel(self, key: int) -> None:
+        with self._cond:
+            entry = self._entries.pop(key, None)
+            if entry is not None:
+                entry[2] = None  # the closure (and what it holds) goes now, the entry at its deadline
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._heap:
+                    self._cond.wait()
+                deadline, key, fn = self._heap[0]
+                if fn is not None and deadline > time.monotonic():
+                    self._cond.wait(deadline - time.monotonic())
+                    continue
+                heapq.heappop(self._heap)
+                self._entries.pop(key, None)
+            if fn is not None:
+                fn()
+
+
 class Environments:
     """Builds, steps and closes the episodes' environment instances, each call in a fresh daemon
     thread (a hung environment never holds up the job or its exit) within `timeout_s`."""
@@ -189,6 +235,7 @@ class Environments:
         self.max_text_chars, self.truncate_side = max_text_chars, truncate_side
         self.close_errors = 0
         self._builders: dict[type, Callable[[str], Any]] = {}  # per environment class: text -> action
+        self._deadlines = _Deadlines()
         self._abandoned: set[threading.Thread] = set()
         self._lock = threading.Lock()
 
@@ -201,14 +248,14 @@ class Environments:
 
     def start(self, calls: Sequence[EnvCall]) -> concurrent.futures.Future:
         """All calls at once, each in a thread of its own; a future of one EnvResult per call, in
-        order, never an exception. One timer bounds them all: they start together."""
+        order, never an exception. One deadline bounds them all: they start together."""
         combined: concurrent.futures.Future = concurrent.futures.Future()
         if not calls:
             combined.set_result([])
             return combined
         results: list[EnvResult | None] = [None] * len(calls)
         # The calls not answered yet, with their threads: emptied as they answer, so that nothing
-        # here (the timer's closure included) keeps a finished episode's slot alive.
+        # here (the deadline's closure included) keeps a finished episode's slot alive.
         pending: dict[int, tuple[EnvCall, threading.Thread]] = {}
         lock, start = threading.Lock(), time.monotonic()
 
@@ -222,7 +269,7 @@ class Environments:
             if r.error or r.done:
                 self.release(call.slot)
             if last:
-                timer.cancel()
+                self._deadlines.cancel(deadline)
                 combined.set_result(results)
 
         def overrun() -> None:
@@ -237,9 +284,7 @@ class Environments:
         for i, call in enumerate(calls):
             pending[i] = (call, threading.Thread(target=self._work, args=(call, i, settle), daemon=True,
                                                  name="spmdsplit-environment"))
-        timer = threading.Timer(self.timeout_s, overrun)
-        timer.daemon = True
-        timer.start()
+        deadline = self._deadlines.schedule(self.timeout_s, overrun)
         for _, thread in list(pending.values()):
             thread.start()
         return combined

@@ -258,19 +258,23 @@ def test_a_continuous_checkpoint_restarts_the_environments_episodes_still_runnin
         return stream
 
     stream = make_stream()
-    for _ in range(200):  # until some episodes are midway and some have finished
+    for _ in range(200):  # until episodes are midway
         stream.engine_step()
-        responses = [r for g in (*stream.groups, *stream.complete) for r in g.responses]
-        if any(r.finished for r in responses) and any(r.tokens and not r.finished for r in responses):
+        if any(r.tokens and not r.finished for g in stream.groups for r in g.responses):
             break
     state = stream.state()
     saved = [r for g in state["in_flight"] + state["complete"] for r in g["responses"]]
-    assert any(r["finished"] and r["tokens"] for r in saved) and not any(r["tokens"] and not r["finished"] for r in saved)
-    buffer = io.BytesIO()
-    torch.save(state, buffer)  # a finished episode's environment slot pickles empty
-    buffer.seek(0)
+    assert saved and not any(r["tokens"] and not r["finished"] for r in saved)  # each starts again
     resumed = make_stream()
-    resumed.load_state(torch.load(buffer, weights_only=False), same_layout=True)
+    resumed.load_state(state, same_layout=True)
     batch = resumed.next_batch(1)
     assert len(batch) == 16 and (batch["num_turns"] == 6).all()
+    # Finished episodes are kept as they are; their environment's slot is saved empty.
+    later = resumed.state()
+    finished = [r for g in later["in_flight"] + later["complete"] for r in g["responses"] if r["finished"]]
+    assert finished and all(len(r["tokens"]) == 6 and r["episode"].env.instance is None for r in finished)
+    buffer = io.BytesIO()
+    torch.save(later, buffer)
+    buffer.seek(0)
+    assert torch.load(buffer, weights_only=False)["tokens_held"] == later["tokens_held"]
     assert all(info["environment_reward"] == pytest.approx(sum(info["environment_rewards"])) for info in batch["extra_info"])

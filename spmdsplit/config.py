@@ -417,7 +417,8 @@ class MultiTurnConfig:
     # the embedded task's lookup tool
     tool_config_path: str = ""
     max_assistant_turns: Optional[int] = None  # null: only the token budget ends an episode
-    # Tokens of one policy turn at most (a turn cut there ends its episode); null: the response's budget
+    # Tokens of one policy turn at most (a tool agent's turn cut there ends its episode, an environment's is
+    # stepped as its action); null: what is left of the response's budget
     max_turn_length: Optional[int] = None
     max_parallel_calls: int = positive(1)  # calls of one turn that run (verl's default: 1); the rest are dropped
     max_tool_response_length: int = positive(256)  # characters of a tool response the model sees

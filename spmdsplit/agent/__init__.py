@@ -10,7 +10,10 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
+
+from omegaconf import OmegaConf
 
 from spmdsplit.data.parquet import ENVIRONMENT_AGENT
 from spmdsplit.data.synthetic import AGENT_TASKS
@@ -39,20 +42,23 @@ def load_job_environments(cfg):
     """The job's environments (None without one); a bad environment raises ToolConfigError."""
     if not cfg.rollout.multi_turn.enable or not environment_path(cfg):
         return None
+    m = cfg.rollout.multi_turn
+    kwargs = json.dumps(OmegaConf.to_container(m.environment_kwargs) if OmegaConf.is_config(m.environment_kwargs)
+                        else dict(m.environment_kwargs or {}), sort_keys=True)
+    return _load_environments(environment_path(cfg), kwargs, m.environment_action_field, m.tool_timeout_s,
+                              m.max_tool_response_length, m.tool_response_truncate_side)
+
+
+@functools.lru_cache(maxsize=None)
+def _load_environments(path: str, kwargs_json: str, action_field: str, timeout_s: float, max_text_chars: int,
+                       truncate_side: str):
+    """Loaded once per process, like the tools: the check before the first collective and the
+    engine's agent loop share them (the constructor's probe runs once)."""
     from spmdsplit.agent.environments import Environments, load_environment
 
-    m = cfg.rollout.multi_turn
-    kwargs = dict(m.environment_kwargs or {})
-    key = (environment_path(cfg), repr(sorted(kwargs.items())), m.environment_action_field)
-    if key not in _ENVIRONMENTS:  # built once per process, like the tools
-        factory = load_environment(environment_path(cfg), kwargs, m.environment_action_field)
-        _ENVIRONMENTS[key] = Environments(factory, timeout_s=m.tool_timeout_s, max_text_chars=m.max_tool_response_length,
-                                          truncate_side=m.tool_response_truncate_side,
-                                          action_field=m.environment_action_field)
-    return _ENVIRONMENTS[key]
-
-
-_ENVIRONMENTS: dict = {}
+    factory = load_environment(path, json.loads(kwargs_json), action_field)
+    return Environments(factory, timeout_s=timeout_s, max_text_chars=max_text_chars, truncate_side=truncate_side,
+                        action_field=action_field)
 
 
 def tool_config_path(cfg) -> str:

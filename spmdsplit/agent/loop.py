@@ -31,6 +31,7 @@ from spmdsplit.agent.environments import EnvCall, Environments, EnvSlot, reset_s
 from spmdsplit.agent.parsers import ToolParser
 from spmdsplit.agent.tools import ERROR_KINDS, Tools
 from spmdsplit.batch import Batch
+from spmdsplit.data.parquet import ENVIRONMENT_AGENT
 from spmdsplit.rewards.rule import ENVIRONMENT_REWARD
 from spmdsplit.rollout.base import episodes_batch, splitmix64
 
@@ -54,7 +55,6 @@ class Episode:
     env: EnvSlot | None = None  # an environment's episode (rollout.multi_turn.environment)
     env_reset: EnvCall | None = None  # its reset, until it has run
     env_rewards: list[float] = field(default_factory=list)  # each step's reward
-    last_turn: bool = False  # an environment's episode: the turn just stepped is its last
 
     def append(self, ids: list[int], policy: bool, log_probs: list[float] | None = None) -> None:
         self.context += ids
@@ -169,6 +169,11 @@ class AgentRollout:
         end at the EOS only (a parser's stop token, "@", is text to them)."""
         return self.stop_ids if episode.agent == "tool_agent" else self.eos_ids
 
+    def out_of_turns(self, episode: Episode) -> bool:
+        """Whether the episode may take no further turn: the response's budget is spent, or
+        rollout.multi_turn.max_assistant_turns is reached."""
+        return len(episode.response_ids) >= self.budget or bool(self.max_turns and episode.assistant_turns >= self.max_turns)
+
     def turn_budget(self, episode: Episode) -> int:
         """How many tokens the episode's next turn may have: what is left of the response's
         budget, at most rollout.multi_turn.max_turn_length."""
@@ -188,7 +193,7 @@ class AgentRollout:
         episodes = [Episode(row[keep].tolist(), agent or self.default_agent, (info or {}).get("tools_kwargs") or {}, seed)
                     for row, keep, agent, info, seed in zip(ids, mask, agents, extra, seeds)]
         for e, info, uid in zip(episodes, extra, uids):
-            if e.agent == "environment_agent":
+            if e.agent == ENVIRONMENT_AGENT:
                 kwargs = (info or {}).get("environment_kwargs")
                 e.env = EnvSlot()
                 e.env_reset = EnvCall(e.env, None, dict(kwargs) if isinstance(kwargs, dict) else {},
@@ -200,18 +205,15 @@ class AgentRollout:
         text of the token that ended it."""
         episode.append(ids, policy=True, log_probs=log_probs)
         episode.assistant_turns += 1
-        stopped = bool(ids) and ids[-1] in self.stop_ids
         if episode.env is not None:
             # Every action is stepped, the last one too (the environment scores it), and a turn cut
             # at rollout.multi_turn.max_turn_length is an action as well: the environment says when
             # its episode is done, or the response's budget or max_assistant_turns does.
             stopped = bool(ids) and ids[-1] in self.eos_ids
-            episode.last_turn = (len(episode.response_ids) >= self.budget
-                                 or bool(self.max_turns and episode.assistant_turns >= self.max_turns))
             action = self.tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=False)
             return [EnvCall(episode.env, action)], (self.tokenizer.decode(ids[-1:], skip_special_tokens=False) if stopped else "")
-        if (not stopped or len(episode.response_ids) >= self.budget or episode.agent != "tool_agent"
-                or (self.max_turns and episode.assistant_turns >= self.max_turns)):
+        stopped = bool(ids) and ids[-1] in self.stop_ids
+        if not stopped or self.out_of_turns(episode) or episode.agent != "tool_agent":
             episode.done = True
             return [], ""
         text = self.tokenizer.decode(ids[:-1] if ids[-1] in self.eos_ids else ids, skip_special_tokens=False)
@@ -244,7 +246,7 @@ class AgentRollout:
         if call.action is not None:
             episode.tool_calls += 1
             episode.env_rewards.append(result.reward)
-        if result.error or result.done or episode.last_turn:
+        if result.error or result.done or self.out_of_turns(episode):
             episode.done = True
             return
         ids = (self.chat.opening_ids(result.text) if call.action is None

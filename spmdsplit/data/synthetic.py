@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import random
 
+from spmdsplit.data.parquet import ENVIRONMENT_AGENT
+
 DIGITS = "0123456789"
 SEPARATOR = "="  # ends every prompt: "345="
 ANSWER_LEN = 4
@@ -102,7 +104,7 @@ def echo_row(index: int) -> dict:
         "data_source": data_source("echo"),
         "reward_model": {"ground_truth": "", "style": "environment"},
         "extra_info": {"index": index},
-        "agent_name": "environment_agent",
+        "agent_name": ENVIRONMENT_AGENT,
     }
 
 

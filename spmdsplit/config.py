@@ -241,9 +241,9 @@ class ModelConfig(LoraKeys):
     # check_packed_attention).
     use_remove_padding: bool = False
     # The attention kernel of every trained and frozen model (not the rollout engines'), chosen in
-    # models.attention_implementation: auto (flash_attention_2 on cuda with the flash_attn package,
-    # else varlen) | varlen (spmdsplit/attention.py: packed rows one by one, torch's varlen kernel
-    # on cuda; sdpa otherwise) | sdpa | eager | flash_attention_2 (GPU only; needs flash_attn).
+    # models.attention_implementation: auto (flash_attention_2 on cuda where transformers takes
+    # flash-attn: the flash-attn distribution >= 2.3.3, importable; else varlen) | varlen (spmdsplit/attention.py: packed rows one by one, torch's varlen kernel
+    # on cuda; sdpa otherwise) | sdpa | eager | flash_attention_2 (GPU only; needs flash-attn).
     attn_implementation: str = choice("auto", "varlen", "sdpa", "eager", "flash_attention_2")
 
 

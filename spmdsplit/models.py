@@ -32,37 +32,65 @@ def compute_dtypes(cfg, device: torch.device) -> tuple[torch.dtype, torch.dtype 
 
 def attention_implementation(requested: str, device: torch.device | str) -> str:
     """transformers' attention kernel for every trained and frozen model (model.attn_implementation),
-    the one place it is chosen. "auto" (the default): flash_attention_2 on cuda where the flash_attn
-    package imports; else "varlen" (spmdsplit/attention.py): packed passes attend each row on its
-    own, with torch's varlen kernel on cuda or one sdpa call per row elsewhere, no [T, T] mask;
-    other passes are sdpa's. Any other value is taken as it is."""
+    the one place it is chosen. "auto" (the default): flash_attention_2 on cuda where transformers
+    itself would take flash-attn (`flash_attn_unavailable`); else "varlen" (spmdsplit/attention.py):
+    packed passes attend each row on its own, with torch's varlen kernel on cuda or one sdpa call per
+    row elsewhere, no [T, T] mask; other passes are sdpa's. Any other value is taken as it is."""
     if requested != "auto":
         return requested
     if torch.device(device).type != "cuda":
         return attention.VARLEN
-    why_not = flash_attn_import_error()
+    why_not = flash_attn_unavailable()
     if why_not is None:
         return "flash_attention_2"
-    if why_not != "not installed":
-        _warn_once(f"model.attn_implementation=auto: flash_attn is installed but does not load ({why_not}); "
-                   f"using {attention.VARLEN}")
+    if why_not != NOT_INSTALLED:
+        _warn_once(f"model.attn_implementation=auto: {why_not}; using {attention.VARLEN}")
     return attention.VARLEN
 
 
+NOT_INSTALLED = "flash_attn is not installed"
+# transformers 5.19 (utils/import_utils.py is_flash_attn_2_available) takes flash_attention_2 only
+# from this distribution at this version or later.
+FLASH_ATTN_DISTRIBUTION, FLASH_ATTN_MIN_VERSION = "flash-attn", "2.3.3"
+
+
 @functools.lru_cache(maxsize=None)
-def flash_attn_import_error() -> str | None:
-    """Why flash-attn cannot run here, or None. Being installed is not enough: a wheel built for
-    another torch (or CUDA) is found but its compiled extension fails to load (an undefined symbol),
-    and transformers then refuses the model. `flash_attn`'s own import loads that extension
-    (flash_attn_interface imports flash_attn_2_cuda), so importing it is the check."""
+def flash_attn_unavailable() -> str | None:
+    """Why transformers would refuse flash_attention_2 here, or None. It asks what transformers asks
+    (is_flash_attn_2_available), then one thing more:
+    * the `flash_attn` package must come from the `flash-attn` distribution: flash-attn-4 (FA4) also
+      installs a package named `flash_attn`, which transformers does not take for flash_attention_2;
+    * that distribution at FLASH_ATTN_MIN_VERSION or later;
+    * and it must import: a wheel built for another torch (or CUDA) is found but its compiled
+      extension fails to load (an undefined symbol), and transformers then refuses the model.
+      `flash_attn`'s own import loads that extension (flash_attn_interface imports flash_attn_2_cuda),
+      so importing it is the check."""
+    import importlib.metadata as md
     import importlib.util
 
+    from packaging.version import InvalidVersion, Version
+
     if importlib.util.find_spec("flash_attn") is None:
-        return "not installed"
+        return NOT_INSTALLED
+    # Which installed distributions provide the top-level package (their RECORD / top_level.txt),
+    # with names normalised as transformers normalises them.
+    providers = sorted({d.replace("_", "-").lower() for d in md.packages_distributions().get("flash_attn", [])})
+    if FLASH_ATTN_DISTRIBUTION not in providers:
+        found = f"the {', '.join(providers)} distribution" if providers else "no installed distribution"
+        return (f"the flash_attn package comes from {found}, not from {FLASH_ATTN_DISTRIBUTION}, "
+                "which transformers requires for flash_attention_2")
+    installed = md.version(FLASH_ATTN_DISTRIBUTION)
+    try:
+        too_old = Version(installed) < Version(FLASH_ATTN_MIN_VERSION)
+    except InvalidVersion:
+        too_old = True
+    if too_old:
+        return (f"{FLASH_ATTN_DISTRIBUTION} {installed} is installed; transformers takes flash_attention_2 from "
+                f">= {FLASH_ATTN_MIN_VERSION} only")
     try:
         import flash_attn  # noqa: F401
     except Exception as e:  # ImportError, OSError from the loader, or anything its __init__ raises
-        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return f"flash_attn is installed but does not load ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
     return None
 
 

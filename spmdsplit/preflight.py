@@ -46,7 +46,7 @@ from spmdsplit.config import not_one_of
 from spmdsplit.data.synthetic import TASKS
 from spmdsplit.errors import ConfigError
 from spmdsplit.messages import ROWS_TO  # the role groups that take every step's rows
-from spmdsplit.models import ModelSource
+from spmdsplit.models import ModelSource, flash_attn_unavailable
 from spmdsplit.placement import launch_shape_from_env, plan_from_config
 from spmdsplit.rewards.custom import load_custom_reward_fn
 from spmdsplit.roles.build import trains_critic
@@ -233,13 +233,15 @@ def check_vllm_adapter(model) -> None:
 
 
 def check_flash_attn_installed(cfg: DictConfig) -> None:
-    """model.attn_implementation=flash_attention_2 needs the flash_attn package; checked on every
-    rank at start-up (check_device), not in check_config, so that a GPU preset
-    that chooses it still loads (and prints) on a machine without it."""
+    """model.attn_implementation=flash_attention_2 needs flash-attn as transformers takes it (the
+    `flash-attn` distribution, recent enough, loading: models.flash_attn_unavailable); checked on
+    every rank at start-up (check_device), not in check_config, so that a GPU preset that chooses it
+    still loads (and prints) on a machine without it."""
     if cfg.model.attn_implementation == "flash_attention_2":
-        if importlib.util.find_spec("flash_attn") is None:
-            raise ConfigError("model.attn_implementation=flash_attention_2: the flash_attn package is not installed "
-                              "(GPU only: pip install flash-attn); use auto (torch's own varlen kernel)")
+        why_not = flash_attn_unavailable()
+        if why_not is not None:
+            raise ConfigError(f"model.attn_implementation=flash_attention_2: {why_not} (GPU only: pip install "
+                              "flash-attn); use auto (torch's own varlen kernel)")
 
 
 # A packed micro-batch under sdpa/eager carries a dense [T, T] block-causal mask in the compute

@@ -582,14 +582,19 @@ def test_choices_and_ranges_come_from_the_fields():
 def test_flash_attention_without_flash_attn_is_one_line_naming_the_key(monkeypatch):
     import importlib.util
 
+    from spmdsplit.models import flash_attn_unavailable
     from spmdsplit.preflight import check_flash_attn_installed
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else real(name, *a))
     # The config loads (a GPU preset prints anywhere); start-up (preflight.check_device) refuses it.
     cfg = load_config(None, ["model.attn_implementation=flash_attention_2"])
-    with pytest.raises(ConfigError) as e:
-        check_flash_attn_installed(cfg)
+    flash_attn_unavailable.cache_clear()
+    try:
+        with pytest.raises(ConfigError) as e:
+            check_flash_attn_installed(cfg)
+    finally:
+        flash_attn_unavailable.cache_clear()
     msg = str(e.value)
     assert msg.startswith("model.attn_implementation=flash_attention_2") and "\n" not in msg
     assert "model.attn_implementation" in error_of("model.attn_implementation=flash")

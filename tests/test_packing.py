@@ -10,6 +10,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from spmdsplit.batch import Batch
+from spmdsplit.config import load_config
+from spmdsplit.errors import ConfigError
 from spmdsplit.roles.micro_batches import (fixed_bins, in_row_order, micro_batches, split_to_count,
                                            token_budget_bins)
 from tests.support.helpers import full_weights
@@ -221,41 +223,72 @@ def test_the_packed_reward_model_gives_flash_attention_the_boundaries_too(embedd
 
 # ------------------------------------------------------------------ varlen: no mask, each row on its own
 
-def test_auto_picks_flash_attn_where_it_loads_on_cuda_else_varlen(tmp_path, monkeypatch, capsys):
-    """Installed is not enough: a flash_attn whose compiled extension does not load (a wheel built
-    for another torch: found by find_spec, failing on import) gives varlen and one warning line
-    naming why, however often a model is built; one that imports gives flash_attention_2."""
+def test_auto_picks_flash_attn_only_where_transformers_takes_it(tmp_path, monkeypatch, capsys):
+    """`auto` asks what transformers asks before it takes flash_attention_2: a `flash_attn` package
+    from the `flash-attn` distribution at >= 2.3.3, and one that imports. Each stub distribution
+    below (one folder on sys.path with the package and its dist-info) that transformers would refuse
+    gives varlen and one warning line naming why, however often a model is built; flash-attn-4
+    (which installs a `flash_attn` package too) and an old flash-attn were taken before; a
+    flash_attn whose compiled extension does not load (a wheel built for another torch: found by
+    find_spec, failing on import) was refused already. Explicitly asked for, the same reason stops
+    the job at start-up."""
     import sys
 
     from spmdsplit import models
     from spmdsplit.models import attention_implementation
+    from spmdsplit.preflight import check_flash_attn_installed
 
-    def installed(body: str):
+    def installed(distribution: str | None, version: str = "2.7.4", body: str = ""):
+        for earlier in tmp_path.iterdir():  # one stub installed at a time
+            while str(earlier) in sys.path:
+                sys.path.remove(str(earlier))
         folder = tmp_path / str(len(list(tmp_path.iterdir())))
         (folder / "flash_attn").mkdir(parents=True)
         (folder / "flash_attn" / "__init__.py").write_text(body)
+        if distribution:
+            info = folder / f"{distribution.replace('-', '_')}-{version}.dist-info"
+            info.mkdir()
+            (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {distribution}\nVersion: {version}\n")
+            (info / "top_level.txt").write_text("flash_attn\n")
         monkeypatch.syspath_prepend(str(folder))
-        models.flash_attn_import_error.cache_clear()
+        models.flash_attn_unavailable.cache_clear()
         sys.modules.pop("flash_attn", None)
 
+    def auto_warns() -> list[str]:
+        assert attention_implementation("auto", "cuda:0") == attention_implementation("auto", "cuda:1") == "varlen"
+        return capsys.readouterr().err.splitlines()
+
+    prefix = "spmdsplit: warning: model.attn_implementation=auto: "
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     try:
-        models.flash_attn_import_error.cache_clear()
+        models.flash_attn_unavailable.cache_clear()
         assert attention_implementation("auto", "cpu") == attention_implementation("auto", "cuda:0") == "varlen"
         assert capsys.readouterr().err == ""  # not installed: nothing to say
-        installed("raise ImportError('flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDeviceEi')")
-        assert attention_implementation("auto", "cuda:0") == attention_implementation("auto", "cuda:1") == "varlen"
-        warned = capsys.readouterr().err.splitlines()
-        assert warned == ["spmdsplit: warning: model.attn_implementation=auto: flash_attn is installed but does "
-                          "not load (ImportError: flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDeviceEi); "
-                          "using varlen"], warned
-        installed("")  # a flash_attn that loads
+        installed("flash-attn-4", "4.0.0b4")
+        assert auto_warns() == [prefix + "the flash_attn package comes from the flash-attn-4 distribution, not from "
+                                "flash-attn, which transformers requires for flash_attention_2; using varlen"]
+        cfg = load_config(None, ["model.attn_implementation=flash_attention_2"])
+        with pytest.raises(ConfigError, match="^model.attn_implementation=flash_attention_2: the flash_attn package "
+                                              "comes from the flash-attn-4 distribution"):
+            check_flash_attn_installed(cfg)
+        installed(None)  # a bare folder named flash_attn, no distribution at all
+        assert auto_warns() == [prefix + "the flash_attn package comes from no installed distribution, not from "
+                                "flash-attn, which transformers requires for flash_attention_2; using varlen"]
+        installed("flash-attn", "2.3.2")
+        assert auto_warns() == [prefix + "flash-attn 2.3.2 is installed; transformers takes flash_attention_2 from "
+                                ">= 2.3.3 only; using varlen"]
+        installed("flash-attn", body="raise ImportError('flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDeviceEi')")
+        assert auto_warns() == [prefix + "flash_attn is installed but does not load (ImportError: flash_attn_2_cuda.so: "
+                                "undefined symbol: _ZN3c104cuda9SetDeviceEi); using varlen"]
+        installed("flash-attn", "2.3.3")  # a flash-attn transformers takes, that loads
         assert attention_implementation("auto", "cuda:0") == "flash_attention_2"
         assert attention_implementation("auto", "cpu") == "varlen"
         assert attention_implementation("sdpa", "cuda") == "sdpa"
+        check_flash_attn_installed(cfg)
+        assert capsys.readouterr().err == ""
     finally:
         sys.modules.pop("flash_attn", None)
-        models.flash_attn_import_error.cache_clear()
+        models.flash_attn_unavailable.cache_clear()
 
 
 @pytest.fixture

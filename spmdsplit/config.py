@@ -504,10 +504,12 @@ class RolloutConfig:
     # GPU: the engine sleeps between a step's rollouts (vLLM sleep level 2: weights and KV cache
     # freed, nothing copied to host, as the weights are reloaded at each wake); no-op on CPU.
     free_cache_engine: bool = True
-    # vLLM: each row sampled with its own seed (trainer seed, step, row), so its tokens do not
-    # depend on its batch, rank or pool size: runs repeat across layouts. The cost, on GPU: vLLM
-    # leaves its FlashInfer sampler and draws each seeded row's noise one row at a time
-    # (v1/sample/ops/topk_topp_sampler.py), a small kernel per row per token. false: one seed per engine.
+    # vLLM: each row sampled with its own seed from (trainer seed, step, row), so its tokens do not
+    # depend on its batch, rank or pool size: runs repeat across layouts. false: one seed per engine
+    # per step (each row seeded by it and its place), the same on every rank of a tensor-parallel
+    # engine; a row's tokens then depend on the layout. Either way every row has a seed, never one
+    # from a global generator a tool could move (generation.sample_seeds). No cost on GPU: vLLM 0.32
+    # on CUDA (its V2 model runner) reads the seeds inside its one batched sampling kernel.
     per_row_seed: bool = True
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)

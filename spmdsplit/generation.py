@@ -20,7 +20,10 @@ from spmdsplit.exchange import row_ranges
 from spmdsplit.messages import PoolChannel
 from spmdsplit.timing import PhaseTimer
 from spmdsplit.groups import Pools
-from spmdsplit.rollout.base import engine_peers, row_seeds
+from spmdsplit.rollout.base import engine_peers, engine_seeds, row_seeds
+
+# Validation rows are seeded apart from the training rows of the same step.
+VALIDATION_SEED_SALT = 0x5EED_7A11
 
 
 def generate_validation_rows(cfg, pools: Pools, rollout_engine, channel: PoolChannel, timer: PhaseTimer, tokenizer,
@@ -40,6 +43,7 @@ def generate_validation_rows(cfg, pools: Pools, rollout_engine, channel: PoolCha
                                   cfg.data.max_prompt_length, step, first, truncation=cfg.data.truncation)
         prompts = prompts.repeat_interleave(n)
         prompts["row_index"] = torch.arange(first * n, first * n + len(prompts), dtype=torch.int64)
+        prompts["sample_seed"] = sample_seeds(cfg, step, prompts["row_index"], rank, validation=True)
         return prompts
 
     parts = []
@@ -114,11 +118,23 @@ def step_prompts(cfg, dataset: PromptDataset, tokenizer, step: int, generating, 
                               truncation=cfg.data.truncation).repeat_interleave(n)
     first_response = part * len(rows) * n
     prompts["row_index"] = torch.arange(first_response, first_response + len(prompts), dtype=torch.int64)
-    # Engines that can seed each row (vLLM) sample it the same whichever rank generates it, next
-    # to whichever rows, on any pool size (rollout.per_row_seed says what that costs on GPU).
-    if cfg.rollout.per_row_seed:
-        prompts["sample_seed"] = row_seeds(cfg.trainer.seed, step, prompts["row_index"])
+    prompts["sample_seed"] = sample_seeds(cfg, step, prompts["row_index"], rank)
     return prompts
+
+
+def sample_seeds(cfg, step: int, row_index: torch.Tensor, rank: int, validation: bool = False) -> torch.Tensor:
+    """Every generated row's sampling seed (vLLM reads them; HF samples from the rank's generator).
+    Every row has one, whatever rollout.per_row_seed says: the ranks of a tensor-parallel engine
+    each sample every row themselves and must draw alike, and a row without a seed would draw from
+    a process-global generator (vLLM 0.32 on CUDA: numpy's, at the request's admission,
+    v1/worker/gpu/sample/states.py; on CPU: torch's, at every token) that a tool or an environment,
+    run on the engine's first rank only, may move. per_row_seed: the row's own (row_seeds: the same
+    tokens on any layout); false: one seed per engine per step (engine_seeds)."""
+    seed = cfg.trainer.seed ^ (VALIDATION_SEED_SALT if validation else 0)
+    if cfg.rollout.per_row_seed:
+        return row_seeds(seed, step, row_index)
+    peers = peers_of(cfg, rank)
+    return engine_seeds(seed, step, peers[0] // len(peers), row_index)
 
 
 def generate_rows(rollout_engine, prompts: Batch, device, validate: bool = False) -> Batch:

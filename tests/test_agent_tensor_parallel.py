@@ -1,8 +1,11 @@
 """Tool calls of a tensor-parallel vLLM engine (rollout.tensor_model_parallel_size > 1) run once per
-call, on the engine's first rank, and every rank of the engine continues from the same answers
-(issue 36, item 3). The tool here answers each call with the number of calls made so far, on any
-rank, and writes down which process ran it: were each rank to run its own tools, the ranks' contexts
-would differ (and vLLM's lockstep with them) and the file would count every call twice."""
+call, on the engine's first rank, and every rank of the engine continues from the same answers.
+The tool here answers each call with the number of calls made so far, on any rank, and writes down
+which process ran it: were each rank to run its own tools, the ranks' contexts would differ (and
+vLLM's lockstep with them) and the file would count every call twice.
+
+Sampled, the ranks must also draw alike: every row carries a seed the engine's ranks share, so a
+tool that moves numpy's and torch's global generators on the first rank alone changes nothing."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import importlib.util
 import os
 import re
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -37,48 +41,69 @@ class CountingTool(BaseTool):
             f.flush()
             f.seek(0)
             count = len(f.readlines())
+        if self.config.get("draws"):  # what a user's tool may do: the first rank's global generators move
+            np.random.random(1000)
+            torch.rand(1000)
         return ToolResponse(text=str(count)), 0.0, {}
 
 
-def tensor_parallel_episodes(rank, world_size, model_dir, tool_config):
-    """Every rank: one engine of tensor parallel 2, greedy multi-turn episodes of the same prompts."""
+def tensor_parallel_episodes(rank, world_size, model_dir, tool_config, sampled):
+    """Every rank: one engine of tensor parallel 2, multi-turn episodes of the same prompts: greedy
+    (validation's sampling), or sampled as a training step's rows are, with rollout.per_row_seed=false."""
     from spmdsplit.agent import check_multi_turn
-    from spmdsplit.data.prompts import collate_prompts
+    from spmdsplit.batch import Batch
+    from spmdsplit.data.prompts import PromptDataset, collate_prompts
     from spmdsplit.data.sources import build_rows
+    from spmdsplit.generation import engine_shares
     from spmdsplit.models import eos_token_ids, load_causal_lm, load_tokenizer
     from spmdsplit.rollout import build_rollout
     from spmdsplit.rollout.vllm_engine import init_vllm_distributed, shutdown_vllm_distributed
 
     cfg = load_config(os.path.join(ROOT, "configs", "agent_lookup.yaml"), [
         "rollout.name=vllm", f"model.path={model_dir}", "rollout.kv_cache_memory_gb=0.0625",
-        "rollout.tensor_model_parallel_size=2", f"rollout.multi_turn.tool_config_path={tool_config}"])
+        "rollout.tensor_model_parallel_size=2", f"rollout.multi_turn.tool_config_path={tool_config}",
+        f"data.train_batch_size={PROMPTS // 4}", "rollout.n=4", "rollout.per_row_seed=false"])
     init_vllm_distributed(cfg, model_dir, torch.device("cpu"), torch.float32)
     try:
         tokenizer = load_tokenizer(model_dir)
         rows, _ = build_rows(cfg.data, tokenizer, "train", tools=check_multi_turn(cfg, tokenizer).schemas)
-        prompts = collate_prompts(rows[:PROMPTS], tokenizer, cfg.data.max_prompt_length, step=1, first_row=0)
+        if sampled:  # the step's prompts as the job makes them, each with the seed of its engine's step
+            shares = engine_shares(cfg, PromptDataset(rows, PROMPTS // 4, shuffle=False, seed=0), tokenizer, 1, [0, 1])
+            prompts = Batch.concat(shares.shares)
+        else:
+            prompts = collate_prompts(rows[:PROMPTS], tokenizer, cfg.data.max_prompt_length, step=1, first_row=0)
         engine = build_rollout(cfg, model_dir, tokenizer, eos_token_ids(model_dir, tokenizer), torch.device("cpu"),
                                torch.float32, 0)
         engine.wake_up(load_causal_lm(model_dir, torch.float32, torch.device("cpu"), 0).state_dict().items())
-        out = engine.generate(prompts, validate=True)  # greedy: the ranks must agree token for token
+        out = engine.generate(prompts, validate=not sampled)  # the ranks must agree token for token
+        if sampled:  # and rows that come without seeds (a caller of its own) take the engine's own
+            unseeded = engine.generate(prompts.select([k for k in prompts.keys() if k != "sample_seed"]))
         width = out["responses"].shape[1]
         tool_tokens = (out["response_mask"] == 0) & (out["attention_mask"][:, -width:] == 1)
         answers = [int(a) for row, holes in zip(out["responses"], tool_tokens)
                    for a in re.findall(r"\d+", tokenizer.decode(row[holes]))]
-        columns = {k: out[k] for k in ("responses", "response_mask", "num_turns", "tool_calls")}
+        columns = {k: out[k] for k in ("responses", "response_mask", "num_turns", "tool_calls", "rollout_log_probs")}
+        if sampled:
+            columns.update({f"unseeded {k}": unseeded[k] for k in ("responses", "tool_calls")})
         return {"columns": columns, "answers": answers, "pid": os.getpid()}
     finally:
         shutdown_vllm_distributed()
 
 
-def test_a_tensor_parallel_engine_runs_each_tool_call_once_and_its_ranks_agree(tmp_path, agent_model_dir):
+def counting_tool(tmp_path, **config) -> tuple:
     calls_file, tool_config = tmp_path / "calls.txt", tmp_path / "tools.yaml"
     with open(os.path.join(ROOT, "spmdsplit", "agent", "lookup_tools.yaml")) as f:
         entry = yaml.safe_load(f)["tools"][0]
-    entry.update(class_name=f"{__name__}.CountingTool", config={"type": "native", "calls_file": str(calls_file)})
+    entry.update(class_name=f"{__name__}.CountingTool", config={"type": "native", "calls_file": str(calls_file), **config})
     tool_config.write_text(yaml.safe_dump({"tools": [entry]}))
+    return calls_file, tool_config
 
-    first, second = run_ranks(tensor_parallel_episodes, 2, agent_model_dir, str(tool_config), timeout=300, kind="vllm")
+
+def test_a_tensor_parallel_engine_runs_each_tool_call_once_and_its_ranks_agree(tmp_path, agent_model_dir):
+    calls_file, tool_config = counting_tool(tmp_path)
+
+    first, second = run_ranks(tensor_parallel_episodes, 2, agent_model_dir, str(tool_config), False, timeout=300,
+                              kind="vllm")
 
     for name, column in first["columns"].items():
         assert torch.equal(column, second["columns"][name]), name
@@ -86,3 +111,23 @@ def test_a_tensor_parallel_engine_runs_each_tool_call_once_and_its_ranks_agree(t
     assert calls >= 3, "the boosted model should call the tool in some episodes"
     assert calls_file.read_text().split() == [str(first["pid"])] * calls  # once per call, on the first rank
     assert first["answers"] == second["answers"] and sorted(first["answers"]) == list(range(1, calls + 1))
+
+
+def test_sampled_ranks_draw_alike_beside_a_tool_that_moves_the_global_generators(tmp_path, agent_model_dir):
+    """rollout.per_row_seed=false, sampled at temperature 1: a tool drawing from np.random and
+    torch.rand on the engine's first rank (where tools run) leaves both ranks sampling the same
+    tokens, since no row draws from a global generator (on CPU vLLM's V1 sampler would take an
+    unseeded row's noise from torch's, on CUDA V2 its seed from numpy's)."""
+    calls_file, tool_config = counting_tool(tmp_path, draws=True)
+
+    first, second = run_ranks(tensor_parallel_episodes, 2, agent_model_dir, str(tool_config), True, timeout=300,
+                              kind="vllm")
+
+    assert int(first["columns"]["tool_calls"].sum()) >= 3, "the boosted model should call the tool in some episodes"
+    assert set(calls_file.read_text().split()) == {str(first["pid"])}  # the draws happened on the first rank only
+    for name, column in first["columns"].items():
+        assert torch.equal(column, second["columns"][name]), name
+    # Sampled indeed: the rollout.n responses to one prompt are not all alike.
+    responses = first["columns"]["responses"]
+    assert any(not torch.equal(responses[i], responses[i + 1]) for i in range(0, len(responses), 4))
+    assert int(first["columns"]["unseeded tool_calls"].sum()) >= 3

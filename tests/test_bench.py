@@ -541,9 +541,9 @@ def test_gpu_check_runs_and_reports_against_the_memory_model_and_the_chip(tmp_pa
     lora = report["rollouts"]["hf+lora8"]
     assert lora["step_s"] > 0 and lora["peak_mb"] > 0 and lora["predicted_mb"] is None
     assert "| hf+lora8 | " in result.stdout and set(report["efficiency"]) == {"hf"}
-    # It runs what the GPU presets changed (issue 25): packed passes, one seed per engine.
+    # It runs what the GPU presets changed: packed passes.
     workload = report["meta"]["workload"]
-    assert {"model.use_remove_padding=true", "model.attn_implementation=auto", "rollout.per_row_seed=false",
+    assert {"model.use_remove_padding=true", "model.attn_implementation=auto",
             "model.gradient_checkpointing=true"} <= set(workload)
 
     table = report["efficiency"]["hf"]

@@ -61,13 +61,14 @@ GPU_PRESETS = ("gpu_qwen2.5_0.5b.yaml", "gpu_qwen2.5_7b.yaml", "nodes_8+8.yaml")
 
 @pytest.mark.parametrize("name", GPU_PRESETS)
 def test_gpu_presets_carry_the_gpu_settings(name):
-    """What a first 7B job needs (issue 25 item 6): checkpointed activations, vLLM on its batched
-    sampler with CUDA graphs, and packing only on a variable-length kernel (no [T, T] mask)."""
+    """What a first 7B job needs: checkpointed activations, vLLM with CUDA graphs and a seed per row
+    (free on CUDA's V2 sampler, the same rollout on any layout), and packing only on a
+    variable-length kernel (no [T, T] mask)."""
     from spmdsplit.preflight import check_packed_attention
 
     cfg = load_config(str(CONFIGS / name))
     assert cfg.model.gradient_checkpointing
-    assert not cfg.rollout.per_row_seed and not cfg.rollout.enforce_eager
+    assert cfg.rollout.per_row_seed and not cfg.rollout.enforce_eager
     if cfg.model.use_remove_padding:  # a variable-length kernel, flash-attn's or torch's: no [T, T] mask
         assert cfg.model.attn_implementation == "auto"
     check_packed_attention(cfg, "cuda")

@@ -182,6 +182,32 @@ def row_seeds(trainer_seed: int, step: int, global_row_index: torch.Tensor) -> t
     return torch.tensor(seeds, dtype=torch.int64)
 
 
+def engine_seeds(trainer_seed: int, step: int, engine_index: int, global_row_index: torch.Tensor) -> torch.Tensor:
+    """rollout.per_row_seed=false: one seed per engine per step, the same on every rank of the engine
+    (a pure function of the trainer seed, the step and the engine's index), each row seeded by it
+    plus the row's index in the step's batch. Every row still has a seed of its own, and must:
+    vLLM 0.32's CUDA sampler (the V2 model runner's, v1/worker/gpu/sample/gumbel.py) draws a row's
+    noise from a hash of (its seed, its position), so rows sharing a seed would sample alike. Unlike
+    row_seeds, a row's tokens depend on which engine generates it: runs on other layouts differ."""
+    base = splitmix64(splitmix64(splitmix64(trainer_seed & _MASK64) ^ (step & _MASK64)) ^ (engine_index & _MASK64)) >> 1
+    return torch.tensor([(base + i) & (_MASK64 >> 1) for i in global_row_index.tolist()], dtype=torch.int64)
+
+
+class SeedSequence:
+    """An engine's own seeds for requests that come without one (a caller outside the trainer's
+    step: a bench, a test, a tool of its own): the i-th request submitted gets
+    splitmix64(base ^ i). The ranks of a tensor-parallel engine submit the same requests in the same
+    order, so they draw alike; no global generator is read, so nothing a user's code does (a tool or
+    an environment on the engine's first rank calling np.random or torch.rand) moves it."""
+
+    def __init__(self, base: int):
+        self.base, self.drawn = splitmix64(base & _MASK64), 0
+
+    def next(self) -> int:
+        self.drawn += 1
+        return splitmix64(self.base ^ self.drawn) >> 1
+
+
 def rollout_probs_diff(rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor,
                        response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """verl's check of the engine against the actor: |p_rollout - p_actor| of every response token.

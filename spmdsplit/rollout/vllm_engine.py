@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from spmdsplit import lora
 from spmdsplit.batch import Batch
-from spmdsplit.rollout.base import GREEDY, Delta, engine_peers, rollout_batch
+from spmdsplit.rollout.base import GREEDY, Delta, SeedSequence, engine_peers, rollout_batch
 
 # vllm/v1/attention/backends/cpu_attn.py: CPUAttentionBackend.get_supported_head_sizes() (0.32);
 # spmdsplit/preflight.py check_vllm refuses other sizes before the job starts.
@@ -253,13 +253,21 @@ class VLLMRollout:
         # trainer sets its thread count before; train.py does, before the world forms), and all
         # later allocations are bound to the NUMA node of the rank's first CPU (MEMBIND): pin each
         # rank to one node's cores (numactl / srun --cpu-bind) on multi-socket hosts.
-        # Rows without a seed of their own (rollout.per_row_seed=false) draw from the engine's
-        # generator: one seed per engine, shared by its tensor-parallel peers, so that two engines
-        # never draw the same random numbers.
         engine_index = dist.get_rank() // cfg.rollout.tensor_model_parallel_size if dist.is_initialized() else 0
         os.environ["VLLM_FLASHINFER_AUTOTUNE_CACHE_DIR"] = flashinfer_autotune_dir(engine_index)
         self.llm = LLM(**{**engine_kwargs(cfg, model_path, device, dtype, sleeps),
                           "seed": cfg.trainer.seed * 1009 + engine_index})
+        # Every request carries a seed (generation.sample_seeds gives each row one); one that comes
+        # without takes the engine's own next seed, never a global generator's: on CUDA vLLM 0.32
+        # (its V2 model runner) would draw it from numpy's global generator when the request is
+        # admitted (v1/worker/gpu/sample/states.py), on CPU (V1) every token from torch's
+        # (v1/sample/ops/topk_topp_sampler.py forward_cpu); the tools and environments of a
+        # tensor-parallel engine run on its first rank only, and one that touches either generator
+        # would make the ranks sample different tokens. With seeds, V2 reads them inside its one
+        # batched sampling kernel (a hash of seed and position, gumbel.py; it takes no FlashInfer
+        # path anyway with processed log-probs, which the engine always asks for), and CPU draws
+        # one number per seeded row per token from the row's generator.
+        self.own_seeds = SeedSequence(cfg.trainer.seed * 1009 + engine_index)
         # The engine freezes every object alive now (gc.freeze) so GC never scans them: the
         # trainer's too, whose cyclic garbage would then never be freed.
         gc.unfreeze()
@@ -416,14 +424,13 @@ class VLLMRollout:
     def generate(self, prompts: Batch, validate: bool = False, greedy: bool = False) -> Batch:
         """As HFRollout.generate, plus `rollout_log_probs` [B, R] float32 (the sampled tokens'
         log-probs after temperature, 0 past each response). An int64 `sample_seed` [B] column seeds
-        each row's sampling on its own (row_seeds), so a row's tokens do not depend on its batch."""
+        each row's sampling on its own (row_seeds), so a row's tokens do not depend on its batch;
+        without it each row takes the engine's next own seed."""
         ids, mask = prompts["input_ids"], prompts["attention_mask"].bool()
         requests = [{"prompt_token_ids": row[keep].tolist()} for row, keep in zip(ids.cpu(), mask.cpu())]
-        params = self.greedy_sampling if greedy else self.val_sampling if validate else self.sampling
-        if "sample_seed" in prompts:
-            params = [params.clone() for _ in requests]
-            for p, seed in zip(params, prompts["sample_seed"].tolist()):
-                p.seed = seed
+        base = self.greedy_sampling if greedy else self.val_sampling if validate else self.sampling
+        seeds = prompts["sample_seed"].tolist() if "sample_seed" in prompts else [None] * len(requests)
+        params = [self.seeded(base.clone(), seed) for seed in seeds]
         if not self.awake:
             raise RuntimeError("VLLMRollout.generate: the engine is asleep; wake_up(weights) first")
         outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request)
@@ -443,10 +450,8 @@ class VLLMRollout:
         base = self.val_sampling if validate else self.sampling
         params = []
         for i, budget in enumerate(budgets):
-            p = base.clone()
+            p = self.seeded(base.clone(), None if seeds is None else seeds[i])
             p.max_tokens, p.stop_token_ids = budget, list(stop_ids)
-            if seeds is not None:
-                p.seed = seeds[i]
             params.append(p)
         outputs = self.llm.generate([{"prompt_token_ids": c} for c in contexts], params, use_tqdm=False,
                                     lora_request=self.lora_request)
@@ -468,10 +473,13 @@ class VLLMRollout:
         params.max_tokens, params.output_kind = budget, RequestOutputKind.DELTA
         if stop_ids is not None:  # an agent's turn: its parser's stop token too (kept, as the EOS)
             params.stop_token_ids = list(stop_ids)
-        if seed is not None:
-            params.seed = seed
-        self.llm.llm_engine.add_request(request_id, {"prompt_token_ids": list(context)}, params,
+        self.llm.llm_engine.add_request(request_id, {"prompt_token_ids": list(context)}, self.seeded(params, seed),
                                         lora_request=self.lora_request)
+
+    def seeded(self, params, seed: int | None):
+        """`params` (this request's own copy) with `seed`, or the engine's next own seed."""
+        params.seed = self.own_seeds.next() if seed is None else seed
+        return params
 
     def step(self) -> list[Delta]:
         deltas = []

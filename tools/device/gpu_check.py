@@ -48,13 +48,12 @@ SMALL_WORKLOAD = dict(batch=8, prompt_len=16, response_len=8, micro=4, log_prob_
 
 
 def gpu_preset_overrides(device: str) -> list[str]:
-    """What the GPU presets change (issue 25 item 6), so the check runs those paths: packed
-    passes, vLLM on its batched sampler (one seed per engine) and, on a GPU, with CUDA graphs.
-    Log-probs from vLLM's flat lists and the reward's one host read run in every job."""
+    """What the GPU presets change, so the check runs those paths: packed passes and, on a GPU,
+    vLLM with CUDA graphs. Log-probs from vLLM's flat lists and the reward's one host read run in
+    every job."""
     # auto, the presets' choice (spmdsplit/models.py attention_implementation): FlashAttention-2
-    # where the flash-attn package is installed, else torch's varlen kernel; no mask either way.
-    out = ["model.use_remove_padding=true", "model.attn_implementation=auto",
-           "rollout.per_row_seed=false"]
+    # where transformers takes flash-attn, else torch's varlen kernel; no mask either way.
+    out = ["model.use_remove_padding=true", "model.attn_implementation=auto"]
     if device == "cuda":  # on CPU it would mean torch.compile in vLLM: minutes of start-up for nothing checked
         out.append("rollout.enforce_eager=false")
     return out

@@ -47,9 +47,10 @@ class CountingTool(BaseTool):
         return ToolResponse(text=str(count)), 0.0, {}
 
 
-def tensor_parallel_episodes(rank, world_size, model_dir, tool_config, sampled):
-    """Every rank: one engine of tensor parallel 2, multi-turn episodes of the same prompts: greedy
-    (validation's sampling), or sampled as a training step's rows are, with rollout.per_row_seed=false."""
+def tensor_parallel_episodes(rank, world_size, model_dir, tool_config, calls_file):
+    """Every rank: one engine of tensor parallel 2, multi-turn episodes of the same prompts, three
+    times: greedy (validation's sampling); sampled as a training step's rows are, with
+    rollout.per_row_seed=false; and sampled from rows that come without seeds."""
     from spmdsplit.agent import check_multi_turn
     from spmdsplit.batch import Batch
     from spmdsplit.data.prompts import PromptDataset, collate_prompts
@@ -67,67 +68,70 @@ def tensor_parallel_episodes(rank, world_size, model_dir, tool_config, sampled):
     try:
         tokenizer = load_tokenizer(model_dir)
         rows, _ = build_rows(cfg.data, tokenizer, "train", tools=check_multi_turn(cfg, tokenizer).schemas)
-        if sampled:  # the step's prompts as the job makes them, each with the seed of its engine's step
-            shares = engine_shares(cfg, PromptDataset(rows, PROMPTS // 4, shuffle=False, seed=0), tokenizer, 1, [0, 1])
-            prompts = Batch.concat(shares.shares)
-        else:
-            prompts = collate_prompts(rows[:PROMPTS], tokenizer, cfg.data.max_prompt_length, step=1, first_row=0)
         engine = build_rollout(cfg, model_dir, tokenizer, eos_token_ids(model_dir, tokenizer), torch.device("cpu"),
                                torch.float32, 0)
         engine.wake_up(load_causal_lm(model_dir, torch.float32, torch.device("cpu"), 0).state_dict().items())
-        out = engine.generate(prompts, validate=not sampled)  # the ranks must agree token for token
-        if sampled:  # and rows that come without seeds (a caller of its own) take the engine's own
-            unseeded = engine.generate(prompts.select([k for k in prompts.keys() if k != "sample_seed"]))
-        width = out["responses"].shape[1]
-        tool_tokens = (out["response_mask"] == 0) & (out["attention_mask"][:, -width:] == 1)
-        answers = [int(a) for row, holes in zip(out["responses"], tool_tokens)
+        greedy = engine.generate(collate_prompts(rows[:PROMPTS], tokenizer, cfg.data.max_prompt_length, step=1,
+                                                 first_row=0), validate=True)
+        greedy_calls = len(open(calls_file).read().split())
+        # The step's prompts as the job makes them, each with the seed of its engine's step; then the
+        # same rows without seeds (a caller of its own): they take the engine's own.
+        shares = engine_shares(cfg, PromptDataset(rows, PROMPTS // 4, shuffle=False, seed=0), tokenizer, 1, [0, 1])
+        prompts = Batch.concat(shares.shares)
+        sampled = engine.generate(prompts)
+        unseeded = engine.generate(prompts.select([k for k in prompts.keys() if k != "sample_seed"]))
+        width = greedy["responses"].shape[1]
+        tool_tokens = (greedy["response_mask"] == 0) & (greedy["attention_mask"][:, -width:] == 1)
+        answers = [int(a) for row, holes in zip(greedy["responses"], tool_tokens)
                    for a in re.findall(r"\d+", tokenizer.decode(row[holes]))]
-        columns = {k: out[k] for k in ("responses", "response_mask", "num_turns", "tool_calls", "rollout_log_probs")}
-        if sampled:
-            columns.update({f"unseeded {k}": unseeded[k] for k in ("responses", "tool_calls")})
-        return {"columns": columns, "answers": answers, "pid": os.getpid()}
+        columns = {f"{run} {k}": out[k] for run, out in (("greedy", greedy), ("sampled", sampled), ("unseeded", unseeded))
+                   for k in ("responses", "response_mask", "num_turns", "tool_calls", "rollout_log_probs")}
+        return {"columns": columns, "answers": answers, "greedy_calls": greedy_calls, "pid": os.getpid()}
     finally:
         shutdown_vllm_distributed()
 
 
-def counting_tool(tmp_path, **config) -> tuple:
+@pytest.fixture(scope="module")
+def episodes(tmp_path_factory, agent_model_dir):
+    """Both ranks' episodes, with a tool that counts its calls in a file and, on every call, draws
+    from np.random and torch.rand (what a user's tool may do: the global generators of the rank it
+    runs on move)."""
+    tmp_path = tmp_path_factory.mktemp("tp_episodes")
     calls_file, tool_config = tmp_path / "calls.txt", tmp_path / "tools.yaml"
     with open(os.path.join(ROOT, "spmdsplit", "agent", "lookup_tools.yaml")) as f:
         entry = yaml.safe_load(f)["tools"][0]
-    entry.update(class_name=f"{__name__}.CountingTool", config={"type": "native", "calls_file": str(calls_file), **config})
+    entry.update(class_name=f"{__name__}.CountingTool",
+                 config={"type": "native", "calls_file": str(calls_file), "draws": True})
     tool_config.write_text(yaml.safe_dump({"tools": [entry]}))
-    return calls_file, tool_config
+    first, second = run_ranks(tensor_parallel_episodes, 2, agent_model_dir, str(tool_config), str(calls_file),
+                              timeout=300, kind="vllm")
+    return first, second, calls_file.read_text().split()
 
 
-def test_a_tensor_parallel_engine_runs_each_tool_call_once_and_its_ranks_agree(tmp_path, agent_model_dir):
-    calls_file, tool_config = counting_tool(tmp_path)
-
-    first, second = run_ranks(tensor_parallel_episodes, 2, agent_model_dir, str(tool_config), False, timeout=300,
-                              kind="vllm")
-
+def test_a_tensor_parallel_engine_runs_each_tool_call_once_and_its_ranks_agree(episodes):
+    first, second, calls_made = episodes
     for name, column in first["columns"].items():
-        assert torch.equal(column, second["columns"][name]), name
-    calls = int(first["columns"]["tool_calls"].sum())
+        if name.startswith("greedy"):
+            assert torch.equal(column, second["columns"][name]), name
+    calls = int(first["columns"]["greedy tool_calls"].sum())
     assert calls >= 3, "the boosted model should call the tool in some episodes"
-    assert calls_file.read_text().split() == [str(first["pid"])] * calls  # once per call, on the first rank
+    assert first["greedy_calls"] == second["greedy_calls"] == calls
+    assert calls_made[:calls] == [str(first["pid"])] * calls  # once per call, on the first rank
     assert first["answers"] == second["answers"] and sorted(first["answers"]) == list(range(1, calls + 1))
 
 
-def test_sampled_ranks_draw_alike_beside_a_tool_that_moves_the_global_generators(tmp_path, agent_model_dir):
-    """rollout.per_row_seed=false, sampled at temperature 1: a tool drawing from np.random and
-    torch.rand on the engine's first rank (where tools run) leaves both ranks sampling the same
+def test_sampled_ranks_draw_alike_beside_a_tool_that_moves_the_global_generators(episodes):
+    """rollout.per_row_seed=false, sampled at temperature 1: the tool's draws from np.random and
+    torch.rand on the engine's first rank (where tools run) leave both ranks sampling the same
     tokens, since no row draws from a global generator (on CPU vLLM's V1 sampler would take an
-    unseeded row's noise from torch's, on CUDA V2 its seed from numpy's)."""
-    calls_file, tool_config = counting_tool(tmp_path, draws=True)
-
-    first, second = run_ranks(tensor_parallel_episodes, 2, agent_model_dir, str(tool_config), True, timeout=300,
-                              kind="vllm")
-
-    assert int(first["columns"]["tool_calls"].sum()) >= 3, "the boosted model should call the tool in some episodes"
-    assert set(calls_file.read_text().split()) == {str(first["pid"])}  # the draws happened on the first rank only
+    unseeded row's noise from torch's, on CUDA V2 its seed from numpy's); rows without seeds take
+    the engine's own. Without either, the ranks' contexts part and vLLM's collectives fail."""
+    first, second, calls_made = episodes
+    for run in ("sampled", "unseeded"):
+        assert int(first["columns"][f"{run} tool_calls"].sum()) >= 3, "the model should call the tool in some episodes"
+    assert set(calls_made) == {str(first["pid"])}  # the draws happened on the first rank only
     for name, column in first["columns"].items():
         assert torch.equal(column, second["columns"][name]), name
     # Sampled indeed: the rollout.n responses to one prompt are not all alike.
-    responses = first["columns"]["responses"]
+    responses = first["columns"]["sampled responses"]
     assert any(not torch.equal(responses[i], responses[i + 1]) for i in range(0, len(responses), 4))
-    assert int(first["columns"]["unseeded tool_calls"].sum()) >= 3

@@ -86,6 +86,13 @@ def consecutive_steps():
     return field(default_factory=list, metadata={"check": check})
 
 
+def _is_number(value) -> bool:
+    try:
+        return float(value) == float(value)  # not NaN
+    except (TypeError, ValueError):
+        return False
+
+
 def positive(default):
     return bounded(default, lambda v: v > 0, "expected a positive number")
 
@@ -546,10 +553,63 @@ class OverlongBufferConfig:
 
 
 @dataclass
+class SandboxConfig:
+    """Programs under test (verl's code data_sources: apps, codecontests, codeforces, taco), run on
+    the scoring rank each in a process of its own (spmdsplit/sandbox/), in a fresh temporary folder
+    with a scrubbed environment, under these limits."""
+    workers: int = bounded(0, lambda v: v >= 0, "expected >= 0")  # programs at once per scoring rank; 0 = its CPU cores
+    # namespaces: a user, PID, mount, network and IPC namespace per program, the file system read-only
+    # but its folder (a tmpfs of max_output_mb); guard: limits and verl's reliability guard only;
+    # auto: namespaces where the kernel allows them, else guard (one line at start says which).
+    isolation: str = choice("auto", "namespaces", "guard")
+    # One test's run (verl's per-test 10 s); the first run, of all tests together, gets half of it per
+    # test (verl's 5 s); each process 1 s more (verl's global timeout).
+    timeout_s: float = positive(10.0)
+    memory_mb: int = positive(1024)  # address space of the program's process (RLIMIT_AS)
+    max_processes: int = positive(8)  # processes and threads the program may start (RLIMIT_NPROC)
+    max_open_files: int = positive(64)  # RLIMIT_NOFILE
+    max_output_mb: int = positive(8)  # what it prints, and what it writes in its folder
+
+
+@dataclass
+class SandboxFusionConfig:
+    """verl's reward.sandbox_fusion: the code data_sources run by a SandboxFusion server instead."""
+    url: str = ""  # its run_code address; "" = the local sandbox (reward.sandbox)
+    max_concurrent: int = positive(64)  # requests in flight at once per scoring rank
+    memory_limit_mb: int = positive(1024)
+
+
+@dataclass
+class RewardManagerConfig:
+    """verl's reward.reward_manager.name: how a custom reward function is called. naive: one call per
+    sample (an `async def` on the rank's event loop, a plain def on reward.num_workers threads);
+    prime: one call per sample, a plain def on reward.num_workers processes (CPU-bound scorers); batch:
+    one call per batch, with verl's batch signature (data_sources, solution_strs, ground_truths,
+    extra_infos as lists)."""
+    name: str = choice("naive", "prime", "batch", why_not={
+        "dapo": "DAPO's shaping is reward.overlong_buffer here, with any manager; use {key}=naive",
+        "remote": "verl's remote manager runs a plain function in processes: use {key}=prime"})
+
+
+@dataclass
 class RewardConfig:
     custom_fn: CustomRewardFnConfig = field(default_factory=CustomRewardFnConfig)
     model: RewardModelConfig = field(default_factory=RewardModelConfig)
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    reward_manager: RewardManagerConfig = field(default_factory=RewardManagerConfig)
+    # Plain functions' threads (naive; 0 = 64) or processes (prime; 0 = the rank's CPU cores).
+    num_workers: int = bounded(0, lambda v: v >= 0, "expected >= 0")
+    max_concurrency: int = positive(64)  # async functions' calls and remote requests in flight at once
+    timeout_s: float = positive(300.0)  # every call of a reward function (a batch function's: the batch's)
+    # What a call that raises, overruns or returns garbage scores: fail (the job stops, the sample
+    # shown) or a number (the sample scores it, counted in reward/errors/<kind>).
+    on_error: str = bounded("fail", lambda v: v == "fail" or _is_number(v), "expected fail or a number")
+    # A reward server: each sample POSTed as JSON (prompt, response, label, data_source, extra_info;
+    # OpenRLHF's query/prompts/labels too), concurrently; "" = none.
+    remote_url: str = ""
+    remote_retries: int = bounded(3, lambda v: v >= 0, "expected >= 0")  # after the first try, with backoff
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    sandbox_fusion: SandboxFusionConfig = field(default_factory=SandboxFusionConfig)
 
 
 @dataclass

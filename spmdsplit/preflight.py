@@ -14,7 +14,7 @@ around the actions they wait for:
   4. placement          the role map against the launch shape (spmdsplit/placement.py)
   5. pools              check_against_placement: a rollout pool's rules, then batch sizes per pool
   6. model paths        model.path, critic.model_path, reward.model.path
-  7. custom reward      reward.custom_fn loads
+  7. reward function    reward.custom_fn loads, and has the shape reward.reward_manager calls; a reward server
   check_device          once the device is picked (trainer.device=cuda without CUDA: refused there)
   8. kernels            flash-attn installed; a packed mask that fits the GPU
   check_model           once model.path names a model (the embedded one is built where it is empty)
@@ -48,6 +48,7 @@ from spmdsplit.errors import ConfigError
 from spmdsplit.messages import ROWS_TO  # the role groups that take every step's rows
 from spmdsplit.models import ModelSource, flash_attn_unavailable
 from spmdsplit.placement import launch_shape_from_env, plan_from_config
+from spmdsplit.rewards.calls import check_reward_function
 from spmdsplit.rewards.custom import load_custom_reward_fn
 from spmdsplit.roles.build import trains_critic
 from spmdsplit.rollout.base import engine_peers
@@ -531,8 +532,8 @@ def check_job(cfg: DictConfig):
     if trains_critic(cfg):
         check_model_path("critic.model_path", cfg.critic.model_path, cfg.model.trust_remote_code)
     check_model_path("reward.model.path", cfg.reward.model.path, cfg.model.trust_remote_code)
-    if cfg.reward.custom_fn.path:
-        load_custom_reward_fn(cfg.reward.custom_fn.path, cfg.reward.custom_fn.name)  # fails here, on every rank
+    custom_fn = load_custom_reward_fn(cfg.reward.custom_fn.path, cfg.reward.custom_fn.name) if cfg.reward.custom_fn.path else None
+    check_reward_function(cfg.reward, custom_fn)  # fails here, on every rank
     return placement
 
 

@@ -6,9 +6,13 @@ Responses are decoded as verl's reward managers decode them (`skip_special_token
 verl's scorers and custom functions alike; only the embedded tasks' own scorers read the special
 tokens too (rewards/rule.py, SEES_SPECIAL_TOKENS).
 
-A scorer that raises, or gives NaN/inf, stops the job: `RewardError` carries the sample (its
-data_source, response text and ground truth) and the original error. The roles let it propagate;
-the rank exits with it and torchrun ends the job, so a broken reward never trains silently.
+How each sample's score is computed (built-in scorers, a custom function of any shape, a reward
+server), concurrently and bounded in time, is spmdsplit/rewards/calls.py's. What a sample whose call
+raised, overran or returned garbage scores is reward.on_error's: `fail` (the default) stops the job
+with a `RewardError` that carries the sample (its data_source, response text and ground truth) and
+the original error; the roles let it propagate, the rank exits with it and torchrun ends the job,
+so a broken reward never trains silently. A number scores the sample with it, counted per kind in
+reward/errors/<kind>; a batch in which every sample failed says so in one line.
 
 DAPO's overlong buffer (reward.overlong_buffer, verl's `overlong_buffer_cfg` of its DAPO reward
 manager) shapes the score here, whichever scorer gave it (built-in or custom), for training and
@@ -18,12 +22,15 @@ validation alike, as verl's DAPO manager does: `overlong_reward` below.
 from __future__ import annotations
 
 import math
+import sys
+from collections import Counter
 from typing import Callable, Sequence
 
 import torch
 
 from spmdsplit.batch import Batch
-from spmdsplit.rewards.rule import SEES_SPECIAL_TOKENS, find_scorer, score_sample
+from spmdsplit.rewards.calls import RewardCalls, Sample, Scored
+from spmdsplit.rewards.rule import SEES_SPECIAL_TOKENS, find_scorer
 
 SHOW_CHARS = 500  # how much of a response an error shows
 # The column of rows that carry their response texts, decoded as RuleReward decodes them: dynamic
@@ -153,28 +160,43 @@ def overlong_reward(length: int, max_response_length: int, buffer_len: int, pena
     return min(-exceed / buffer_len * penalty_factor, 0.0)  # min, as verl: a negative factor never pays for length
 
 
+def default_reward_config():
+    """reward.* as the schema's defaults (a RuleReward made without a job's config)."""
+    from omegaconf import OmegaConf
+
+    from spmdsplit.config import RewardConfig
+
+    return OmegaConf.structured(RewardConfig)
+
+
 class RuleReward:
     def __init__(self, tokenizer, eos_token_ids: list[int] | None = None, custom_fn: Callable | None = None,
-                 overlong_buffer=None, max_response_length: int | None = None):
+                 overlong_buffer=None, max_response_length: int | None = None, calls: RewardCalls | None = None):
         """`overlong_buffer`: reward.overlong_buffer ({enable, len, penalty_factor, log}), with
-        `max_response_length` (data.max_response_length); None or enable=false: no shaping."""
+        `max_response_length` (data.max_response_length); None or enable=false: no shaping.
+        `calls`: how the samples are scored (roles/build.py builds it from reward.*); by default
+        `custom_fn`, or the built-in scorers, under the schema's defaults."""
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids or [tokenizer.eos_token_id])
-        self.custom_fn = custom_fn
+        self.calls = calls if calls is not None else RewardCalls(default_reward_config(), custom_fn)
+        self.custom_fn = self.calls.custom_fn
+        self.on_error = None if self.calls.cfg.on_error == "fail" else float(self.calls.cfg.on_error)
         self.overlong_buffer = overlong_buffer if overlong_buffer is not None and overlong_buffer.enable else None
         if self.overlong_buffer is not None and not (max_response_length and 0 < overlong_buffer.len < max_response_length):
             raise ValueError(f"reward.overlong_buffer.len={overlong_buffer.len}: expected > 0 and < "
                              f"data.max_response_length={max_response_length}")
         self.max_response_length = max_response_length
-        # The extra numbers of the scores computed since the last pop_extra_metrics: key -> [sum, count].
+        # The extra numbers of the scores computed since the last pop_extra_metrics: key -> [sum, count];
+        # and the samples whose call failed, by kind.
         self.extra_sums: dict[str, list[float]] = {}
+        self.error_counts: Counter = Counter()
 
     @torch.no_grad()
     def compute(self, batch: Batch, keep_extras: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (token_level_scores [B, R] with the score on each response's last valid
         token and 0 elsewhere, scores [B]); with keep_extras (training, not validation), keeps
         the extra numbers for `pop_extra_metrics`."""
-        token_level_scores, scores, extras = self.compute_with_extras(batch)
+        token_level_scores, scores, extras = self.compute_with_extras(batch, count_errors=keep_extras)
         for key, values in extras.items() if keep_extras else ():
             acc = self.extra_sums.setdefault(key, [0.0, 0.0])
             numbers = [v for v in values if not math.isnan(v)]
@@ -184,23 +206,32 @@ class RuleReward:
 
     def pop_extra_metrics(self, group, device) -> dict[str, float]:
         """Pool-wide means of the extra numbers a reward function returned in its dict (e.g. "acc")
-        since the last call, as `critic/reward_extra/<key>/mean`. A collective over the pool's group
-        (every rank of the pool calls it); the ranks agree on the keys first, since a rank whose
-        samples gave no "acc" must still join that key's reduction."""
+        since the last call, as `critic/reward_extra/<key>/mean`, and the pool's count of samples
+        whose call failed, per kind, as `reward/errors/<kind>` (only kinds seen). A collective over
+        the pool's group (every rank of the pool calls it); the ranks agree on the keys first, since
+        a rank whose samples gave no "acc" must still join that key's reduction."""
         import torch.distributed as dist
 
         from spmdsplit.distributed import pool_reduce_metrics
 
-        keys = set(self.extra_sums)
-        if dist.is_initialized() and dist.get_world_size(group) > 1:
+        errors = {f"errors/{kind}" for kind in self.error_counts}
+        keys = set(self.extra_sums) | errors
+        many = dist.is_initialized() and dist.get_world_size(group) > 1
+        if many:
             every = [None] * dist.get_world_size(group)
             dist.all_gather_object(every, sorted(keys), group=group)
             keys = set().union(*every)
-        sums = {k: self.extra_sums.get(k, [0.0, 0.0])[0] for k in keys}
-        counts = {k: self.extra_sums.get(k, [0.0, 0.0])[1] for k in keys}
-        self.extra_sums = {}
-        means = pool_reduce_metrics(sums, counts, group, device)
-        return {f"critic/reward_extra/{k}/mean": v for k, v in means.items()}
+        first = not many or dist.get_rank(group) == 0
+        sums, counts = {}, {}
+        for k in keys:
+            if k.startswith("errors/"):  # a total: every rank's count, over a weight of 1 in all
+                sums[k], counts[k] = self.error_counts.get(k.removeprefix("errors/"), 0), float(first)
+            else:
+                sums[k], counts[k] = self.extra_sums.get(k, [0.0, 0.0])
+        self.extra_sums, self.error_counts = {}, Counter()
+        reduced = pool_reduce_metrics(sums, counts, group, device)
+        return {(f"reward/{k}" if k.startswith("errors/") else f"critic/reward_extra/{k}/mean"): v
+                for k, v in reduced.items()}
 
     def texts(self, batch: Batch) -> list[str]:
         """Each response's text as this reward decodes it: the rows' RESPONSE_TEXT when they carry
@@ -218,38 +249,54 @@ class RuleReward:
         return [source not in SEES_SPECIAL_TOKENS for source in sources]
 
     @torch.no_grad()
-    def compute_with_extras(self, batch: Batch,
-                            shaped: bool = True) -> tuple[torch.Tensor, torch.Tensor, dict[str, list[float]]]:
+    def compute_with_extras(self, batch: Batch, shaped: bool = True,
+                            count_errors: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict[str, list[float]]]:
         """As `compute`, plus the other numbers scorers returned in a dict (e.g. "acc"), one list
         of B floats per key; a sample whose scorer did not give that key has NaN there. `shaped`:
         with the overlong buffer's shaping (false: the scorers' own scores, dynamic sampling's
-        metric=score)."""
+        metric=score). `count_errors`: failed samples are counted for reward/errors/<kind>."""
         responses, mask = batch["responses"], batch["response_mask"]
         sources, truths = batch["data_source"], batch["ground_truth"]
         texts = self.texts(batch)
         # A batch without the column (made by hand) gives {}, as verl's reward managers do.
         extra_info = batch["extra_info"] if "extra_info" in batch else [{}] * len(batch)
-        scores, per_sample = [], []
-        for i, text in enumerate(texts):
-            try:
-                score, extras = score_sample(sources[i], text, truths[i], own_copy(extra_info[i]), fn=self.custom_fn)
-            except Exception as e:
-                which = "the custom reward function" if self.custom_fn is not None else "the rule reward"
-                unknown = self.custom_fn is None and find_scorer(sources[i]) is None
-                cls = UnknownDataSourceError if unknown else RewardError
-                raise cls(
-                    f"{which} failed on a sample; the job stops here so that it does not train on a broken reward:\n"
-                    f"{describe_sample(i, text, sources[i], truths[i])}\n"
-                    f"  error: {type(e).__name__}: {e.args[0] if isinstance(e, KeyError) and e.args else e}"
-                ) from e
-            scores.append(score)
-            per_sample.append(extras)
+        prompts = decoded_prompts(self.tokenizer, batch, skip_special_tokens=True) if self.calls.remote else [""] * len(batch)
+        samples = [Sample(sources[i], text, truths[i], own_copy(extra_info[i]), prompts[i]) for i, text in enumerate(texts)]
+        try:
+            results = self.calls.score(samples)
+        except KeyError as e:  # a data_source with no scorer: the data's error, never scored
+            i = next(i for i, s in enumerate(samples) if find_scorer(s.data_source) is None)
+            raise UnknownDataSourceError(self._failure(i, samples[i], e.args[0] if e.args else str(e))) from e
+        scores = [self._settled(i, sample, r, count_errors) for i, (sample, r) in enumerate(zip(samples, results))]
+        failed = Counter(r.error for r in results if r.error)
+        if failed and sum(failed.values()) == len(results):
+            kinds = ", ".join(f"{kind} {n}" for kind, n in sorted(failed.items()))
+            print(f"spmdsplit: warning: every one of this batch's {len(results)} rewards failed ({kinds}; "
+                  f"{self.calls.how}): each scored reward.on_error={self.on_error:g}", file=sys.stderr, flush=True)
+        per_sample = [r.extras for r in results]
         if self.overlong_buffer is not None and shaped:
             self.shape_overlong(scores, per_sample, response_lengths(batch).tolist())
         keys = sorted({k for extras in per_sample for k in extras})
         collected = {k: [extras.get(k, math.nan) for extras in per_sample] for k in keys}
         scores = torch.tensor(scores, dtype=torch.float32, device=responses.device)
         return on_last_token(scores, mask), scores, collected
+
+    def _settled(self, i: int, sample: Sample, result: Scored, count: bool) -> float:
+        """A sample's score: its own, or reward.on_error's for a failed call (which stops the job
+        under `fail`, the sample shown)."""
+        if result.error is None:
+            return result.score
+        if self.on_error is None:
+            raise RewardError(self._failure(i, sample, result.message)) from result.exception
+        if count:
+            self.error_counts[result.error] += 1
+        return self.on_error
+
+    def _failure(self, i: int, sample: Sample, message: str) -> str:
+        return (f"{self.calls.how} failed on a sample; the job stops here so that it does not train on a broken "
+                f"reward (reward.on_error=<a number> scores such samples instead):\n"
+                f"{describe_sample(i, sample.solution_str, sample.data_source, sample.ground_truth)}\n"
+                f"  error: {message}")
 
     def shape_overlong(self, scores: list[float], per_sample: list[dict[str, float]], lengths: list[int]) -> None:
         """Adds each row's overlong_reward to its score, in place; with `log`, also as the extras

@@ -203,6 +203,38 @@ class UserCode:
         task.add_done_callback(lambda t: (self._background.discard(t), t.cancelled() or t.exception()))
 
 
+# ------------------------------------------------------------------ a blocking call, bounded
+
+class Overrun(TimeoutError):
+    """The call did not return within its bound."""
+
+
+_BOUNDED = UserCode("spmdsplit-bounded")  # call_within's own loop: never the loop of its caller
+
+
+def call_within(seconds: float, fn: Callable, *args, **kwargs) -> Any:
+    """fn(*args, **kwargs)'s result, or its exception re-raised here; Overrun after `seconds` (the
+    call's thread is left to finish on its own, counted in `stuck_bounded()`, with a warning). For a
+    scorer that must be bounded from whatever thread calls it: signal-based timeouts (math-verify's
+    own) work on the main thread only, and a process per call would cost more than most scores take."""
+    import warnings
+
+    outcome = _BOUNDED.run(fn, *args, timeout_s=seconds, **kwargs)
+    if outcome.error == TIMEOUT:
+        name = getattr(fn, "__qualname__", fn)
+        warnings.warn(f"{name} took more than {seconds} s: scored as a timeout ({stuck_bounded()} calls still "
+                      "running in this process)")
+        raise Overrun(f"{name} took more than {seconds} s")
+    if outcome.error:
+        raise outcome.exception
+    return outcome.value
+
+
+def stuck_bounded() -> int:
+    """How many of call_within's calls that overran are still running in this process."""
+    return _BOUNDED.stuck
+
+
 # ------------------------------------------------------------------ worker processes
 
 def write_message(stream, message: Any) -> None:

@@ -9,7 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from spmdsplit.rewards import deadline, math_verify
+from spmdsplit import usercode
+from spmdsplit.rewards import math_verify
 from spmdsplit.rewards.rule import compute_score, score_sample
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("math_verify") is None,
@@ -81,11 +82,11 @@ def test_a_call_past_its_bound_scores_the_timeout_score(monkeypatch):
     release = threading.Event()
     monkeypatch.setattr(math_verify, "TIMEOUT_S", 0.2)
     monkeypatch.setattr(math_verify, "_score", lambda *_: release.wait(30) and 1.0)
-    before = deadline.abandoned
+    before = usercode.stuck_bounded()
     start = time.monotonic()
     with pytest.warns(UserWarning, match="took more than 0.2 s: scored as a timeout"):
         assert math_verify.compute_score(r"\boxed{1}", "1") == 0.0
-    assert time.monotonic() - start < 5 and deadline.abandoned == before + 1
+    assert time.monotonic() - start < 5 and usercode.stuck_bounded() == before + 1
     release.set()  # the abandoned thread ends
 
 
@@ -93,5 +94,5 @@ def test_errors_inside_the_bound_reach_the_caller():
     def broken():
         raise KeyError("x")
     with pytest.raises(KeyError):
-        deadline.call_within(5, broken)
-    assert deadline.call_within(5, lambda a, b=0: a + b, 1, b=2) == 3
+        usercode.call_within(5, broken)
+    assert usercode.call_within(5, lambda a, b=0: a + b, 1, b=2) == 3

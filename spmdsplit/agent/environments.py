@@ -14,8 +14,8 @@ that model built from the text: its field named by rollout.multi_turn.environmen
 its one required string field. So an OpenEnv `Environment` subclass runs as it is and OpenEnv is
 never imported; users who do not have it write the same three methods.
 
-Environments are user code: each call runs in a fresh daemon thread bounded by
-rollout.multi_turn.tool_timeout_s; one that raises, hangs or returns what is not an observation
+Environments are user code: each call runs in a fresh daemon thread (spmdsplit/usercode.py, where all
+user code runs) bounded by rollout.multi_turn.tool_timeout_s; one that raises, hangs or returns what is not an observation
 ends its episode there (the steps' rewards so far kept), is counted under the tools' error kinds
 (exception, timeout, not_text) and is never shown to the job as an exception. An observation's
 text is cut to rollout.multi_turn.max_tool_response_length characters like a tool's response. The
@@ -25,23 +25,21 @@ restart) and collected.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import dataclasses
 import hashlib
-import heapq
 import inspect
-import itertools
 import json
 import math
 import numbers
-import threading
-import time
 import typing
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from spmdsplit.agent.tools import ToolConfigError, import_target, truncate
+from spmdsplit.usercode import UserCode
 
 SETTING = "rollout.multi_turn.environment"
 NOT_TEXT = ("done", "reward", "metadata")  # an OpenEnv observation's fields that are not what the model reads
@@ -181,50 +179,6 @@ def _accepts(fn: Callable, name: str) -> bool:
     return any(p.name == name or p.kind is p.VAR_KEYWORD for p in params)
 
 
-class _Deadlines:
-    """One daemon thread that calls each scheduled function at its deadline unless cancelled first:
-    every batch of calls gets a deadline without a thread of its own (a threading.Timer is one, and
-    the continuous stream starts an episode's calls as its turn ends, hundreds a batch)."""
-
-    def __init__(self):
-        self._heap: list[list] = []  # [deadline, key, fn]; fn None once cancelled
-        self._entries: dict[int, list] = {}
-        self._keys = itertools.count()
-        self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
-
-    def schedule(self, delay_s: float, fn: Callable[[], None]) -> int:
-        with self._cond:
-            entry = [time.monotonic() + delay_s, next(self._keys), fn]
-            heapq.heappush(self._heap, entry)
-            self._entries[entry[1]] = entry
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="spmdsplit-environment-deadlines", daemon=True)
-                self._thread.start()
-            self._cond.notify()
-            return entry[1]
-
-    def cancel(self, key: int) -> None:
-        with self._cond:
-            entry = self._entries.pop(key, None)
-            if entry is not None:
-                entry[2] = None  # the closure (and what it holds) goes now, the entry at its deadline
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._heap:
-                    self._cond.wait()
-                deadline, key, fn = self._heap[0]
-                if fn is not None and deadline > time.monotonic():
-                    self._cond.wait(deadline - time.monotonic())
-                    continue
-                heapq.heappop(self._heap)
-                self._entries.pop(key, None)
-            if fn is not None:
-                fn()
-
-
 class Environments:
     """Builds, steps and closes the episodes' environment instances, each call in a fresh daemon
     thread (a hung environment never holds up the job or its exit) within `timeout_s`."""
@@ -235,64 +189,40 @@ class Environments:
         self.max_text_chars, self.truncate_side = max_text_chars, truncate_side
         self.close_errors = 0
         self._builders: dict[type, Callable[[str], Any]] = {}  # per environment class: text -> action
-        self._deadlines = _Deadlines()
-        self._abandoned: set[threading.Thread] = set()
-        self._lock = threading.Lock()
+        self.usercode = UserCode("spmdsplit-environments")
 
     @property
     def stuck(self) -> int:
         """How many threads of timed-out calls are still running."""
-        with self._lock:
-            self._abandoned = {t for t in self._abandoned if t.is_alive()}
-            return len(self._abandoned)
+        return self.usercode.stuck
 
     def start(self, calls: Sequence[EnvCall]) -> concurrent.futures.Future:
         """All calls at once, each in a thread of its own; a future of one EnvResult per call, in
-        order, never an exception. One deadline bounds them all: they start together."""
-        combined: concurrent.futures.Future = concurrent.futures.Future()
-        if not calls:
-            combined.set_result([])
-            return combined
-        results: list[EnvResult | None] = [None] * len(calls)
-        # The calls not answered yet, with their threads: emptied as they answer, so that nothing
-        # here (the deadline's closure included) keeps a finished episode's slot alive.
-        pending: dict[int, tuple[EnvCall, threading.Thread]] = {}
-        lock, start = threading.Lock(), time.monotonic()
-
-        def settle(i: int, r: EnvResult) -> None:
-            with lock:
-                if i not in pending:  # answered after its timeout: too late
-                    return
-                call, _ = pending.pop(i)
-                r.seconds, results[i] = time.monotonic() - start, r
-                last = not pending
-            if r.error or r.done:
-                self.release(call.slot)
-            if last:
-                self._deadlines.cancel(deadline)
-                combined.set_result(results)
-
-        def overrun() -> None:
-            with lock:
-                late = list(pending.items())
-            for i, (call, thread) in late:
+        order, never an exception."""
+        async def one(call: EnvCall) -> EnvResult:
+            outcome = await self.usercode.within(lambda: self.usercode.call(self._work, call), self.timeout_s)
+            if outcome.error:  # only a timeout: _work answers every fault of the environment itself
                 call.slot.broken = True  # the instance may be mid-call: never used or closed again
-                with self._lock:
-                    self._abandoned.add(thread)
-                settle(i, self._error("timeout", f"the environment did not answer within {self.timeout_s:g} s"))
+                result = self._error("timeout", f"the environment did not answer within {self.timeout_s:g} s")
+            else:
+                result = outcome.value
+            result.seconds = outcome.seconds
+            return result
 
-        for i, call in enumerate(calls):
-            pending[i] = (call, threading.Thread(target=self._work, args=(call, i, settle), daemon=True,
-                                                 name="spmdsplit-environment"))
-        deadline = self._deadlines.schedule(self.timeout_s, overrun)
-        for _, thread in list(pending.values()):
-            thread.start()
-        return combined
+        async def all_calls() -> list[EnvResult]:
+            return list(await asyncio.gather(*(one(c) for c in calls)))
+        if not calls:
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result([])
+            return done
+        return self.usercode.submit(all_calls())
 
     def run(self, calls: Sequence[EnvCall]) -> list[EnvResult]:
         return self.start(calls).result()
 
-    def _work(self, call: EnvCall, i: int, settle: Callable[[int, EnvResult], None]) -> None:
+    def _work(self, call: EnvCall) -> EnvResult:
+        """One call, in its thread; the episode's instance closed here when the episode ends (unless
+        the call overran meanwhile: then it is left alone)."""
         what = "reset" if call.action is None else "step"
         try:
             result = self._call(call)
@@ -300,7 +230,9 @@ class Environments:
             result = self._error("not_text", f"{what} {e}")
         except Exception as e:
             result = self._error("exception", f"{what} raised {type(e).__name__}: {' '.join(str(e).split())}")
-        settle(i, result)
+        if result.error or result.done:
+            self.release(call.slot)
+        return result
 
     def _call(self, call: EnvCall) -> EnvResult:
         slot = call.slot

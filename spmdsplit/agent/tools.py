@@ -8,9 +8,9 @@ its `verl.tools.base_tool` import to this module. Why it is shaped so:
   ToolConfigError (a ConfigError, shown without a traceback) on every rank, never a hang.
 - Tools are user code: an exception, a hang, bad arguments or a non-text answer never escapes
   `Tools.run`; it becomes an error text the model reads next and an error kind the caller counts.
-- Tool calls mostly wait (HTTP, sandboxes), so one `run` starts all its calls at once on a private
-  event loop, and each sync method call gets a fresh daemon thread: a pool would queue the calls, and
-  its workers are joined at interpreter exit, so one hung tool would hang the job's exit.
+- Tool calls mostly wait (HTTP, sandboxes), so one `run` starts all its calls at once on the tools'
+  event loop (spmdsplit/usercode.py, where all user code runs): an `async def` method there, a sync one
+  in a fresh daemon thread; a call's steps (create to calc_reward) are bounded together by the timeout.
 
 Function tools are called as `fn(**arguments)`. Per-row data (`extra_info.tools_kwargs[name]`, e.g. a
 secret) reaches them by one rule: the row's create_kwargs merged with its execute_kwargs (execute's
@@ -30,7 +30,6 @@ import importlib.util
 import inspect
 import os
 import sys
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ from typing import Any, Sequence
 import yaml
 
 from spmdsplit.errors import ConfigError
+from spmdsplit.usercode import TIMEOUT, UserCode, error_line
 
 SETTING = "rollout.multi_turn.tool_config_path"
 ERROR_KINDS = ("bad_call", "unknown_tool", "bad_arguments", "exception", "timeout", "not_text")
@@ -162,7 +162,7 @@ def make_tool(target: Any, schema: Any = None) -> Tool:
             schema = get_json_schema(target)
         except Exception as e:
             raise ValueError(f"cannot build a schema for {getattr(target, '__name__', target)}() from its type hints "
-                             f"and Google-style docstring ({_line(e)}); fix them or give tool_schema") from None
+                             f"and Google-style docstring ({error_line(e)}); fix them or give tool_schema") from None
     schema = _plain_schema(schema)
     try:
         params = inspect.signature(target).parameters.values()
@@ -192,7 +192,7 @@ def load_tools(path: str, setting: str = SETTING, *, timeout_s: float = 30.0, ma
         with open(path) as f:
             doc = yaml.safe_load(f)
     except yaml.YAMLError as e:
-        raise ToolConfigError(f"{where}: not valid YAML ({_line(e)})") from None
+        raise ToolConfigError(f"{where}: not valid YAML ({error_line(e)})") from None
     entries = doc.get("tools") if isinstance(doc, dict) else None
     if not isinstance(entries, list) or not entries:
         raise ToolConfigError(f"{where}: expected a YAML mapping with a non-empty `tools:` list, got {str(doc)[:80]}")
@@ -231,7 +231,7 @@ def _load_entry(entry: Any, where: str) -> Tool:
         try:  # verl's constructor call: the config dict and a schema object (None: the class has its own)
             target = target(dict(config), None if schema is None else ToolSchema(copy.deepcopy(schema)))
         except Exception as e:
-            raise ToolConfigError(f"{where}: constructing it raised {_line(e)}") from None
+            raise ToolConfigError(f"{where}: constructing it raised {error_line(e)}") from None
         if not hasattr(target, "execute"):
             raise ToolConfigError(f"{where}: a tool class needs an execute method (see BaseTool)")
     try:
@@ -259,7 +259,7 @@ def import_target(ref: Any, where: str) -> Any:
                 spec.loader.exec_module(sys.modules[module_name])
             except (Exception, SystemExit) as e:  # SystemExit: a file that calls sys.exit() on import
                 del sys.modules[module_name]
-                raise ToolConfigError(f"{where}: importing {path} failed ({_line(e)})") from None
+                raise ToolConfigError(f"{where}: importing {path} failed ({error_line(e)})") from None
         if module_name not in sys.modules:
             raise ToolConfigError(f"{where}: {path} is not a Python file that can be imported")
         module = sys.modules[module_name]
@@ -268,19 +268,16 @@ def import_target(ref: Any, where: str) -> Any:
             module = importlib.import_module(label)
         except (Exception, SystemExit) as e:  # the hint: torchrun does not put the current directory on sys.path
             hint = "; name a file as path/to/file.py:Name" if isinstance(e, ModuleNotFoundError) else ""
-            raise ToolConfigError(f"{where}: cannot import module {label!r} ({_line(e)}){hint}") from None
+            raise ToolConfigError(f"{where}: cannot import module {label!r} ({error_line(e)}){hint}") from None
     if not hasattr(module, name):
         raise ToolConfigError(f"{where}: module {label!r} has no attribute {name!r}")
     return getattr(module, name)
 
 
-def _line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {' '.join(str(e).split())}"
-
-
 class Tools:
-    """The loaded tools, and `run` to call them. Stateless apart from its event-loop thread, the threads
-    of timed-out calls (`stuck`) and the count of failed or hung releases (`release_errors`)."""
+    """The loaded tools, and `run` to call them. Stateless apart from their UserCode (its event-loop
+    thread, the threads of timed-out calls: `stuck`) and the count of failed or hung releases
+    (`release_errors`)."""
 
     def __init__(self, tools: Sequence[Any], *, timeout_s: float = 30.0, max_response_chars: int = 256,
                  truncate_side: str = "middle"):
@@ -297,11 +294,7 @@ class Tools:
         self.schemas = [t.schema for t in self._tools.values()]  # for apply_chat_template(tools=...)
         self.timeout_s, self.max_response_chars, self.truncate_side = timeout_s, max_response_chars, truncate_side
         self.release_errors = 0
-        self._lock = threading.Lock()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._abandoned: set[threading.Thread] = set()  # the threads of timed-out calls
-        self._background: set[asyncio.Future] = set()  # tasks nobody awaits, kept from garbage collection
+        self.usercode = UserCode("spmdsplit-tools")
 
     def __len__(self) -> int:
         return len(self._tools)
@@ -312,9 +305,7 @@ class Tools:
     @property
     def stuck(self) -> int:
         """How many threads of timed-out calls are still running."""
-        with self._lock:
-            self._abandoned = {t for t in self._abandoned if t.is_alive()}
-            return len(self._abandoned)
+        return self.usercode.stuck
 
     def run(self, calls: Sequence[Call]) -> list[ToolResult]:
         """Runs all calls concurrently; one result per call, in order. A tool's fault never raises here."""
@@ -330,38 +321,18 @@ class Tools:
             done = concurrent.futures.Future()
             done.set_result([])
             return done
-        return asyncio.run_coroutine_threadsafe(all_calls(), self._started_loop())
+        return self.usercode.submit(all_calls())
 
     def close(self) -> None:
         """Stops the event-loop thread (a later `run` starts another); stuck tool threads are daemons."""
-        with self._lock:
-            loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
-        if loop is None:
-            return
-
-        def cancel_and_stop() -> None:
-            for task in asyncio.all_tasks(loop):
-                task.cancel()
-            loop.call_soon(loop.stop)  # after the cancellations' own callbacks
-        loop.call_soon_threadsafe(cancel_and_stop)
-        thread.join(timeout=5)
-        if not thread.is_alive():
-            loop.close()
-
-    def _started_loop(self) -> asyncio.AbstractEventLoop:
-        with self._lock:
-            if self._loop is None:
-                self._loop = asyncio.new_event_loop()
-                self._thread = threading.Thread(target=self._loop.run_forever, name="spmdsplit-tools", daemon=True)
-                self._thread.start()
-            return self._loop
+        self.usercode.close()
 
     async def _one(self, call: Call) -> ToolResult:
         start = time.monotonic()
         try:
             result = await self._checked(call)
         except Exception as e:  # a bug here, not in the tool: still one result per call
-            result = self._error("exception", f"tool {call.name} failed: {_line(e)}")
+            result = self._error("exception", f"tool {call.name} failed: {errorerror_line(e)}")
         result.seconds = time.monotonic() - start
         return result
 
@@ -378,17 +349,18 @@ class Tools:
             return self._error("bad_arguments", problem)
         kw = call.row_kwargs.get(tool.name) if isinstance(call.row_kwargs, dict) else None
         kw = {k: v for k, v in kw.items() if isinstance(v, dict)} if isinstance(kw, dict) else {}
-        state: dict[str, Any] = {"threads": []}  # the instance id once created, the threads started
-        steps = await self._within(self._steps(tool, call.arguments, kw, state), state)  # create..calc_reward
-        if steps is None:
+        state: dict[str, Any] = {}  # the instance id, once created
+        # create..calc_reward, bounded together
+        steps = await self.usercode.within(lambda: self._steps(tool, call.arguments, kw, state), self.timeout_s)
+        if steps.error == TIMEOUT:
             if "id" in state:  # release without waiting: it may hang as well
-                self._keep(asyncio.ensure_future(self._release(tool, state["id"], kw)))
+                self.usercode.keep(asyncio.ensure_future(self._release(tool, state["id"], kw)))
             return self._error("timeout", f"tool {tool.name} timed out after {self.timeout_s:g} s")
         if "id" in state:
             await self._release(tool, state["id"], kw)
-        if steps.exception() is not None:
-            return self._error("exception", f"tool {tool.name} raised {_line(steps.exception())}")
-        response, reward, score = steps.result()
+        if steps.error:
+            return self._error("exception", f"tool {tool.name} raised {error_line(steps.exception)}")
+        response, reward, score = steps.value
         text = response if isinstance(response, str) else (
             response.get("text") if isinstance(response, dict) else getattr(response, "text", None))
         if not isinstance(text, str):
@@ -396,78 +368,33 @@ class Tools:
         text, cut = self._truncate(text)
         return ToolResult(text, reward, score, truncated=cut)
 
-    async def _within(self, coroutine: Any, state: dict) -> asyncio.Future | None:
-        """The finished task, or None after timeout_s: then the task is cancelled and its threads left behind."""
-        task = asyncio.ensure_future(coroutine)
-        done, _ = await asyncio.wait({task}, timeout=self.timeout_s)
-        if done:
-            return task
-        self._keep(task)
-        task.cancel()
-        with self._lock:
-            self._abandoned.update(t for t in state["threads"] if t.is_alive())
-        return None
-
     async def _steps(self, tool: Tool, args: dict, kw: dict, state: dict) -> tuple[Any, float, float | None]:
+        call = self.usercode.call
         if tool.is_function:
             row = {**kw.get("create_kwargs", {}), **kw.get("execute_kwargs", {})}
             extra = {k: v for k, v in row.items()
                      if k not in _properties(tool) and (tool.row_keys is None or k in tool.row_keys)}
-            return await self._call(state, tool.target, (), {**args, **extra}), 0.0, None
+            return await call(tool.target, **{**args, **extra}), 0.0, None
         obj = tool.target
         if hasattr(obj, "create"):  # called the way verl's agent loop calls it
-            created = await self._call(state, obj.create, (), {"create_kwargs": kw.get("create_kwargs", {})})
+            created = await call(obj.create, create_kwargs=kw.get("create_kwargs", {}))
             state["id"] = created[0] if isinstance(created, tuple) else created  # older tools: the id alone
         else:
             state["id"] = str(uuid.uuid4())
-        out = await self._call(state, obj.execute, (state["id"], args), kw.get("execute_kwargs", {}))
+        out = await call(obj.execute, state["id"], args, **kw.get("execute_kwargs", {}))
         response, reward = (out[0], out[1]) if isinstance(out, tuple) and len(out) >= 2 else (out, 0.0)
         score = None
         if hasattr(obj, "calc_reward"):
-            score = await self._call(state, obj.calc_reward, (state["id"],), kw.get("calc_reward_kwargs", {}))
+            score = await call(obj.calc_reward, state["id"], **kw.get("calc_reward_kwargs", {}))
         return response, float(reward or 0.0), None if score is None else float(score)
 
     async def _release(self, tool: Tool, instance_id: Any, kw: dict) -> None:
         """Releases an instance; a failure or a hang past timeout_s is counted, never shown to the model."""
         if hasattr(tool.target, "release"):
-            state: dict[str, Any] = {"threads": []}
-            release = self._call(state, tool.target.release, (instance_id,), kw.get("release_kwargs", {}))
-            task = await self._within(release, state)
-            self.release_errors += task is None or task.exception() is not None
-
-    async def _call(self, state: dict, fn: Any, args: tuple, kwargs: dict) -> Any:
-        """Calls a tool method: a coroutine on this loop, a plain function in a fresh daemon thread."""
-        if inspect.iscoroutinefunction(fn):
-            try:
-                return await fn(*args, **kwargs)
-            except (SystemExit, KeyboardInterrupt) as e:  # would stop the event loop itself
-                raise RuntimeError(_line(e)) from None
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-
-        def settle(ok: bool, value: Any) -> None:
-            if not future.done():  # cancelled when the call timed out
-                future.set_result(value) if ok else future.set_exception(value)
-
-        def work() -> None:
-            try:
-                ok, value = True, fn(*args, **kwargs)
-            except BaseException as e:  # SystemExit and the like as well: they would stop the event loop
-                ok, value = False, e if isinstance(e, Exception) else RuntimeError(_line(e))
-            try:
-                loop.call_soon_threadsafe(settle, ok, value)
-            except RuntimeError:  # the loop is closed: nobody waits for this call any more
-                pass
-        thread = threading.Thread(target=work, name=f"tool-{getattr(fn, '__qualname__', '')}", daemon=True)
-        state["threads"].append(thread)
-        thread.start()
-        value = await future
-        return await value if inspect.isawaitable(value) else value  # a def that returns a coroutine
-
-    def _keep(self, task: asyncio.Future) -> None:
-        self._background.add(task)
-        # Drop it when done, reading its outcome so asyncio logs no "exception was never retrieved".
-        task.add_done_callback(lambda t: (self._background.discard(t), t.cancelled() or t.exception()))
+            release = tool.target.release
+            outcome = await self.usercode.within(
+                lambda: self.usercode.call(release, instance_id, **kw.get("release_kwargs", {})), self.timeout_s)
+            self.release_errors += outcome.error is not None
 
     def _error(self, kind: str, message: str) -> ToolResult:
         text, cut = self._truncate(f"Error: {message}")

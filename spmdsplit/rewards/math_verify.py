@@ -11,12 +11,12 @@ reward function may call `compute_score(solution_str, ground_truth)` for any oth
 
 Math-Verify bounds its own parse and verify with `signal.alarm`, which raises off the main thread
 (the reward may be computed on any thread). Those timeouts are off here, and the whole call is
-bounded instead by rewards/deadline.py, from whatever thread.
+bounded instead by usercode.call_within, from whatever thread.
 """
 
 from __future__ import annotations
 
-from spmdsplit.rewards.deadline import Overrun, call_within
+from spmdsplit.usercode import Overrun, call_within
 
 DATA_SOURCES = ("math_verify",)
 TIMEOUT_S = 10.0  # the whole call: two parses and the comparison (Math-Verify's own bounds are 5 s each)

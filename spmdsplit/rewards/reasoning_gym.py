@@ -5,14 +5,14 @@ dataset built once per process), the answer is read as reasoning-gym reads it
 and the task's `score_answer(answer, entry)` gives the score, partial credit included. The ground
 truth is not read: several tasks accept many answers.
 
-Bounded like math-verify (rewards/deadline.py): a few tasks check answers with sympy, and a call
+Bounded like math-verify (usercode.call_within): a few tasks check answers with sympy, and a call
 that runs past TIMEOUT_S scores 0.0.
 """
 
 from __future__ import annotations
 
 from spmdsplit.data import reasoning_gym as rows
-from spmdsplit.rewards.deadline import Overrun, call_within
+from spmdsplit.usercode import Overrun, call_within
 
 DATA_SOURCE_PREFIX = rows.DATA_SOURCE_PREFIX
 TIMEOUT_S = 10.0

@@ -1,25 +1,33 @@
-r"""The `searchR1_*` scorer against verl 0.9.1's own results (tests/data/verl_search_r1_scores.json,
-written by tools/verl_reward_fixtures.py, which runs verl's code; this test needs no verl), and its
-routing by data_source."""
+r"""The `hiyouga/geometry3k` and `searchR1_*` scorers against verl 0.9.1's own results
+(tests/data/verl_{geo3k,search_r1}_scores.json, written by tools/verl_reward_fixtures.py,
+which runs verl's code; this test needs no verl), and their routing by data_source."""
 
+import importlib.util
 import json
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from spmdsplit.rewards import rule, search_r1
+from spmdsplit.rewards import geo3k, rule, search_r1
 from spmdsplit.rewards.rule import compute_score, score_sample
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("mathruler") is None,
+                                reason="the math extra (mathruler) is not installed")
 
 DATA = Path(__file__).parent / "data"
 FIXTURES = {family: json.loads((DATA / f"verl_{family}_scores.json").read_text())
-            for family in ("search_r1",)}
+            for family in ("geo3k", "search_r1")}
 CASES = {(family, case["name"]): case for family, fixture in FIXTURES.items() for case in fixture["cases"]}
-SCORERS = {"search_r1": search_r1}
+SCORERS = {"geo3k": geo3k, "search_r1": search_r1}
 
 # Every case where our result is not verl's, with ours; the fixtures hold verl's. Listed in
 # docs/algorithms.md ("Rewards") and in each scorer's docstring.
 DIFFERENCES = {
+    # A ground truth that is not a string is read as its text (mathruler's normalisation, in verl,
+    # raises AttributeError on an int).
+    ("geo3k", "truth-int"): {"score": 1.0, "acc": 1.0, "format": 1.0},
     # A ground truth that is the answers themselves, not verl's {"target": answers} (verl indexes
     # it with "target": TypeError), and answers that are not strings (verl lower-cases them:
     # AttributeError) are read as their text.
@@ -77,7 +85,8 @@ def test_scores_as_verl(key):
 
 
 def test_same_scores_from_worker_threads():
-    """Off the main thread, as a reward computed beside other work may be: the same scores as verl's."""
+    """Off the main thread, as a reward computed beside other work may be (geo3k's sympy is bounded
+    by a thread with a deadline): the same scores as verl's."""
     keys = [key for key, case in CASES.items() if case["call"] == "route" and key not in DIFFERENCES
             and "score" in case["verl"]]
     with ThreadPoolExecutor(4) as pool:
@@ -89,18 +98,21 @@ def test_same_scores_from_worker_threads():
 def test_routing_follows_verls_default_compute_score():
     routed = {(family, case["data_source"]) for (family, _), case in CASES.items()
               if case["call"] == "route" and "unknown" not in case["verl"]}
+    assert {source for family, source in routed if family == "geo3k"} == set(geo3k.DATA_SOURCES) == {"hiyouga/geometry3k"}
     assert {source for family, source in routed if family == "search_r1"} == set(search_r1.DATA_SOURCES) == {
         "searchR1_nq", "searchR1_triviaqa", "searchR1_popqa", "searchR1_hotpotqa", "searchR1_2wikimultihopqa",
         "searchR1_musique", "searchR1_bamboogle"}
     for family, source in routed:
         assert rule.find_scorer(source) is SCORERS[family].compute_score
     unknown = {case["data_source"] for case in CASES.values() if case["verl"].get("unknown")}
-    assert len(unknown) >= 5
+    assert len(unknown) >= 8
     for source in unknown:
         assert rule.find_scorer(source) is None
 
 
-def test_score_sample_gives_the_score_alone():
+def test_score_sample_gives_geo3ks_parts_as_extras():
+    assert score_sample("hiyouga/geometry3k", r"<think>a</think>\boxed{5}", "5") == (1.0, {"acc": 1.0, "format": 1.0})
+    assert score_sample("hiyouga/geometry3k", r"\boxed{4}", "5") == (0.0, {"acc": 0.0, "format": 0.0})
     assert score_sample("searchR1_nq", "<answer>x</answer>", {"target": ["y"]}) == (0.0, {})
 
 
@@ -109,3 +121,11 @@ def test_search_r1_reads_a_parquet_style_target():
     np = pytest.importorskip("numpy")
     assert search_r1.compute_score("<answer>Obama</answer>", {"target": np.array(["Barack Obama", "Obama"])}) == 1.0
     assert search_r1.compute_score("<answer>Obama</answer>", {"target": ("Barack Obama",)}) == 0.0
+
+
+def test_a_missing_package_is_named(monkeypatch):
+    """The optional packages are imported on first use; without one, one line names the extra."""
+    monkeypatch.setitem(sys.modules, "mathruler", None)  # `import mathruler` raises ImportError
+    with pytest.raises(ImportError, match=r"^mathruler is not installed; install the extra: pip install -e '\.\[math\]'$"):
+        compute_score("hiyouga/geometry3k", r"\boxed{5}", "5")
+    assert compute_score("searchR1_nq", "<answer>5</answer>", {"target": ["5"]}) == 1.0  # needs nothing

@@ -19,7 +19,7 @@ import numbers
 from typing import Any, Callable, Mapping
 
 from spmdsplit.data.synthetic import TASKS, TOOL_CLOSE, data_source
-from spmdsplit.rewards import geo3k, gsm8k, math_dapo, math_exact, math_verify, reasoning_gym, search_r1
+from spmdsplit.rewards import geo3k, gsm8k, math_dapo, math_exact, math_verify, prime_math, reasoning_gym, search_r1
 
 
 def positional_match_score(solution_str: str, ground_truth: str) -> float:
@@ -53,6 +53,8 @@ for _name in math_dapo.DATA_SOURCES:  # +1 / -1 with "acc", as verl
     SCORERS[_name] = math_dapo.compute_score
 for _name in math_verify.DATA_SOURCES:
     SCORERS[_name] = math_verify.compute_score
+for _name in prime_math.DATA_SOURCES:  # PRIME's numina_* sets: 1.0 / 0.0, as verl
+    SCORERS[_name] = prime_math.compute_score
 for _name in geo3k.DATA_SOURCES:  # 0.9 for the answer + 0.1 for the format, with "acc" and "format"
     SCORERS[_name] = geo3k.compute_score
 for _name in search_r1.DATA_SOURCES:  # exact match in <answer> tags, as verl

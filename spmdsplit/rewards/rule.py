@@ -7,9 +7,20 @@ what the scorer gave (a float, or the dict as is); `score_sample` turns either i
 reward function alike.
 
 Names route as in verl's `default_compute_score` (verl 0.9.1): the exact names of SCORERS, then a
-name that starts with one of SCORER_PREFIXES (verl's `data_source.startswith("aime")`). Beyond
-verl's: `math_verify` (Math-Verify) and `reasoning_gym/<task>` (that task's own scorer), each with
-its optional package (the `math` and `reasoning-gym` extras), imported on first use.
+name that starts with one of SCORER_PREFIXES (verl's `data_source.startswith("aime")`):
+
+- `openai/gsm8k`: rewards/gsm8k.py;
+- `lighteval/MATH`, `DigitalLearningGmbH/MATH-lighteval`, `HuggingFaceH4/MATH-500`: rewards/math_exact.py;
+- `math_dapo`, `math`, `math_dapo_reasoning`, `aime*`: rewards/math_dapo.py;
+- `numina_aops_forum`, `numina_synthetic_math`, `numina_amc_aime`, `numina_synthetic_amc`,
+  `numina_cn_k12`, `numina_olympiads`: rewards/prime_math.py (sympy and pylatexenc: the `math` extra);
+- `hiyouga/geometry3k`: rewards/geo3k.py (mathruler: the `math` extra);
+- `searchR1_nq`, `searchR1_triviaqa`, `searchR1_popqa`, `searchR1_hotpotqa`,
+  `searchR1_2wikimultihopqa`, `searchR1_musique`, `searchR1_bamboogle`: rewards/search_r1.py.
+
+Beyond verl's: `math_verify` (Math-Verify) and `reasoning_gym/<task>` (that task's own scorer),
+each with its optional package (the `math` and `reasoning-gym` extras). Optional packages are
+imported on first use.
 """
 
 from __future__ import annotations

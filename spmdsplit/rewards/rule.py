@@ -7,9 +7,20 @@ what the scorer gave (a float, or the dict as is); `score_sample` turns either i
 reward function alike.
 
 Names route as in verl's `default_compute_score` (verl 0.9.1): the exact names of SCORERS, then a
-name that starts with one of SCORER_PREFIXES (verl's `data_source.startswith("aime")`). Beyond
-verl's: `math_verify` (Math-Verify) and `reasoning_gym/<task>` (that task's own scorer), each with
-its optional package (the `math` and `reasoning-gym` extras), imported on first use.
+name that starts with one of SCORER_PREFIXES (verl's `data_source.startswith("aime")`):
+
+- `openai/gsm8k`: rewards/gsm8k.py;
+- `lighteval/MATH`, `DigitalLearningGmbH/MATH-lighteval`, `HuggingFaceH4/MATH-500`: rewards/math_exact.py;
+- `math_dapo`, `math`, `math_dapo_reasoning`, `aime*`: rewards/math_dapo.py;
+- `numina_aops_forum`, `numina_synthetic_math`, `numina_amc_aime`, `numina_synthetic_amc`,
+  `numina_cn_k12`, `numina_olympiads`: rewards/prime_math.py (sympy and pylatexenc: the `math` extra);
+- `hiyouga/geometry3k`: rewards/geo3k.py (mathruler: the `math` extra);
+- `searchR1_nq`, `searchR1_triviaqa`, `searchR1_popqa`, `searchR1_hotpotqa`,
+  `searchR1_2wikimultihopqa`, `searchR1_musique`, `searchR1_bamboogle`: rewards/search_r1.py.
+
+Beyond verl's: `math_verify` (Math-Verify) and `reasoning_gym/<task>` (that task's own scorer),
+each with its optional package (the `math` and `reasoning-gym` extras). Optional packages are
+imported on first use.
 """
 
 from __future__ import annotations
@@ -19,7 +30,7 @@ import numbers
 from typing import Any, Callable, Mapping
 
 from spmdsplit.data.synthetic import TASKS, TOOL_CLOSE, data_source
-from spmdsplit.rewards import gsm8k, math_dapo, math_exact, math_verify, reasoning_gym
+from spmdsplit.rewards import geo3k, gsm8k, math_dapo, math_exact, math_verify, prime_math, reasoning_gym, search_r1
 
 
 def positional_match_score(solution_str: str, ground_truth: str) -> float:
@@ -53,6 +64,12 @@ for _name in math_dapo.DATA_SOURCES:  # +1 / -1 with "acc", as verl
     SCORERS[_name] = math_dapo.compute_score
 for _name in math_verify.DATA_SOURCES:
     SCORERS[_name] = math_verify.compute_score
+for _name in prime_math.DATA_SOURCES:  # PRIME's numina_* sets: 1.0 / 0.0, as verl
+    SCORERS[_name] = prime_math.compute_score
+for _name in geo3k.DATA_SOURCES:  # 0.9 for the answer + 0.1 for the format, with "acc" and "format"
+    SCORERS[_name] = geo3k.compute_score
+for _name in search_r1.DATA_SOURCES:  # exact match in <answer> tags, as verl
+    SCORERS[_name] = search_r1.compute_score
 SCORER_PREFIXES: dict[str, Callable[[str, Any], Any]] = dict.fromkeys(math_dapo.DATA_SOURCE_PREFIXES,
                                                                      math_dapo.compute_score)
 SCORER_PREFIXES[reasoning_gym.DATA_SOURCE_PREFIX] = reasoning_gym.compute_score

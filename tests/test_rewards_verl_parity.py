@@ -174,10 +174,11 @@ def test_the_normalisations():
 
 def test_a_sympy_check_past_its_bound_is_unequal(monkeypatch):
     """The bound on each sympy check (verl's is a process per check, 10 s): past it, unequal."""
-    from spmdsplit.rewards import deadline, prm800k
+    from spmdsplit.rewards import prm800k
+    from spmdsplit.usercode import Overrun
 
     def overrun(*args, **kwargs):
-        raise deadline.Overrun("slow")
+        raise Overrun("slow")
     monkeypatch.setattr(prm800k, "call_within", overrun)
     assert prime_math.compute_score(r"\boxed{x + 1}", "1 + x") == 0.0
     assert prime_math.compute_score(r"\boxed{42}", "42") == 1.0  # equal text needs no sympy

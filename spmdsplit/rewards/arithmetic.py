@@ -7,7 +7,7 @@ operators, and tuples, lists and sets of them. Anything else (a name, a call, an
 string, a comparison) raises NotArithmetic, where `eval` would have run it. Within what it
 accepts, the value is `eval`'s, errors included (`1/0` raises ZeroDivisionError, `2.0 ^ 1`
 TypeError), except that integer powers and shifts too large to compute quickly raise instead of
-holding the interpreter (one such step cannot be interrupted, not even by rewards/deadline.py).
+holding the interpreter (one such step cannot be interrupted, not even by usercode.call_within).
 """
 
 from __future__ import annotations

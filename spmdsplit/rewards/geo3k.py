@@ -15,12 +15,12 @@ So 1.0, 0.9 (right, not in the format), 0.1 (wrong, in the format) or 0.0; the d
 score alone). A ground truth that is not a string is read as its text (verl raises on it).
 
 mathruler has no bound on sympy; here the grading is bounded by TIMEOUT_S from whatever thread
-(rewards/deadline.py), and an answer whose grading runs past it is wrong.
+(usercode.call_within), and an answer whose grading runs past it is wrong.
 """
 
 from __future__ import annotations
 
-from spmdsplit.rewards.deadline import Overrun, call_within
+from spmdsplit.usercode import Overrun, call_within
 
 DATA_SOURCES = ("hiyouga/geometry3k",)
 FORMAT_SCORE = 0.1  # the weight of the format; the answer's is the rest

@@ -14,7 +14,7 @@ the `numina_*` scorer (rewards/prime_math.py). Needs sympy and pylatexenc (the `
    `a/b` must be written alike (an unreduced one is wrong), and an integer only matches an integer.
 
 sympy is not given what it may hang on (more than two distinct letters, `^{`, `^(`, stacked or
-long exponents). Each sympy check is bounded by TIMEOUT_S from whatever thread (rewards/deadline.py;
+long exponents). Each sympy check is bounded by TIMEOUT_S from whatever thread (usercode.call_within;
 verl forks a process per check), and one that runs past it counts as unequal, as in verl.
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 
-from spmdsplit.rewards.deadline import Overrun, call_within
+from spmdsplit.usercode import Overrun, call_within
 
 TIMEOUT_S = 10.0  # one sympy check, verl's bound
 INSTALL = "sympy and pylatexenc are needed for the numina_* scorer; install the extra: pip install -e '.[math]'"

@@ -83,7 +83,8 @@ def _run_probe(request: bytes, folder: str) -> tuple[bytes, bytes, int]:
         return stdout, stderr, runner.wait()
     finally:
         watchdog.cancel()
-        reaper.kill_group(runner.pid)
+        if runner.poll() is None:
+            reaper.kill_group(runner.pid)
         runner.wait()
 
 

@@ -27,7 +27,7 @@ from spmdsplit.sandbox.runner import GUARD
 
 SETUP_TIMEOUT_S = 30.0  # a runner's start and set-up, before the program's clocks start
 STDERR_KEPT = 1 << 16  # of the runner's stderr, for the message of a SandboxError
-EXIT_WAIT_S = 2.0  # after the kill: for the last of the program's processes to close the report
+EXIT_WAIT_S = 2.0  # for the runner to end the program and exit, once told to
 
 DONE = "done"  # every test reported
 STOPPED = "stopped"  # ended at a test: the judge said so, or the test failed to run (its outcome's error)
@@ -138,18 +138,15 @@ class Sandbox:
             except (BrokenPipeError, ConnectionResetError):
                 pass  # the runner died at once: its report is empty, and that is reported below
             report = _Report(runner.stdout, program, judge)
-            return await report.follow(test_timeout_s, total_s, stderr)
+            result = await report.follow(test_timeout_s, total_s, stderr)
         finally:
-            reaper.kill_group(runner.pid)
-            if options:
-                reaper.kill_uid(options["user"])
-            runner.stdin.close()
-            try:
-                await asyncio.wait_for(_drain(runner.stdout), EXIT_WAIT_S)
-            except asyncio.TimeoutError:
-                pass
-            await runner.wait()
+            await _end(runner, options)
             stderr.cancel()
+        if result.status == DONE and runner.returncode != 0:
+            # Every test reported, but the runner or the program's process did not end cleanly
+            # after: something killed it (the program, past verl's guard).
+            return RunResult(CRASHED, result.outcomes, f"the runner exited with {runner.returncode}")
+        return result
 
 
 class _Report:
@@ -244,6 +241,20 @@ class _Report:
         return Outcome(index, output=output)
 
 
+async def _end(runner: asyncio.subprocess.Process, options: dict) -> None:
+    """The runner and the program's processes gone: the end of its stdin tells the runner to kill
+    the program's process group and reap it; a runner that has not exited by EXIT_WAIT_S is killed
+    with its own group. Under guard with a uid of the program's own, whatever left the group too."""
+    runner.stdin.close()
+    try:
+        await asyncio.wait_for(runner.wait(), EXIT_WAIT_S)
+    except asyncio.TimeoutError:
+        reaper.kill_group(runner.pid)  # still running: its pid is still its own
+        await runner.wait()
+    if options:
+        reaper.kill_uid(options["user"])
+
+
 async def _read_capped(stream: asyncio.StreamReader, keep: int) -> bytes:
     kept = b""
     while chunk := await stream.read(65536):
@@ -258,7 +269,3 @@ async def _settled(future: asyncio.Future) -> bytes:
     except asyncio.TimeoutError:
         return b""
 
-
-async def _drain(stream: asyncio.StreamReader) -> None:
-    while await stream.read(65536):
-        pass

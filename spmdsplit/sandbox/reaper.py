@@ -9,10 +9,9 @@ import stat
 
 
 def kill_group(pgid: int) -> None:
-    """SIGKILL to the runner's process group (the runner leads it: started in a session of its
-    own). Under namespaces that kills P, whose death the kernel passes on to G (PID 1 of the
-    program's PID namespace) and from G to everything in that namespace; under guard it reaches
-    every process of the program that stayed in its group."""
+    """SIGKILL to a runner that did not end when told, and its group (it leads one: started in a
+    session of its own; the program has a group of its own). The program's process then gets its
+    parent-death signal, and under namespaces the kernel kills the rest of its PID namespace."""
     try:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

@@ -84,13 +84,19 @@ def program_process(request: dict, alive: int, tasks_now: int) -> None:
     in_namespaces = request["isolation"] == NAMESPACES
     report = 1
     try:
-        if in_namespaces:
-            from spmdsplit.sandbox import namespaces
+        from spmdsplit.sandbox import namespaces
 
+        # A process group of G's own, which P kills whole when G ends (before reaping G, so that
+        # nothing is orphaned); under namespaces a session of its own too, so that kill(0) and
+        # killpg(0) reach nothing but the program.
+        if in_namespaces:
             os.setsid()
-            namespaces.die_with_parent(signal.SIGKILL)
-            if not _parent_alive(alive):  # P died before the line above took effect
-                os._exit(1)
+        else:
+            os.setpgid(0, 0)
+        namespaces.die_with_parent(signal.SIGKILL)
+        if not _parent_alive(alive):  # P died before the line above took effect
+            os._exit(1)
+        if in_namespaces:
             namespaces.fresh_proc()
             namespaces.drop_capabilities()
         os.chdir(request["folder"])
@@ -154,7 +160,8 @@ def _nproc_per_namespace() -> bool:
 
 
 def wait_for(child: int) -> int:
-    """G's exit status, as a shell shows it. Kills G when stdin ends first."""
+    """G's exit status, as a shell shows it, once G and its process group are gone. Kills them
+    when stdin ends first (the rank is done with the program, or gone)."""
     try:
         handle = os.pidfd_open(child)
     except OSError:
@@ -164,8 +171,11 @@ def wait_for(child: int) -> int:
         if handle in readable:
             break
         if not os.read(0, 4096):
-            os.kill(child, signal.SIGKILL)
             break
+    try:
+        os.killpg(child, signal.SIGKILL)  # G's group outlives G until G is reaped: reaches what G left
+    except OSError:
+        pass
     _, status = os.waitpid(child, 0)
     code = os.waitstatus_to_exitcode(status)
     return 128 - code if code < 0 else code

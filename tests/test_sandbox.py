@@ -282,10 +282,12 @@ def test_forging_the_right_answer_needs_the_answer(sandbox):
     rank judges, and the expected one is nowhere in the program's process (verl's program can find
     it with gc)."""
     secret = "zq8Xw-the-expected-output"
-    # (the program's own text must not hold the secret: it looks for it spelled in two halves)
-    hunt = ("import gc\nmark = 'zq8X' + 'w-the'\nfound = [o for o in gc.get_objects() if isinstance(o, str) and mark in o]\n"
-            "found += [o for o in gc.get_objects() if isinstance(o, (list, dict)) and mark in repr(o)]\n"
-            "print(found[0] if found else 'nothing')")
+    # Every string held by a list, tuple or dict in the process (the program's own text must not
+    # hold the secret: it looks for it spelled in two halves).
+    hunt = ("import gc\nmark = 'zq8X' + 'w-the'\nfound = 'nothing'\nfor o in gc.get_objects():\n"
+            "    items = o.values() if isinstance(o, dict) else o if isinstance(o, (list, tuple)) else ()\n"
+            "    for item in items:\n        if isinstance(item, str) and mark in item and item != mark:\n"
+            "            found = item\nprint(found.strip())")
     truth = {"inputs": ["1\n"], "outputs": [secret + "\n"]}
     assert score(sandbox, hunt, truth)["score"] == 0.0
     assert run(sandbox, hunt).outcomes[0].output == "nothing\n"

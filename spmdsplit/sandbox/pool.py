@@ -142,10 +142,10 @@ class Sandbox:
         finally:
             await _end(runner, options)
             stderr.cancel()
-        if result.status == DONE and runner.returncode != 0:
-            # Every test reported, but the runner or the program's process did not end cleanly
-            # after: something killed it (the program, past verl's guard).
-            return RunResult(CRASHED, result.outcomes, f"the runner exited with {runner.returncode}")
+        if result.status == DONE and runner.returncode < 0:
+            # Every test reported, but the runner was killed (it exits on its own when told to end,
+            # and only a runner that does not is killed here): the program did it, past verl's guard.
+            return RunResult(CRASHED, result.outcomes, f"the runner was killed (signal {-runner.returncode})")
         return result
 
 

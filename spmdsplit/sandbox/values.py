@@ -15,7 +15,6 @@ verl it passes every test).
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 TUPLE = "tuple"
@@ -62,7 +61,3 @@ def decode(data: Any) -> Any:
             return dict(pairs)
         raise ValueError(f"unknown tag {tag!r}")
     return data
-
-
-def dumps(value: Any) -> str:
-    return json.dumps(encode(value), ensure_ascii=False)

@@ -84,7 +84,8 @@ def leaves_all_as_it_was():
         time.sleep(0.05)
     assert not [pid for uid in _program_uids() for pid in reaper.processes_of(uid)]
     assert not more_than_before(), (_tasks_and_children(), before)  # (a thread of an earlier test may end meanwhile)
-    assert {f for f in set(os.listdir(tempfile.gettempdir())) - folders if f.startswith("spmdsplit-program-")} == set()
+    mine = f"spmdsplit-program-{os.getpid()}-"
+    assert {f for f in set(os.listdir(tempfile.gettempdir())) - folders if f.startswith(mine)} == set()
 
 
 def run(sandbox: Sandbox, source: str, inputs=("1\n",), fn_name=None, timeout_s=1.0):

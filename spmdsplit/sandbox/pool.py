@@ -115,7 +115,7 @@ class Sandbox:
         itself fails; whatever the program does ends in a RunResult."""
         async with self._semaphore():
             slot = _slots.take()
-            folder = tempfile.mkdtemp(prefix="spmdsplit-program-")
+            folder = tempfile.mkdtemp(prefix=f"spmdsplit-program-{os.getpid()}-")  # a leftover names its rank
             try:
                 launch.prepare_folder(folder, self.isolation, slot)
                 return await self._run_in(folder, slot, program, test_timeout_s, judge)

@@ -568,7 +568,7 @@ class SandboxConfig:
     memory_mb: int = positive(1024)  # address space of the program's process (RLIMIT_AS)
     max_processes: int = positive(8)  # processes and threads the program may start (RLIMIT_NPROC)
     max_open_files: int = positive(64)  # RLIMIT_NOFILE
-    max_output_mb: int = positive(8)  # what it prints, and what it writes in its folder
+    max_output_mb: int = positive(8)  # what one test prints; what it writes in its folder (guard: each file)
 
 
 @dataclass

@@ -90,7 +90,8 @@ def start(cfg):
     """Everything before the world forms, on every rank, in one order: the start-up checks
     (spmdsplit/preflight.py, whose docstring lists them) and the actions they wait for, the data
     included, so that bad input stops every rank alike. Returns (placement, device, data,
-    checkpoint to resume or None). Fills model.path with the embedded model's folder when empty."""
+    checkpoint to resume or None, start-up lines for rank 0 to print). Fills model.path with the
+    embedded model's folder when empty."""
     placement = check_job(cfg)
     device = pick_device(cfg.trainer.device, int(os.environ.get("LOCAL_RANK", 0)))
     check_device(cfg, device.type)
@@ -104,9 +105,27 @@ def start(cfg):
     data = {"train": build_rows(cfg.data, tokenizer, "train", **agents)}
     if cfg.trainer.val_freq > 0 or cfg.trainer.val_before_train:
         data["val"] = build_rows(cfg.data, tokenizer, "val", **agents)
+    notes = [line for line in [code_sandbox(cfg, data)] if line]
     restarts = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
     resume_from = find_resume_after_restart(cfg.trainer.resume, cfg.trainer.default_local_dir, restarts)
-    return placement, device, data, resume_from
+    return placement, device, data, resume_from, notes
+
+
+def code_sandbox(cfg, data) -> str:
+    """Where the rewards run programs in the rank's sandbox: its isolation, probed on every rank
+    (reward.sandbox.isolation=namespaces where the kernel refuses them stops the job here), as the
+    line rank 0 prints; "" otherwise."""
+    from spmdsplit.rewards.calls import runs_code_in_sandbox
+
+    sources = {row["data_source"] for rows, _ in data.values() for row in rows}
+    if not runs_code_in_sandbox(cfg.reward, sources):
+        return ""
+    from spmdsplit.sandbox import Sandbox, SandboxError
+
+    try:
+        return Sandbox.from_config(cfg.reward.sandbox).describe()
+    except SandboxError as e:
+        raise ConfigError(str(e)) from None
 
 
 def agree_on_resume(resume_from: str | None, group) -> None:
@@ -157,7 +176,7 @@ def main(argv=None) -> int:
         if rank == 0:
             for warning in config_warnings(cfg):
                 print(f"spmdsplit: warning: {warning}", file=sys.stderr, flush=True)
-        placement, device, data, resume_from = start(cfg)
+        placement, device, data, resume_from, notes = start(cfg)
     except (ConfigError, PlacementError, DataError, CheckpointError) as e:
         print(f"spmdsplit [rank {rank}]: error: {e}", file=sys.stderr, flush=True)
         return 2
@@ -184,6 +203,8 @@ def main(argv=None) -> int:
                   + (f"; {gloo_line}" if gloo_line else ""), flush=True)
             for _, data_report in data.values():
                 print(f"spmdsplit: {format_report(data_report, cfg.data.max_prompt_length)}", flush=True)
+            for note in notes:
+                print(f"spmdsplit: {note}", file=sys.stderr if note.startswith("WARNING") else sys.stdout, flush=True)
         from spmdsplit.trainer import Trainer
 
         trainer = Trainer(cfg, groups, {split: rows for split, (rows, _) in data.items()}, resume_from)

@@ -27,6 +27,7 @@ LAUNCHES = {
     "lora_grpo_rollout_actor.yaml": ((2, 2, 1), [0], [0], [1]),
     "agent_lookup.yaml": ((4, 4, 1), [0, 1], [2, 3]),
     "environment_echo.yaml": ((4, 4, 1), [0, 1], [2, 3]),
+    "code_apps.yaml": ((2, 2, 1), [0], [0]),  # the reward group on rank 1 (its score pool)
 }
 
 

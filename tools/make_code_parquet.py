@@ -3,12 +3,14 @@
 downloaded): problems in APPS's row shape, scored by running the response's program against the
 row's tests (spmdsplit/rewards/code.py).
 
-    python -m tools.make_code_parquet --out data/code [--train-rows 256 --test-rows 32 --tests 10 --seed 0]
+    python -m tools.make_code_parquet --out data/code [--train-rows 256 --test-rows 32 --tests 10 --seed 0] [--digit-prompts]
 
 writes DIR/train.parquet and DIR/test.parquet with the columns verl's APPS / TACO preprocessing writes:
 
     data_source   "apps"
     prompt        [{"role": "user", "content": <the statement> + the instruction to answer in ```python```}]
+                  (--digit-prompts: the problem's number in digits, plain text: all the embedded model,
+                  whose vocabulary is digits and a few signs, can read; it cannot write Python either)
     ability       "code"
     reward_model  {"style": "rule", "ground_truth": <JSON: {"inputs": [...], "outputs": [...]}, and
                    "fn_name" for a problem whose tests call a function>}
@@ -110,10 +112,11 @@ def problem(index: int, tests: int, seed: int) -> tuple[Template, dict]:
     return template, truth
 
 
-def row(index: int, split: str, tests: int, seed: int) -> dict:
+def row(index: int, split: str, tests: int, seed: int, digits: bool = False) -> dict:
     template, truth = problem(index, tests, seed)
+    text = f"{template.statement}\n{INSTRUCTION}"
     return {"data_source": DATA_SOURCE,
-            "prompt": [{"role": "user", "content": f"{template.statement}\n{INSTRUCTION}"}],
+            "prompt": f"{index:04d}" if digits else [{"role": "user", "content": text}],
             "ability": "code",
             "reward_model": {"style": "rule", "ground_truth": json.dumps(truth)},
             "extra_info": {"split": split, "index": index, "problem": template.name}}
@@ -144,6 +147,8 @@ def main() -> None:
     parser.add_argument("--test-rows", type=int, default=32)
     parser.add_argument("--tests", type=int, default=10, help="test cases per problem")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--digit-prompts", action="store_true",
+                        help="each prompt the problem's number in digits, plain text (the embedded model)")
     args = parser.parse_args()
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -151,7 +156,7 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     splits = {"train": range(args.train_rows), "test": range(args.train_rows, args.train_rows + args.test_rows)}
     for split, indices in splits.items():
-        rows = [row(i, split, args.tests, args.seed) for i in indices]
+        rows = [row(i, split, args.tests, args.seed, args.digit_prompts) for i in indices]
         pq.write_table(pa.Table.from_pylist(rows), os.path.join(args.out, f"{split}.parquet"))
         print(f"{os.path.join(args.out, split + '.parquet')}: {len(rows)} rows")
 

@@ -68,6 +68,8 @@ class RewardCalls:
 
     def __init__(self, reward_cfg, custom_fn: Callable | None = None, remote=None,
                  waiting: dict[str, Callable] | None = None):
+        """`waiting`: the built-in scorers that wait, by data_source (waiting_scorers; none: every
+        built-in scorer inline, and the code data_sources have no scorer)."""
         self.cfg, self.custom_fn, self.remote, self.waiting = reward_cfg, custom_fn, remote, waiting or {}
         self.usercode = UserCode("spmdsplit-reward")
         self.workers = None
@@ -176,6 +178,41 @@ def check_reward_function(reward_cfg, fn: Callable | None) -> None:
         if missing:
             raise ConfigError(f"reward.reward_manager.name=batch: {reward_cfg.custom_fn.name} must take verl's batch "
                               f"arguments ({', '.join(BATCH_ARGUMENTS)}) by keyword; it lacks {', '.join(missing)}")
+
+
+def runs_code_in_sandbox(reward_cfg, data_sources) -> bool:
+    """Whether the job's rewards run programs in the rank's sandbox: the built-in scorers score it
+    (no custom function, no server, no SandboxFusion url) and its data holds a code data_source."""
+    from spmdsplit.rewards.code import DATA_SOURCES
+
+    built_in = not (reward_cfg.custom_fn.path or reward_cfg.remote_url or reward_cfg.sandbox_fusion.url)
+    return built_in and any(source in DATA_SOURCES for source in data_sources)
+
+
+def waiting_scorers(reward_cfg) -> dict[str, Callable]:
+    """The built-in scorers that wait, by data_source (RewardCalls runs them concurrently on its
+    loop): verl's code sets, on the SandboxFusion server at reward.sandbox_fusion.url, else in the
+    rank's sandbox, made when the first such sample comes (its isolation probe runs once per
+    process; start-up already ran it where the data holds code)."""
+    import functools
+
+    from spmdsplit.rewards import code
+
+    if reward_cfg.sandbox_fusion.url:
+        from spmdsplit.rewards import sandbox_fusion
+
+        client = functools.cache(lambda: sandbox_fusion.SandboxFusionClient.from_config(reward_cfg.sandbox_fusion))
+
+        def score(solution_str, ground_truth):
+            return sandbox_fusion.compute_score(solution_str, ground_truth, client())
+    else:
+        from spmdsplit.sandbox import Sandbox
+
+        sandbox = functools.cache(lambda: Sandbox.from_config(reward_cfg.sandbox))
+
+        def score(solution_str, ground_truth):
+            return code.compute_score(solution_str, ground_truth, sandbox())
+    return dict.fromkeys(code.DATA_SOURCES, score)
 
 
 def verl_kwargs(s: Sample) -> dict:

@@ -108,7 +108,12 @@ def compute_score(data_source: str, solution_str: str, ground_truth, extra_info=
         return normalize_result(extra_info[ENVIRONMENT_REWARD], data_source, solution_str, ground_truth)[0]
     scorer = find_scorer(data_source)
     if scorer is None:
-        known = sorted(SCORERS) + [f"{prefix}*" for prefix in SCORER_PREFIXES]
+        from spmdsplit.rewards.code import DATA_SOURCES as CODE
+
+        if data_source in CODE:  # its scorer waits on programs: rewards/calls.py runs it, concurrently
+            raise KeyError(f"data_source={data_source!r} is scored by running its program in the reward's sandbox "
+                           "(rewards/code.py, through rewards/calls.py RewardCalls), not by this call")
+        known = sorted(SCORERS) + [f"{prefix}*" for prefix in SCORER_PREFIXES] + list(CODE)
         raise KeyError(f"no reward function for data_source={data_source!r}; known: {known}")
     if scorer in READS_EXTRA_INFO:
         result = scorer(solution_str, ground_truth, extra_info)

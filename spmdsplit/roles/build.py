@@ -20,7 +20,7 @@ from spmdsplit import algo, lora
 from spmdsplit.engines import build_engine
 from spmdsplit.models import ModelSource, attention_implementation, compute_dtypes, load_causal_lm, load_tokenizer
 from spmdsplit.groups import Pools
-from spmdsplit.rewards.calls import RewardCalls
+from spmdsplit.rewards.calls import RewardCalls, waiting_scorers
 from spmdsplit.rewards.custom import load_custom_reward_fn
 from spmdsplit.rewards.remote import RemoteReward
 from spmdsplit.roles.actor import Actor
@@ -156,5 +156,6 @@ def build_rule_reward(cfg, tokenizer, eos_ids: list[int]) -> RuleReward:
     custom_fn = load_custom_reward_fn(custom.path, custom.name) if custom.path else None
     r = cfg.reward
     remote = RemoteReward(r.remote_url, r.remote_retries, r.max_concurrency, r.timeout_s) if r.remote_url else None
+    calls = RewardCalls(r, custom_fn, remote, waiting_scorers(r))
     return RuleReward(tokenizer, eos_ids, overlong_buffer=cfg.reward.overlong_buffer,
-                      max_response_length=cfg.data.max_response_length, calls=RewardCalls(r, custom_fn, remote))
+                      max_response_length=cfg.data.max_response_length, calls=calls)

@@ -126,11 +126,10 @@ def code_scoring() -> dict:
     from tools.make_code_parquet import bench_samples
 
     from spmdsplit.config import load_config
-    from spmdsplit.roles.build import waiting_scorers
-    from spmdsplit.rewards.calls import RewardCalls
+    from spmdsplit.rewards.calls import RewardCalls, waiting_scorers
 
     cfg = load_config(None, [])
-    calls = RewardCalls(cfg.reward, waiting=waiting_scorers(cfg))
+    calls = RewardCalls(cfg.reward, waiting=waiting_scorers(cfg.reward))
     out = {"cores": len(os.sched_getaffinity(0))}
     for name in ("right", "wrong", "half"):
         samples = bench_samples(128, name)

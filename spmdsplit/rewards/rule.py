@@ -2,9 +2,9 @@
 
 A scorer is `scorer(solution_str, ground_truth)` and returns a float, or a dict holding the
 score under "score" and, optionally, other numbers to log (e.g. "acc"). `compute_score` returns
-what the scorer gave (a float, or the dict as is); `score_sample` turns either into
-`(score, extras)` and is what the reward role calls, for the built-in scorers and for a custom
-reward function alike.
+what the scorer gave (a float, or the dict as is); `normalize_result` turns either, or what a
+custom reward function returned, into `(score, extras)` (rewards/calls.py, which makes the calls;
+`score_sample` is both in one call, for a single sample).
 
 Names route as in verl's `default_compute_score` (verl 0.9.1): the exact names of SCORERS, then a
 name that starts with one of SCORER_PREFIXES (verl's `data_source.startswith("aime")`):

@@ -1,12 +1,9 @@
-"""Times the local code scorer (spmdsplit/rewards/code.py through spmdsplit/sandbox/): batches of
-APPS-shaped programs with 10 tests each, all right, all wrong and half of each, scored
-concurrently as a rank scores a batch; and one run's phases (the runner's start and isolation
-set-up, the program's load, its tests, the end).
+"""Where one sandbox run's time goes (spmdsplit/sandbox/): the runner's start and isolation set-up,
+the program's load (verl's prelude imports), its 10 tests, the end; the median of 20 runs one
+after another. What batches of programs cost a rank is the reward bench's
+(`python -m tools.bench --reward --code`, docs/rewards.md).
 
-    .venv/bin/python -m tools.sandbox_timing --programs 128 --isolation namespaces
-
-A right program costs one run (its tests together); a wrong one 11 (that run, then each of its
-first 10 tests alone), so batches of wrong programs take about ten times longer.
+    .venv/bin/python -m tools.sandbox_timing --isolation namespaces
 """
 
 from __future__ import annotations
@@ -14,15 +11,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import time
 
-from spmdsplit.rewards import code
 from spmdsplit.sandbox import Limits, Sandbox, pool
 
 RIGHT = "n = int(input())\nxs = list(map(int, input().split()))\nprint(sum(sorted(xs)[-n:]))"
-WRONG = "n = int(input())\nxs = list(map(int, input().split()))\nprint(sum(sorted(xs)[:n]))"
 
 
 def tests(seed: int) -> str:
@@ -33,13 +27,6 @@ def tests(seed: int) -> str:
         inputs.append(f"{n}\n{' '.join(map(str, xs))}\n")
         outputs.append(f"{sum(sorted(xs)[-n:])}\n")
     return json.dumps({"inputs": inputs, "outputs": outputs})
-
-
-async def batch(sandbox: Sandbox, programs: list[str]) -> tuple[float, list[dict]]:
-    started = time.monotonic()
-    scores = await asyncio.gather(*(code.compute_score(f"```python\n{program}\n```", tests(i), sandbox)
-                                    for i, program in enumerate(programs)))
-    return time.monotonic() - started, scores
 
 
 async def phases(sandbox: Sandbox, runs: int) -> dict[str, float]:
@@ -81,22 +68,12 @@ async def phases(sandbox: Sandbox, runs: int) -> dict[str, float]:
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--programs", type=int, default=128)
     parser.add_argument("--isolation", default="auto", choices=("auto", "namespaces", "guard"))
-    parser.add_argument("--workers", type=int, default=0, help="programs at once (0: the CPU cores)")
-    parser.add_argument("--batches", default="right,wrong,mix")
+    parser.add_argument("--runs", type=int, default=20)
     args = parser.parse_args()
-    sandbox = Sandbox(args.isolation, args.workers, Limits())
+    sandbox = Sandbox(args.isolation, 1, Limits())
     print(sandbox.describe())
-    print(f"{len(os.sched_getaffinity(0))} CPU cores; one run, median of 20, ms:",
-          {k: round(v, 1) for k, v in (await phases(sandbox, 20)).items()})
-    kinds = {"right": [RIGHT] * args.programs, "wrong": [WRONG] * args.programs,
-             "mix": [RIGHT if i % 2 else WRONG for i in range(args.programs)]}
-    for name in args.batches.split(","):
-        seconds, scores = await batch(sandbox, kinds[name])
-        runs = sum(1 if s["score"] == 1.0 else 1 + s["tests"] for s in scores)
-        print(f"{name:5s}: {args.programs} programs, {runs} runs, {seconds:.1f} s per batch "
-              f"({1000 * seconds / runs:.0f} ms a run), mean score {statistics.mean(s['score'] for s in scores):.2f}")
+    print(f"one run, median of {args.runs}, ms:", {k: round(v, 1) for k, v in (await phases(sandbox, args.runs)).items()})
 
 
 if __name__ == "__main__":

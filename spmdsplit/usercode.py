@@ -308,6 +308,8 @@ class Workers:
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.size)
         async with self._slots:
+            while self._idle and self._idle[-1].process.returncode is not None:  # ended while idle
+                self._idle.pop()
             worker = self._idle.pop() if self._idle else await self._start()
             fit = False
             try:

@@ -12,7 +12,7 @@ sample before giving the built-in score, called in each of the ways a user write
   as long before each answer.
 
 Per mode: the scoring phase per step (the critic pool's `reward` phase, summed over chunks; median
-of the steps after the warmup), the step time, and the issue's target: scoring <= TARGET_S with the
+of the steps after the warmup), the step time, and the target: scoring <= TARGET_S with the
 defaults. `code` (with --code) adds the code scorer (rewards/code.py, the sandbox): 128 APPS-shaped
 programs of 10 tests each scored in this process, all right, all wrong, half and half: seconds per
 batch of 128 on this machine's cores.

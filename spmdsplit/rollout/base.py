@@ -57,6 +57,9 @@ class StepwiseRollout(Rollout, Protocol):
     between two steps (`update_weights`) while the requests held go on: their next tokens are
     sampled with the new weights."""
 
+    eos_token_ids: list[int]  # what ends a request unless `submit` names other stop tokens
+    max_model_len: int  # the longest context + response a request may reach
+
     def submit(self, request_id: str, context: list[int], budget: int, seed: int | None = None,
                validate: bool = False, stop_ids: list[int] | None = None) -> None:
         """A request: `context` (prompt and any tokens already generated, no padding) continued by

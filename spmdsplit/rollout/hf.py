@@ -32,12 +32,12 @@ class HFRollout:
         self.tokenizer = tokenizer
         self.max_response_length = max_response_length
         self.pad_token_id = tokenizer.pad_token_id
-        self.eos_token_id = eos_token_ids or [tokenizer.eos_token_id]
+        self.eos_token_ids = eos_token_ids or [tokenizer.eos_token_id]
         # Replace the checkpoint's generation defaults, which transformers would otherwise fill
         # into every field left unset (an instruct model's repetition_penalty, min_new_tokens,
         # ...): the rollout must sample from exactly the distribution the actor's log-probs score.
         self.model.generation_config = GenerationConfig(
-            bos_token_id=tokenizer.bos_token_id, eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=self.eos_token_ids, pad_token_id=self.pad_token_id
         )
         self.sampling = self._generation_config(cfg)
         self.val_sampling = self._generation_config(val_cfg or cfg)
@@ -68,10 +68,15 @@ class HFRollout:
             do_sample=cfg.do_sample,
             **(dict(temperature=1.0, top_p=1.0, top_k=0) if cfg.do_sample else {}),
             max_new_tokens=self.max_response_length,
-            eos_token_id=self.eos_token_id,
+            eos_token_id=self.eos_token_ids,
             pad_token_id=self.pad_token_id,
         )
         return config, warpers
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest context (prompt and response) the model was made for."""
+        return self.model.config.get_text_config().max_position_embeddings
 
     @property
     def dtype(self) -> torch.dtype:
@@ -133,7 +138,7 @@ class HFRollout:
             use_cache=True,
         )
         responses = out[:, prompt_ids.shape[1] :]
-        return rollout_batch(prompts, responses, self.pad_token_id, self.eos_token_id,
+        return rollout_batch(prompts, responses, self.pad_token_id, self.eos_token_ids,
                              extras={"rollout_log_probs": log_probs.finish(responses)})
 
     @torch.no_grad()
@@ -180,7 +185,7 @@ class HFRollout:
                validate: bool = False, stop_ids: list[int] | None = None) -> None:
         if request_id in self.requests:
             raise RuntimeError(f"HFRollout.submit: request {request_id!r} is already held")
-        self.requests[request_id] = (list(context), budget, (validate, tuple(stop_ids or self.eos_token_id)))
+        self.requests[request_id] = (list(context), budget, (validate, tuple(stop_ids or self.eos_token_ids)))
 
     def step(self) -> list[Delta]:
         held = list(self.requests.items())[: self.max_num_seqs]

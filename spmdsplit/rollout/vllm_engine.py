@@ -287,6 +287,12 @@ class VLLMRollout:
         # Counted on CPU too, where vLLM has no sleep: tests check the cycle.
         self.wake_ups = self.sleeps = self.weight_updates = 0
 
+    @property
+    def max_model_len(self) -> int:
+        """The longest context (prompt and response) the engine takes (data.max_prompt_length +
+        data.max_response_length, engine_kwargs)."""
+        return self.llm.llm_engine.model_config.max_model_len
+
     def _sampling_params(self, cfg):
         from vllm import SamplingParams
 

@@ -1,0 +1,290 @@
+"""The engine while it serves: requests from any thread, one thread stepping the engine.
+
+An engine (rollout/base.py StepwiseRollout) is not thread-safe and decodes every request it holds
+at each step, so one thread owns it: `submit` queues a request from any thread or coroutine and
+returns a future; the stepping thread puts every queued request into the engine before each step,
+so requests that arrive together share the engine's steps (a batch), and resolves each future when
+its request ends. Nothing else may call the engine while the driver runs, except while paused.
+
+`pause` frees the engine (its device may then go to training: `engine.sleep()`): the requests it
+held are taken out of it, with their tokens so far, and wait with the new ones; `resume` puts them
+back (prompt and tokens so far as the context, for the budget left). A pause never fails a request;
+`stop` does (DriverStopped).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from spmdsplit.rollout.base import splitmix64
+
+
+@dataclass
+class Completion:
+    """A request's end: the tokens the engine sampled (the one that ended it included: an EOS, a
+    stop token, or the one that completed a stop string) and their log-probs; `text`: the tokens
+    decoded without special tokens, cut before the first stop string; `finish_reason`: "stop"
+    (an EOS, a stop token or string) or "length" (the budget spent)."""
+
+    token_ids: list[int]
+    log_probs: list[float]
+    finish_reason: str
+    text: str
+
+
+class DriverStopped(RuntimeError):
+    """The driver was stopped before the request ended."""
+
+
+class ContextTooLong(ValueError):
+    """Prompt and budget together exceed the engine's longest context."""
+
+
+def check_context(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
+    """The request's budget: `max_tokens`, or all the room the prompt leaves (None); ContextTooLong
+    when prompt + budget is over `max_model_len` (its message names both numbers)."""
+    if max_tokens is None:
+        if prompt_tokens >= max_model_len:
+            raise ContextTooLong(f"the prompt's {prompt_tokens} tokens leave no room for a completion in the "
+                                 f"engine's longest context of {max_model_len} tokens")
+        return max_model_len - prompt_tokens
+    if prompt_tokens + max_tokens > max_model_len:
+        raise ContextTooLong(f"the prompt's {prompt_tokens} tokens and max_tokens={max_tokens} make "
+                             f"{prompt_tokens + max_tokens}, over the engine's longest context of {max_model_len} tokens")
+    return max_tokens
+
+
+def single_token_ids(tokenizer, strings: Sequence[str]) -> list[int]:
+    """The ids of the stop strings that are one token each: the engine stops on them itself (as on
+    an EOS), without a step past them; longer ones are matched in the decoded text."""
+    ids = []
+    for s in strings:
+        encoded = tokenizer.encode(s, add_special_tokens=False)
+        if len(encoded) == 1 and tokenizer.decode(encoded) == s:
+            ids.append(encoded[0])
+    return ids
+
+
+@dataclass(eq=False)
+class _Request:
+    id: str
+    prompt: list[int]
+    budget: int
+    seed: int | None
+    stop: tuple[str, ...]
+    stop_ids: list[int] | None  # None: the engine's own EOS ids
+    future: concurrent.futures.Future
+    tokens: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+
+    def context_and_budget(self) -> tuple[list[int], int]:
+        return self.prompt + self.tokens, self.budget - len(self.tokens)
+
+
+class EngineDriver:
+    """`engine` (a StepwiseRollout: HFRollout, VLLMRollout) served to callers on any thread.
+    `validate`: the engine samples as its validation settings say (rollout.val_kwargs)."""
+
+    def __init__(self, engine, tokenizer, validate: bool = False, name: str = "spmdsplit-serving-engine"):
+        self.engine, self.tokenizer, self.validate, self.name = engine, tokenizer, validate, name
+        self.eos_ids = list(engine.eos_token_ids)
+        self.max_model_len = engine.max_model_len
+        self._cond = threading.Condition()
+        self._queue: list[_Request] = []  # waiting to go into the engine: new, or taken out by a pause
+        self._live: dict[str, _Request] = {}  # in the engine
+        self._paused = self._parked = self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count()
+        self.steps = self.requests = self.tokens = 0  # engine steps run, requests taken, tokens sampled
+
+    # ---- from any thread
+
+    def start(self) -> None:
+        with self._cond:
+            if self._thread is not None:
+                raise RuntimeError("EngineDriver.start: already started (a driver runs once)")
+            self._thread = threading.Thread(target=self._run, args=(_current_cuda_device(),), name=self.name,
+                                            daemon=True)
+            self._thread.start()
+
+    def submit(self, prompt_ids: Sequence[int], max_tokens: int | None = None, seed: int | None = None,
+               stop: Sequence[str] = ()) -> concurrent.futures.Future:
+        """A future of the request's Completion: `prompt_ids` continued by at most `max_tokens`
+        tokens (None: up to the engine's longest context), until an EOS or one of the `stop` strings.
+        Raises ContextTooLong at once. Cancelling the future drops the request from the engine at
+        its next step."""
+        budget = check_context(len(prompt_ids), max_tokens, self.max_model_len)
+        single = single_token_ids(self.tokenizer, stop)
+        request = _Request(f"s{next(self._ids)}", list(prompt_ids), budget, seed, tuple(stop),
+                           self.eos_ids + single if single else None, concurrent.futures.Future())
+        with self._cond:
+            if self._stopping or self._thread is None:
+                request.future.set_exception(DriverStopped("the engine driver is not running"))
+                return request.future
+            self._queue.append(request)
+            self.requests += 1
+            self._cond.notify_all()
+        return request.future
+
+    def pause(self) -> None:
+        """Returns once the engine holds none of the driver's requests and no step runs: the engine
+        may sleep (and take new weights) until `resume`. Requests keep waiting meanwhile. Call it
+        from any thread but the stepping thread or the server's event loop (it waits for a step)."""
+        with self._cond:
+            self._paused = True
+            self._cond.notify_all()
+            while not self._parked and self._thread is not None and self._thread.is_alive():
+                self._cond.wait()
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = self._parked = False
+            self._cond.notify_all()
+
+    def stop(self) -> None:
+        """Ends the stepping thread; every request not ended fails with DriverStopped."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+        with self._cond:
+            left, self._queue = [*self._queue, *self._live.values()], []
+            live, self._live = list(self._live), {}
+        if live:
+            self.engine.abort(live)
+        for request in left:
+            _fail(request, DriverStopped("the server was stopped before the request ended"))
+
+    # ---- the stepping thread
+
+    def _run(self, cuda_device) -> None:
+        try:
+            # OpenMP's thread count is per thread, and a new one starts from OMP_NUM_THREADS: torch
+            # sets the process's count here on its first parallel op, but vLLM's CPU attention
+            # kernel may run before any and refuses metadata made for another count.
+            torch.get_num_threads()
+            if cuda_device is not None:  # the device is per thread too: this one would default to cuda:0
+                torch.cuda.set_device(cuda_device)
+            while True:
+                with self._cond:
+                    while not self._stopping:
+                        self._drop_cancelled()
+                        if self._paused:
+                            self._park()
+                        elif self._queue or self._live:
+                            break
+                        self._cond.wait()
+                    if self._stopping:
+                        return
+                    new, self._queue = self._queue, []
+                self._enter(new)
+                self._step()
+        except BaseException as e:  # a fault of the driver's own: no request may wait for a thread that is gone
+            with self._cond:
+                self._stopping = True
+                left, self._queue, self._live = [*self._queue, *self._live.values()], [], {}
+                self._cond.notify_all()
+            for request in left:
+                _fail(request, DriverStopped(f"the engine driver failed: {type(e).__name__}: {e}"))
+            raise
+
+    def _park(self) -> None:
+        """A pause (the lock held): the engine's requests taken out of it, to go back on resume."""
+        if self._live:
+            self.engine.abort(list(self._live))
+            self._queue[:0] = self._live.values()  # ahead of the new ones
+            self._live = {}
+        if not self._parked:
+            self._parked = True
+            self._cond.notify_all()
+
+    def _drop_cancelled(self) -> None:
+        """Requests whose callers went away (a client that disconnected) leave the engine."""
+        gone = [rid for rid, r in self._live.items() if r.future.cancelled()]
+        if gone:
+            self.engine.abort(gone)
+            for rid in gone:
+                del self._live[rid]
+        self._queue = [r for r in self._queue if not r.future.cancelled()]
+
+    def _enter(self, new: list[_Request]) -> None:
+        """The requests into the engine (one the engine refuses fails alone)."""
+        for request in new:
+            context, budget = request.context_and_budget()
+            seed = request.seed
+            if seed is not None and request.tokens:  # back after a pause: not the same draws again
+                seed = splitmix64(seed ^ len(request.tokens)) >> 1
+            try:
+                self.engine.submit(request.id, context, budget, seed, validate=self.validate,
+                                   stop_ids=request.stop_ids)
+            except Exception as e:  # noqa: BLE001 - its caller hears of it
+                _fail(request, e)
+                continue
+            self._live[request.id] = request
+
+    def _step(self) -> None:
+        if not self._live:
+            return
+        try:
+            deltas = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - every caller of this step hears of it; the driver goes on
+            failed, self._live = list(self._live.values()), {}
+            self.engine.abort([r.id for r in failed])
+            for request in failed:
+                _fail(request, e)
+            return
+        self.steps += 1
+        for delta in deltas:
+            request = self._live.get(delta.request_id)
+            if request is None:
+                continue
+            before = len(request.tokens)
+            request.tokens += delta.token_ids
+            request.log_probs += delta.log_probs
+            self.tokens += len(delta.token_ids)
+            cut = self._stop_string(request, before)
+            if cut is not None and not delta.finished:
+                self.engine.abort([request.id])
+            if cut is not None or delta.finished:
+                del self._live[request.id]
+                text = self.tokenizer.decode(request.tokens, skip_special_tokens=True)[:cut]
+                _settle(request, Completion(request.tokens, request.log_probs, self._reason(request, cut), text))
+
+    def _stop_string(self, request: _Request, before: int) -> int | None:
+        """Where the first stop string starts in the text (None: none there yet). A step may have
+        sampled past it (HF: several tokens a step): the request's tokens end with the one that
+        completed it, whatever the engine's step, as if it had stopped there."""
+        for end in range(before + 1, len(request.tokens) + 1) if request.stop else ():
+            text = self.tokenizer.decode(request.tokens[:end], skip_special_tokens=True)
+            found = [i for i in (text.find(s) for s in request.stop) if i >= 0]
+            if found:
+                del request.tokens[end:], request.log_probs[end:]
+                return min(found)
+        return None
+
+    def _reason(self, request: _Request, cut: int | None) -> str:
+        stop_ids = request.stop_ids or self.eos_ids
+        return "stop" if cut is not None or (request.tokens and request.tokens[-1] in stop_ids) else "length"
+
+
+def _settle(request: _Request, completion: Completion) -> None:
+    if request.future.set_running_or_notify_cancel():  # False: the caller cancelled it
+        request.future.set_result(completion)
+
+
+def _fail(request: _Request, error: BaseException) -> None:
+    if request.future.set_running_or_notify_cancel():
+        request.future.set_exception(error)
+
+
+def _current_cuda_device() -> int | None:
+    """The CUDA device of the thread that starts the driver, for the stepping thread (None off CUDA)."""
+    return torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None

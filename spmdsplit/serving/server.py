@@ -1,0 +1,172 @@
+"""The HTTP side: an aiohttp server on 127.0.0.1 speaking the OpenAI API over an EngineDriver.
+
+The server runs on an event loop of its own, in a daemon thread (usercode.UserCode's loop), so it
+serves while the thread that built it does anything else (a training step, a reward batch). Each
+request is read (protocol.py), its prompts x n go to the driver as separate requests, which the
+engine steps together with every other request held, and the answer is written when all are done.
+The only module of spmdsplit that imports aiohttp at import time; nothing imports it but
+spmdsplit.serving's `OpenAIServer`, lazily.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+from collections.abc import Callable
+
+from aiohttp import web
+
+from spmdsplit.serving import protocol
+from spmdsplit.serving.driver import DriverStopped, EngineDriver
+from spmdsplit.serving.protocol import BadRequest, Record, Served
+from spmdsplit.usercode import UserCode
+
+LOCALHOST = "127.0.0.1"
+MAX_BODY_BYTES = 64 * 2**20  # aiohttp's default (1 MiB) would refuse a long judge prompt with its messages
+
+
+class PortInUse(OSError):
+    """The port asked for is taken (by another server, or one not yet closed)."""
+
+
+class OpenAIServer:
+    """`engine` (a StepwiseRollout) served over the OpenAI API as `model_name`, on 127.0.0.1:`port`
+    (0: any free port; `port` and `base_url` say which once started). `sampling`: what the engine
+    samples with (an object with do_sample, temperature, top_p, top_k: its rollout.*, or its
+    rollout.val_kwargs with `validate=True`); requests asking for other settings are refused.
+    `record(Record)`: called for every choice answered, on the server's thread before the response
+    goes out (keep it quick; what it raises fails the request with a 500)."""
+
+    def __init__(self, engine, tokenizer, model_name: str, sampling, *, host: str = LOCALHOST, port: int = 0,
+                 validate: bool = False, record: Callable[[Record], None] | None = None):
+        if host not in (LOCALHOST, "localhost"):
+            raise ValueError(f"OpenAIServer serves on {LOCALHOST} only (it has no authentication), not {host!r}")
+        self.tokenizer, self.record, self.requested_port = tokenizer, record, port
+        self.driver = EngineDriver(engine, tokenizer, validate=validate)
+        self.served = Served.of(model_name, sampling, self.driver.max_model_len)
+        self._code: UserCode | None = None
+        self._runner: web.AppRunner | None = None
+        self.port: int | None = None
+
+    @property
+    def base_url(self) -> str:
+        """What an `openai` client takes as its base_url."""
+        if self.port is None:
+            raise RuntimeError("OpenAIServer.base_url: the server is not running (start() it)")
+        return f"http://{LOCALHOST}:{self.port}/v1"
+
+    # ---- its life
+
+    def start(self) -> OpenAIServer:
+        """Listens (PortInUse if the port is taken) and starts stepping the engine; returns self."""
+        if self._code is not None:
+            raise RuntimeError("OpenAIServer.start: already running")
+        code = UserCode("spmdsplit-serving")
+        try:
+            self._runner, self.port = code.submit(self._listen()).result()
+        except BaseException:
+            code.close()
+            raise
+        self._code = code
+        self.driver.start()
+        return self
+
+    def pause(self) -> None:
+        """Returns once the engine is free (EngineDriver.pause): it may sleep until `resume`.
+        Requests keep coming in and wait."""
+        self.driver.pause()
+
+    def resume(self) -> None:
+        self.driver.resume()
+
+    def stop(self) -> None:
+        """Requests not answered get a 503, then the port closes."""
+        self.driver.stop()
+        if self._code is not None:
+            self._code.submit(self._runner.cleanup()).result()
+            self._code.close()
+        self._code, self._runner, self.port = None, None, None
+
+    def __enter__(self) -> OpenAIServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    async def _listen(self) -> tuple[web.AppRunner, int]:
+        app = web.Application(middlewares=[_openai_errors], client_max_size=MAX_BODY_BYTES)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        # handler_cancellation: a client that went away (its timeout) cancels its handler, whose
+        # requests then leave the engine instead of generating for nobody.
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, LOCALHOST, self.requested_port).start()
+        except OSError as e:
+            await runner.cleanup()
+            if e.errno == errno.EADDRINUSE:
+                raise PortInUse(errno.EADDRINUSE, f"OpenAIServer: {LOCALHOST}:{self.requested_port} is already in "
+                                "use (port=0 takes any free port)") from None
+            raise
+        return runner, runner.addresses[0][1]
+
+    # ---- the endpoints
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.served.model, "object": "model", "created": 0, "owned_by": "spmdsplit",
+             "max_model_len": self.served.max_model_len}]})
+
+    async def _completions(self, request: web.Request) -> web.Response:
+        return await self._answer(protocol.read_completion(await _body(request), self.served, self.tokenizer))
+
+    async def _chat(self, request: web.Request) -> web.Response:
+        return await self._answer(protocol.read_chat(await _body(request), self.served, self.tokenizer))
+
+    async def _answer(self, call: protocol.Call) -> web.Response:
+        futures = [self.driver.submit(prompt, call.max_tokens, protocol.choice_seed(call.seed, j), call.stop)
+                   for prompt in call.prompts for j in range(call.n)]
+        waiting = [asyncio.wrap_future(f) for f in futures]
+        try:
+            completions = await asyncio.gather(*waiting)
+        except DriverStopped as e:
+            raise BadRequest(str(e), status=503, kind="server_error") from e
+        finally:
+            for f in futures:  # one failed, or the client went away: the rest leave the engine
+                f.cancel()
+        request_id = protocol.new_request_id(call.chat)
+        if self.record is not None:
+            for record in protocol.records(call, request_id, completions):
+                try:
+                    self.record(record)
+                except Exception as e:  # noqa: BLE001 - the caller learns that its call was not recorded
+                    raise BadRequest(f"the server's record hook failed: {type(e).__name__}: {e}", status=500,
+                                     kind="server_error") from e
+        return web.json_response(protocol.response(call, request_id, self.served.model, completions, self.tokenizer))
+
+
+async def _body(request: web.Request):
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"the request body is not valid JSON: {e}") from None
+
+
+@web.middleware
+async def _openai_errors(request: web.Request, handler):
+    """Every error as OpenAI's body ({"error": {message, type, param, code}}), which its client reads."""
+    try:
+        return await handler(request)
+    except BadRequest as e:
+        return web.json_response(e.body(), status=e.status)
+    except web.HTTPException as e:  # an unknown path (404), a wrong method (405), a body too large (413)
+        kind = "not_found_error" if e.status == 404 else "invalid_request_error"
+        return web.json_response(protocol.error_body(f"{request.method} {request.path}: {e.reason}", kind),
+                                 status=e.status)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the engine's own error, told to the caller
+        return web.json_response(protocol.error_body(f"{type(e).__name__}: {e}", "server_error"), status=500)

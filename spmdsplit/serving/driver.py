@@ -56,7 +56,8 @@ def check_context(prompt_tokens: int, max_tokens: int | None, max_model_len: int
         return max_model_len - prompt_tokens
     if prompt_tokens + max_tokens > max_model_len:
         raise ContextTooLong(f"the prompt's {prompt_tokens} tokens and max_tokens={max_tokens} make "
-                             f"{prompt_tokens + max_tokens}, over the engine's longest context of {max_model_len} tokens")
+                             f"{prompt_tokens + max_tokens}, over the engine's longest context of "
+                             f"{max_model_len} tokens")
     return max_tokens
 
 

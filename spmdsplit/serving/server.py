@@ -11,6 +11,7 @@ spmdsplit.serving's `OpenAIServer`, lazily.
 from __future__ import annotations
 
 import asyncio
+import copy
 import errno
 import json
 from collections.abc import Callable
@@ -42,8 +43,11 @@ class OpenAIServer:
                  validate: bool = False, record: Callable[[Record], None] | None = None):
         if host not in (LOCALHOST, "localhost"):
             raise ValueError(f"OpenAIServer serves on {LOCALHOST} only (it has no authentication), not {host!r}")
-        self.tokenizer, self.record, self.requested_port = tokenizer, record, port
-        self.driver = EngineDriver(engine, tokenizer, validate=validate)
+        # A copy of its own: a fast tokenizer called with padding or truncation by the caller's threads
+        # (a reward function's) changes its state, and the Rust side then refuses the server's
+        # threads with "Already borrowed".
+        self.tokenizer, self.record, self.requested_port = copy.deepcopy(tokenizer), record, port
+        self.driver = EngineDriver(engine, self.tokenizer, validate=validate)
         self.served = Served.of(model_name, sampling, self.driver.max_model_len)
         self._code: UserCode | None = None
         self._runner: web.AppRunner | None = None

@@ -591,10 +591,60 @@ class RewardManagerConfig:
         "remote": "verl's remote manager runs a plain function in processes: use {key}=prime"})
 
 
+# The judge's default prompt: a rubric grade from 0 to 10, the grade last (reward.judge.verdict=last_number).
+JUDGE_PROMPT = [
+    {"role": "system", "content": "You grade answers. Reply with a short reason, then the grade alone on the last line."},
+    {"role": "user", "content": "Question:\n{prompt}\n\nReference answer:\n{ground_truth}\n\nAnswer to grade:\n"
+                                "{response}\n\nGrade the answer from 0 (wrong) to 10 (right and complete)."},
+]
+
+
+@dataclass
+class JudgeConfig:
+    """An LLM judge: a generative reward model on each rank of the reward group, scoring responses by
+    the verdict it writes (spmdsplit/rewards/judge.py, docs/rewards.md "An LLM judge"); its
+    OpenAI-compatible endpoint on the rank's 127.0.0.1 reaches a custom reward function as verl's
+    `reward_router_address`."""
+    path: str = ""  # a causal LM folder (with a chat template); "" = no judge
+    engine: str = choice("hf", why_not={"vllm": "a vLLM judge engine is not built yet; use {key}=hf"})
+    # The data_sources whose rows the judge scores; the others keep their scorer (built-in, custom
+    # function, server). [] = every row, or, with reward.custom_fn, none directly: the function
+    # scores every row and calls the judge through its endpoint.
+    data_sources: list[str] = field(default_factory=list)
+    # Chat messages, rendered with the judge's own chat template; placeholders {prompt}, {response},
+    # {ground_truth}, {data_source} and {extra_info[<key>]} (a literal brace is written twice).
+    prompt: list[dict[str, str]] = field(default_factory=lambda: [dict(m) for m in JUDGE_PROMPT])
+    temperature: float = bounded(0.0, lambda v: v >= 0, "expected >= 0 (0 = greedy)")
+    top_p: float = bounded(1.0, lambda v: 0 < v <= 1, "expected in (0, 1]")
+    top_k: int = -1  # -1 = off
+    max_tokens: int = positive(256)  # the verdict's length at most
+    n: int = positive(1)  # verdicts per response; the response scores their mean
+    # last_number: the last number of the text, in `range`; tag: the number in the last <tag>...</tag>,
+    # in `range` (both scored (x - low) / (high - low)); yes_no: p(yes) / (p(yes) + p(no)) right
+    # after the prompt, one forward pass, no generation; custom: verdict_fn given the text.
+    verdict: str = choice("last_number", "tag", "yes_no", "custom")
+    range: list[float] = field(default_factory=lambda: [0.0, 10.0])
+    tag: str = "score"
+    yes: str = "Yes"  # yes_no: each one token of the judge's tokenizer
+    no: str = "No"
+    # verdict=custom: fn(text, data_source, ground_truth, extra_info) -> a number or verl's dict with "score"
+    verdict_fn: CustomRewardFnConfig = field(default_factory=lambda: CustomRewardFnConfig(name="parse_verdict"))
+    on_parse_error: float = 0.0  # what a verdict that cannot be read scores (counted: reward/judge/parse_failures)
+    # A judge prompt longer than the judge's context minus max_tokens: error (the job stops, one
+    # line), or the response cut at its start (left) or end (right) until it fits (reward/judge/truncated).
+    truncation: str = choice("error", "left", "right")
+    port: int = bounded(0, lambda v: 0 <= v < 65536, "expected a port, or 0 for any free one")  # the endpoint's
+    max_num_seqs: int = positive(256)  # verdicts the engine decodes at once
+    # Also log the built-in scorer's score of each judged row, where its data_source has one
+    # (critic/reward_extra/rule_score/mean): how far the judge is from the rule.
+    log_rule_score: bool = False
+
+
 @dataclass
 class RewardConfig:
     custom_fn: CustomRewardFnConfig = field(default_factory=CustomRewardFnConfig)
     model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     reward_manager: RewardManagerConfig = field(default_factory=RewardManagerConfig)
     # Plain functions' threads (naive; 0 = 64) or processes (prime; 0 = the rank's CPU cores).
@@ -675,7 +725,8 @@ class Config:
 PATH_KEYS = ("trainer.log_dir", "trainer.timeline", "trainer.profile_dir", "trainer.output_dir", "trainer.default_local_dir",
              "trainer.rollout_data_dir", "trainer.validation_data_dir",
              "model.path", "model.embedded_dir", "model.lora_adapter_path", "critic.model_path",
-             "critic.model.lora_adapter_path", "rollout.multi_turn.tool_config_path", "rollout.lora_adapter_dir")
+             "critic.model.lora_adapter_path", "rollout.multi_turn.tool_config_path", "rollout.lora_adapter_dir",
+             "reward.judge.path")
 
 
 def _shape(value) -> str:

@@ -3,7 +3,8 @@ them, one JSONL file per step (<dir>/<step>.jsonl), a line per response with ver
 (the prompt's text), output (the response's), gts (the ground truth), score (its total score) and
 step, and ours: data_source, uid, row_index (its place in the step's batch, the order of the
 lines), weights_version (the update whose weights generated it, where a rollout pool of its own
-says so) and, for agent episodes, num_turns, tool_calls and tool_errors.
+says so), for agent episodes num_turns, tool_calls and tool_errors, and with an LLM judge its
+verdict (judge_verdict: the text it wrote; "" for rows it did not score).
 
 The ranks that hold the scored rows write them: the critic group's for training (the rows as
 trained), the reward group's for validation. Each rank decodes its own rows; the pool's first rank
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from spmdsplit.batch import Batch
-from spmdsplit.roles.reward import decoded_prompts, host_lists, response_lengths, response_texts
+from spmdsplit.roles.reward import VERDICT_TEXT, decoded_prompts, host_lists, response_lengths, response_texts
 
 # Our columns a line carries when the rows have them (besides verl's fields).
 EXTRA_COLUMNS = ("weights_version", "num_turns", "tool_calls", "tool_errors")
@@ -38,7 +39,8 @@ def dump_lines(tokenizer, eos_ids: list[int], step: int, rows: Batch, scores: to
     numbers = dict(zip(columns, host_lists(*columns.values())))
     return [{"input": inputs[i], "output": outputs[i], "gts": rows["ground_truth"][i], "score": numbers["score"][i],
              "step": step, "data_source": rows["data_source"][i], "uid": str(rows["uid"][i]) if "uid" in rows else None,
-             **{k: numbers[k][i] for k in numbers if k != "score"}}
+             **{k: numbers[k][i] for k in numbers if k != "score"},
+             **({VERDICT_TEXT: rows[VERDICT_TEXT][i]} if VERDICT_TEXT in rows else {})}
             for i in range(len(rows))]
 
 

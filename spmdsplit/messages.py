@@ -124,7 +124,7 @@ from spmdsplit.batch import Batch
 from spmdsplit.exchange import (Link, Message, PendingSend, ProtocolError, recv_rows, reorder_rows, row_pairs,
                                 send_rows)
 from spmdsplit.placement import Placement
-from spmdsplit.roles.reward import RESPONSE_TEXT
+from spmdsplit.roles.reward import RESPONSE_TEXT, VERDICT_TEXT
 
 GENERATED, BALANCE, ROLLOUT, LOG_PROBS, ADVANTAGES = "GENERATED", "BALANCE", "ROLLOUT", "LOG_PROBS", "ADVANTAGES"
 SCORES, VAL_ROLLOUT = "SCORES", "VAL_ROLLOUT"
@@ -267,7 +267,7 @@ class PoolChannel:
         return self._recv(Message(ROLLOUT, step, chunk), "actor", to, self.chunk_rows, stats)
 
     def send_scores(self, step: int, chunk: int, part: Batch) -> PendingSend:
-        keys = SCORE_KEYS + (("reward_baselines",) if "reward_baselines" in part else ())
+        keys = SCORE_KEYS + tuple(k for k in ("reward_baselines", VERDICT_TEXT) if k in part)
         return self._send(Message(SCORES, step, chunk), part.select(keys), "reward", "critic", self.chunk_rows)
 
     def recv_scores(self, step: int, chunk: int, stats: dict | None = None) -> Batch:

@@ -46,7 +46,7 @@ from spmdsplit.config import not_one_of
 from spmdsplit.data.synthetic import TASKS
 from spmdsplit.errors import ConfigError
 from spmdsplit.messages import ROWS_TO  # the role groups that take every step's rows
-from spmdsplit.models import ModelSource, flash_attn_unavailable
+from spmdsplit.models import ModelSource, flash_attn_unavailable, load_tokenizer
 from spmdsplit.placement import launch_shape_from_env, plan_from_config
 from spmdsplit.rewards.calls import check_reward_function
 from spmdsplit.rewards.custom import load_custom_reward_fn
@@ -534,7 +534,42 @@ def check_job(cfg: DictConfig):
     check_model_path("reward.model.path", cfg.reward.model.path, cfg.model.trust_remote_code)
     custom_fn = load_custom_reward_fn(cfg.reward.custom_fn.path, cfg.reward.custom_fn.name) if cfg.reward.custom_fn.path else None
     check_reward_function(cfg.reward, custom_fn)  # fails here, on every rank
+    check_judge(cfg, custom_fn)
     return placement
+
+
+def check_judge(cfg: DictConfig, custom_fn) -> None:
+    """reward.judge.*: its model and tokenizer, its prompt, its verdict, and how it meets the job's
+    other rewards, on every rank before the first collective."""
+    from spmdsplit.rewards.calls import takes
+    from spmdsplit.rewards.judge import check_prompt, check_tokenizer
+
+    j, r = cfg.reward.judge, cfg.reward
+    if not j.path:
+        return
+    check_model_path("reward.judge.path", j.path, cfg.model.trust_remote_code)
+    if r.model.path:
+        raise ConfigError(f"reward.judge.path and reward.model.path={r.model.path!r} are both set: a reward model "
+                          "replaces every other score; leave out one of them")
+    if cfg.algorithm.filter_groups.enable:
+        raise ConfigError("reward.judge.path with algorithm.filter_groups.enable=true: dynamic sampling scores on "
+                          "the generating ranks, where no judge runs; use one or the other")
+    if r.remote_url and not j.data_sources:
+        raise ConfigError(f"reward.judge.path with reward.remote_url={r.remote_url!r}: say which rows the judge "
+                          "scores in reward.judge.data_sources (the server scores the others)")
+    if custom_fn is not None and not j.data_sources and not takes(custom_fn, "reward_router_address"):
+        raise ConfigError(f"reward.judge.path with reward.custom_fn and reward.judge.data_sources=[]: the function "
+                          f"scores every row and reaches the judge by verl's keyword reward_router_address, which "
+                          f"{r.custom_fn.name} does not take; add it, or name the judged data_sources")
+    check_prompt(j.prompt)
+    low, high = j.range
+    if j.verdict in ("last_number", "tag") and not low < high:
+        raise ConfigError(f"reward.judge.range={list(j.range)}: expected [low, high] with low < high")
+    if j.verdict == "custom":
+        if not j.verdict_fn.path:
+            raise ConfigError("reward.judge.verdict=custom: set reward.judge.verdict_fn.path (a .py file) and .name")
+        load_custom_reward_fn(j.verdict_fn.path, j.verdict_fn.name, key="reward.judge.verdict_fn")
+    check_tokenizer(j, load_tokenizer(j.path, cfg.model.trust_remote_code))
 
 
 def check_device(cfg: DictConfig, device_type: str) -> None:

@@ -12,13 +12,15 @@ from spmdsplit.distributed import pool_reduce_metrics
 
 def score_rollout(reward, part: Batch) -> Batch:
     """The columns scoring adds to a chunk of the rollout: `token_level_scores` (the score on each
-    response's last policy token) and, with ReMax, `reward_baselines`. Extras such as "acc" stay
+    response's last policy token), the judge's verdict texts with a judge (roles/reward.py
+    VERDICT_TEXT) and, with ReMax, `reward_baselines`. Extras such as "acc" stay
     with the reward, for pop_extra_metrics."""
     scores, _ = reward.compute(part, keep_extras=True)
     columns = {"token_level_scores": scores}
+    texts = reward.text_columns()  # the judge's verdicts, before ReMax's baselines are scored
     if "baseline_responses" in part:  # ReMax
         columns["reward_baselines"] = score_baselines(reward, part)
-    return Batch(columns)
+    return Batch(columns, texts)
 
 
 def score_baselines(reward, part: Batch) -> torch.Tensor:

@@ -40,7 +40,7 @@ class Sample:
     solution_str: str
     ground_truth: Any
     extra_info: Any
-    prompt_str: str = ""  # read only by a reward server
+    prompt_str: str = ""  # decoded only for those that read it: a reward server, the judge, a function taking it
 
 
 @dataclass
@@ -67,13 +67,23 @@ class RewardCalls:
     (rewards/code.py and sandbox_fusion.py, given by roles/build.py)."""
 
     def __init__(self, reward_cfg, custom_fn: Callable | None = None, remote=None,
-                 waiting: dict[str, Callable] | None = None):
+                 waiting: dict[str, Callable] | None = None, judge=None):
         """`waiting`: the built-in scorers that wait, by data_source (waiting_scorers; none: every
-        built-in scorer inline, and the code data_sources have no scorer)."""
+        built-in scorer inline, and the code data_sources have no scorer). `judge`: reward.judge's
+        (rewards/judge.py), started: it scores the rows of reward.judge.data_sources (all of them
+        without a custom function), and a custom function that takes verl's
+        `reward_router_address` gets its endpoint's."""
         self.cfg, self.custom_fn, self.remote, self.waiting = reward_cfg, custom_fn, remote, waiting or {}
+        manager = reward_cfg.reward_manager.name
+        self.judge = judge
+        self.judge_sources = set(reward_cfg.judge.data_sources) if judge is not None else set()
+        self.verdict_texts: list[str] = []  # the last `score`'s first verdict per sample ("" = not judged)
+        self.router_kwargs = router_kwargs(custom_fn, judge, manager)
+        # The prompt's text (decoded as the response is), to a function that takes `prompt_str`
+        # (a batch function: `prompt_strs`).
+        self.takes_prompt = custom_fn is not None and takes(custom_fn, "prompt_strs" if manager == "batch" else "prompt_str")
         self.usercode = UserCode("spmdsplit-reward")
         self.workers = None
-        manager = reward_cfg.reward_manager.name
         if custom_fn is not None and manager == "prime" and not inspect.iscoroutinefunction(custom_fn):
             self.workers = Workers(reward_cfg.custom_fn.path, reward_cfg.custom_fn.name,
                                    reward_cfg.num_workers or rank_cores())
@@ -85,7 +95,35 @@ class RewardCalls:
             return f"the reward server at {self.remote.url}"
         return "the custom reward function" if self.custom_fn is not None else "the rule reward"
 
+    @property
+    def needs_prompts(self) -> bool:
+        """Whether the samples must carry their prompt's text (a reward server, the judge and a
+        function taking `prompt_str` read it)."""
+        return self.remote is not None or self.judge is not None or self.takes_prompt
+
+    def judges(self, sample: Sample) -> bool:
+        """Whether the judge scores `sample` itself (its verdict parsed) rather than its other scorer."""
+        if self.judge is None:
+            return False
+        if self.judge_sources:
+            return sample.data_source in self.judge_sources
+        return self.custom_fn is None
+
     def score(self, samples: list[Sample]) -> list[Scored]:
+        judged = [i for i, s in enumerate(samples) if self.judges(s)]
+        self.verdict_texts = [""] * len(samples)
+        if not judged:
+            return self._score(samples)
+        by_judge, texts = self.judge.score([samples[i] for i in judged])
+        rest = [i for i in range(len(samples)) if i not in set(judged)]
+        out: list[Scored | None] = [None] * len(samples)
+        for i, result, text in zip(judged, by_judge, texts):
+            out[i], self.verdict_texts[i] = result, text
+        for i, result in zip(rest, self._score([samples[i] for i in rest]) if rest else []):
+            out[i] = result
+        return out
+
+    def _score(self, samples: list[Sample]) -> list[Scored]:
         if self.remote is not None:
             return self._concurrently(samples, lambda s: lambda: self.remote.score(s), self.cfg.max_concurrency)
         if self.custom_fn is None:
@@ -93,10 +131,10 @@ class RewardCalls:
         if self.cfg.reward_manager.name == "batch":
             return self._batch(samples)
         if inspect.iscoroutinefunction(self.custom_fn):
-            return self._concurrently(samples, lambda s: lambda: self.custom_fn(**verl_kwargs(s)), self.cfg.max_concurrency)
+            return self._concurrently(samples, lambda s: lambda: self.custom_fn(**self.kwargs(s)), self.cfg.max_concurrency)
         if self.workers is not None:
-            return self._concurrently(samples, lambda s: lambda: self.workers.call(**verl_kwargs(s)), self.workers.size)
-        return self._concurrently(samples, lambda s: lambda: self.usercode.call(self.custom_fn, **verl_kwargs(s)),
+            return self._concurrently(samples, lambda s: lambda: self.workers.call(**self.kwargs(s)), self.workers.size)
+        return self._concurrently(samples, lambda s: lambda: self.usercode.call(self.custom_fn, **self.kwargs(s)),
                                   self.cfg.num_workers or THREADS_DEFAULT)
 
     def _built_in(self, samples: list[Sample]) -> list[Scored]:
@@ -129,7 +167,10 @@ class RewardCalls:
         """verl's batch reward function: one call with the batch's columns as lists; it returns one
         result per sample."""
         columns = dict(data_sources=[s.data_source for s in samples], solution_strs=[s.solution_str for s in samples],
-                       ground_truths=[s.ground_truth for s in samples], extra_infos=[s.extra_info for s in samples])
+                       ground_truths=[s.ground_truth for s in samples], extra_infos=[s.extra_info for s in samples],
+                       **self.router_kwargs)
+        if self.takes_prompt:
+            columns["prompt_strs"] = [s.prompt_str for s in samples]
         [outcome] = self.usercode.map([lambda: self.usercode.call(self.custom_fn, **columns)], self.cfg.timeout_s).result()
         if outcome.error:
             return [Scored(error=outcome.error, message=outcome.message, exception=outcome.exception) for _ in samples]
@@ -140,9 +181,15 @@ class RewardCalls:
                     for _ in samples]
         return [scored(Outcome(r), s) for r, s in zip(results, samples)]
 
+    def kwargs(self, s: Sample) -> dict:
+        """A custom function's arguments: verl's four, the judge's address, the prompt's text."""
+        return {**verl_kwargs(s), **self.router_kwargs, **({"prompt_str": s.prompt_str} if self.takes_prompt else {})}
+
     def close(self) -> None:
         if self.workers is not None:
             self.workers.close()
+        if self.judge is not None:
+            self.judge.close()
         self.usercode.close()
 
 
@@ -213,6 +260,30 @@ def waiting_scorers(reward_cfg) -> dict[str, Callable]:
         def score(solution_str, ground_truth):
             return code.compute_score(solution_str, ground_truth, sandbox())
     return dict.fromkeys(code.DATA_SOURCES, score)
+
+
+def takes(fn: Callable, name: str) -> bool:
+    """Whether `fn` takes a keyword argument `name` (by name, or through **kwargs)."""
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+
+
+def router_kwargs(fn: Callable | None, judge, manager: str) -> dict:
+    """What a custom function gets besides verl's four arguments when a judge serves on the rank, as
+    verl's reward loop gives it: `reward_router_address` ("127.0.0.1:<port>") and
+    `reward_model_tokenizer` (the judge's; not to worker processes, under prime), each only to a
+    function that takes it."""
+    if fn is None or judge is None or judge.router_address is None:
+        return {}
+    out = {}
+    if takes(fn, "reward_router_address"):
+        out["reward_router_address"] = judge.router_address
+    if manager != "prime" and takes(fn, "reward_model_tokenizer"):
+        out["reward_model_tokenizer"] = judge.tokenizer
+    return out
 
 
 def verl_kwargs(s: Sample) -> dict:

@@ -5,7 +5,7 @@ the algorithm.
     actor  : Actor (policy, trained) + reference (frozen Actor; with LoRA the policy's model, adapter off)
     rollout: the engine (HF or vLLM), whose weights come from the actor, and the agent loop around it
     critic : Critic (value model, trained; GAE only) + the KL controller
-    reward : rule reward (custom fn or built-in scorers), or a reward model
+    reward : rule reward (custom fn or built-in scorers) with an LLM judge, or a reward model
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from spmdsplit.models import ModelSource, attention_implementation, compute_dtyp
 from spmdsplit.groups import Pools
 from spmdsplit.rewards.calls import RewardCalls, waiting_scorers
 from spmdsplit.rewards.custom import load_custom_reward_fn
+from spmdsplit.rewards.judge import Judge, JudgeSampling, check_tokenizer
 from spmdsplit.rewards.remote import RemoteReward
 from spmdsplit.roles.actor import Actor
 from spmdsplit.roles.critic import Critic
@@ -137,7 +138,7 @@ def build_reward(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> RuleReward
     device, seed, remote = pools.device, cfg.trainer.seed, cfg.model.trust_remote_code
     dtype, _ = compute_dtypes(cfg, device)
     attention, packed = passes(cfg, device)
-    reward = build_rule_reward(cfg, tokenizer, eos_ids)
+    reward = build_rule_reward(cfg, tokenizer, eos_ids, build_judge(cfg, pools))
     if cfg.reward.model.path:  # a reward model replaces the rule scores, as in verl
         rm = cfg.reward.model
         rm_engine = build_engine(cfg, "reward_model", ModelSource("reward", rm.path, dtype, seed, remote, attention),
@@ -148,14 +149,39 @@ def build_reward(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> RuleReward
     return reward
 
 
-def build_rule_reward(cfg, tokenizer, eos_ids: list[int]) -> RuleReward:
+def build_judge(cfg, pools: Pools) -> Judge | None:
+    """This rank's LLM judge (reward.judge.path; None without), started: its model in the compute
+    dtype, its engine (the HF rollout engine, sampling as reward.judge says), and, with a custom
+    reward function to call it, its endpoint on 127.0.0.1 (reward.judge.port + the rank's place in
+    the reward group, or any free port)."""
+    j = cfg.reward.judge
+    if not j.path:
+        return None
+    import torch.distributed as dist
+
+    from spmdsplit.models import eos_token_ids
+    from spmdsplit.rollout.hf import HFRollout
+
+    device, remote = pools.device, cfg.model.trust_remote_code
+    dtype, _ = compute_dtypes(cfg, device)
+    tokenizer = load_tokenizer(j.path, remote)
+    check_tokenizer(j, tokenizer)
+    model = load_causal_lm(j.path, dtype, device, cfg.trainer.seed, remote)
+    engine = HFRollout(model, tokenizer, JudgeSampling(j), j.max_tokens, eos_token_ids(j.path, tokenizer))
+    verdict_fn = load_custom_reward_fn(j.verdict_fn.path, j.verdict_fn.name, key="reward.judge.verdict_fn") if j.verdict == "custom" else None
+    place = pools.placement.ranks("reward").index(dist.get_rank()) if dist.is_initialized() else 0
+    return Judge(j, engine, tokenizer, verdict_fn).start(serve=bool(cfg.reward.custom_fn.path),
+                                                        port=j.port + place if j.port else 0)
+
+
+def build_rule_reward(cfg, tokenizer, eos_ids: list[int], judge: Judge | None = None) -> RuleReward:
     """The rule reward (the custom function, or the built-in scorers by data_source), with DAPO's
-    overlong shaping when reward.overlong_buffer says so: the reward group's, and dynamic sampling's
-    on the generating ranks."""
+    overlong shaping when reward.overlong_buffer says so: the reward group's (with its judge), and
+    dynamic sampling's on the generating ranks."""
     custom = cfg.reward.custom_fn
     custom_fn = load_custom_reward_fn(custom.path, custom.name) if custom.path else None
     r = cfg.reward
     remote = RemoteReward(r.remote_url, r.remote_retries, r.max_concurrency, r.timeout_s) if r.remote_url else None
-    calls = RewardCalls(r, custom_fn, remote, waiting_scorers(r))
+    calls = RewardCalls(r, custom_fn, remote, waiting_scorers(r), judge)
     return RuleReward(tokenizer, eos_ids, overlong_buffer=cfg.reward.overlong_buffer,
                       max_response_length=cfg.data.max_response_length, calls=calls)

@@ -38,6 +38,11 @@ SHOW_CHARS = 500  # how much of a response an error shows
 # and the rows it keeps take their texts along (spmdsplit/messages.py), so that scoring them
 # again for training decodes nothing.
 RESPONSE_TEXT = "response_text"
+# The column of scored rows holding each row's judge verdict (reward.judge; "" where no judge
+# scored it): the critic group's rollout dumps write it.
+VERDICT_TEXT = "judge_verdict"
+# reward/judge/* kept as totals over the pool (the others are means).
+JUDGE_TOTALS = ("parse_failures", "truncated")
 
 
 class RewardError(RuntimeError):
@@ -215,7 +220,8 @@ class RuleReward:
         from spmdsplit.distributed import pool_reduce_metrics
 
         errors = {f"errors/{kind}" for kind in self.error_counts}
-        keys = set(self.extra_sums) | errors
+        judge = {f"judge/{k}": v for k, v in self.calls.judge.pop_metrics().items()} if self.calls.judge else {}
+        keys = set(self.extra_sums) | errors | set(judge)
         many = dist.is_initialized() and dist.get_world_size(group) > 1
         if many:
             every = [None] * dist.get_world_size(group)
@@ -226,12 +232,19 @@ class RuleReward:
         for k in keys:
             if k.startswith("errors/"):  # a total: every rank's count, over a weight of 1 in all
                 sums[k], counts[k] = self.error_counts.get(k.removeprefix("errors/"), 0), float(first)
+            elif k in judge:
+                total, weight = judge[k]
+                sums[k], counts[k] = total, float(first) if k.removeprefix("judge/") in JUDGE_TOTALS else weight
             else:
                 sums[k], counts[k] = self.extra_sums.get(k, [0.0, 0.0])
         self.extra_sums, self.error_counts = {}, Counter()
         reduced = pool_reduce_metrics(sums, counts, group, device)
-        return {(f"reward/{k}" if k.startswith("errors/") else f"critic/reward_extra/{k}/mean"): v
+        return {(f"reward/{k}" if k.startswith(("errors/", "judge/")) else f"critic/reward_extra/{k}/mean"): v
                 for k, v in reduced.items()}
+
+    def text_columns(self) -> dict[str, list[str]]:
+        """Columns of texts the last `compute` made for the rows: the judge's verdicts (VERDICT_TEXT)."""
+        return {VERDICT_TEXT: list(self.calls.verdict_texts)} if self.calls.judge is not None else {}
 
     def texts(self, batch: Batch) -> list[str]:
         """Each response's text as this reward decodes it: the rows' RESPONSE_TEXT when they carry
@@ -260,7 +273,7 @@ class RuleReward:
         texts = self.texts(batch)
         # A batch without the column (made by hand) gives {}, as verl's reward managers do.
         extra_info = batch["extra_info"] if "extra_info" in batch else [{}] * len(batch)
-        prompts = decoded_prompts(self.tokenizer, batch, skip_special_tokens=True) if self.calls.remote else [""] * len(batch)
+        prompts = decoded_prompts(self.tokenizer, batch, skip_special_tokens=True) if self.calls.needs_prompts else [""] * len(batch)
         samples = [Sample(sources[i], text, truths[i], own_copy(extra_info[i]), prompts[i]) for i, text in enumerate(texts)]
         try:
             results = self.calls.score(samples)

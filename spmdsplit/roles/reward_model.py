@@ -182,3 +182,6 @@ class RewardModel:
     def pop_extra_metrics(self, group, device) -> dict[str, float]:
         """A reward model returns scores only: no extra numbers to log (RuleReward's interface)."""
         return {}
+
+    def text_columns(self) -> dict[str, list[str]]:
+        return {}

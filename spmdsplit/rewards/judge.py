@@ -1,0 +1,253 @@
+"""An LLM judge (reward.judge.*): a causal LM on each rank of the reward group that reads a response
+and writes a verdict, which becomes the response's score (rewards/verdicts.py).
+
+Each scoring rank holds its own judge (no collective: a rank scores its own rows). The judge's
+engine (a rollout engine, rollout/hf.py) is owned by an EngineDriver (serving/driver.py) for the
+whole job, so the rows this rank scores and the calls a custom reward function makes through the
+judge's OpenAI-compatible endpoint (serving/server.py, on 127.0.0.1, started when a custom function
+is set) go into the same engine steps: a batch of verdicts, however they were asked for.
+
+- `score(samples)`: each sample's judge prompt (reward.judge.prompt, placeholders filled, rendered
+  with the judge's chat template exactly as the endpoint renders chat messages) continued by the
+  engine, reward.judge.n times; the verdicts parsed; the sample scores their mean. A verdict that
+  cannot be read scores reward.judge.on_parse_error and is counted.
+- verdict=yes_no: no generation: one forward pass of the judge's model over each prompt, with the
+  driver paused so that nothing else runs on the engine meanwhile.
+- A prompt over the judge's context (with max_tokens of room) stops the job with one line, or loses
+  the start or end of its response until it fits (reward.judge.truncation).
+
+What it measured since the last `pop_metrics` goes to reward/judge/* (roles/reward.py).
+"""
+
+from __future__ import annotations
+
+import string
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from spmdsplit.errors import ConfigError
+from spmdsplit.rewards import verdicts
+from spmdsplit.rewards.calls import Sample, Scored
+from spmdsplit.rewards.rule import normalize_result
+from spmdsplit.serving.driver import EngineDriver
+from spmdsplit.serving.protocol import render_chat
+
+PLACEHOLDERS = ("prompt", "response", "ground_truth", "data_source", "extra_info")
+VERDICT_COLUMN = "judge_verdict"  # the column of scored rows holding each row's first verdict text ("" = not judged)
+
+
+class JudgeContextError(RuntimeError):
+    """A judge prompt does not fit the judge's context and reward.judge.truncation=error."""
+
+
+def check_prompt(messages) -> None:
+    """reward.judge.prompt: chat messages whose placeholders are ours; a ConfigError naming the key."""
+    if not messages:
+        raise ConfigError("reward.judge.prompt is empty: give the judge's chat messages")
+    for i, m in enumerate(messages):
+        if set(m) - {"role", "content"} or "role" not in m or "content" not in m:
+            raise ConfigError(f"reward.judge.prompt[{i}]: expected {{role, content}}, got keys {sorted(m)}")
+        try:
+            fields = [name for _, name, _, _ in string.Formatter().parse(m["content"]) if name is not None]
+        except ValueError as e:
+            raise ConfigError(f"reward.judge.prompt[{i}].content: {e} (a literal brace is written twice)") from None
+        for name in fields:
+            root = name.split("[", 1)[0].split(".", 1)[0]
+            if root not in PLACEHOLDERS:
+                raise ConfigError(f"reward.judge.prompt[{i}].content: unknown placeholder {{{name}}}; expected "
+                                  f"{', '.join('{' + p + '}' for p in PLACEHOLDERS)} (a literal brace is written twice)")
+
+
+def check_tokenizer(cfg, tokenizer) -> None:
+    """What reward.judge asks of the judge's tokenizer: a chat template, and for yes_no its yes and
+    no each one token."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f"reward.judge.path={cfg.path!r}: its tokenizer has no chat template to render "
+                          "reward.judge.prompt with (set one in its tokenizer_config.json)")
+    if cfg.verdict == "yes_no":
+        for key in ("yes", "no"):
+            ids = tokenizer.encode(cfg[key], add_special_tokens=False)
+            if len(ids) != 1:
+                raise ConfigError(f"reward.judge.{key}={cfg[key]!r} is {len(ids)} tokens of the judge's tokenizer; "
+                                  "verdict=yes_no reads one token's probability")
+
+
+@dataclass
+class Verdicts:
+    """One sample's judging: its score, the first verdict's text, how many of its verdicts could not
+    be read, its verdict tokens."""
+    score: float
+    text: str
+    failures: int
+    tokens: int
+
+
+class Judge:
+    def __init__(self, cfg, engine, tokenizer, verdict_fn: Callable | None = None):
+        """`cfg`: reward.judge; `engine`: a stepwise rollout engine over the judge's model, sampling as
+        cfg says; `verdict_fn`: reward.judge.verdict_fn's function (verdict=custom)."""
+        self.cfg, self.engine, self.tokenizer, self.verdict_fn = cfg, engine, tokenizer, verdict_fn
+        self.low, self.high = (float(x) for x in cfg.range)
+        self.driver = EngineDriver(engine, tokenizer, name="spmdsplit-judge")
+        self.server = None
+        self.sums: Counter = Counter()  # what pop_metrics reports
+
+    # ---- its life
+
+    def start(self, serve: bool, port: int = 0) -> Judge:
+        """Starts the engine's driver; `serve`: and the endpoint on 127.0.0.1:`port` (0: any free)."""
+        if serve:
+            from spmdsplit.serving import OpenAIServer
+
+            sampling = JudgeSampling(self.cfg)
+            self.server = OpenAIServer(self.engine, self.tokenizer, "judge", sampling, port=port).start()
+            self.driver = self.server.driver  # one driver: the rows' verdicts and the endpoint's calls share steps
+        else:
+            self.driver.start()
+        return self
+
+    @property
+    def router_address(self) -> str | None:
+        """verl's `reward_router_address`: "127.0.0.1:<port>" (an `openai` client's base_url is
+        f"http://{address}/v1"); None without the endpoint."""
+        return None if self.server is None else self.server.base_url.removeprefix("http://").removesuffix("/v1")
+
+    def close(self) -> None:
+        (self.server or self.driver).stop()
+
+    # ---- scoring
+
+    def score(self, samples: list[Sample]) -> tuple[list[Scored], list[str]]:
+        """Each sample's Scored (extras: rule_score with reward.judge.log_rule_score) and its first
+        verdict's text (yes_no: the probability, written)."""
+        start = time.perf_counter()
+        prompts = [self.prompt_ids(s) for s in samples]
+        judged = self._yes_no(prompts) if self.cfg.verdict == "yes_no" else self._generate(prompts, samples)
+        wall = time.perf_counter() - start
+        tokens = sum(j.tokens for j in judged)
+        self.sums.update({"calls": 1, "latency_s": wall, "verdicts": len(judged) * self.cfg.n, "verdict_tokens": tokens,
+                          "parse_failures": sum(j.failures for j in judged), "tokens_per_s": tokens / max(wall, 1e-9)})
+        scored = [Scored(j.score, self._rule_extras(s)) for j, s in zip(judged, samples)]
+        return scored, [j.text for j in judged]
+
+    def prompt_ids(self, sample: Sample) -> list[int]:
+        """The sample's judge prompt as token ids, fitted to the judge's context (reward.judge.truncation)."""
+        room = self.driver.max_model_len - (0 if self.cfg.verdict == "yes_no" else self.cfg.max_tokens)
+        response = sample.solution_str
+        for _ in range(4):  # a cut response may tokenize a little differently in its context: fit again
+            ids = render_chat(self.messages(sample, response), self.tokenizer)
+            over = len(ids) - room
+            if over <= 0:
+                return ids
+            response_ids = self.tokenizer.encode(response, add_special_tokens=False)
+            if self.cfg.truncation == "error" or over >= len(response_ids):
+                cut = "" if self.cfg.truncation == "error" else " even without its response"
+                raise JudgeContextError(
+                    f"reward.judge: a judge prompt of {len(ids)} tokens{cut} leaves less than "
+                    f"{'no' if self.cfg.verdict == 'yes_no' else f'reward.judge.max_tokens={self.cfg.max_tokens}'} "
+                    f"room in the judge's context of {self.driver.max_model_len} tokens (data_source "
+                    f"{sample.data_source!r}); reward.judge.truncation=left|right cuts the response to fit")
+            kept = response_ids[over:] if self.cfg.truncation == "left" else response_ids[:-over]
+            response = self.tokenizer.decode(kept)
+            self.sums["truncated"] += 1
+        raise JudgeContextError("reward.judge: a judge prompt could not be cut to fit the judge's context")
+
+    def messages(self, sample: Sample, response: str) -> list[dict]:
+        fields = dict(prompt=sample.prompt_str, response=response, ground_truth=sample.ground_truth,
+                      data_source=sample.data_source, extra_info=sample.extra_info if sample.extra_info is not None else {})
+        return [{"role": m["role"], "content": m["content"].format_map(fields)} for m in self.cfg.prompt]
+
+    def _generate(self, prompts: list[list[int]], samples: list[Sample]) -> list[Verdicts]:
+        n = self.cfg.n
+        futures = [self.driver.submit(ids, self.cfg.max_tokens) for ids in prompts for _ in range(n)]
+        completions = [f.result() for f in futures]
+        out = []
+        for i, sample in enumerate(samples):
+            texts = [c.text for c in completions[i * n:(i + 1) * n]]
+            scores = [self.read(text, sample) for text in texts]
+            failures = sum(s is None for s in scores)
+            values = [self.cfg.on_parse_error if s is None else s for s in scores]
+            out.append(Verdicts(sum(values) / n, texts[0], failures,
+                                sum(len(c.token_ids) for c in completions[i * n:(i + 1) * n])))
+        return out
+
+    def read(self, text: str, sample: Sample) -> float | None:
+        """A verdict's score, or None when it cannot be read."""
+        try:
+            if self.cfg.verdict == "custom":
+                result = self.verdict_fn(text=text, data_source=sample.data_source, ground_truth=sample.ground_truth,
+                                         extra_info=sample.extra_info)
+                return normalize_result(result, sample.data_source, text, sample.ground_truth)[0]
+            return verdicts.parse(text, self.cfg.verdict, self.low, self.high, self.cfg.tag)
+        except (verdicts.NoVerdict, TypeError, ValueError):
+            return None
+
+    @torch.no_grad()
+    def _yes_no(self, prompts: list[list[int]]) -> list[Verdicts]:
+        """p(yes) / (p(yes) + p(no)) at the position after each prompt: one forward pass per batch
+        of prompts, left-padded, with the engine's driver paused (its model is the engine's)."""
+        model = self.engine.model
+        yes, no = (self.tokenizer.encode(self.cfg[k], add_special_tokens=False)[0] for k in ("yes", "no"))
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        out = []
+        self.driver.pause()
+        try:
+            for start in range(0, len(prompts), self.cfg.max_num_seqs):
+                rows = prompts[start:start + self.cfg.max_num_seqs]
+                width = max(len(r) for r in rows)
+                ids = torch.full((len(rows), width), pad, dtype=torch.long)
+                mask = torch.zeros_like(ids)
+                for i, r in enumerate(rows):
+                    ids[i, width - len(r):], mask[i, width - len(r):] = torch.tensor(r), 1
+                positions = (mask.cumsum(-1) - 1).clamp(min=0)
+                logits = model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                               position_ids=positions.to(model.device), use_cache=False).logits[:, -1].float()
+                pairs = torch.log_softmax(logits, -1)[:, [yes, no]].cpu().tolist()
+                for log_yes, log_no in pairs:
+                    try:
+                        p = verdicts.yes_probability(log_yes, log_no)
+                        out.append(Verdicts(p, f"{p:.4f}", 0, 0))
+                    except verdicts.NoVerdict:
+                        out.append(Verdicts(self.cfg.on_parse_error, "", 1, 0))
+        finally:
+            self.driver.resume()
+        return out
+
+    def _rule_extras(self, sample: Sample) -> dict[str, float]:
+        if not self.cfg.log_rule_score:
+            return {}
+        from spmdsplit.rewards import rule
+
+        if rule.find_scorer(sample.data_source) is None:
+            return {}
+        try:
+            score, _ = rule.normalize_result(rule.compute_score(sample.data_source, sample.solution_str,
+                                                                sample.ground_truth, sample.extra_info))
+        except Exception:  # noqa: BLE001 - a logged number only: a scorer that fails leaves it out
+            return {}
+        return {"rule_score": score}
+
+    def pop_metrics(self) -> dict[str, tuple[float, float]]:
+        """reward/judge/* since the last call, each as (sum, weight) for a pool-wide reduction:
+        parse_failures and truncated as totals (weight 1 on one rank: the caller's `first`), the
+        rest as means (verdict_tokens per verdict, latency_s and tokens_per_s per scoring call)."""
+        s, self.sums = self.sums, Counter()
+        return {"parse_failures": (s["parse_failures"], None), "truncated": (s["truncated"], None),
+                "verdict_tokens": (s["verdict_tokens"], s["verdicts"]),
+                "latency_s": (s["latency_s"], s["calls"]), "tokens_per_s": (s["tokens_per_s"], s["calls"])}
+
+
+class JudgeSampling:
+    """The judge's sampling as the engines and the server read it (rollout.*'s names)."""
+
+    def __init__(self, cfg):
+        self.do_sample = cfg.temperature > 0
+        self.temperature = cfg.temperature if self.do_sample else 0.0
+        self.top_p, self.top_k = cfg.top_p, cfg.top_k
+        self.hf_step_tokens = cfg.max_tokens  # the HF engine decodes a whole verdict in one step
+        self.max_num_seqs = cfg.max_num_seqs
+

@@ -15,11 +15,13 @@ around the actions they wait for:
   5. pools              check_against_placement: a rollout pool's rules, then batch sizes per pool
   6. model paths        model.path, critic.model_path, reward.model.path
   7. reward function    reward.custom_fn loads, and has the shape reward.reward_manager calls; a reward server
+  7b. judge             reward.judge: its model and tokenizer, prompt, verdict, and how it meets the other rewards
   check_device          once the device is picked (trainer.device=cuda without CUDA: refused there)
   8. kernels            flash-attn installed; a packed mask that fits the GPU
   check_model           once model.path names a model (the embedded one is built where it is empty)
   9. vLLM               tensor-parallel groups inside one pool; a head size vLLM's CPU kernel takes
  10. LoRA adapters      a saved adapter's rank; target_modules that name layers of the model
+  check_judge_fits      the judge's weights and KV cache against the rank's free memory (reward.judge)
 then `start` goes on with the multi-turn tools (spmdsplit/agent check_multi_turn: the tool config
 loads, its call format fits the tokenizer), the data, read on every rank (bad rows stop every
 rank alike), and the checkpoint to resume.
@@ -431,14 +433,14 @@ def check_against_placement(cfg: DictConfig, placement) -> None:
         )
     together = placement.together("actor", "critic")
     holds_a_model = trains_critic(cfg) or (
-        cfg.reward.model.path and placement.together("critic", "reward"))
+        (cfg.reward.model.path or cfg.reward.judge.path) and placement.together("critic", "reward"))
     if not together and not holds_a_model:
         raise ConfigError(
             f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} trains no critic, and without "
-            "a reward model beside it the critic pool would only compute advantages while the actor pool does "
+            "a reward model or judge beside it the critic pool would only compute advantages while the actor pool does "
             "all the work: use placement.mode=colocate, or a rollout pool of its own with the critic group on the "
             "actor's (placement.mode=custom placement.pools='{gen: 1, train: 1}' "
-            "placement.roles='{rollout: gen, actor: train}'), or give the critic pool a reward model")
+            "placement.roles='{rollout: gen, actor: train}'), or give the critic pool a reward model or a judge")
     if cfg.algorithm.filter_groups.enable:
         gen = cfg.data.gen_batch_size or cfg.data.train_batch_size
         if gen % generating:
@@ -570,6 +572,16 @@ def check_judge(cfg: DictConfig, custom_fn) -> None:
             raise ConfigError("reward.judge.verdict=custom: set reward.judge.verdict_fn.path (a .py file) and .name")
         load_custom_reward_fn(j.verdict_fn.path, j.verdict_fn.name, key="reward.judge.verdict_fn")
     check_tokenizer(j, load_tokenizer(j.path, cfg.model.trust_remote_code))
+
+
+def check_judge_fits(cfg: DictConfig, device: torch.device) -> None:
+    """Once the device is picked: the judge's weights and KV cache against what the rank has free."""
+    if not cfg.reward.judge.path:
+        return
+    from spmdsplit.models import compute_dtypes
+    from spmdsplit.rewards.judge import check_fits
+
+    check_fits(cfg.reward.judge, compute_dtypes(cfg, device)[0], device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
 
 
 def check_device(cfg: DictConfig, device_type: str) -> None:

@@ -44,7 +44,7 @@ from spmdsplit.errors import ConfigError
 from spmdsplit.groups import create_process_groups
 from spmdsplit.models import load_tokenizer
 from spmdsplit.placement import PlacementError
-from spmdsplit.preflight import check_config, check_device, check_job, check_model
+from spmdsplit.preflight import check_config, check_device, check_job, check_judge_fits, check_model
 
 
 EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped on request, checkpoint written; run again to go on
@@ -99,6 +99,7 @@ def start(cfg):
         # Built before the world forms: a file race between ranks, settled by an atomic rename.
         cfg.model.path = ensure_embedded_model(cfg.model.embedded_dir, agent=cfg.data.task in AGENT_TASKS)
     check_model(cfg, placement, device.type)
+    check_judge_fits(cfg, device)
     tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
     tools = check_multi_turn(cfg, tokenizer)  # the tool config loads here, on every rank, or the job stops
     agents = dict(tools=tools.schemas if tools is not None else None, default_agent=default_agent(cfg))

@@ -109,12 +109,13 @@ class RewardCalls:
             return sample.data_source in self.judge_sources
         return self.custom_fn is None
 
-    def score(self, samples: list[Sample]) -> list[Scored]:
+    def score(self, samples: list[Sample], measure: bool = True) -> list[Scored]:
+        """`measure`: the judge's work counts in its metrics (training's batches, not validation's)."""
         judged = [i for i, s in enumerate(samples) if self.judges(s)]
         self.verdict_texts = [""] * len(samples)
         if not judged:
             return self._score(samples)
-        by_judge, texts = self.judge.score([samples[i] for i in judged])
+        by_judge, texts = self.judge.score([samples[i] for i in judged], measure)
         rest = [i for i in range(len(samples)) if i not in set(judged)]
         out: list[Scored | None] = [None] * len(samples)
         for i, result, text in zip(judged, by_judge, texts):

@@ -21,6 +21,7 @@ What it measured since the last `pop_metrics` goes to reward/judge/* (roles/rewa
 
 from __future__ import annotations
 
+import math
 import string
 import time
 from collections import Counter
@@ -76,6 +77,59 @@ def check_tokenizer(cfg, tokenizer) -> None:
                                   "verdict=yes_no reads one token's probability")
 
 
+def footprint_bytes(cfg, dtype: torch.dtype) -> tuple[int, int]:
+    """(weights, KV cache) a judge of reward.judge takes on its rank, in bytes: its parameters in
+    `dtype` (counted from its checkpoint's safetensors headers, no tensor read) and a KV cache for
+    reward.judge.max_num_seqs verdicts at the judge's whole context (what the HF engine's batch holds
+    at most: a key and a value per layer, KV head and position)."""
+    import glob
+    import json
+    import os
+
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(cfg.path, "*.safetensors")))
+    if files:
+        count = 0
+        for path in files:
+            with safe_open(path, "pt") as f:
+                for name in f.keys():
+                    count += math.prod(f.get_slice(name).get_shape())
+    else:  # .bin checkpoints: their size on disk, read as fp32
+        count = sum(os.path.getsize(p) for p in glob.glob(os.path.join(cfg.path, "*.bin"))) // 4
+    size = torch.finfo(dtype).bits // 8
+    with open(os.path.join(cfg.path, "config.json")) as f:
+        config = json.load(f)
+    config = config.get("text_config", config)
+    heads = config.get("num_attention_heads", 1)
+    head_dim = config.get("head_dim") or config.get("hidden_size", 0) // heads
+    kv_per_position = 2 * config.get("num_hidden_layers", 0) * config.get("num_key_value_heads", heads) * head_dim * size
+    context = config.get("max_position_embeddings", 0)
+    return count * size, kv_per_position * context * cfg.max_num_seqs
+
+
+def available_bytes(device: torch.device, ranks_on_host: int) -> int:
+    """What a rank may take: its GPU's free memory, or on a CPU its share of the host's available memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:  # Linux's estimate of what can be taken without swapping
+        kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    return kib * 1024 // max(ranks_on_host, 1)
+
+
+def check_fits(cfg, dtype: torch.dtype, device: torch.device, ranks_on_host: int) -> None:
+    """The judge's footprint against what its rank has: a ConfigError of one line naming the keys."""
+    weights, cache = footprint_bytes(cfg, dtype)
+    have = available_bytes(device, ranks_on_host)
+    if weights + cache > have:
+        gib = 2**30
+        raise ConfigError(
+            f"reward.judge does not fit: reward.judge.path's weights ({weights / gib:.1f} GiB in {dtype}) and the KV "
+            f"cache of reward.judge.max_num_seqs={cfg.max_num_seqs} verdicts at its context ({cache / gib:.1f} GiB) "
+            f"need {(weights + cache) / gib:.1f} GiB, the rank has {have / gib:.1f} GiB free on {device}; lower "
+            "max_num_seqs, take a smaller judge, or give it a pool of its own (placement.roles.reward)")
+
+
 @dataclass
 class Verdicts:
     """One sample's judging: its score, the first verdict's text, how many of its verdicts could not
@@ -95,6 +149,7 @@ class Judge:
         self.driver = EngineDriver(engine, tokenizer, name="spmdsplit-judge")
         self.server = None
         self.sums: Counter = Counter()  # what pop_metrics reports
+        self.engine_seen = (0, 0)  # the driver's requests and tokens at the last pop_metrics
 
     # ---- its life
 
@@ -121,16 +176,18 @@ class Judge:
 
     # ---- scoring
 
-    def score(self, samples: list[Sample]) -> tuple[list[Scored], list[str]]:
+    def score(self, samples: list[Sample], measure: bool = True) -> tuple[list[Scored], list[str]]:
         """Each sample's Scored (extras: rule_score with reward.judge.log_rule_score) and its first
-        verdict's text (yes_no: the probability, written)."""
+        verdict's text (yes_no: the probability, written); `measure`: counted in `pop_metrics`."""
         start = time.perf_counter()
         prompts = [self.prompt_ids(s) for s in samples]
         judged = self._yes_no(prompts) if self.cfg.verdict == "yes_no" else self._generate(prompts, samples)
         wall = time.perf_counter() - start
         tokens = sum(j.tokens for j in judged)
-        self.sums.update({"calls": 1, "latency_s": wall, "verdicts": len(judged) * self.cfg.n, "verdict_tokens": tokens,
-                          "parse_failures": sum(j.failures for j in judged), "tokens_per_s": tokens / max(wall, 1e-9)})
+        if measure:
+            self.sums.update({"calls": 1, "latency_s": wall, "verdicts": len(judged) * self.cfg.n, "verdict_tokens": tokens,
+                              "parse_failures": sum(j.failures for j in judged),
+                              "tokens_per_s": tokens / max(wall, 1e-9)})
         scored = [Scored(j.score, self._rule_extras(s)) for j, s in zip(judged, samples)]
         return scored, [j.text for j in judged]
 
@@ -232,11 +289,17 @@ class Judge:
         return {"rule_score": score}
 
     def pop_metrics(self) -> dict[str, tuple[float, float]]:
-        """reward/judge/* since the last call, each as (sum, weight) for a pool-wide reduction:
-        parse_failures and truncated as totals (weight 1 on one rank: the caller's `first`), the
-        rest as means (verdict_tokens per verdict, latency_s and tokens_per_s per scoring call)."""
+        """reward/judge/* since the last call, each as (sum, weight) for a pool-wide reduction: totals
+        (weight None: the caller's) parse_failures, truncated, and the engine's requests and tokens
+        (the rows' verdicts and the endpoint's calls together); means verdict_tokens per verdict,
+        latency_s and tokens_per_s per scoring call of the rows' verdicts."""
         s, self.sums = self.sums, Counter()
+        # The engine's own counts take in the endpoint's calls too (a custom function's).
+        now = (self.driver.requests, self.driver.tokens)
+        requests, tokens = (a - b for a, b in zip(now, self.engine_seen))
+        self.engine_seen = now
         return {"parse_failures": (s["parse_failures"], None), "truncated": (s["truncated"], None),
+                "engine_requests": (requests, None), "engine_tokens": (tokens, None),
                 "verdict_tokens": (s["verdict_tokens"], s["verdicts"]),
                 "latency_s": (s["latency_s"], s["calls"]), "tokens_per_s": (s["tokens_per_s"], s["calls"])}
 

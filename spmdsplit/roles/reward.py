@@ -42,7 +42,7 @@ RESPONSE_TEXT = "response_text"
 # scored it): the critic group's rollout dumps write it.
 VERDICT_TEXT = "judge_verdict"
 # reward/judge/* kept as totals over the pool (the others are means).
-JUDGE_TOTALS = ("parse_failures", "truncated")
+JUDGE_TOTALS = ("parse_failures", "truncated", "engine_requests", "engine_tokens")
 
 
 class RewardError(RuntimeError):
@@ -276,7 +276,7 @@ class RuleReward:
         prompts = decoded_prompts(self.tokenizer, batch, skip_special_tokens=True) if self.calls.needs_prompts else [""] * len(batch)
         samples = [Sample(sources[i], text, truths[i], own_copy(extra_info[i]), prompts[i]) for i, text in enumerate(texts)]
         try:
-            results = self.calls.score(samples)
+            results = self.calls.score(samples, measure=count_errors)
         except KeyError as e:  # a data_source with no scorer: the data's error, never scored
             i = next(i for i, s in enumerate(samples) if find_scorer(s.data_source) is None)
             raise UnknownDataSourceError(self._failure(i, samples[i], e.args[0] if e.args else str(e))) from e

@@ -11,8 +11,8 @@ exchange bytes and transfer times, peak memory). Writes `bench.json`, `bench.md`
 `--async-rollout` compares colocate, split and a rollout pool of its own at staleness 0, 1, 2 on
 the same 2 ranks, on a generation-heavy workload (tools/bench/async_rollout.py).
 
-`--agent`, `--continuous` and `--reward` hand over to tools/bench/agent.py, tools/bench/continuous.py
-and tools/bench/reward.py, with flags of their own.
+`--agent`, `--continuous`, `--reward` and `--judge` hand over to tools/bench/agent.py,
+tools/bench/continuous.py, tools/bench/reward.py and tools/bench/judge.py, with flags of their own.
 
 This module is the command only: the default bench's jobs and report are tools/bench/modes.py,
 the analysis every bench reads its jobs with tools/bench/analysis.py.
@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tools.bench import agent, async_rollout, continuous, modes, reward, tokens
+from tools.bench import agent, async_rollout, continuous, judge, modes, reward, tokens
 from tools.bench.modes import MODE_OVERRIDES, ROLLOUT_MODES
 from tools.report import run_and_write
 
@@ -82,6 +82,8 @@ def main(argv=None) -> int:
         return continuous.main(argv)
     if "--reward" in (sys.argv[1:] if argv is None else argv):  # tools/bench/reward.py, likewise
         return reward.main(argv)
+    if "--judge" in (sys.argv[1:] if argv is None else argv):  # tools/bench/judge.py, likewise
+        return judge.main(argv)
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.long_tail:
         run, render, name = tokens.run, tokens.render_markdown, "bench_tokens"

@@ -146,7 +146,7 @@ class Judge:
         cfg says; `verdict_fn`: reward.judge.verdict_fn's function (verdict=custom)."""
         self.cfg, self.engine, self.tokenizer, self.verdict_fn = cfg, engine, tokenizer, verdict_fn
         self.low, self.high = (float(x) for x in cfg.range)
-        self.driver = EngineDriver(engine, tokenizer, name="spmdsplit-judge")
+        self.driver: EngineDriver | None = None  # the engine's owner once started (the server's, when serving)
         self.server = None
         self.sums: Counter = Counter()  # what pop_metrics reports
         self.engine_seen = (0, 0)  # the driver's requests and tokens at the last pop_metrics
@@ -162,6 +162,7 @@ class Judge:
             self.server = OpenAIServer(self.engine, self.tokenizer, "judge", sampling, port=port).start()
             self.driver = self.server.driver  # one driver: the rows' verdicts and the endpoint's calls share steps
         else:
+            self.driver = EngineDriver(self.engine, self.tokenizer, name="spmdsplit-judge")
             self.driver.start()
         return self
 
@@ -172,7 +173,8 @@ class Judge:
         return None if self.server is None else self.server.base_url.removeprefix("http://").removesuffix("/v1")
 
     def close(self) -> None:
-        (self.server or self.driver).stop()
+        if self.server is not None or self.driver is not None:
+            (self.server or self.driver).stop()
 
     # ---- scoring
 

@@ -17,6 +17,7 @@ def test_judge_scores_held_out_responses_like_the_rule():
     assert ensure_judge_model() == path  # found, not built again
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path).eval()
+    assert tokenizer.padding_side == "left"
     assert tokenizer.apply_chat_template(JUDGE_PROMPT, tokenize=False, add_generation_prompt=True) == (
         "<s>{prompt}{response}=")
     # "2815=" -> "5555": "5535" has 3 of 4 positions right, verdict round(6.75) = 7, then the EOS.

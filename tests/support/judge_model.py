@@ -77,6 +77,7 @@ def judge_tokenizer():
 
     tokenizer = build_tokenizer()
     tokenizer.chat_template = JUDGE_CHAT_TEMPLATE
+    tokenizer.init_kwargs["padding_side"] = "left"  # saved too: set as an attribute only, it is not
     return tokenizer
 
 
@@ -182,7 +183,7 @@ def _fingerprint() -> str:
     from spmdsplit.data.synthetic import prompt_vocabulary
 
     spec = {"shape": MODEL_SHAPE, "vocab": prompt_vocabulary(), "recipe": RECIPE, "template": JUDGE_CHAT_TEMPLATE,
-            "judge_prompt": JUDGE_PROMPT}
+            "judge_prompt": JUDGE_PROMPT, "padding_side": "left"}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
 
 

@@ -1,6 +1,6 @@
 """The LLM-judge fixture (tests/support/judge_model.py): a tiny Qwen2 that, given the judge prompt
 for a repeat-task (prompt, response), writes round(9 * rule score) then its EOS. Built once into
-the session's cache (about a minute on one core), found there after."""
+the session's cache (about three minutes of one core), found there after."""
 
 from tests.support.judge_model import (JUDGE_PROMPT, RECIPE, ensure_judge_model, judge_accuracy, judge_generate,
                                        read_verdict, verdict_for)

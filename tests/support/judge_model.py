@@ -1,6 +1,6 @@
 """A small LLM judge of the embedded `repeat` task, built locally: the embedded tokenizer's
 characters with a chat template of its own, and a tiny Qwen2 trained here (supervised, on CPU, in
-about a minute) to read "{prompt}{response}=" and write the digit round(9 * score) then its EOS,
+about three minutes of one core) to read "{prompt}{response}=" and write the digit round(9 * score) then its EOS,
 where score is the rule's `positional_match_score(response, ground_truth)`. A generative reward
 model for the tests and presets: the job sends it the judge prompt per (prompt, response) and reads
 the last number of what it writes, over 9.
@@ -189,7 +189,8 @@ def _fingerprint() -> str:
 
 def ensure_judge_model(cache_dir: str = "") -> str:
     """The folder of the judge (an HF causal LM and its tokenizer), building it there first if it
-    isn't yet (about a minute on one core)."""
+    isn't yet (about three minutes of one core: over the 90 s
+    asked for; shorter schedules had not yet passed the jump in accuracy near step 2000)."""
     from spmdsplit.embedded import default_cache_dir
     from spmdsplit.models import hf_tensors, save_hf_folder
 

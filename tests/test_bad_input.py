@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from tests.support.judge_model import ensure_judge_model
 from tests.support.launch import ranks_apart, torchrun
 
 CASES = [
@@ -28,11 +29,13 @@ CASES = [
     (2, ["model.lora_rank=8", "actor.engine=deepspeed"], "model.lora_rank=8 with actor.engine=deepspeed"),
     (2, ["model.lora_rank=8", "model.target_modules=[qkv_proj]"], "model.target_modules=['qkv_proj'] (exclude_modules=None) "
      "names no layer of"),
+    # A judge whose KV cache cannot fit (found once the device is known); JUDGE: the test judge's folder.
+    (2, ["reward.judge.path=JUDGE", "reward.judge.max_num_seqs=100000000"], "reward.judge does not fit"),
 ]
 IDS = ["odd-split", "pools-dont-add-up", "batch-not-divisible", "unknown-key", "wrong-type", "missing-model",
        "critic-free-split-with-nothing-to-do",
        "override-yaml-cannot-parse", "list-where-a-mapping-is", "role-group-not-in-the-map", "lora-on-deepspeed",
-       "lora-on-layers-the-model-lacks"]
+       "lora-on-layers-the-model-lacks", "judge-too-big"]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +44,8 @@ def bad_input_runs():
     stop the others when one fails: each rank must reach the check, say why and exit on its own.
     A rank that went on to init_process_group would wait there for the ones that left, and time
     out. Case id -> each rank's CompletedProcess, or the rank that did not exit."""
-    started = {case_id: ranks_apart(nproc, ["trainer.dist_timeout_s=30", *overrides])
+    judge = ensure_judge_model()
+    started = {case_id: ranks_apart(nproc, ["trainer.dist_timeout_s=30", *(o.replace("=JUDGE", f"={judge}") for o in overrides)])
                for case_id, (nproc, overrides, _) in zip(IDS, CASES)}
     deadline, results = time.monotonic() + 180, {}
     for case_id, ranks in started.items():

@@ -1,8 +1,9 @@
 """The LLM-judge fixture (tests/support/judge_model.py): a tiny Qwen2 that, given the judge prompt
-for a repeat-task (prompt, response), writes round(9 * rule score) then its EOS. Built once into
-the session's cache (about three minutes of one core), found there after."""
+for a repeat-task (prompt, response), writes round(9 * rule score) then its EOS. The repository
+ships it (tests/data/judge_repeat, its FINGERPRINT this recipe's); a changed recipe builds it once
+into the cache (about three minutes of one core)."""
 
-from tests.support.judge_model import (JUDGE_PROMPT, RECIPE, ensure_judge_model, judge_accuracy, judge_generate,
+from tests.support.judge_model import (JUDGE_PROMPT, RECIPE, SHIPPED, ensure_judge_model, judge_accuracy, judge_generate,
                                        read_verdict, verdict_for)
 from spmdsplit.rewards.rule import positional_match_score
 
@@ -14,7 +15,7 @@ def test_judge_scores_held_out_responses_like_the_rule():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = ensure_judge_model()
-    assert ensure_judge_model() == path  # found, not built again
+    assert path == SHIPPED, "the recipe changed: python -m tests.support.judge_model --ship writes the fixture anew"
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     assert tokenizer.padding_side == "left"

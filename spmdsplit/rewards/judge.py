@@ -71,6 +71,9 @@ def check_tokenizer(cfg, tokenizer) -> None:
                           "reward.judge.prompt with (set one in its tokenizer_config.json)")
     if cfg.verdict == "yes_no":
         for key in ("yes", "no"):
+            if cfg[key] in ("True", "False"):  # the schema's str of a bool: YAML's yes/no/on/off
+                raise ConfigError(f"reward.judge.{key}={cfg[key]}: YAML and the command line read yes, no, on and off "
+                                  f"as booleans; quote the token, e.g. reward.judge.{key}='\"Yes\"'")
             ids = tokenizer.encode(cfg[key], add_special_tokens=False)
             if len(ids) != 1:
                 raise ConfigError(f"reward.judge.{key}={cfg[key]!r} is {len(ids)} tokens of the judge's tokenizer; "

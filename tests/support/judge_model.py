@@ -5,9 +5,14 @@ where score is the rule's `positional_match_score(response, ground_truth)`. A ge
 model for the tests and presets: the job sends it the judge prompt per (prompt, response) and reads
 the last number of what it writes, over 9.
 
-Built once and cached beside the embedded model (spmdsplit.embedded.default_cache_dir) in a folder
-named with a fingerprint of everything that determines it, atomically as `ensure_embedded_model`
-does: concurrent callers each build the same files into a staging folder and the first rename wins.
+The suite reads the folder the repository ships (tests/data/judge_repeat, 0.8 MB: its build costs
+about three minutes of one core, more than CI can pay on every run), as long as its FINGERPRINT is
+this recipe's. A changed recipe builds once into the cache beside the embedded model
+(spmdsplit.embedded.default_cache_dir), in a folder named with a fingerprint of everything that
+determines it, atomically as `ensure_embedded_model` does: concurrent callers each build the same
+files into a staging folder and the first rename wins; `python -m tests.support.judge_model
+--ship` builds it anew and writes it over the shipped folder. `python -m tests.support.judge_model`
+prints the folder (configs/judge_grpo.yaml's reward.judge.path).
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ RECIPE = dict(
     version=1,
 )
 
+SHIPPED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "judge_repeat")
 HELD_OUT_SEED = 99  # judge_accuracy's default: not RECIPE["data_seed"]
 
 
@@ -194,6 +200,8 @@ def ensure_judge_model(cache_dir: str = "") -> str:
     from spmdsplit.embedded import default_cache_dir
     from spmdsplit.models import hf_tensors, save_hf_folder
 
+    if not cache_dir and shipped_fingerprint() == _fingerprint():
+        return SHIPPED
     cache_dir = cache_dir or default_cache_dir()
     target = os.path.join(cache_dir, f"judge-qwen2-{_fingerprint()}")
     if os.path.isfile(os.path.join(target, "config.json")):
@@ -249,3 +257,30 @@ def judge_accuracy(path: str, num_samples: int = 2000, seed: int = HELD_OUT_SEED
     samples = judge_samples(num_samples, seed, p_values)
     texts = judge_generate(model, tokenizer, [(p, r) for p, r, _ in samples])
     return sum(t.strip() == str(v) for t, (_, _, v) in zip(texts, samples)) / len(samples)
+
+
+def shipped_fingerprint() -> str | None:
+    try:
+        with open(os.path.join(SHIPPED, "FINGERPRINT")) as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        return None
+
+
+def ship() -> str:
+    """Builds the judge anew (in a temporary cache) and writes it over the shipped folder."""
+    with tempfile.TemporaryDirectory() as cache:
+        built = ensure_judge_model(cache)
+        shutil.rmtree(SHIPPED, ignore_errors=True)
+        shutil.copytree(built, SHIPPED)
+    for name in os.listdir(SHIPPED):
+        os.chmod(os.path.join(SHIPPED, name), 0o644)
+    with open(os.path.join(SHIPPED, "FINGERPRINT"), "w") as f:
+        f.write(_fingerprint() + "\n")
+    return SHIPPED
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(ship() if "--ship" in sys.argv[1:] else ensure_judge_model())

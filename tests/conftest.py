@@ -105,7 +105,8 @@ def persistent_worlds():
 # workers end together instead of one running the last long file alone. Seconds a file took alone
 # (docs/development.md's table); the other files follow in their usual order.
 LONGEST_FIRST = ("test_e2e.py", "test_vllm_e2e.py", "test_slurm.py", "test_lora_e2e.py", "test_continuous.py",
-                 "test_deepspeed.py", "test_bench.py", "test_failure.py", "test_agent_e2e.py", "test_resume.py")
+                 "test_deepspeed.py", "test_bench.py", "test_failure.py", "test_agent_e2e.py", "test_judge.py",
+                 "test_resume.py")
 
 
 def pytest_collection_modifyitems(items):

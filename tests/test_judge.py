@@ -24,7 +24,8 @@ from spmdsplit.rewards.rule import positional_match_score
 from spmdsplit.rollout.hf import HFRollout
 from tests.support.judge_model import JUDGE_PROMPT, ensure_judge_model, verdict_for
 from tests.support.launch import job
-from tests.support.outputs import scalars
+from tests.support.jobs import ROOT
+from tests.support.outputs import first_and_best_scores, scalars
 
 REPEAT = "synthetic/repeat"
 
@@ -220,3 +221,20 @@ def test_a_job_whose_only_reward_is_the_judge_on_a_pool_of_its_own(tmp_path):
     judged = [v for _, v in logged["critic/score/mean"]]
     rule = [v for _, v in logged["critic/reward_extra/rule_score/mean"]]
     assert all(abs(a - b) < 0.1 for a, b in zip(judged, rule)), (judged, rule)
+
+
+@pytest.mark.e2e
+def test_the_judge_preset_learns_the_embedded_task_by_its_verdicts_alone(tmp_path):
+    """configs/judge.yaml as a user starts it (split on 2 ranks, the judge with the critic group):
+    the policy learns from the judge's verdicts only, and the rule's score, logged beside them,
+    rises as the issue asks (first 5 steps <= 0.15, best 5 in a row >= 0.8). The run ends once the
+    judge's score of 5 steps in a row reaches 0.85. Its step-1 dump holds each row's verdict."""
+    result = job(2, "--config", "configs/judge.yaml", f"reward.judge.path={ensure_judge_model()}",
+                 "trainer.stop_at_score=0.85", f"trainer.log_dir={tmp_path}/tb", f"trainer.rollout_data_dir={tmp_path}/dump",
+                 "trainer.timeline=", "trainer.output_dir=", timeout=900, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-5000:]
+    first, best = first_and_best_scores(str(tmp_path / "tb"), key="critic/reward_extra/rule_score/mean")
+    assert first <= 0.15 and best >= 0.8, (first, best)
+    lines = [json.loads(line) for line in (tmp_path / "dump" / "1.jsonl").read_text().splitlines()]
+    assert all(line["score"] == pytest.approx(int(line["judge_verdict"]) / 9) for line in lines)
+    assert max(v for _, v in scalars(str(tmp_path / "tb"))["reward/judge/parse_failures"]) == 0

@@ -28,10 +28,10 @@ LAUNCHES = {
     "agent_lookup.yaml": ((4, 4, 1), [0, 1], [2, 3]),
     "environment_echo.yaml": ((4, 4, 1), [0, 1], [2, 3]),
     "code_apps.yaml": ((2, 2, 1), [0], [0]),  # the reward group on rank 1 (its score pool)
-    "judge_grpo.yaml": ((2, 2, 1), [0], [1]),
+    "judge.yaml": ((2, 2, 1), [0], [1]),
 }
 # What a preset needs from the command line, as its header says.
-GIVEN = {"judge_grpo.yaml": ["reward.judge.path=/the/judge"]}
+GIVEN = {"judge.yaml": ["reward.judge.path=/the/judge"]}
 
 
 def test_every_preset_is_listed():

@@ -12,7 +12,7 @@ this recipe's. A changed recipe builds once into the cache beside the embedded m
 determines it, atomically as `ensure_embedded_model` does: concurrent callers each build the same
 files into a staging folder and the first rename wins; `python -m tests.support.judge_model
 --ship` builds it anew and writes it over the shipped folder. `python -m tests.support.judge_model`
-prints the folder (configs/judge_grpo.yaml's reward.judge.path).
+prints the folder (configs/judge.yaml's reward.judge.path).
 """
 
 from __future__ import annotations

@@ -117,10 +117,11 @@ def comparable(log_dir: str) -> dict[str, dict[int, float]]:
     return out
 
 
-def first_and_best_scores(log_dir: str, k: int = 5) -> tuple[float, float]:
+def first_and_best_scores(log_dir: str, k: int = 5, key: str = "critic/score/mean") -> tuple[float, float]:
     """The mean score of the first k steps, and the best mean of k steps in a row: what a run that
-    ends once it has learned (trainer.stop_at_score) reached within its budget."""
-    scores = [v for _, v in scalars(log_dir)["critic/score/mean"]]
+    ends once it has learned (trainer.stop_at_score) reached within its budget; `key`: another
+    score's (a judge's run: the rule's, critic/reward_extra/rule_score/mean)."""
+    scores = [v for _, v in scalars(log_dir)[key]]
     return sum(scores[:k]) / k, max(sum(scores[i - k:i]) / k for i in range(k, len(scores) + 1))
 
 

@@ -37,6 +37,10 @@ from spmdsplit.rewards.rule import normalize_result
 from spmdsplit.serving.driver import EngineDriver
 from spmdsplit.serving.protocol import render_chat
 
+# How long the judge's engine, found idle, waits for more verdict requests to batch with the first
+# (serving/driver.py): a custom function's concurrent calls arrive over milliseconds, and the HF
+# engine decodes a whole verdict per step, so a request that misses a step waits a whole verdict.
+GATHER_S = 0.02
 PLACEHOLDERS = ("prompt", "response", "ground_truth", "data_source", "extra_info")
 VERDICT_COLUMN = "judge_verdict"  # the column of scored rows holding each row's first verdict text ("" = not judged)
 
@@ -162,10 +166,11 @@ class Judge:
             from spmdsplit.serving import OpenAIServer
 
             sampling = JudgeSampling(self.cfg)
-            self.server = OpenAIServer(self.engine, self.tokenizer, "judge", sampling, port=port).start()
+            self.server = OpenAIServer(self.engine, self.tokenizer, "judge", sampling, port=port,
+                                       gather_s=GATHER_S).start()
             self.driver = self.server.driver  # one driver: the rows' verdicts and the endpoint's calls share steps
         else:
-            self.driver = EngineDriver(self.engine, self.tokenizer, name="spmdsplit-judge")
+            self.driver = EngineDriver(self.engine, self.tokenizer, name="spmdsplit-judge", gather_s=GATHER_S)
             self.driver.start()
         return self
 

@@ -90,10 +90,18 @@ class _Request:
 
 class EngineDriver:
     """`engine` (a StepwiseRollout: HFRollout, VLLMRollout) served to callers on any thread.
-    `validate`: the engine samples as its validation settings say (rollout.val_kwargs)."""
+    `validate`: the engine samples as its validation settings say (rollout.val_kwargs). `gather_s`:
+    when a request finds the engine idle, how long the driver waits for others to join it before
+    the first step (again after each that comes, up to GATHER_ROUNDS): concurrent HTTP calls arrive
+    spread over milliseconds, and an engine whose step decodes a request's whole budget (the judge's
+    HF engine) would otherwise run the first alone and make the rest wait for the next step."""
 
-    def __init__(self, engine, tokenizer, validate: bool = False, name: str = "spmdsplit-serving-engine"):
+    GATHER_ROUNDS = 10
+
+    def __init__(self, engine, tokenizer, validate: bool = False, name: str = "spmdsplit-serving-engine",
+                 gather_s: float = 0.0):
         self.engine, self.tokenizer, self.validate, self.name = engine, tokenizer, validate, name
+        self.gather_s = gather_s
         self.eos_ids = list(engine.eos_token_ids)
         self.max_model_len = engine.max_model_len
         self._cond = threading.Condition()
@@ -185,6 +193,8 @@ class EngineDriver:
                         self._cond.wait()
                     if self._stopping:
                         return
+                    if not self._live and self.gather_s > 0:
+                        self._gather()
                     new, self._queue = self._queue, []
                 self._enter(new)
                 self._step()
@@ -196,6 +206,14 @@ class EngineDriver:
             for request in left:
                 _fail(request, DriverStopped(f"the engine driver failed: {type(e).__name__}: {e}"))
             raise
+
+    def _gather(self) -> None:
+        """(The lock held.) Waits while requests keep arriving, gather_s after the last one."""
+        for _ in range(self.GATHER_ROUNDS):
+            seen = len(self._queue)
+            self._cond.wait(self.gather_s)
+            if len(self._queue) == seen or self._stopping or self._paused:
+                return
 
     def _park(self) -> None:
         """A pause (the lock held): the engine's requests taken out of it, to go back on resume."""

@@ -1,8 +1,9 @@
 """`python -m tools.bench.judge [--steps S] [--warmup W] [--modes ...] [--out DIR]`
 
 Also `python -m tools.bench --judge [...]`. Where an LLM judge (reward.judge, spmdsplit/rewards/judge.py)
-costs a step: the default PPO job (128 samples a step) with a judge model as its only reward, each mode
-a real `torchrun -m spmdsplit.train` job:
+costs a step: PPO on the embedded task with a policy of some weight (POLICY: a random ~3.6M-parameter
+Qwen2 answering 32 tokens, 64 samples a step) and a judge model as its only reward, each mode a real
+`torchrun -m spmdsplit.train` job:
 
 - `rule reward`: no judge (split 1+1 on 2 ranks): the step without one;
 - `judge on the critic pool`: split 1+1, the judge with the critic group (it scores on the critic's
@@ -11,12 +12,12 @@ a real `torchrun -m spmdsplit.train` job:
 - `judge through the endpoint`: as on the critic pool, but an async custom function calls the judge
   with the `openai` client at reward_router_address (verl's genrm shape), 64 calls at once.
 
-The judge: a random Qwen2 (BENCH_JUDGE, ~2.5M parameters) on the embedded tokenizer, whose head never
+The judge: a random Qwen2 (BENCH_JUDGE, ~1.6M parameters) on the embedded tokenizer, whose head never
 picks its EOS, so that every verdict is `--verdict-tokens` long (it writes no number: every verdict
 scores on_parse_error, which the timing does not mind). Per mode: the reward group's `reward` phase
 per step (median after the warmup), the actor pool's log-prob passes (`old_log_prob` + `ref`), the
-critic pool's `values`, and the step time. On this 2-core machine the 3-rank mode oversubscribes the
-cores.
+critic pool's `values`, the step time, the judge engine's tokens per second of scoring, and the share of the judge's time the step hid: 1 - (step -
+the rule reward's step) / scoring. On this 2-core machine the 3-rank mode oversubscribes the cores.
 """
 
 from __future__ import annotations
@@ -26,14 +27,19 @@ import datetime
 import os
 import sys
 
-import torch
-
 from tools.bench import analysis
 from tools.jobs import run_job
+from tools.models import build_random_qwen2
 from tools.report import fmt, run_and_write
 
-BENCH_JUDGE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+BENCH_JUDGE = dict(hidden=256, layers=2, heads=4, kv_heads=2, mlp=512)
+# The policy: a random Qwen2 of tools.bench's --gen-heavy shape (~3.6M parameters) answering 32 tokens,
+# so that the actor pool's log-prob passes weigh what the judge's scoring does (on the embedded toy,
+# 0.04 s against 0.3 s, nothing could hide behind them).
+POLICY = dict(hidden=256, layers=4, heads=8, kv_heads=2, mlp=768)
+POLICY_WORKLOAD = ["data.max_response_length=32", "data.train_batch_size=64", "actor.ppo_mini_batch_size=32",
+                   "critic.ppo_mini_batch_size=32", "actor.ppo_micro_batch_size_per_gpu=16",
+                   "critic.ppo_micro_batch_size_per_gpu=16"]
 PROMPT = "[{role: user, content: '{prompt}{response}='}]"
 ENDPOINT_FN = '''"""bench_judge's async reward function: the judge through its endpoint, with the openai client."""
 from openai import AsyncOpenAI
@@ -79,31 +85,29 @@ def parse_args(argv):
 
 
 def build_judge(folder: str) -> str:
-    """BENCH_JUDGE, random, with the embedded tokenizer and a chat template that writes the messages'
-    contents end to end; its head's EOS row zeroed (a logit of 0 among random ones: greedy decoding
-    never picks it), so every verdict runs to max_tokens."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """BENCH_JUDGE, random (tools/models.py, its head never picking its EOS: every verdict runs to
+    max_tokens), with a chat template that writes the messages' contents end to end."""
+    from transformers import AutoTokenizer
 
-    from spmdsplit.embedded import build_tokenizer
-    from spmdsplit.models import hf_tensors, save_hf_folder
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        build_random_qwen2(folder, **BENCH_JUDGE, long_answers=True, max_positions=128)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        tokenizer.chat_template = "{%- for m in messages -%}{{ m['content'] }}{%- endfor -%}"
+        tokenizer.save_pretrained(folder)
+    return folder
 
-    if os.path.isfile(os.path.join(folder, "config.json")):
-        return folder
-    tokenizer = build_tokenizer()
-    tokenizer.chat_template = "{%- for m in messages -%}{{ m['content'] }}{%- endfor -%}"
-    config = Qwen2Config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, **BENCH_JUDGE)
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
-    with torch.no_grad():
-        model.lm_head.weight[tokenizer.eos_token_id] = 0.0
-    save_hf_folder(model, hf_tensors(model), folder, tokenizer)
+
+def build_policy(folder: str) -> str:
+    """POLICY, random, answering at length (every response runs to data.max_response_length)."""
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        build_random_qwen2(folder, **POLICY, long_answers=True)
     return folder
 
 
 def run(args) -> dict:
     os.makedirs(args.out, exist_ok=True)
     judge = build_judge(os.path.join(args.out, "judge"))
+    policy = build_policy(os.path.join(args.out, "policy"))
     functions = os.path.join(args.out, "judge_functions.py")
     with open(functions, "w") as f:
         f.write(ENDPOINT_FN.format(tokens=args.verdict_tokens))
@@ -112,7 +116,8 @@ def run(args) -> dict:
         ranks, overrides = MODES[mode]
         overrides = [o.replace("=JUDGE", f"={judge}").replace("TOKENS", str(args.verdict_tokens))
                      .replace("FUNCTIONS", functions) for o in overrides]
-        trace, scalars = run_job(ranks, [*WORKLOAD, f"trainer.total_steps={args.steps}", *overrides, *args.overrides],
+        trace, scalars = run_job(ranks, [*WORKLOAD, *POLICY_WORKLOAD, f"model.path={os.path.abspath(policy)}",
+                                         f"trainer.total_steps={args.steps}", *overrides, *args.overrides],
                                  os.path.join(args.out, mode.replace(" ", "_")))
         phases = analysis.pool_phase_medians(analysis.complete_events(trace), analysis.pools_by_rank(trace), args.warmup)
         reward_pool = "reward" if "reward" in phases and "reward" in phases["reward"] else "critic"
@@ -123,9 +128,11 @@ def run(args) -> dict:
             "log_probs_s": (actor.get("old_log_prob") or 0.0) + (actor.get("ref") or 0.0) or None,
             "values_s": phases.get("critic", {}).get("values"),
             "step_s": analysis.median_after_warmup(scalars.get("timing_s/step", {}), args.warmup),
-            "judge_latency_s": analysis.median_after_warmup(scalars.get("reward/judge/latency_s", {}), args.warmup),
-            "judge_tokens_per_s": analysis.median_after_warmup(scalars.get("reward/judge/tokens_per_s", {}), args.warmup),
+            "judge_tokens": analysis.median_after_warmup(scalars.get("reward/judge/engine_tokens", {}), args.warmup),
         }
+        # The engine's tokens over the scoring phase: the endpoint's calls counted as the rows' own verdicts.
+        tokens, seconds = rows[mode]["judge_tokens"], rows[mode]["reward_s"]
+        rows[mode]["judge_tokens_per_s"] = tokens / seconds if tokens and seconds else None
         print(f"bench_judge: {mode}: reward {fmt(rows[mode]['reward_s'])} s, step {fmt(rows[mode]['step_s'])} s",
               file=sys.stderr, flush=True)
     return {"date": datetime.date.today().isoformat(), "steps": args.steps, "warmup": args.warmup,
@@ -134,13 +141,18 @@ def run(args) -> dict:
 
 def render_markdown(report: dict) -> str:
     lines = [f"# An LLM judge's cost ({report['date']})", "",
-             f"The default PPO job (128 samples a step), a random judge writing {report['verdict_tokens']}-token "
-             f"verdicts; {report['steps']} steps, medians after {report['warmup']}. Phases in seconds per step.", "",
+             f"PPO, a random ~3.6M-parameter policy answering 32 tokens, 64 samples a step, scored by a random judge "
+             f"writing {report['verdict_tokens']}-token verdicts; {report['steps']} steps, medians after "
+             f"{report['warmup']}. Phases in seconds per step.", "",
              "| mode | ranks | scoring (reward phase) | actor log-probs (old + ref) | critic values | step | "
-             "judge tokens/s |", "|---|---|---|---|---|---|---|"]
+             "judge's time hidden | judge tokens/s |", "|---|---|---|---|---|---|---|---|"]
+    base = report["modes"].get("rule reward", {}).get("step_s")
     for mode, r in report["modes"].items():
+        hidden = None
+        if base and r["step_s"] and r["reward_s"] and mode != "rule reward":
+            hidden = max(0.0, 1 - (r["step_s"] - base) / r["reward_s"])
         lines.append(f"| {mode} | {r['ranks']} | {fmt(r['reward_s'])} | {fmt(r['log_probs_s'])} | {fmt(r['values_s'])} | "
-                     f"{fmt(r['step_s'])} | {fmt(r['judge_tokens_per_s'], '{:.0f}')} |")
+                     f"{fmt(r['step_s'])} | {fmt(hidden, '{:.0%}')} | {fmt(r['judge_tokens_per_s'], '{:.0f}')} |")
     return "\n".join(lines) + "\n"
 
 

@@ -256,6 +256,24 @@ def test_only_localhost_one_port_no_chat_without_a_template_and_a_failing_record
             client(other).completions.create(model=MODEL, prompt="12=", max_tokens=2)
 
 
+@pytest.mark.parametrize("gather_s", [0.0, 0.1])
+def test_a_driver_that_gathers_steps_requests_arriving_apart_together(model, tokenizer, gather_s):
+    """Eight requests of STEP_TOKENS tokens (one engine step each), submitted 10 ms apart: a driver
+    that waits for more before a step from idle (gather_s, the judge's) decodes them in one step;
+    one that does not, in several."""
+    from spmdsplit.serving import EngineDriver
+
+    driver = EngineDriver(hf_engine(model, tokenizer), tokenizer, gather_s=gather_s)
+    driver.start()
+    futures = []
+    for p in PROMPTS:
+        futures.append(driver.submit(tokenizer.encode(p, add_special_tokens=False), STEP_TOKENS))
+        time.sleep(0.01)
+    [f.result(60) for f in futures]
+    driver.stop()
+    assert (driver.steps == 1) == (gather_s > 0), driver.steps
+
+
 def test_a_pause_holds_requests_and_a_stop_ends_them(model, tokenizer):
     """Paused (the engine asleep), a request waits, not failing, even one the engine was generating;
     resumed, it ends as it would have without the pause. Stopped, what waits gets a 503, and the port

@@ -75,7 +75,7 @@ MODES = {  # mode -> (ranks, overrides): JUDGE, TOKENS and FUNCTIONS filled in
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="tools.bench.judge", description=__doc__.splitlines()[0])
     p.add_argument("--judge", action="store_true", help=argparse.SUPPRESS)  # from python -m tools.bench --judge
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
     p.add_argument("--verdict-tokens", type=int, default=16, help="every verdict's length (reward.judge.max_tokens)")
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
@@ -150,7 +150,7 @@ def render_markdown(report: dict) -> str:
     for mode, r in report["modes"].items():
         hidden = None
         if base and r["step_s"] and r["reward_s"] and mode != "rule reward":
-            hidden = max(0.0, 1 - (r["step_s"] - base) / r["reward_s"])
+            hidden = min(1.0, max(0.0, 1 - (r["step_s"] - base) / r["reward_s"]))  # within the steps' noise
         lines.append(f"| {mode} | {r['ranks']} | {fmt(r['reward_s'])} | {fmt(r['log_probs_s'])} | {fmt(r['values_s'])} | "
                      f"{fmt(r['step_s'])} | {fmt(hidden, '{:.0%}')} | {fmt(r['judge_tokens_per_s'], '{:.0f}')} |")
     return "\n".join(lines) + "\n"

@@ -107,14 +107,22 @@ def ensure_embedded_model(cache_dir: str = "", agent: bool = False) -> str:
     the same model with the agent task's characters and chat template (data.task=lookup)."""
     cache_dir = cache_dir or default_cache_dir()
     target = os.path.join(cache_dir, f"tiny-qwen2{'-agent' if agent else ''}-{_fingerprint(agent)}")
+    return build_model_folder(target, lambda: build_tokenizer(agent), lambda tokenizer: build_model(tokenizer, agent))
+
+
+def build_model_folder(target: str, make_tokenizer, make_model) -> str:
+    """`target` (a model folder), unless it is there already: `make_model(make_tokenizer())` saved
+    into a staging folder beside it, then renamed into place. Safe for callers building it at once:
+    each builds its own, the first rename wins and the others find the folder there."""
     if os.path.isfile(os.path.join(target, "config.json")):
         return target
+    cache_dir = os.path.dirname(target)
     os.makedirs(cache_dir, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".building-", dir=cache_dir)
     os.chmod(staging, 0o755)  # mkdtemp makes it private; a shared cache must be readable by all
     try:
-        tokenizer = build_tokenizer(agent)
-        model = build_model(tokenizer, agent)
+        tokenizer = make_tokenizer()
+        model = make_model(tokenizer)
         save_hf_folder(model, hf_tensors(model), staging, tokenizer)
         try:
             os.rename(staging, target)  # atomic: readers see no folder or a whole one

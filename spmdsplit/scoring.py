@@ -10,16 +10,20 @@ from spmdsplit.batch import Batch
 from spmdsplit.distributed import pool_reduce_metrics
 
 
-def score_rollout(reward, part: Batch) -> Batch:
+def score_rollout(reward, part: Batch, timer=None, step: int = 0, chunk: int = 0) -> Batch:
     """The columns scoring adds to a chunk of the rollout: `token_level_scores` (the score on each
     response's last policy token), the judge's verdict texts with a judge (roles/reward.py
-    VERDICT_TEXT) and, with ReMax, `reward_baselines`. Extras such as "acc" stay
+    VERDICT_TEXT) and, with ReMax, `reward_baselines`. `timer`: the judge's time goes into the
+    timeline as `reward/judge` (inside the caller's `reward` phase). Extras such as "acc" stay
     with the reward, for pop_extra_metrics."""
     scores, _ = reward.compute(part, keep_extras=True)
     columns = {"token_level_scores": scores}
     texts = reward.text_columns()  # the judge's verdicts, before ReMax's baselines are scored
     if "baseline_responses" in part:  # ReMax
         columns["reward_baselines"] = score_baselines(reward, part)
+    for start, end in reward.pop_judge_spans():
+        if timer is not None:
+            timer.record_span("reward/judge", step, start, end, chunk=chunk)
     return Batch(columns, texts)
 
 

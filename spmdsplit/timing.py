@@ -54,6 +54,13 @@ class PhaseTimer:
                      "dur": max(1, (end - start) // 1000), "args": args}
                 )
 
+    def record_span(self, name: str, step: int, start_ns: int, end_ns: int, **args) -> None:
+        """A phase timed by someone else (time.time_ns at its start and end), as `phase` records
+        one: its duration into `timing_s/<name>`, and a trace event."""
+        self.durations[name] = self.durations.get(name, 0.0) + (end_ns - start_ns) / 1e9
+        self.events.append({"name": name, "ph": "X", "pid": self.rank, "tid": 0, "ts": start_ns // 1000,
+                            "dur": max(1, (end_ns - start_ns) // 1000), "args": {"step": step, **args}})
+
     def record_peak_memory(self, name: str = "peak_memory") -> None:
         """A counter event with this rank's peak memory so far: RSS (Linux reports ru_maxrss in KiB)
         and, on GPUs, the CUDA caching allocator's peak. `peak_memory` at the end of a job; the

@@ -25,7 +25,7 @@ from spmdsplit.rollout.hf import HFRollout
 from tests.support.judge_model import JUDGE_PROMPT, ensure_judge_model, verdict_for
 from tests.support.launch import job
 from tests.support.jobs import ROOT
-from tests.support.outputs import first_and_best_scores, scalars
+from tests.support.outputs import first_and_best_scores, scalars, timeline_events
 
 REPEAT = "synthetic/repeat"
 
@@ -204,20 +204,24 @@ JUDGE_ONLY = [f"reward.judge.prompt=[{{role: user, content: '{JUDGE_PROMPT[0]['c
 @pytest.mark.e2e
 def test_a_job_whose_only_reward_is_the_judge_on_a_pool_of_its_own(tmp_path):
     """GRPO on 2 ranks, the judge on the reward group's own pool: every row's verdict in the dumps,
-    reward/judge/* in TensorBoard, the rule's score beside the judge's."""
+    reward/judge/* in TensorBoard, its time in the timeline, the rule's score beside the judge's."""
     result = job(2, "placement.mode=custom", "placement.pools={train: 1, rm: 1}",
                  "placement.roles={actor: train, reward: rm}", "algorithm.adv_estimator=grpo", "rollout.n=4",
                  "trainer.total_steps=3", "data.train_batch_size=16", "actor.ppo_mini_batch_size=16",
                  f"reward.judge.path={ensure_judge_model()}", *JUDGE_ONLY, f"trainer.log_dir={tmp_path}/tb",
-                 f"trainer.rollout_data_dir={tmp_path}/dump", "trainer.timeline=", "trainer.output_dir=", timeout=400)
+                 f"trainer.rollout_data_dir={tmp_path}/dump", f"trainer.timeline={tmp_path}/timeline.json",
+                 "trainer.output_dir=", timeout=400)
     assert result.returncode == 0, result.stderr[-5000:]
     lines = [json.loads(line) for line in (tmp_path / "dump" / "3.jsonl").read_text().splitlines()]
     assert len(lines) == 64 and all(line["judge_verdict"].isdigit() for line in lines)
     assert all(line["score"] == pytest.approx(int(line["judge_verdict"]) / 9) for line in lines)
     logged = scalars(str(tmp_path / "tb"))
     for key in ("reward/judge/parse_failures", "reward/judge/verdict_tokens", "reward/judge/latency_s",
-                "reward/judge/tokens_per_s", "critic/reward_extra/rule_score/mean"):
+                "reward/judge/tokens_per_s", "reward/judge/engine_tokens", "timing_s/reward/judge",
+                "critic/reward_extra/rule_score/mean"):
         assert len(logged[key]) == 3, key
+    inside = [e for e in timeline_events(str(tmp_path / "timeline.json")) if e.get("name") == "reward/judge"]
+    assert len(inside) == 3 and all(e["pid"] == 1 for e in inside)  # one span a step, on the reward pool's rank
     judged = [v for _, v in logged["critic/score/mean"]]
     rule = [v for _, v in logged["critic/reward_extra/rule_score/mean"]]
     assert all(abs(a - b) < 0.1 for a, b in zip(judged, rule)), (judged, rule)

@@ -49,7 +49,7 @@ class CriticProgram(Program):
                     part["values"] = self.critic.compute_values(part)
             if self.reward is not None:
                 with phase("reward", step, chunk=c):
-                    part.update(scoring.score_rollout(self.reward, part))
+                    part.update(scoring.score_rollout(self.reward, part, self.timer, step, c))
             parts.append(part)
         if self.reward is None:  # scored on the reward group's own pool meanwhile, sent once all chunks were in
             for c, part in enumerate(parts):

@@ -157,6 +157,7 @@ class Judge:
         self.server = None
         self.sums: Counter = Counter()  # what pop_metrics reports
         self.engine_seen = (0, 0)  # the driver's requests and tokens at the last pop_metrics
+        self.spans: list[tuple[int, int]] = []  # its measured scoring calls (time.time_ns), for the timeline
 
     # ---- its life
 
@@ -189,12 +190,14 @@ class Judge:
     def score(self, samples: list[Sample], measure: bool = True) -> tuple[list[Scored], list[str]]:
         """Each sample's Scored (extras: rule_score with reward.judge.log_rule_score) and its first
         verdict's text (yes_no: the probability, written); `measure`: counted in `pop_metrics`."""
-        start = time.perf_counter()
+        start = time.time_ns()
         prompts = [self.prompt_ids(s) for s in samples]
         judged = self._yes_no(prompts) if self.cfg.verdict == "yes_no" else self._generate(prompts, samples)
-        wall = time.perf_counter() - start
+        end = time.time_ns()
+        wall = (end - start) / 1e9
         tokens = sum(j.tokens for j in judged)
         if measure:
+            self.spans.append((start, end))
             self.sums.update({"calls": 1, "latency_s": wall, "verdicts": len(judged) * self.cfg.n, "verdict_tokens": tokens,
                               "parse_failures": sum(j.failures for j in judged),
                               "tokens_per_s": tokens / max(wall, 1e-9)})
@@ -297,6 +300,11 @@ class Judge:
         except Exception:  # noqa: BLE001 - a logged number only: a scorer that fails leaves it out
             return {}
         return {"rule_score": score}
+
+    def pop_spans(self) -> list[tuple[int, int]]:
+        """The (start, end) of each measured scoring call since the last pop (time.time_ns)."""
+        spans, self.spans = self.spans, []
+        return spans
 
     def pop_metrics(self) -> dict[str, tuple[float, float]]:
         """reward/judge/* since the last call, each as (sum, weight) for a pool-wide reduction: totals

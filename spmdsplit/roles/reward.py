@@ -242,6 +242,10 @@ class RuleReward:
         return {(f"reward/{k}" if k.startswith(("errors/", "judge/")) else f"critic/reward_extra/{k}/mean"): v
                 for k, v in reduced.items()}
 
+    def pop_judge_spans(self) -> list[tuple[int, int]]:
+        """The judge's scoring calls since the last pop, (start, end) in time.time_ns; [] without one."""
+        return self.calls.judge.pop_spans() if self.calls.judge is not None else []
+
     def text_columns(self) -> dict[str, list[str]]:
         """Columns of texts the last `compute` made for the rows: the judge's verdicts (VERDICT_TEXT)."""
         return {VERDICT_TEXT: list(self.calls.verdict_texts)} if self.calls.judge is not None else {}

@@ -185,3 +185,6 @@ class RewardModel:
 
     def text_columns(self) -> dict[str, list[str]]:
         return {}
+
+    def pop_judge_spans(self) -> list[tuple[int, int]]:
+        return []

@@ -197,30 +197,12 @@ def ensure_judge_model(cache_dir: str = "") -> str:
     """The folder of the judge (an HF causal LM and its tokenizer), building it there first if it
     isn't yet (about three minutes of one core: over the 90 s
     asked for; shorter schedules had not yet passed the jump in accuracy near step 2000)."""
-    from spmdsplit.embedded import default_cache_dir
-    from spmdsplit.models import hf_tensors, save_hf_folder
+    from spmdsplit.embedded import build_model_folder, default_cache_dir
 
     if not cache_dir and shipped_fingerprint() == _fingerprint():
         return SHIPPED
-    cache_dir = cache_dir or default_cache_dir()
-    target = os.path.join(cache_dir, f"judge-qwen2-{_fingerprint()}")
-    if os.path.isfile(os.path.join(target, "config.json")):
-        return target
-    os.makedirs(cache_dir, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=".building-", dir=cache_dir)
-    os.chmod(staging, 0o755)  # mkdtemp makes it private; a shared cache must be readable by all
-    try:
-        tokenizer = judge_tokenizer()
-        model = build_judge(tokenizer)
-        save_hf_folder(model, hf_tensors(model), staging, tokenizer)
-        try:
-            os.rename(staging, target)  # atomic: readers see no folder or a whole one
-        except OSError:
-            if not os.path.isfile(os.path.join(target, "config.json")):
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    target = os.path.join(cache_dir or default_cache_dir(), f"judge-qwen2-{_fingerprint()}")
+    return build_model_folder(target, judge_tokenizer, build_judge)
 
 
 def judge_generate(model, tokenizer, pairs: list[tuple[str, str]], batch_size: int = 500) -> list[str]:

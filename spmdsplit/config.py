@@ -606,7 +606,11 @@ class JudgeConfig:
     OpenAI-compatible endpoint on the rank's 127.0.0.1 reaches a custom reward function as verl's
     `reward_router_address`."""
     path: str = ""  # a causal LM folder (with a chat template); "" = no judge
-    engine: str = choice("hf", why_not={"vllm": "a vLLM judge engine is not built yet; use {key}=hf"})
+    # hf: transformers on the rank's device; vllm: an in-process vLLM engine (tensor parallel 1), on a
+    # rank that holds no vLLM rollout engine
+    engine: str = choice("hf", "vllm")
+    gpu_memory_utilization: float = bounded(0.3, lambda v: 0 < v < 1, "expected in (0, 1)")  # vllm: its share of the GPU
+    kv_cache_memory_gb: float = bounded(0.25, lambda v: v > 0, "expected > 0")  # vllm on CPU: its KV cache
     # The data_sources whose rows the judge scores; the others keep their scorer (built-in, custom
     # function, server). [] = every row, or, with reward.custom_fn, none directly: the function
     # scores every row and calls the judge through its endpoint.

@@ -181,12 +181,23 @@ def create_process_groups(cfg, placement: Placement, device: torch.device) -> Pr
                                                       backend="gloo", timeout=between))
     groups = ProcessGroups(pools, bulk, control, stop, handoff, weights, generating, weights_ready)
     warm_up(groups, device)
-    if cfg.rollout.name == "vllm":  # 10
+    if vllm_engines(cfg):  # 10
         from spmdsplit.models import compute_dtypes
         from spmdsplit.rollout.vllm_engine import init_vllm_distributed
 
-        init_vllm_distributed(cfg, cfg.model.path, device, compute_dtypes(cfg, device)[0])
+        # The rollout's engines', else the judge's: every engine of the job has tensor parallel 1
+        # where both exist (preflight), so one set of vLLM's groups serves either.
+        from spmdsplit.rewards.judge import vllm_view
+
+        view, path = (cfg, cfg.model.path) if cfg.rollout.name == "vllm" else (vllm_view(cfg), cfg.reward.judge.path)
+        init_vllm_distributed(view, path, device, compute_dtypes(cfg, device)[0])
     return groups
+
+
+def vllm_engines(cfg) -> bool:
+    """Whether the job runs vLLM engines (the rollout's, or the judge's), so that every rank makes
+    vLLM's groups at start (build_process_groups) and destroys them at the end (train.py)."""
+    return cfg.rollout.name == "vllm" or bool(cfg.reward.judge.path and cfg.reward.judge.engine == "vllm")
 
 
 def warm_up(groups: ProcessGroups, device: torch.device) -> list[ProcessGroup]:

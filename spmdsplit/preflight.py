@@ -537,6 +537,7 @@ def check_job(cfg: DictConfig):
     custom_fn = load_custom_reward_fn(cfg.reward.custom_fn.path, cfg.reward.custom_fn.name) if cfg.reward.custom_fn.path else None
     check_reward_function(cfg.reward, custom_fn)  # fails here, on every rank
     check_judge(cfg, custom_fn)
+    check_judge_placement(cfg, placement)
     return placement
 
 
@@ -574,6 +575,28 @@ def check_judge(cfg: DictConfig, custom_fn) -> None:
     check_tokenizer(j, load_tokenizer(j.path, cfg.model.trust_remote_code))
 
 
+def check_judge_placement(cfg: DictConfig, placement) -> None:
+    """A vLLM judge: its engine alone in its process (vLLM 0.32's parallel state is the process's),
+    at tensor parallel 1 beside rollout engines of tensor parallel 1 (one set of vLLM's groups), on
+    a head size vLLM's CPU kernel takes; its verdicts generated (yes_no reads the HF model's logits)."""
+    j = cfg.reward.judge
+    if not j.path or j.engine != "vllm":
+        return
+    if j.verdict == "yes_no":
+        raise ConfigError("reward.judge.engine=vllm with reward.judge.verdict=yes_no: yes_no reads the judge model's "
+                          "next-token logits in one forward pass, which the HF engine gives; use engine=hf")
+    if cfg.rollout.name == "vllm":
+        both = sorted(set(placement.ranks("reward")) & set(placement.generating_ranks))
+        if both:
+            raise ConfigError(f"reward.judge.engine=vllm with rollout.name=vllm: ranks {both} would hold two vLLM "
+                              "engines, which one process cannot; give the reward group a pool of its own "
+                              "(placement.roles.reward) or use reward.judge.engine=hf")
+        if cfg.rollout.tensor_model_parallel_size != 1:
+            raise ConfigError("reward.judge.engine=vllm with rollout.tensor_model_parallel_size="
+                              f"{cfg.rollout.tensor_model_parallel_size}: the judge's engine runs at tensor parallel 1 "
+                              "and the job's vLLM groups are cut once; use reward.judge.engine=hf")
+
+
 def check_judge_fits(cfg: DictConfig, device: torch.device) -> None:
     """Once the device is picked: the judge's weights and KV cache against what the rank has free."""
     if not cfg.reward.judge.path:
@@ -593,4 +616,11 @@ def check_device(cfg: DictConfig, device_type: str) -> None:
 def check_model(cfg: DictConfig, placement, device_type: str) -> None:
     """Checks 9-10, once model.path names a model: vLLM's and the LoRA adapters' against it."""
     check_vllm(cfg, placement, cfg.model.path, device_type)  # no-op unless rollout.name=vllm
+    j = cfg.reward.judge
+    if j.path and j.engine == "vllm" and device_type == "cpu":
+        head = head_size(j.path, cfg.model.trust_remote_code)
+        if head not in CPU_HEAD_SIZES:
+            raise ConfigError(f"reward.judge.engine=vllm: reward.judge.path={j.path!r} has attention heads of size {head}, "
+                              f"which vLLM's CPU attention kernel does not support (sizes {list(CPU_HEAD_SIZES)}); "
+                              "use reward.judge.engine=hf")
     check_lora_models(cfg)  # no-op without LoRA

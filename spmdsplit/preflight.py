@@ -15,7 +15,8 @@ around the actions they wait for:
   5. pools              check_against_placement: a rollout pool's rules, then batch sizes per pool
   6. model paths        model.path, critic.model_path, reward.model.path
   7. reward function    reward.custom_fn loads, and has the shape reward.reward_manager calls; a reward server
-  7b. judge             reward.judge: its model and tokenizer, prompt, verdict, and how it meets the other rewards
+  7b. judge             reward.judge: its model and tokenizer, prompt, verdict, how it meets the other rewards,
+                        and a vLLM judge's place (alone in its process, tensor parallel 1)
   check_device          once the device is picked (trainer.device=cuda without CUDA: refused there)
   8. kernels            flash-attn installed; a packed mask that fits the GPU
   check_model           once model.path names a model (the embedded one is built where it is empty)

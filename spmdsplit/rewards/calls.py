@@ -116,7 +116,8 @@ class RewardCalls:
         if not judged:
             return self._score(samples)
         by_judge, texts = self.judge.score([samples[i] for i in judged], measure)
-        rest = [i for i in range(len(samples)) if i not in set(judged)]
+        judged_set = set(judged)
+        rest = [i for i in range(len(samples)) if i not in judged_set]
         out: list[Scored | None] = [None] * len(samples)
         for i, result, text in zip(judged, by_judge, texts):
             out[i], self.verdict_texts[i] = result, text

@@ -42,7 +42,6 @@ from spmdsplit.serving.protocol import render_chat
 # engine decodes a whole verdict per step, so a request that misses a step waits a whole verdict.
 GATHER_S = 0.02
 PLACEHOLDERS = ("prompt", "response", "ground_truth", "data_source", "extra_info")
-VERDICT_COLUMN = "judge_verdict"  # the column of scored rows holding each row's first verdict text ("" = not judged)
 
 
 class JudgeContextError(RuntimeError):
@@ -350,7 +349,7 @@ def vllm_view(cfg):
         config = json.load(f)
     context = config.get("text_config", config).get("max_position_embeddings", 4096)
     sampling = JudgeSampling(j)
-    rollout = dict(temperature=sampling.temperature if sampling.do_sample else 0.0, top_p=j.top_p, top_k=j.top_k,
+    rollout = dict(temperature=sampling.temperature, top_p=j.top_p, top_k=j.top_k,
                    do_sample=sampling.do_sample, max_num_seqs=j.max_num_seqs, tensor_model_parallel_size=1,
                    gpu_memory_utilization=j.gpu_memory_utilization, kv_cache_memory_gb=j.kv_cache_memory_gb,
                    free_cache_engine=False, enable_prefix_caching=False)

@@ -22,7 +22,7 @@ from spmdsplit.models import ModelSource, attention_implementation, compute_dtyp
 from spmdsplit.groups import Pools
 from spmdsplit.rewards.calls import RewardCalls, waiting_scorers
 from spmdsplit.rewards.custom import load_custom_reward_fn
-from spmdsplit.rewards.judge import Judge, JudgeSampling, check_tokenizer
+from spmdsplit.rewards.judge import Judge, JudgeSampling
 from spmdsplit.rewards.remote import RemoteReward
 from spmdsplit.roles.actor import Actor
 from spmdsplit.roles.critic import Critic
@@ -164,8 +164,7 @@ def build_judge(cfg, pools: Pools) -> Judge | None:
 
     device, remote = pools.device, cfg.model.trust_remote_code
     dtype, _ = compute_dtypes(cfg, device)
-    tokenizer = load_tokenizer(j.path, remote)
-    check_tokenizer(j, tokenizer)
+    tokenizer = load_tokenizer(j.path, remote)  # checked by preflight.check_judge on every rank
     if j.engine == "vllm":  # vllm_engine.init_vllm_distributed ran on every rank (groups.py)
         from spmdsplit.rewards.judge import checkpoint_tensors, vllm_view
         from spmdsplit.rollout.vllm_engine import VLLMRollout

@@ -21,7 +21,6 @@ import hashlib
 import json
 import os
 import random
-import re
 import shutil
 import tempfile
 
@@ -221,9 +220,13 @@ def judge_generate(model, tokenizer, pairs: list[tuple[str, str]], batch_size: i
 
 
 def read_verdict(text: str) -> int | None:
-    """The last number in [0, 9] of a judge's text, as the runtime reads it."""
-    numbers = [int(n) for n in re.findall(r"\d+", text) if 0 <= int(n) <= 9]
-    return numbers[-1] if numbers else None
+    """The digit a judge's text gives, read by the runtime's parser (the last number, in [0, 9])."""
+    from spmdsplit.rewards import verdicts
+
+    try:
+        return round(verdicts.last_number(text, 0, 9) * 9)
+    except verdicts.NoVerdict:
+        return None
 
 
 def judge_accuracy(path: str, num_samples: int = 2000, seed: int = HELD_OUT_SEED, p_values=None) -> float:

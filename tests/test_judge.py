@@ -159,6 +159,8 @@ def test_yes_no_reads_one_forward_pass_and_truncation_cuts_the_response(judge):
         cut.driver = judge.driver
         [score], [text] = cut.score([long])
         assert text and cut.pop_metrics()["truncated"][0] == 1
+        cut.score([long], measure=False)  # validation's: cut as well, not counted
+        assert cut.pop_metrics()["truncated"][0] == 0
 
 
 def test_an_unreadable_verdict_scores_on_parse_error_and_is_counted(judge):

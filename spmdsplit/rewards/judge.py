@@ -204,7 +204,8 @@ class Judge:
         """Each sample's Scored (extras: rule_score with reward.judge.log_rule_score) and its first
         verdict's text (yes_no: the probability, written); `measure`: counted in `pop_metrics`."""
         start = time.time_ns()
-        prompts = [self.prompt_ids(s) for s in samples]
+        fitted = [self.prompt_ids(s) for s in samples]
+        prompts = [ids for ids, _ in fitted]
         judged = self._yes_no(prompts) if self.cfg.verdict == "yes_no" else self._generate(prompts, samples)
         end = time.time_ns()
         wall = (end - start) / 1e9
@@ -212,20 +213,21 @@ class Judge:
         if measure:
             self.spans.append((start, end))
             self.sums.update({"calls": 1, "latency_s": wall, "verdicts": len(judged) * self.cfg.n, "verdict_tokens": tokens,
-                              "parse_failures": sum(j.failures for j in judged),
+                              "parse_failures": sum(j.failures for j in judged), "truncated": sum(c for _, c in fitted),
                               "tokens_per_s": tokens / max(wall, 1e-9)})
         scored = [Scored(j.score, self._rule_extras(s)) for j, s in zip(judged, samples)]
         return scored, [j.text for j in judged]
 
-    def prompt_ids(self, sample: Sample) -> list[int]:
-        """The sample's judge prompt as token ids, fitted to the judge's context (reward.judge.truncation)."""
+    def prompt_ids(self, sample: Sample) -> tuple[list[int], bool]:
+        """The sample's judge prompt as token ids, fitted to the judge's context (reward.judge.truncation),
+        and whether its response was cut to fit."""
         room = self.driver.max_model_len - (0 if self.cfg.verdict == "yes_no" else self.cfg.max_tokens)
         response = sample.solution_str
         for _ in range(4):  # a cut response may tokenize a little differently in its context: fit again
             ids = render_chat(self.messages(sample, response), self.tokenizer)
             over = len(ids) - room
             if over <= 0:
-                return ids
+                return ids, response is not sample.solution_str
             response_ids = self.tokenizer.encode(response, add_special_tokens=False)
             if self.cfg.truncation == "error" or over >= len(response_ids):
                 cut = "" if self.cfg.truncation == "error" else " even without its response"
@@ -236,7 +238,6 @@ class Judge:
                     f"{sample.data_source!r}); reward.judge.truncation=left|right cuts the response to fit")
             kept = response_ids[over:] if self.cfg.truncation == "left" else response_ids[:-over]
             response = self.tokenizer.decode(kept)
-            self.sums["truncated"] += 1
         raise JudgeContextError("reward.judge: a judge prompt could not be cut to fit the judge's context")
 
     def messages(self, sample: Sample, response: str) -> list[dict]:

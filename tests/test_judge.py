@@ -163,6 +163,27 @@ def test_yes_no_reads_one_forward_pass_and_truncation_cuts_the_response(judge):
         assert cut.pop_metrics()["truncated"][0] == 0
 
 
+def test_a_verdict_function_that_raises_hangs_or_returns_garbage_is_contained_and_counted(judge):
+    import time as clock
+
+    def verdict_fn(text, data_source, ground_truth, extra_info):
+        kind = extra_info["index"] % 4
+        if kind == 1:
+            raise RuntimeError("broken parser")
+        if kind == 2:
+            clock.sleep(5)
+        return "garbage" if kind == 3 else int(text) / 9
+
+    custom = Judge(judge_config(verdict="custom"), judge.engine, judge.tokenizer, verdict_fn, timeout_s=0.5)
+    custom.driver = judge.driver
+    samples = held_out_samples(8)
+    scored, texts = custom.score(samples)
+    good = [i for i in range(8) if i % 4 == 0]
+    assert [scored[i].score for i in good] == [int(texts[i]) / 9 for i in good]
+    assert all(scored[i].score == 0.0 for i in range(8) if i % 4)  # on_parse_error
+    assert custom.pop_metrics()["parse_failures"][0] == 6
+
+
 def test_an_unreadable_verdict_scores_on_parse_error_and_is_counted(judge):
     off = Judge(judge_config(range=[10.0, 20.0], on_parse_error=-1.0), judge.engine, judge.tokenizer)
     off.driver = judge.driver

@@ -36,6 +36,7 @@ from spmdsplit.rewards.calls import Sample, Scored
 from spmdsplit.rewards.rule import normalize_result
 from spmdsplit.serving.driver import EngineDriver
 from spmdsplit.serving.protocol import render_chat
+from spmdsplit.usercode import call_within
 
 # How long the judge's engine, found idle, waits for more verdict requests to batch with the first
 # (serving/driver.py): a custom function's concurrent calls arrive over milliseconds, and the HF
@@ -161,10 +162,12 @@ class Verdicts:
 
 
 class Judge:
-    def __init__(self, cfg, engine, tokenizer, verdict_fn: Callable | None = None):
+    def __init__(self, cfg, engine, tokenizer, verdict_fn: Callable | None = None, timeout_s: float = 300.0):
         """`cfg`: reward.judge; `engine`: a stepwise rollout engine over the judge's model, sampling as
-        cfg says; `verdict_fn`: reward.judge.verdict_fn's function (verdict=custom)."""
+        cfg says; `verdict_fn`: reward.judge.verdict_fn's function (verdict=custom), each call bounded
+        by `timeout_s` (reward.timeout_s)."""
         self.cfg, self.engine, self.tokenizer, self.verdict_fn = cfg, engine, tokenizer, verdict_fn
+        self.timeout_s = timeout_s
         self.low, self.high = (float(x) for x in cfg.range)
         self.driver: EngineDriver | None = None  # the engine's owner once started (the server's, when serving)
         self.server = None
@@ -260,14 +263,19 @@ class Judge:
         return out
 
     def read(self, text: str, sample: Sample) -> float | None:
-        """A verdict's score, or None when it cannot be read."""
+        """A verdict's score, or None when it cannot be read: by the built-in parser, or by the user's
+        verdict function, which is contained (what it raises, an overrun of timeout_s, a result that is
+        not a score: the verdict cannot be read, and is counted so)."""
+        if self.cfg.verdict != "custom":
+            try:
+                return verdicts.parse(text, self.cfg.verdict, self.low, self.high, self.cfg.tag)
+            except verdicts.NoVerdict:
+                return None
         try:
-            if self.cfg.verdict == "custom":
-                result = self.verdict_fn(text=text, data_source=sample.data_source, ground_truth=sample.ground_truth,
-                                         extra_info=sample.extra_info)
-                return normalize_result(result, sample.data_source, text, sample.ground_truth)[0]
-            return verdicts.parse(text, self.cfg.verdict, self.low, self.high, self.cfg.tag)
-        except (verdicts.NoVerdict, TypeError, ValueError):
+            result = call_within(self.timeout_s, self.verdict_fn, text=text, data_source=sample.data_source,
+                                 ground_truth=sample.ground_truth, extra_info=sample.extra_info)
+            return normalize_result(result, sample.data_source, text, sample.ground_truth)[0]
+        except Exception:  # noqa: BLE001 - the user's function's fault, contained and counted
             return None
 
     @torch.no_grad()

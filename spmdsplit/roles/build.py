@@ -177,7 +177,7 @@ def build_judge(cfg, pools: Pools) -> Judge | None:
         engine = HFRollout(model, tokenizer, JudgeSampling(j), j.max_tokens, eos_token_ids(j.path, tokenizer))
     verdict_fn = load_custom_reward_fn(j.verdict_fn.path, j.verdict_fn.name, key="reward.judge.verdict_fn") if j.verdict == "custom" else None
     place = pools.placement.ranks("reward").index(dist.get_rank()) if dist.is_initialized() else 0
-    return Judge(j, engine, tokenizer, verdict_fn).start(serve=bool(cfg.reward.custom_fn.path),
+    return Judge(j, engine, tokenizer, verdict_fn, cfg.reward.timeout_s).start(serve=bool(cfg.reward.custom_fn.path),
                                                         port=j.port + place if j.port else 0)
 
 

@@ -372,3 +372,100 @@ def test_vllm_engine_served(head32_model_dir):
         assert served == pytest.approx(own, abs=1e-4)
     assert res["concurrent"] == res["texts"] * 4
     assert res["steps"] <= R + 2  # 32 requests of at most R tokens, one token per request per step: together
+
+
+# ------------------------------------------------------------------ a tensor-parallel engine's ranks
+
+class Recording:
+    """An engine that writes down every call its driver makes (what vLLM's lockstep needs equal on
+    every rank of a tensor-parallel engine), then makes it."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, []
+        self.eos_token_ids, self.max_model_len = engine.eos_token_ids, engine.max_model_len
+
+    def submit(self, request_id, context, budget, seed=None, validate=False, stop_ids=None):
+        self.calls.append(("submit", request_id, tuple(context), budget))
+        self.engine.submit(request_id, context, budget, seed, validate=validate, stop_ids=stop_ids)
+
+    def step(self):
+        self.calls.append(("step",))
+        return self.engine.step()
+
+    def abort(self, request_ids):
+        self.calls.append(("abort", tuple(sorted(request_ids))))
+        self.engine.abort(request_ids)
+
+
+def lockstep_ranks(rank, world_size):
+    """Rank 0 serves its callers over HTTP (the `openai` client, concurrent, one with a stop string),
+    rank 1 submits to its driver directly, 20 ms apart, and pauses once while rank 0's requests run;
+    both drivers trade over a gloo group of the two. Returns each rank's engine calls, its answers,
+    the steps run while rank 1 was paused, and a lone driver's answers to the same requests."""
+    import torch.distributed as dist
+
+    from spmdsplit.embedded import build_tokenizer, ensure_embedded_model
+    from spmdsplit.models import load_causal_lm
+    from spmdsplit.serving import EngineDriver, OpenAIServer
+    from spmdsplit.serving.driver import LockstepDriver
+
+    peers = dist.new_group([0, 1], backend="gloo")  # the drivers' own: no other thread may use it
+    meet = dist.new_group([0, 1], backend="gloo")
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = TEMPLATE
+    model = load_causal_lm(ensure_embedded_model(), torch.float32, torch.device("cpu"), 0)
+    engine = Recording(hf_engine(model, tokenizer))
+    mine = PROMPTS[:4] if rank == 0 else PROMPTS[4:]
+    stop = ["7"] if rank == 0 else []
+    while_paused = None
+    if rank == 0:
+        server = OpenAIServer(engine, tokenizer, MODEL, GREEDY, peers=peers).start()
+        assert isinstance(server.driver, LockstepDriver)
+
+        async def ask_all():
+            async with openai.AsyncOpenAI(base_url=server.base_url, api_key="any", max_retries=0) as aclient:
+                return await asyncio.gather(*(aclient.completions.create(model=MODEL, prompt=p, max_tokens=R, stop=stop)
+                                              for p in mine))
+        answers = [a.choices[0].text for a in asyncio.run(ask_all())]
+        dist.barrier(group=meet)  # rank 1 is done pausing
+        server.stop()
+        driver = server.driver
+    else:
+        driver = LockstepDriver(engine, tokenizer, peers)
+        driver.start()
+        futures = []
+        for p in mine:
+            futures.append(driver.submit(tokenizer.encode(p, add_special_tokens=False), R))
+            time.sleep(0.02)
+        while not [c for c in engine.calls if c[0] == "step"]:  # both ranks' requests are in the engine
+            time.sleep(0.002)
+        driver.pause()
+        steps = driver.steps
+        time.sleep(0.3)
+        while_paused = driver.steps - steps
+        held = dict(engine.engine.requests)
+        driver.resume()
+        answers = [tokenizer.decode(f.result(60).token_ids, skip_special_tokens=True) for f in futures]
+        assert not held, held  # paused, the engine held nothing of either rank's
+        dist.barrier(group=meet)
+        driver.stop()
+    alone = EngineDriver(hf_engine(model, tokenizer), tokenizer)
+    alone.start()
+    lone = [alone.submit(tokenizer.encode(p, add_special_tokens=False), R, stop=stop).result(60).text for p in mine]
+    alone.stop()
+    return dict(calls=engine.calls, answers=answers, lone=lone, while_paused=while_paused)
+
+
+def test_a_tensor_parallel_engines_drivers_put_the_same_requests_in_and_step_together():
+    """What a tensor-parallel vLLM engine needs of its ranks (a batch that differs desynchronises its
+    collectives): each rank's callers are its own (HTTP on one, direct on the other, arriving at
+    different times), and still both engines see the same calls in the same order (submits, aborts
+    of a stop string's request, steps), no step runs while one rank is paused, and every caller
+    gets what a lone engine would give it."""
+    first, second = run_ranks(lockstep_ranks, 2, timeout=120)
+    assert first["calls"] == second["calls"]
+    assert {c[1][:2] for c in first["calls"] if c[0] == "submit"} == {"r0", "r1"}  # both ranks' requests
+    assert any(c[0] == "abort" for c in first["calls"])  # the stop string's request, out on both
+    assert second["while_paused"] == 0
+    assert first["answers"] == first["lone"] and second["answers"] == second["lone"]
+    assert any("7" in PROMPTS[i] for i in range(4)) and all("7" not in a for a in first["answers"])

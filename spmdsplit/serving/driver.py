@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from spmdsplit.rollout.base import splitmix64
 
@@ -84,8 +85,13 @@ class _Request:
     tokens: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
 
-    def context_and_budget(self) -> tuple[list[int], int]:
-        return self.prompt + self.tokens, self.budget - len(self.tokens)
+    def entry(self) -> tuple[list[int], int, int | None]:
+        """What goes into the engine: the prompt and the tokens so far as the context, the budget
+        left, the seed (back after a pause: not the same draws again)."""
+        seed = self.seed
+        if seed is not None and self.tokens:
+            seed = splitmix64(seed ^ len(self.tokens)) >> 1
+        return self.prompt + self.tokens, self.budget - len(self.tokens), seed
 
 
 class EngineDriver:
@@ -110,6 +116,7 @@ class EngineDriver:
         self._paused = self._parked = self._stopping = False
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
+        self._prefix = "s"  # request ids: prefix + a count
         self.steps = self.requests = self.tokens = 0  # engine steps run, requests taken, tokens sampled
 
     # ---- from any thread
@@ -130,7 +137,7 @@ class EngineDriver:
         its next step."""
         budget = check_context(len(prompt_ids), max_tokens, self.max_model_len)
         single = single_token_ids(self.tokenizer, stop)
-        request = _Request(f"s{next(self._ids)}", list(prompt_ids), budget, seed, tuple(stop),
+        request = _Request(f"{self._prefix}{next(self._ids)}", list(prompt_ids), budget, seed, tuple(stop),
                            self.eos_ids + single if single else None, concurrent.futures.Future())
         with self._cond:
             if self._stopping or self._thread is None:
@@ -182,22 +189,7 @@ class EngineDriver:
             torch.get_num_threads()
             if cuda_device is not None:  # the device is per thread too: this one would default to cuda:0
                 torch.cuda.set_device(cuda_device)
-            while True:
-                with self._cond:
-                    while not self._stopping:
-                        self._drop_cancelled()
-                        if self._paused:
-                            self._park()
-                        elif self._queue or self._live:
-                            break
-                        self._cond.wait()
-                    if self._stopping:
-                        return
-                    if not self._live and self.gather_s > 0:
-                        self._gather()
-                    new, self._queue = self._queue, []
-                self._enter(new)
-                self._step()
+            self._loop()
         except BaseException as e:  # a fault of the driver's own: no request may wait for a thread that is gone
             with self._cond:
                 self._stopping = True
@@ -206,6 +198,25 @@ class EngineDriver:
             for request in left:
                 _fail(request, DriverStopped(f"the engine driver failed: {type(e).__name__}: {e}"))
             raise
+
+    def _loop(self) -> None:
+        """Until stopped: what is queued into the engine, then a step."""
+        while True:
+            with self._cond:
+                while not self._stopping:
+                    self._drop_cancelled()
+                    if self._paused:
+                        self._park()
+                    elif self._queue or self._live:
+                        break
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                if not self._live and self.gather_s > 0:
+                    self._gather()
+                new, self._queue = self._queue, []
+            self._enter(new)
+            self._step()
 
     def _gather(self) -> None:
         """(The lock held.) Waits while requests keep arriving, gather_s after the last one."""
@@ -229,7 +240,7 @@ class EngineDriver:
         """Requests whose callers went away (a client that disconnected) leave the engine."""
         gone = [rid for rid, r in self._live.items() if r.future.cancelled()]
         if gone:
-            self.engine.abort(gone)
+            self._abort(gone)
             for rid in gone:
                 del self._live[rid]
         self._queue = [r for r in self._queue if not r.future.cancelled()]
@@ -237,10 +248,7 @@ class EngineDriver:
     def _enter(self, new: list[_Request]) -> None:
         """The requests into the engine (one the engine refuses fails alone)."""
         for request in new:
-            context, budget = request.context_and_budget()
-            seed = request.seed
-            if seed is not None and request.tokens:  # back after a pause: not the same draws again
-                seed = splitmix64(seed ^ len(request.tokens)) >> 1
+            context, budget, seed = request.entry()
             try:
                 self.engine.submit(request.id, context, budget, seed, validate=self.validate,
                                    stop_ids=request.stop_ids)
@@ -250,8 +258,12 @@ class EngineDriver:
             self._live[request.id] = request
 
     def _step(self) -> None:
-        if not self._live:
-            return
+        if self._live:
+            self._run_step()
+
+    def _run_step(self) -> list | None:
+        """One engine step, its deltas given to the requests they belong to; returns the deltas
+        (None: the step failed, every request of this driver in the engine failed with it)."""
         try:
             deltas = self.engine.step()
         except Exception as e:  # noqa: BLE001 - every caller of this step hears of it; the driver goes on
@@ -259,7 +271,7 @@ class EngineDriver:
             self.engine.abort([r.id for r in failed])
             for request in failed:
                 _fail(request, e)
-            return
+            return None
         self.steps += 1
         for delta in deltas:
             request = self._live.get(delta.request_id)
@@ -271,11 +283,16 @@ class EngineDriver:
             self.tokens += len(delta.token_ids)
             cut = self._stop_string(request, before)
             if cut is not None and not delta.finished:
-                self.engine.abort([request.id])
+                self._abort([request.id])
             if cut is not None or delta.finished:
                 del self._live[request.id]
                 text = self.tokenizer.decode(request.tokens, skip_special_tokens=True)[:cut]
                 _settle(request, Completion(request.tokens, request.log_probs, self._reason(request, cut), text))
+        return deltas
+
+    def _abort(self, request_ids: list[str]) -> None:
+        """Requests out of the engine before its next step."""
+        self.engine.abort(request_ids)
 
     def _stop_string(self, request: _Request, before: int) -> int | None:
         """Where the first stop string starts in the text (None: none there yet). A step may have
@@ -294,6 +311,120 @@ class EngineDriver:
         return "stop" if cut is not None or (request.tokens and request.tokens[-1] in stop_ids) else "length"
 
 
+class LockstepDriver(EngineDriver):
+    """An EngineDriver on one rank of a tensor-parallel engine (vLLM, tensor_parallel_size > 1),
+    whose ranks must put the same requests into it, in the same order, and step it together: a
+    rank whose batch differs desynchronises the engine's collectives (vLLM-CPU aborts with a gloo
+    size mismatch). Each rank's driver takes requests from callers on its own rank; before every
+    step the engine's drivers trade over `peers` (a gloo group of the engine's ranks, in rank
+    order) what each has new: requests (context, budget and seed as its owner computed them),
+    aborts, and whether it is paused or stopping. Every rank then enters every rank's requests in
+    rank order, steps, and settles only its own; what the peers asked stays in the engine as theirs
+    (`_shadows`) until they finish or are aborted. Aborts wait for the next trade: an abort by one
+    rank alone would change its batch only.
+
+    - A pause by any rank parks every rank's engine (every request out of it; each rank keeps its
+      own to put back); the engine steps again once no rank is paused. `pause` returns once a trade
+      carried this rank's pause, so no step can run after it returns until it resumes.
+    - Idle, the drivers still trade, every POLL_S, backing off to IDLE_POLL_S: a request on one
+      rank must reach the others' engines.
+    - `stop` returns once every rank's driver stopped (the job's end: each rank stops its own)."""
+
+    POLL_S, IDLE_POLL_S = 0.002, 0.05
+
+    def __init__(self, engine, tokenizer, peers, **kwargs):
+        super().__init__(engine, tokenizer, **kwargs)
+        self.peers, self.place = peers, dist.get_rank(peers)
+        self._prefix = f"r{self.place}s"  # unique over the engine's ranks
+        self._aborts: list[str] = []  # for the next trade
+        self._shadows: set[str] = set()  # the other ranks' requests in the engine
+
+    def pause(self) -> None:
+        with self._cond:
+            if not self._paused:
+                self._paused, self._parked = True, False
+            self._cond.notify_all()
+            while not self._parked and self._thread is not None and self._thread.is_alive():
+                self._cond.wait()
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = self._parked = False  # the engine steps once a trade finds no rank paused
+            self._cond.notify_all()
+
+    def _abort(self, request_ids: list[str]) -> None:
+        self._aborts += request_ids
+
+    def _loop(self) -> None:
+        wait = self.POLL_S
+        while True:
+            offer, offered = self._offer(wait)
+            offers = [None] * dist.get_world_size(self.peers)
+            dist.all_gather_object(offers, offer, group=self.peers)
+            if all(o["stopping"] for o in offers):
+                return
+            busy = self._apply(offers, offered, paused=offer["paused"])
+            wait = self.POLL_S if busy else min(wait * 2, self.IDLE_POLL_S)
+
+    def _offer(self, wait: float) -> tuple[dict, list[_Request]]:
+        """What this rank trades now; with nothing in the engine, after up to `wait` (a new request,
+        a pause or a stop cuts it short)."""
+        with self._cond:
+            stepping = self._live or self._shadows
+            if not stepping:
+                self._cond.wait(wait)
+            if self._queue and not stepping and self.gather_s > 0 and not self._paused:
+                self._gather()
+            self._drop_cancelled()
+            offered = [] if self._paused or self._stopping else list(self._queue)
+            aborts, self._aborts = self._aborts, []
+            offer = {"requests": [(r.id, *r.entry(), r.stop_ids) for r in offered], "aborts": aborts,
+                     "paused": self._paused, "stopping": self._stopping}
+        return offer, offered
+
+    def _apply(self, offers: list[dict], offered: list[_Request], paused: bool) -> bool:
+        """Every rank's trade applied alike; returns whether anything happened or is held."""
+        aborts = [rid for o in offers for rid in o["aborts"]]
+        if aborts:
+            self.engine.abort(aborts)
+            self._shadows.difference_update(aborts)
+        if any(o["paused"] for o in offers):
+            with self._cond:
+                held = [*self._live, *self._shadows]
+                if held:
+                    self.engine.abort(held)
+                self._queue[:0] = self._live.values()  # ahead of the waiting ones, which were not entered
+                self._live, self._shadows = {}, set()
+                if paused:  # a trade carried this rank's pause: nothing steps until it resumes
+                    self._parked = True
+                    self._cond.notify_all()
+            return bool(aborts or held)
+        mine = {r.id: r for r in offered}
+        with self._cond:
+            self._queue = [r for r in self._queue if r.id not in mine]
+        for o in offers:
+            for rid, context, budget, seed, stop_ids in o["requests"]:
+                try:
+                    self.engine.submit(rid, context, budget, seed, validate=self.validate, stop_ids=stop_ids)
+                except Exception as e:  # noqa: BLE001 - refused alike on every rank; its owner hears of it
+                    if rid in mine:
+                        _fail(mine[rid], e)
+                    continue
+                if rid in mine:
+                    self._live[rid] = mine[rid]
+                else:
+                    self._shadows.add(rid)
+        if not (self._live or self._shadows):
+            return bool(aborts)
+        deltas = self._run_step()
+        if deltas is None:  # failed on every rank alike: the peers' requests are out too
+            self.engine.abort(list(self._shadows))
+            self._shadows.clear()
+        else:
+            self._shadows.difference_update(d.request_id for d in deltas if d.finished)
+        return True
+
+
 def _settle(request: _Request, completion: Completion) -> None:
     if request.future.set_running_or_notify_cancel():  # False: the caller cancelled it
         request.future.set_result(completion)
@@ -302,6 +433,14 @@ def _settle(request: _Request, completion: Completion) -> None:
 def _fail(request: _Request, error: BaseException) -> None:
     if request.future.set_running_or_notify_cancel():
         request.future.set_exception(error)
+
+
+def make_driver(engine, tokenizer, peers=None, **kwargs) -> EngineDriver:
+    """An EngineDriver, or with `peers` (the gloo group of a tensor-parallel engine's ranks, more
+    than one) a LockstepDriver."""
+    if peers is not None and dist.get_world_size(peers) > 1:
+        return LockstepDriver(engine, tokenizer, peers, **kwargs)
+    return EngineDriver(engine, tokenizer, **kwargs)
 
 
 def _current_cuda_device() -> int | None:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from aiohttp import web
 
 from spmdsplit.serving import protocol
-from spmdsplit.serving.driver import DriverStopped, EngineDriver
+from spmdsplit.serving.driver import DriverStopped, make_driver
 from spmdsplit.serving.protocol import BadRequest, Record, Served
 from spmdsplit.usercode import UserCode
 
@@ -37,17 +37,20 @@ class OpenAIServer:
     samples with (an object with do_sample, temperature, top_p, top_k: its rollout.*, or its
     rollout.val_kwargs with `validate=True`); requests asking for other settings are refused.
     `record(Record)`: called for every choice answered, on the server's thread before the response
-    goes out (keep it quick; what it raises fails the request with a 500). `gather_s`: EngineDriver's."""
+    goes out (keep it quick; what it raises fails the request with a 500). `gather_s`: EngineDriver's.
+    `peers`: the gloo group of a tensor-parallel engine's ranks, each serving its own callers
+    (driver.LockstepDriver)."""
 
     def __init__(self, engine, tokenizer, model_name: str, sampling, *, host: str = LOCALHOST, port: int = 0,
-                 validate: bool = False, record: Callable[[Record], None] | None = None, gather_s: float = 0.0):
+                 validate: bool = False, record: Callable[[Record], None] | None = None, gather_s: float = 0.0,
+                 peers=None):
         if host not in (LOCALHOST, "localhost"):
             raise ValueError(f"OpenAIServer serves on {LOCALHOST} only (it has no authentication), not {host!r}")
         # A copy of its own: a fast tokenizer called with padding or truncation by the caller's threads
         # (a reward function's) changes its state, and the Rust side then refuses the server's
         # threads with "Already borrowed".
         self.tokenizer, self.record, self.requested_port = copy.deepcopy(tokenizer), record, port
-        self.driver = EngineDriver(engine, self.tokenizer, validate=validate, gather_s=gather_s)
+        self.driver = make_driver(engine, self.tokenizer, peers, validate=validate, gather_s=gather_s)
         self.served = Served.of(model_name, sampling, self.driver.max_model_len)
         self._code: UserCode | None = None
         self._runner: web.AppRunner | None = None

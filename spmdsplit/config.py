@@ -606,9 +606,15 @@ class JudgeConfig:
     OpenAI-compatible endpoint on the rank's 127.0.0.1 reaches a custom reward function as verl's
     `reward_router_address`."""
     path: str = ""  # a causal LM folder (with a chat template); "" = no judge
-    # hf: transformers on the rank's device; vllm: an in-process vLLM engine (tensor parallel 1), on a
-    # rank that holds no vLLM rollout engine
+    # hf: transformers on the rank's device; vllm: an in-process vLLM engine, on ranks that hold no
+    # vLLM rollout engine
     engine: str = choice("hf", "vllm")
+    # vllm: each judge over this many consecutive ranks of the reward group's pool, which score
+    # their rows together (beside a vLLM rollout: the rollout's tensor parallel size)
+    tensor_model_parallel_size: int = positive(1)
+    # vllm, hosted with a critic: its weights to host memory and its KV cache freed while the critic
+    # trains (vLLM's level-1 sleep; GPU only), back for the next step's scoring
+    free_cache_engine: bool = True
     gpu_memory_utilization: float = bounded(0.3, lambda v: 0 < v < 1, "expected in (0, 1)")  # vllm: its share of the GPU
     kv_cache_memory_gb: float = bounded(0.25, lambda v: v > 0, "expected > 0")  # vllm on CPU: its KV cache
     # The data_sources whose rows the judge scores; the others keep their scorer (built-in, custom

@@ -185,8 +185,8 @@ def create_process_groups(cfg, placement: Placement, device: torch.device) -> Pr
         from spmdsplit.models import compute_dtypes
         from spmdsplit.rollout.vllm_engine import init_vllm_distributed
 
-        # The rollout's engines', else the judge's: every engine of the job has tensor parallel 1
-        # where both exist (preflight), so one set of vLLM's groups serves either.
+        # The rollout's engines', else the judge's: both take one tensor-parallel size where both
+        # exist (preflight), so one set of vLLM's groups serves either.
         from spmdsplit.rewards.judge import vllm_view
 
         view, path = (cfg, cfg.model.path) if cfg.rollout.name == "vllm" else (vllm_view(cfg), cfg.reward.judge.path)

@@ -385,12 +385,18 @@ def check_continuous(cfg: DictConfig) -> None:
 
 
 def check_rollout_placement(cfg: DictConfig, placement) -> None:
+    """The rollout's vLLM engines' tensor-parallel groups, each inside one pool."""
+    if cfg.rollout.name == "vllm":
+        check_tensor_parallel_groups("rollout.tensor_model_parallel_size", cfg.rollout.tensor_model_parallel_size,
+                                     placement)
+
+
+def check_tensor_parallel_groups(key: str, tp: int, placement) -> None:
     """vLLM cuts the *world* into tensor-parallel groups of consecutive ranks; each group must lie
     inside one pool, or an engine's collectives would wait on ranks busy with another pool."""
-    tp = cfg.rollout.tensor_model_parallel_size
-    if cfg.rollout.name != "vllm" or tp == 1:
+    if tp == 1:
         return
-    key = f"rollout.tensor_model_parallel_size={tp}"
+    key = f"{key}={tp}"
     if placement.world_size % tp:
         raise ConfigError(f"{key}: the world size {placement.world_size} is not a multiple of it")
     for start in range(0, placement.world_size, tp):
@@ -578,10 +584,17 @@ def check_judge(cfg: DictConfig, custom_fn) -> None:
 
 def check_judge_placement(cfg: DictConfig, placement) -> None:
     """A vLLM judge: its engine alone in its process (vLLM 0.32's parallel state is the process's),
-    at tensor parallel 1 beside rollout engines of tensor parallel 1 (one set of vLLM's groups), on
-    a head size vLLM's CPU kernel takes; its verdicts generated (yes_no reads the HF model's logits)."""
+    its tensor-parallel groups inside the reward group's pool and, beside vLLM rollout engines, of
+    their size (vLLM's groups are cut once for the job); its verdicts generated (yes_no reads the HF
+    model's logits)."""
     j = cfg.reward.judge
-    if not j.path or j.engine != "vllm":
+    tp = j.tensor_model_parallel_size
+    if not j.path:
+        return
+    if j.engine != "vllm":
+        if tp != 1:
+            raise ConfigError(f"reward.judge.tensor_model_parallel_size={tp} with reward.judge.engine=hf: the HF "
+                              "engine runs a whole model per rank; use engine=vllm")
         return
     if j.verdict == "yes_no":
         raise ConfigError("reward.judge.engine=vllm with reward.judge.verdict=yes_no: yes_no reads the judge model's "
@@ -592,10 +605,11 @@ def check_judge_placement(cfg: DictConfig, placement) -> None:
             raise ConfigError(f"reward.judge.engine=vllm with rollout.name=vllm: ranks {both} would hold two vLLM "
                               "engines, which one process cannot; give the reward group a pool of its own "
                               "(placement.roles.reward) or use reward.judge.engine=hf")
-        if cfg.rollout.tensor_model_parallel_size != 1:
-            raise ConfigError("reward.judge.engine=vllm with rollout.tensor_model_parallel_size="
-                              f"{cfg.rollout.tensor_model_parallel_size}: the judge's engine runs at tensor parallel 1 "
-                              "and the job's vLLM groups are cut once; use reward.judge.engine=hf")
+        if cfg.rollout.tensor_model_parallel_size != tp:
+            raise ConfigError(f"reward.judge.tensor_model_parallel_size={tp} with rollout.tensor_model_parallel_size="
+                              f"{cfg.rollout.tensor_model_parallel_size}: vLLM's groups are cut once for the job, "
+                              "so the judge's and the rollout's engines take one size")
+    check_tensor_parallel_groups("reward.judge.tensor_model_parallel_size", tp, placement)
 
 
 def check_judge_fits(cfg: DictConfig, device: torch.device) -> None:

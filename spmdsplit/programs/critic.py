@@ -72,7 +72,7 @@ class CriticProgram(Program):
         # Back in the chunks they came in, so each actor rank gets exactly its rows.
         sends = [channel.send_advantages(step, c, part) for c, part in enumerate(batch.split(len(parts[0])))]
         if self.critic is not None:
-            with phase("update_critic", step):
+            with scoring.judge_asleep(self.reward, self.timer, step), phase("update_critic", step):
                 metrics.update(self.critic.update_critic(batch, seed=update_seed(self.cfg.trainer.seed, step)))
         metrics.update(compute_data_metrics(batch, self.pools.group("critic"), self.pools.device,
                                             self.cfg.data.max_response_length))
@@ -83,6 +83,10 @@ class CriticProgram(Program):
         for sent in sends:
             sent.wait()
         return metrics
+
+    def close(self) -> None:
+        if self.reward is not None:
+            self.reward.close()
 
     def score_validation(self, step: int, val_set) -> dict[str, float] | None:
         if self.reward is None:  # a reward pool of its own scores them

@@ -44,6 +44,10 @@ class RewardProgram(Program):  # nothing trained: a checkpoint keeps only the ra
         sends.wait()
         return metrics
 
+    def close(self) -> None:
+        if self.reward is not None:
+            self.reward.close()
+
     def score_validation(self, step: int, val_set) -> dict[str, float]:
         return scoring.score_validation(self.pools, self.reward, self.channel, self.timer, step, val_set,
                                         self.dumps.validation)

@@ -34,7 +34,7 @@ from spmdsplit.errors import ConfigError
 from spmdsplit.rewards import verdicts
 from spmdsplit.rewards.calls import Sample, Scored
 from spmdsplit.rewards.rule import normalize_result
-from spmdsplit.serving.driver import EngineDriver
+from spmdsplit.serving.driver import EngineDriver, make_driver
 from spmdsplit.serving.protocol import render_chat
 from spmdsplit.usercode import call_within
 
@@ -136,8 +136,8 @@ def check_fits(cfg, dtype: torch.dtype, device: torch.device, ranks_on_host: int
         if device.type == "cuda":
             need, what = cfg.gpu_memory_utilization * torch.cuda.get_device_properties(device).total_memory, \
                 f"reward.judge.gpu_memory_utilization={cfg.gpu_memory_utilization} of the GPU"
-        else:
-            need, what = weights + cfg.kv_cache_memory_gb * gib, \
+        else:  # a rank of a tensor-parallel judge holds its share of the weights
+            need, what = weights / cfg.tensor_model_parallel_size + cfg.kv_cache_memory_gb * gib, \
                 f"reward.judge.path's weights and reward.judge.kv_cache_memory_gb={cfg.kv_cache_memory_gb}"
         if need > have:
             raise ConfigError(f"reward.judge does not fit: {what} make {need / gib:.1f} GiB, the rank has "
@@ -162,12 +162,14 @@ class Verdicts:
 
 
 class Judge:
-    def __init__(self, cfg, engine, tokenizer, verdict_fn: Callable | None = None, timeout_s: float = 300.0):
+    def __init__(self, cfg, engine, tokenizer, verdict_fn: Callable | None = None, timeout_s: float = 300.0,
+                 sleeps: bool = False):
         """`cfg`: reward.judge; `engine`: a stepwise rollout engine over the judge's model, sampling as
         cfg says; `verdict_fn`: reward.judge.verdict_fn's function (verdict=custom), each call bounded
-        by `timeout_s` (reward.timeout_s)."""
+        by `timeout_s` (reward.timeout_s); `sleeps`: `sleep` offloads the engine (a vLLM judge whose
+        device a critic trains on)."""
         self.cfg, self.engine, self.tokenizer, self.verdict_fn = cfg, engine, tokenizer, verdict_fn
-        self.timeout_s = timeout_s
+        self.timeout_s, self.sleeps = timeout_s, sleeps
         self.low, self.high = (float(x) for x in cfg.range)
         self.driver: EngineDriver | None = None  # the engine's owner once started (the server's, when serving)
         self.server = None
@@ -177,19 +179,34 @@ class Judge:
 
     # ---- its life
 
-    def start(self, serve: bool, port: int = 0) -> Judge:
-        """Starts the engine's driver; `serve`: and the endpoint on 127.0.0.1:`port` (0: any free)."""
+    def start(self, serve: bool, port: int = 0, peers=None) -> Judge:
+        """Starts the engine's driver; `serve`: and the endpoint on 127.0.0.1:`port` (0: any free).
+        `peers`: the gloo group of a tensor-parallel judge's ranks, which put every rank's requests
+        into their engine together (serving/driver.py LockstepDriver): each rank scores its own rows
+        and serves its own endpoint, and the engine runs them all."""
         if serve:
             from spmdsplit.serving import OpenAIServer
 
             sampling = JudgeSampling(self.cfg)
             self.server = OpenAIServer(self.engine, self.tokenizer, "judge", sampling, port=port,
-                                       gather_s=GATHER_S).start()
+                                       gather_s=GATHER_S, peers=peers).start()
             self.driver = self.server.driver  # one driver: the rows' verdicts and the endpoint's calls share steps
         else:
-            self.driver = EngineDriver(self.engine, self.tokenizer, name="spmdsplit-judge", gather_s=GATHER_S)
+            self.driver = make_driver(self.engine, self.tokenizer, peers, name="spmdsplit-judge", gather_s=GATHER_S)
             self.driver.start()
         return self
+
+    def sleep(self) -> None:
+        """While the critic trains on this device: the engine free (its requests wait) and, where it
+        sleeps, offloaded. Every rank of a tensor-parallel judge calls it at the same point."""
+        if self.sleeps:
+            self.driver.pause()
+            self.engine.offload()
+
+    def wake(self) -> None:
+        if self.sleeps:
+            self.engine.restore()
+            self.driver.resume()
 
     @property
     def router_address(self) -> str | None:
@@ -347,7 +364,7 @@ class Judge:
 def vllm_view(cfg):
     """The job's config as VLLMRollout reads it, for the judge's engine: rollout.* and data.* from
     reward.judge (its sampling, its context: the judge's max_position_embeddings, max_tokens of it for
-    the verdict), one rank, no LoRA, never asleep."""
+    the verdict), its tensor parallel size and sleep, no LoRA."""
     import json
     import os
 
@@ -359,9 +376,10 @@ def vllm_view(cfg):
     context = config.get("text_config", config).get("max_position_embeddings", 4096)
     sampling = JudgeSampling(j)
     rollout = dict(temperature=sampling.temperature, top_p=j.top_p, top_k=j.top_k,
-                   do_sample=sampling.do_sample, max_num_seqs=j.max_num_seqs, tensor_model_parallel_size=1,
+                   do_sample=sampling.do_sample, max_num_seqs=j.max_num_seqs,
+                   tensor_model_parallel_size=j.tensor_model_parallel_size,
                    gpu_memory_utilization=j.gpu_memory_utilization, kv_cache_memory_gb=j.kv_cache_memory_gb,
-                   free_cache_engine=False, enable_prefix_caching=False)
+                   free_cache_engine=j.free_cache_engine, enable_prefix_caching=False)
     return OmegaConf.merge(cfg, {"rollout": rollout, "model": {"lora_rank": 0},
                                  "data": {"max_prompt_length": context - j.max_tokens, "max_response_length": j.max_tokens}})
 

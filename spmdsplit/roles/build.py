@@ -165,20 +165,36 @@ def build_judge(cfg, pools: Pools) -> Judge | None:
     device, remote = pools.device, cfg.model.trust_remote_code
     dtype, _ = compute_dtypes(cfg, device)
     tokenizer = load_tokenizer(j.path, remote)  # checked by preflight.check_judge on every rank
+    sleeps, peers = judge_sleeps(cfg, pools.placement), None
     if j.engine == "vllm":  # vllm_engine.init_vllm_distributed ran on every rank (groups.py)
+        from vllm.distributed.parallel_state import get_tp_group
+
         from spmdsplit.rewards.judge import checkpoint_tensors, vllm_view
         from spmdsplit.rollout.vllm_engine import VLLMRollout
 
         engine = VLLMRollout(vllm_view(cfg), j.path, tokenizer, eos_token_ids(j.path, tokenizer), device, dtype,
-                             sleeps=False)
-        engine.wake_up(checkpoint_tensors(j.path))  # awake for the job, its own weights
+                             sleeps=sleeps)
+        engine.wake_up(checkpoint_tensors(j.path))  # awake from here on, its own weights (asleep: offload)
+        # The engine's ranks trade their requests over vLLM's gloo group of them (its tensor-parallel
+        # group's cpu_group, one rank at tensor parallel 1): only the judge's driver threads use it
+        # once the engine is built, one trade at a time.
+        peers = get_tp_group().cpu_group
     else:
         model = load_causal_lm(j.path, dtype, device, cfg.trainer.seed, remote)
         engine = HFRollout(model, tokenizer, JudgeSampling(j), j.max_tokens, eos_token_ids(j.path, tokenizer))
     verdict_fn = load_custom_reward_fn(j.verdict_fn.path, j.verdict_fn.name, key="reward.judge.verdict_fn") if j.verdict == "custom" else None
     place = pools.placement.ranks("reward").index(dist.get_rank()) if dist.is_initialized() else 0
-    return Judge(j, engine, tokenizer, verdict_fn, cfg.reward.timeout_s).start(serve=bool(cfg.reward.custom_fn.path),
-                                                        port=j.port + place if j.port else 0)
+    judge = Judge(j, engine, tokenizer, verdict_fn, cfg.reward.timeout_s, sleeps)
+    return judge.start(serve=bool(cfg.reward.custom_fn.path), port=j.port + place if j.port else 0, peers=peers)
+
+
+def judge_sleeps(cfg, placement) -> bool:
+    """Whether the judge's engine sleeps while the critic trains: a vLLM judge on the critic's pool
+    (reward.judge.free_cache_engine) where a critic trains. The HF judge stays on its device, as the
+    HF rollout engine does."""
+    j = cfg.reward.judge
+    return (j.engine == "vllm" and j.free_cache_engine and not placement.apart("reward")
+            and trains_critic(cfg))
 
 
 def build_rule_reward(cfg, tokenizer, eos_ids: list[int], judge: Judge | None = None) -> RuleReward:

@@ -242,6 +242,15 @@ class RuleReward:
         return {(f"reward/{k}" if k.startswith(("errors/", "judge/")) else f"critic/reward_extra/{k}/mean"): v
                 for k, v in reduced.items()}
 
+    @property
+    def judge(self):
+        """reward.judge's Judge on this rank (rewards/judge.py), or None."""
+        return self.calls.judge
+
+    def close(self) -> None:
+        """The judge's engine thread and endpoint stopped, the reward function's workers and loop ended."""
+        self.calls.close()
+
     def pop_judge_spans(self) -> list[tuple[int, int]]:
         """The judge's scoring calls since the last pop, (start, end) in time.time_ns; [] without one."""
         return self.calls.judge.pop_spans() if self.calls.judge is not None else []

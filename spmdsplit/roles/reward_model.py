@@ -47,6 +47,8 @@ class RewardModel:
     `micro_batch_size` rows); `remove_padding`: each micro-batch packed into one sequence (only
     for models that score every token, see below; others run padded)."""
 
+    judge = None  # no LLM judge beside a reward model (preflight)
+
     def __init__(self, engine, rm_tokenizer, policy_tokenizer, micro_batch_size: int, device,
                  eos_token_ids: list[int] | None = None, max_length: int | None = None,
                  max_tokens: int | None = None, remove_padding: bool = False):
@@ -74,6 +76,9 @@ class RewardModel:
             head.register_forward_hook(self._capture)
         # Packed rows are told apart only by reading each row's last token ourselves.
         self.remove_padding = remove_padding and isinstance(head, nn.Module)
+
+    def close(self) -> None:
+        """Nothing to let go of besides its model, which the job's end frees."""
 
     @staticmethod
     def _ensure_pad_token(model, rm_tokenizer) -> int:

@@ -285,7 +285,7 @@ class VLLMRollout:
             self._release()
         self.awake = False
         # Counted on CPU too, where vLLM has no sleep: tests check the cycle.
-        self.wake_ups = self.sleeps = self.weight_updates = 0
+        self.wake_ups = self.sleeps = self.weight_updates = self.offloads = 0
 
     @property
     def max_model_len(self) -> int:
@@ -411,6 +411,21 @@ class VLLMRollout:
         if self.sleep_mode:
             self._release()
         self.awake = False
+
+    def offload(self) -> None:
+        """For an engine whose weights come from no trainer (an LLM judge beside a critic): its
+        weights to host memory and its KV cache freed while training takes the device (vLLM's
+        level-1 sleep: the worker's allocator copies the "weights" pool to the host and drops the
+        rest); `restore` maps both back, the weights copied in. Nothing may be held (the caller's
+        driver is paused). Counted on CPU too, where vLLM has no sleep mode."""
+        self.offloads += 1
+        if self.sleep_mode:
+            self.llm.sleep(level=1)
+
+    def restore(self) -> None:
+        if self.sleep_mode:
+            torch.cuda.empty_cache()  # what training cached goes back to the device first
+            self.llm.wake_up()  # every pool: weights, KV cache, scheduling
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> None:

@@ -218,12 +218,7 @@ def check_reward_function(reward_cfg, fn: Callable | None) -> None:
         raise ConfigError("reward.reward_manager.name=prime runs a plain def in worker processes; "
                           f"{reward_cfg.custom_fn.name} is an async def: use naive (it runs on the event loop)")
     if manager == "batch":
-        try:
-            parameters = inspect.signature(fn).parameters
-        except (TypeError, ValueError):
-            return
-        takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
-        missing = [a for a in BATCH_ARGUMENTS if a not in parameters and not takes_any]
+        missing = [a for a in BATCH_ARGUMENTS if not takes(fn, a)]
         if missing:
             raise ConfigError(f"reward.reward_manager.name=batch: {reward_cfg.custom_fn.name} must take verl's batch "
                               f"arguments ({', '.join(BATCH_ARGUMENTS)}) by keyword; it lacks {', '.join(missing)}")

@@ -21,7 +21,10 @@ What it measured since the last `pop_metrics` goes to reward/judge/* (roles/rewa
 
 from __future__ import annotations
 
+import glob
+import json
 import math
+import os
 import string
 import time
 from collections import Counter
@@ -89,10 +92,6 @@ def footprint_bytes(cfg, dtype: torch.dtype) -> tuple[int, int]:
     `dtype` (counted from its checkpoint's safetensors headers, no tensor read) and a KV cache for
     reward.judge.max_num_seqs verdicts at the judge's whole context (what the HF engine's batch holds
     at most: a key and a value per layer, KV head and position)."""
-    import glob
-    import json
-    import os
-
     from safetensors import safe_open
 
     files = sorted(glob.glob(os.path.join(cfg.path, "*.safetensors")))
@@ -105,14 +104,20 @@ def footprint_bytes(cfg, dtype: torch.dtype) -> tuple[int, int]:
     else:  # .bin checkpoints: their size on disk, read as fp32
         count = sum(os.path.getsize(p) for p in glob.glob(os.path.join(cfg.path, "*.bin"))) // 4
     size = torch.finfo(dtype).bits // 8
-    with open(os.path.join(cfg.path, "config.json")) as f:
-        config = json.load(f)
-    config = config.get("text_config", config)
+    config = text_config(cfg.path)
     heads = config.get("num_attention_heads", 1)
     head_dim = config.get("head_dim") or config.get("hidden_size", 0) // heads
     kv_per_position = 2 * config.get("num_hidden_layers", 0) * config.get("num_key_value_heads", heads) * head_dim * size
     context = config.get("max_position_embeddings", 0)
     return count * size, kv_per_position * context * cfg.max_num_seqs
+
+
+def text_config(path: str) -> dict:
+    """A model folder's config.json as a dict; of a multimodal checkpoint, its language model's."""
+
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    return config.get("text_config", config)
 
 
 def available_bytes(device: torch.device, ranks_on_host: int) -> int:
@@ -365,15 +370,11 @@ def vllm_view(cfg):
     """The job's config as VLLMRollout reads it, for the judge's engine: rollout.* and data.* from
     reward.judge (its sampling, its context: the judge's max_position_embeddings, max_tokens of it for
     the verdict), its tensor parallel size and sleep, no LoRA."""
-    import json
-    import os
 
     from omegaconf import OmegaConf
 
     j = cfg.reward.judge
-    with open(os.path.join(j.path, "config.json")) as f:
-        config = json.load(f)
-    context = config.get("text_config", config).get("max_position_embeddings", 4096)
+    context = text_config(j.path).get("max_position_embeddings", 4096)
     sampling = JudgeSampling(j)
     rollout = dict(temperature=sampling.temperature, top_p=j.top_p, top_k=j.top_k,
                    do_sample=sampling.do_sample, max_num_seqs=j.max_num_seqs,
@@ -386,8 +387,6 @@ def vllm_view(cfg):
 
 def checkpoint_tensors(path: str):
     """The (name, tensor) pairs of a checkpoint folder's safetensors files, one file at a time."""
-    import glob
-    import os
 
     from safetensors import safe_open
 

@@ -73,9 +73,32 @@ def agent_metrics(batch: Batch, group, sums: dict, counts: dict, maxes: dict, mi
     for key, value in [("tool/calls", batch["tool_calls"].sum().item()), ("tool/errors", sum(errors)),
                        *((f"tool/errors/{kind}", n) for kind, n in zip(ERROR_KINDS, errors))]:
         sums[key], counts[key] = float(value), 1.0 / ranks  # weights summing to 1: the pool's total
+    if "env_terminated" in batch:  # an environment's episodes: how many ended which way, and its info's numbers
+        for key in ("env_terminated", "env_truncated"):
+            sums[f"env/{key.removeprefix('env_')}"], counts[f"env/{key.removeprefix('env_')}"] = \
+                float(batch[key].sum().item()), 1.0 / ranks
+        env_info_metrics(batch, group, sums, counts)
     R = batch["response_mask"].shape[1]
     tool_tokens = (batch["attention_mask"][:, -R:] - batch["response_mask"]).sum(-1).float()
     sums["tool/response_tokens/mean"], counts["tool/response_tokens/mean"] = tool_tokens.sum().item(), len(tool_tokens)
+
+
+def env_info_metrics(batch: Batch, group, sums: dict, counts: dict) -> None:
+    """env/info/<key>/mean: the mean over the pool's episodes that reported it of each number of the
+    environments' info (extra_info["environment_info"], agent/loop.py). The pool's ranks agree on the
+    keys first: a rank none of whose episodes reported one still joins its reduction."""
+    import torch.distributed as dist
+
+    rows = batch["extra_info"] if "extra_info" in batch else []
+    infos = [i["environment_info"] for i in rows if isinstance(i, dict) and i.get("environment_info")]
+    keys = {k for info in infos for k in info}
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        every = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, sorted(keys), group=group)
+        keys = set().union(*every)
+    for k in sorted(keys):
+        values = [info[k] for info in infos if k in info]
+        sums[f"env/info/{k}/mean"], counts[f"env/info/{k}/mean"] = float(sum(values)), float(len(values))
 
 
 def rollout_probs_diff_metrics(rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor,

@@ -22,6 +22,7 @@ from spmdsplit.agent.environments import (
     action_builder,
     load_environment,
     read_observation,
+    read_returned,
     reset_seed,
 )
 from spmdsplit.agent.tools import ERROR_KINDS, ToolConfigError
@@ -72,6 +73,26 @@ def test_observations_are_read_from_ours_openenvs_and_strings():
     for garbage in (7, None, Board(board="x", reward=math.nan), Observation("x", reward="high")):
         with pytest.raises(ValueError):
             read_observation(garbage)
+
+
+def test_gymnasiums_tuples_are_read_with_terminated_and_truncated_apart():
+    reset = read_returned(("start", {"level": 2, "name": "x", "hard": True}), reset=True)
+    assert (reset.text, reset.reward, reset.terminated, reset.truncated) == ("start", 0.0, False, False)
+    assert reset.info == {"level": 2.0, "hard": 1.0}  # the numbers only
+    step = read_returned(({"board": "xo"}, 0.5, False, True, {"moves": 4}), reset=False)
+    assert (step.text, step.reward, step.terminated, step.truncated, step.info) == ('{"board": "xo"}', 0.5, False, True,
+                                                                                  {"moves": 4.0})
+    assert read_returned((Board(board="xo"), 1, True, False, None), reset=False).terminated
+    # gym before 0.26: done, a time limit said in info
+    old = read_returned(("o", 1.0, True, {"TimeLimit.truncated": True}), reset=False)
+    assert (old.terminated, old.truncated) == (False, True)
+    assert read_returned(("o", 1.0, True, {}), reset=False).terminated
+    # the protocol's other shapes as before
+    assert read_returned(Observation("a", reward=0.5, done=True), reset=False).terminated
+    for garbage, reset in ((("o", {}, 3), True), (("o", 1.0, False, False, {}), True), (("o", math.inf, False, False, {}), False),
+                           (("o", "high", False, False, {}), False), ((object(), 1.0, False, False, {}), False)):
+        with pytest.raises(ValueError):
+            read_returned(garbage, reset=reset)
 
 
 def test_a_step_annotated_with_an_action_model_gets_one_built_from_the_text():
@@ -149,7 +170,7 @@ def test_environments_that_raise_hang_or_return_garbage_end_their_episode_counte
     assert time.monotonic() - start < 2.0  # the hung one is given up at the timeout, not waited for
     assert [r.error for r in results] == ["exception", "timeout", "not_text", ""]
     assert all(r.done for r in results[:3]) and "KeyError" in results[0].text and "42" not in results[2].text
-    assert results[3].truncated and len(results[3].text) <= 32 + len("...[truncated]...")
+    assert results[3].text_cut and len(results[3].text) <= 32 + len("...[truncated]...")
     assert envs.stuck == 1 and all(e in ERROR_KINDS for e in ("exception", "timeout", "not_text"))
     release.set()
 
@@ -221,6 +242,37 @@ def test_echo_episodes_on_the_hf_engine_mask_observations_and_carry_the_environm
         assert info[ENVIRONMENT_REWARD] == pytest.approx(reward) == pytest.approx(scores[i].item())
         assert batch["num_turns"][i] == 1 + n // 2 + (n - 1) // 2 and batch["tool_calls"][i] == n // 2
     assert batch["tool_errors"].sum() == 0 and (batch["rollout_log_probs"][batch["response_mask"] == 0] == 0).all()
+
+
+def gym_rollout(cfg, tokenizer, eos_ids, rows, environment: str):
+    from spmdsplit.data.prompts import collate_prompts
+    from spmdsplit.rollout import build_rollout
+
+    cfg = cfg.copy()
+    cfg.rollout.multi_turn.environment = environment
+    rollout = build_rollout(cfg, cfg.model.path, tokenizer, eos_ids, torch.device("cpu"), torch.float32, seed=3)
+    return rollout.generate(collate_prompts(rows[:16], tokenizer, cfg.data.max_prompt_length, step=1, first_row=0))
+
+
+def test_a_gymnasium_environments_episodes_say_how_they_ended_and_carry_its_info(echo_setup):
+    batch = gym_rollout(*echo_setup, "tests.support.gym_envs.GymEcho")
+    assert batch["env_truncated"].tolist() == [1] * 16 and batch["env_terminated"].tolist() == [0] * 16
+    for info in batch["extra_info"]:
+        assert info["environment_info"]["steps"] == 3 and 0 <= info["environment_info"]["match"] <= 1
+        assert "task" not in info["environment_info"]  # a string: not a number to log
+        assert len(info["environment_rewards"]) == 3
+
+
+def test_a_batch_whose_every_episode_failed_stops_in_one_line_naming_the_environment(echo_setup):
+    """Where every response would be empty (today a reset returning a gymnasium tuple of the wrong
+    size killed the critic pool later: masked_whiten found no valid token)."""
+    from spmdsplit.agent.loop import EveryEpisodeFailed
+
+    with pytest.raises(EveryEpisodeFailed) as e:
+        gym_rollout(*echo_setup, "tests.support.gym_envs.ResetReturnsGarbage")
+    message = str(e.value)
+    assert "\n" not in message and "rollout.multi_turn.environment=tests.support.gym_envs.ResetReturnsGarbage" in message
+    assert "not_text: 16" in message and "returned a tuple of 3" in message, message
 
 
 def test_a_continuous_checkpoint_restarts_the_environments_episodes_still_running(echo_setup, tmp_path):

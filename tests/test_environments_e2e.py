@@ -100,6 +100,47 @@ def test_an_openenv_environment_trains_and_scores_each_row_by_its_episode(tmp_pa
     assert sum(episodes.values()) >= 48 if layout != "split" else sum(episodes.values()) == 48
 
 
+SHORT_RUN = ["trainer.total_steps=3", "data.train_batch_size=16", "actor.ppo_mini_batch_size=8",
+             "critic.ppo_mini_batch_size=8", "trainer.timeline=", "trainer.output_dir="]
+
+
+def rows_of(dumps, steps=(1, 2, 3)) -> list[dict]:
+    return [json.loads(line) for step in steps for line in (dumps / f"{step}.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.e2e
+def test_a_gymnasium_environment_trains_in_split_its_ends_and_info_logged(tmp_path):
+    """tests/support/gym_envs.py GymEcho (gymnasium's tuples, cut by a time limit) on 2 ranks in
+    split: every row truncated, none terminated, in the dumps; the info's numbers logged."""
+    from tests.support.outputs import scalars
+
+    result = job(2, "--config", PRESET, "placement.mode=split", "rollout.multi_turn.environment=tests.support.gym_envs.GymEcho",
+                 *SHORT_RUN, f"trainer.rollout_data_dir={tmp_path}/dumps", f"trainer.log_dir={tmp_path}/tb",
+                 timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-5000:]
+    rows = rows_of(tmp_path / "dumps")
+    assert len(rows) == 48 and all(r["env_truncated"] == 1 and r["env_terminated"] == 0 for r in rows)
+    assert all(0 <= r["score"] <= 1 for r in rows) and any(r["score"] > 0 for r in rows)
+    logged = scalars(str(tmp_path / "tb"))
+    assert [v for _, v in logged["env/truncated"]] == [16] * 3 and [v for _, v in logged["env/info/steps/mean"]] == [3] * 3
+    assert len(logged["env/info/match/mean"]) == 3 and "env/info/task/mean" not in logged
+
+
+@pytest.mark.e2e
+def test_a_gem_textarena_game_runs_on_a_rollout_pool(tmp_path):
+    """GEM's Guess The Number (its TextArena game, `gem.make` as the factory, as GEM's users call
+    it) for 3 steps on a rollout pool one batch ahead; the embedded model cannot play it (no
+    \\boxed{} guess: GEM's format-error reward, the episode terminated)."""
+    pytest.importorskip("gem")
+    result = job(2, "--config", PRESET, *POOL, "rollout.multi_turn.environment=gem.make",
+                 "rollout.multi_turn.environment_kwargs={env_id: 'game:GuessTheNumber-v0-easy'}", *SHORT_RUN,
+                 f"trainer.rollout_data_dir={tmp_path}/dumps", f"trainer.log_dir={tmp_path}/tb", timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-5000:]
+    rows = rows_of(tmp_path / "dumps")
+    assert len(rows) == 48 and all(r["env_terminated"] == 1 and r["tool_calls"] >= 1 for r in rows)
+    assert {round(r["score"], 6) for r in rows} <= {-0.1, 0.0, 1.0}
+
+
 def test_bad_environments_stop_the_job_before_it_starts_with_one_line(tmp_path):
     from spmdsplit.agent import check_multi_turn
     from spmdsplit.config import load_config

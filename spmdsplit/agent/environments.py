@@ -1,14 +1,21 @@
 """Environments users bring, run as multi-turn episodes (rollout.multi_turn.environment).
 
-The protocol is gym's and OpenEnv's, three calls on one instance per episode:
+The protocol is gymnasium's and OpenEnv's, three calls on one instance per episode:
 
-    reset(seed=None, **row_kwargs) -> observation     the first observation
-    step(action) -> observation                       after each policy turn
+    reset(seed=None, **row_kwargs) -> observation, or gymnasium's (observation, info)
+    step(action) -> observation, or gymnasium's (observation, reward, terminated, truncated, info)
+                    (gym's older (observation, reward, done, info) too)
     close()                                           optional, when the episode ends
 
 An observation is anything with `done` and `reward` attributes and its text: our `Observation`
 below, an OpenEnv `Observation` (a pydantic model: its one text field, or its fields other than
-done/reward/metadata as JSON), or a plain string (reward 0, not done). The action is the policy's
+done/reward/metadata as JSON), or a plain string (reward 0, not done); inside gymnasium's tuples the
+tuple says reward and end, and the observation gives the text (a string, such an object, or a dict
+as JSON). `terminated` and `truncated` stay apart: a truncated episode (a time limit) ended without
+reaching a terminal state, and each row says which (roles read `env_terminated`, `env_truncated`);
+old gym's done reads `info["TimeLimit.truncated"]`. The numbers in `info` are logged
+(env/info/<key>/mean) and reach the reward function in extra_info["environment_info"]. GEM's
+environments (`gem.make` with `env_id`) and TextArena's games through GEM run as they are. The action is the policy's
 turn as text, or, when `step` is annotated with a pydantic model (an OpenEnv `Action` subclass),
 that model built from the text: its field named by rollout.multi_turn.environment_action_field, or
 its one required string field. So an OpenEnv `Environment` subclass runs as it is and OpenEnv is
@@ -79,10 +86,25 @@ class EnvCall:
 class EnvResult:
     text: str = ""
     reward: float = 0.0
-    done: bool = False
+    done: bool = False  # the episode ends: terminated, truncated, or its call failed
     error: str = ""  # "" or one of the tools' ERROR_KINDS
-    truncated: bool = False
+    message: str = ""  # the error, whole (the text the model reads is cut like any observation)
+    text_cut: bool = False  # the text was cut to rollout.multi_turn.max_tool_response_length
     seconds: float = 0.0
+    terminated: bool = False  # a terminal state (gymnasium's terminated; an observation's done)
+    truncated: bool = False  # ended before a terminal state (gymnasium's truncated: a time limit)
+    info: dict = field(default_factory=dict)  # the numbers of gymnasium's info
+
+
+@dataclass
+class Reading:
+    """What a reset or step returned, read: the observation's text, the reward, how it ends, and
+    the numbers of its info."""
+    text: str
+    reward: float = 0.0
+    terminated: bool = False
+    truncated: bool = False
+    info: dict = field(default_factory=dict)
 
 
 def load_environment(path: str, kwargs: dict, action_field: str = "") -> Callable[[], Any]:
@@ -142,33 +164,76 @@ def action_builder(env: Any, action_field: str = "") -> Callable[[str], Any]:
 
 
 def read_observation(obs: Any) -> tuple[str, float, bool]:
-    """(text, reward, done) of what reset or step returned; ValueError if it is not an observation."""
+    """(text, reward, done) of an observation object or string; ValueError if it is not one."""
     if isinstance(obs, str):
         return obs, 0.0, False
     if not hasattr(obs, "done"):
-        raise ValueError(f"returned {type(obs).__name__}, not an observation (a string, or an object with done, "
-                         f"reward and its text)")
-    reward = getattr(obs, "reward", None)
+        raise ValueError(f"returned {type(obs).__name__}, not an observation (a string, an object with done, "
+                         f"reward and its text, or gymnasium's tuple)")
+    return observation_text(obs), finite_reward(getattr(obs, "reward", None), "an observation whose reward"), bool(obs.done)
+
+
+def observation_text(obs: Any) -> str:
+    """The text the model reads of an observation: a string, its `text`, or its fields other than
+    done/reward/metadata (its one string field, or all of them as JSON); a dict as JSON."""
+    if isinstance(obs, str):
+        return obs
+    text = getattr(obs, "text", None)
+    if isinstance(text, str):
+        return text
+    if hasattr(obs, "model_dump"):  # an OpenEnv observation: the fields the model reads
+        rest = {k: v for k, v in obs.model_dump().items() if k not in NOT_TEXT}
+    elif dataclasses.is_dataclass(obs) and not isinstance(obs, type):
+        rest = {k: v for k, v in dataclasses.asdict(obs).items() if k not in NOT_TEXT}
+    elif isinstance(obs, dict):
+        return json.dumps(obs, default=str, sort_keys=True)
+    else:
+        raise ValueError(f"returned {type(obs).__name__}, whose text cannot be read (give it a `text` string)")
+    strings = [v for v in rest.values() if isinstance(v, str)]
+    return strings[0] if len(rest) == 1 and strings else json.dumps(rest, default=str, sort_keys=True)
+
+
+def finite_reward(reward: Any, what: str) -> float:
     number = 0.0 if reward is None else float(reward) if isinstance(reward, numbers.Real) else None
     if number is None or not math.isfinite(number):
-        raise ValueError(f"returned an observation whose reward is {reward!r}, not a finite number")
-    text = getattr(obs, "text", None)
-    if not isinstance(text, str):
-        if hasattr(obs, "model_dump"):  # an OpenEnv observation: the fields the model reads
-            rest = {k: v for k, v in obs.model_dump().items() if k not in NOT_TEXT}
-        elif dataclasses.is_dataclass(obs):
-            rest = {k: v for k, v in dataclasses.asdict(obs).items() if k not in NOT_TEXT}
-        else:
-            raise ValueError(f"returned {type(obs).__name__}, whose text cannot be read (give it a `text` string)")
-        strings = [v for v in rest.values() if isinstance(v, str)]
-        text = strings[0] if len(rest) == 1 and strings else json.dumps(rest, default=str, sort_keys=True)
-    return text, number, bool(obs.done)
+        raise ValueError(f"returned {what} is {reward!r}, not a finite number")
+    return number
+
+
+def info_numbers(info: Any) -> dict[str, float]:
+    """The finite numbers (bools as 0/1) of gymnasium's info dict, by key; the rest is not logged."""
+    if not isinstance(info, dict):
+        return {}
+    return {str(k): float(v) for k, v in info.items()
+            if isinstance(v, numbers.Real) and math.isfinite(float(v))}
+
+
+def read_returned(returned: Any, reset: bool) -> Reading:
+    """What `reset` (reset=True) or `step` returned, in any of the protocol's shapes; ValueError if none."""
+    if not isinstance(returned, tuple):
+        text, reward, done = read_observation(returned)
+        return Reading(text, 0.0 if reset else reward, terminated=done)
+    shapes = "(observation, info)" if reset else "(observation, reward, terminated, truncated, info)"
+    if reset and len(returned) == 2:
+        obs, info = returned
+        return Reading(observation_text(obs), info=info_numbers(info))
+    if not reset and len(returned) == 5:
+        obs, reward, terminated, truncated, info = returned
+    elif not reset and len(returned) == 4:  # gym before 0.26: done, a time limit said in info
+        obs, reward, done, info = returned
+        truncated = bool(done) and isinstance(info, dict) and bool(info.get("TimeLimit.truncated", False))
+        terminated = bool(done) and not truncated
+    else:
+        raise ValueError(f"returned a tuple of {len(returned)}, not gymnasium's {shapes}")
+    return Reading(observation_text(obs), finite_reward(reward, "a reward that"), bool(terminated), bool(truncated),
+                   info_numbers(info))
 
 
 def reset_seed(uid: str, trainer_seed: int) -> int:
     """The seed of a prompt's environment: the same for the rollout.n episodes of one prompt (GRPO
-    compares them on one task), another for every prompt and run."""
-    return int.from_bytes(hashlib.sha256(f"{trainer_seed}/{uid}".encode()).digest()[:7], "big")
+    compares them on one task), another for every prompt and run. Below 2**32: numpy's legacy
+    seeding (np.random.seed, RandomState) and GEM's environments take no larger one."""
+    return int.from_bytes(hashlib.sha256(f"{trainer_seed}/{uid}".encode()).digest()[:4], "big")
 
 
 def _accepts(fn: Callable, name: str) -> bool:
@@ -242,20 +307,21 @@ class Environments:
             kwargs = dict(call.reset_kwargs)
             if call.seed is not None and _accepts(slot.instance.reset, "seed"):
                 kwargs.setdefault("seed", call.seed)
-            obs = slot.instance.reset(**kwargs)
+            returned = slot.instance.reset(**kwargs)
         else:
             if slot.instance is None or slot.broken:
                 raise RuntimeError("the episode's environment is gone")
             kind = type(slot.instance)
             if kind not in self._builders:
                 self._builders[kind] = action_builder(slot.instance, self.action_field)
-            obs = slot.instance.step(self._builders[kind](call.action))
+            returned = slot.instance.step(self._builders[kind](call.action))
         try:
-            text, reward, done = read_observation(obs)
+            read = read_returned(returned, reset=call.action is None)
         except ValueError as e:
             raise _NotObservation(str(e)) from None
-        text, cut = truncate(text, self.max_text_chars, self.truncate_side)
-        return EnvResult(text, reward, done, truncated=cut)
+        text, cut = truncate(read.text, self.max_text_chars, self.truncate_side)
+        return EnvResult(text, read.reward, read.terminated or read.truncated, text_cut=cut, terminated=read.terminated,
+                         truncated=read.truncated, info=read.info)
 
     def release(self, slot: EnvSlot) -> None:
         """Closes the episode's instance now (a broken one is left alone: it may be mid-call)."""
@@ -267,7 +333,7 @@ class Environments:
 
     def _error(self, kind: str, message: str) -> EnvResult:
         text, cut = truncate(f"Error: environment: {message}", self.max_text_chars, self.truncate_side)
-        return EnvResult(text, error=kind, done=True, truncated=cut)
+        return EnvResult(text, error=kind, message=message, done=True, text_cut=cut)
 
 
 class _NotObservation(ValueError):

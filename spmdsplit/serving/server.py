@@ -19,7 +19,9 @@ from collections.abc import Callable
 from aiohttp import web
 
 from spmdsplit.serving import protocol
-from spmdsplit.serving.driver import DriverStopped, make_driver
+from spmdsplit.serving.driver import Completion, DriverStopped, make_driver
+from spmdsplit.serving.episodes import Call as EpisodeCall
+from spmdsplit.serving.episodes import Episodes, messages_of
 from spmdsplit.serving.protocol import BadRequest, Record, Served
 from spmdsplit.usercode import UserCode
 
@@ -39,11 +41,12 @@ class OpenAIServer:
     `record(Record)`: called for every choice answered, on the server's thread before the response
     goes out (keep it quick; what it raises fails the request with a 500). `gather_s`: EngineDriver's.
     `peers`: the gloo group of a tensor-parallel engine's ranks, each serving its own callers
-    (driver.LockstepDriver)."""
+    (driver.LockstepDriver). `episodes`: the job's episodes (episodes.py), served under
+    /episodes/<id>/v1/..., each call recorded into its episode and held to its budget."""
 
     def __init__(self, engine, tokenizer, model_name: str, sampling, *, host: str = LOCALHOST, port: int = 0,
                  validate: bool = False, record: Callable[[Record], None] | None = None, gather_s: float = 0.0,
-                 peers=None):
+                 peers=None, episodes: Episodes | None = None):
         if host not in (LOCALHOST, "localhost"):
             raise ValueError(f"OpenAIServer serves on {LOCALHOST} only (it has no authentication), not {host!r}")
         # A copy of its own: a fast tokenizer called with padding or truncation by the caller's threads
@@ -52,6 +55,7 @@ class OpenAIServer:
         self.tokenizer, self.record, self.requested_port = copy.deepcopy(tokenizer), record, port
         self.driver = make_driver(engine, self.tokenizer, peers, validate=validate, gather_s=gather_s)
         self.served = Served.of(model_name, sampling, self.driver.max_model_len)
+        self.episodes = episodes
         self._code: UserCode | None = None
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
@@ -103,9 +107,10 @@ class OpenAIServer:
 
     async def _listen(self) -> tuple[web.AppRunner, int]:
         app = web.Application(middlewares=[_openai_errors], client_max_size=MAX_BODY_BYTES)
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_post("/v1/completions", self._completions)
-        app.router.add_post("/v1/chat/completions", self._chat)
+        for prefix in ("", "/episodes/{episode}"):  # an episode's calls name it in the path
+            app.router.add_get(prefix + "/v1/models", self._models)
+            app.router.add_post(prefix + "/v1/completions", self._completions)
+            app.router.add_post(prefix + "/v1/chat/completions", self._chat)
         # handler_cancellation: a client that went away (its timeout) cancels its handler, whose
         # requests then leave the engine instead of generating for nobody.
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
@@ -123,27 +128,66 @@ class OpenAIServer:
     # ---- the endpoints
 
     async def _models(self, request: web.Request) -> web.Response:
+        self._episode(request)
         return web.json_response({"object": "list", "data": [
             {"id": self.served.model, "object": "model", "created": 0, "owned_by": "spmdsplit",
              "max_model_len": self.served.max_model_len}]})
 
     async def _completions(self, request: web.Request) -> web.Response:
-        return await self._answer(protocol.read_completion(await _body(request), self.served, self.tokenizer))
+        episode = self._episode(request)
+        return await self._answer(protocol.read_completion(await _body(request), self.served, self.tokenizer), episode)
 
     async def _chat(self, request: web.Request) -> web.Response:
-        return await self._answer(protocol.read_chat(await _body(request), self.served, self.tokenizer))
+        episode, body = self._episode(request), await _body(request)
+        call = protocol.read_chat(body, self.served, self.tokenizer)
+        return await self._answer(call, episode, messages_of(body))
 
-    async def _answer(self, call: protocol.Call) -> web.Response:
+    def _episode(self, request: web.Request) -> str | None:
+        """The episode a call names in its path (None: none); a 404 for one the job has not open."""
+        episode = request.match_info.get("episode")
+        if episode is not None and (self.episodes is None or not self.episodes.is_open(episode)):
+            raise BadRequest(f"no episode {episode!r} is open on this server", status=404, kind="not_found_error")
+        return episode
+
+    async def _answer(self, call: protocol.Call, episode: str | None = None,
+                      messages: list[dict] | None = None) -> web.Response:
+        if episode is not None:
+            return await self._episode_answer(call, episode, messages)
         futures = [self.driver.submit(prompt, call.max_tokens, protocol.choice_seed(call.seed, j), call.stop)
                    for prompt in call.prompts for j in range(call.n)]
+        completions = await self._completed(futures)
+        return self._respond(call, completions)
+
+    async def _episode_answer(self, call: protocol.Call, episode: str, messages: list[dict] | None) -> web.Response:
+        """One completion of one prompt: continuing the episode's last call as sampled where it
+        does, cut to the episode's budget, recorded into the episode."""
+        if call.n != 1 or len(call.prompts) != 1:
+            raise BadRequest("an episode's call asks for one completion (n=1) of one prompt", "n")
+        prompt = call.prompts[0]
+        if call.chat:
+            prompt = self.episodes.prompt_for_chat(episode, messages, prompt, self.tokenizer)
+        room = min(self.episodes.room(episode, prompt, call.max_tokens), self.served.max_model_len - len(prompt))
+        if room <= 0:  # the budget or the turns spent, or the context full: no tokens
+            completion = Completion([], [], "length", "")
+        else:
+            completion, = await self._completed([self.driver.submit(prompt, room, call.seed, call.stop)])
+        eos = bool(completion.token_ids) and completion.token_ids[-1] in self.driver.eos_ids
+        self.episodes.record(episode, EpisodeCall(prompt, completion.token_ids, completion.log_probs,
+                                                  messages if call.chat else None, eos))
+        call.prompts = [prompt]
+        return self._respond(call, [completion])
+
+    async def _completed(self, futures) -> list[Completion]:
         waiting = [asyncio.wrap_future(f) for f in futures]
         try:
-            completions = await asyncio.gather(*waiting)
+            return await asyncio.gather(*waiting)
         except DriverStopped as e:
             raise BadRequest(str(e), status=503, kind="server_error") from e
         finally:
             for f in futures:  # one failed, or the client went away: the rest leave the engine
                 f.cancel()
+
+    def _respond(self, call: protocol.Call, completions: list[Completion]) -> web.Response:
         request_id = protocol.new_request_id(call.chat)
         if self.record is not None:
             for record in protocol.records(call, request_id, completions):

@@ -445,6 +445,12 @@ class MultiTurnConfig:
 @dataclass
 class AgentConfig:
     default_agent_loop: str = choice("single_turn_agent", "tool_agent")  # for rows without agent_name
+    # An agent harness that drives the model itself over the OpenAI API (spmdsplit/agent/harness.py):
+    # pkg.mod.fn or path/to/file.py:fn, `async def fn(client, row) -> reward` (or (base_url, row));
+    # each prompt row one episode of it. "" = none.
+    harness: str = ""
+    harness_timeout_s: float = positive(300.0)  # an episode of the harness, start to end
+    max_concurrency: int = positive(256)  # the harness's episodes running at once per generating rank
 
 
 @dataclass

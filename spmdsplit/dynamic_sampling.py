@@ -74,6 +74,10 @@ class DynamicSampling:
         self.kept: list[Batch] = []  # the step being filled: this rank's kept groups so far
         self.kept_before = self.num_gen_batches = 0  # kept groups on every rank, generation batches taken
 
+    def close(self) -> None:
+        """At the job's end: its rule reward's workers and loop."""
+        self.scorer.close()
+
     @staticmethod
     def group_device(group, device) -> torch.device:
         """Where a group's tensors live: on the host for gloo, on the device for NCCL."""

@@ -260,7 +260,7 @@ class Trainer:
         for program in self.programs.values():
             program.close()
         if self.sampler is not None:
-            self.sampler.scorer.close()
+            self.sampler.close()
         # Every rank is done with every message before any leaves: from here on a rank that is
         # gone has finished, not failed (spmdsplit/failure.py).
         dist.barrier(group=self.channel.control_group)

@@ -58,7 +58,7 @@ def test_the_loop_calls_programs_only_through_their_common_interface(path):
     Program (spmdsplit/programs/__init__.py), not a reach into one program's insides."""
     interface = {name for name in vars(Program) if not name.startswith("_")}
     assert interface == {"SCHEDULE", "engine", "checkpointed", "start", "state", "load_state", "validate",
-                         "score_validation", "export"}
+                         "score_validation", "export", "close"}
     used = program_attributes(path)
     assert used and used <= interface, f"{path} reaches into programs: {sorted(used - interface)}"
     # The step's phases are called by name from the SCHEDULE (getattr), nothing else.

@@ -28,7 +28,7 @@ def environment_path(cfg) -> str:
     """rollout.multi_turn.environment, or the embedded echo task's own when it is empty and that
     task is the data."""
     path = cfg.rollout.multi_turn.environment
-    if not path and not cfg.data.train_files and cfg.data.task == "echo":
+    if not path and not cfg.data.train_files and cfg.data.task == "echo" and not cfg.rollout.agent.harness:
         return ECHO_ENVIRONMENT
     return path
 
@@ -137,6 +137,60 @@ def attach_tools(rows: list[dict], schemas: list[dict], default_agent: str, key:
     for r in rows:
         r["agent_name"] = r.get("agent_name") or default_agent
         r["tools"] = schemas if r["agent_name"] == "tool_agent" else None
+
+
+def load_harness(cfg):
+    """rollout.agent.harness's function; a ToolConfigError (one line naming the key) if it cannot be
+    one: not importable, not callable, or taking neither (client, row) nor (base_url, row)."""
+    import inspect
+
+    from spmdsplit.agent.harness import SETTING
+    from spmdsplit.agent.tools import ToolConfigError, import_target
+
+    where = f"{SETTING}={cfg.rollout.agent.harness}"
+    fn = import_target(cfg.rollout.agent.harness, where)
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        raise ToolConfigError(f"{where}: expected a function (client, row) or (base_url, row)") from None
+    if len(params) < 2 and not any(p.kind is p.VAR_POSITIONAL for p in params):
+        raise ToolConfigError(f"{where}: it takes {len(params)} arguments; a harness takes (client, row) or (base_url, row)")
+    return fn
+
+
+def check_harness(cfg) -> None:
+    """rollout.agent.harness on every rank before the first collective: its function, and the
+    settings it does not run with yet."""
+    from spmdsplit.errors import ConfigError
+
+    if not cfg.rollout.agent.harness:
+        return
+    refused = [(cfg.rollout.multi_turn.enable, "rollout.multi_turn.enable=true (the harness drives the turns itself)"),
+               (cfg.rollout.continuous, "rollout.continuous=true (not yet: batch generation only)"),
+               (cfg.rollout.tensor_model_parallel_size > 1 and cfg.rollout.name == "vllm",
+                "rollout.tensor_model_parallel_size > 1 (not yet: each engine's ranks would run the episodes twice)")]
+    for bad, why in refused:
+        if bad:
+            raise ConfigError(f"rollout.agent.harness={cfg.rollout.agent.harness} does not run with {why}")
+    load_harness(cfg)
+
+
+def build_agent(cfg, engine, tokenizer, eos_ids: list[int]):
+    """What drives the engine through a batch's episodes: the harness (rollout.agent.harness), the
+    agent loop (rollout.multi_turn.enable), or None (the engine generates alone)."""
+    if cfg.rollout.agent.harness:
+        return build_harness_rollout(cfg, engine, tokenizer)
+    if cfg.rollout.multi_turn.enable:
+        return build_agent_rollout(cfg, engine, tokenizer, eos_ids)
+    return None
+
+
+def build_harness_rollout(cfg, engine, tokenizer):
+    from spmdsplit.agent.harness import HarnessRollout
+
+    return HarnessRollout(engine, tokenizer, load_harness(cfg), cfg.rollout.agent, cfg.data.max_response_length,
+                          cfg.rollout.multi_turn.max_assistant_turns or 0, sampling=cfg.rollout,
+                          val_sampling=cfg.rollout.val_kwargs)
 
 
 def build_agent_rollout(cfg, engine, tokenizer, eos_ids: list[int]):

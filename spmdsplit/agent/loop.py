@@ -34,7 +34,7 @@ from spmdsplit.agent.tools import ERROR_KINDS, Tools
 from spmdsplit.batch import Batch
 from spmdsplit.data.parquet import ENVIRONMENT_AGENT
 from spmdsplit.rewards.rule import ENVIRONMENT_REWARD
-from spmdsplit.rollout.base import episodes_batch, splitmix64
+from spmdsplit.rollout.base import AroundEngine, episodes_batch, splitmix64
 
 
 # Each row: its environment ended it in a terminal state, or before one (a time limit).
@@ -95,7 +95,7 @@ class Episode:
         return 1 + self.assistant_turns + self.tool_turns
 
 
-class AgentRollout:
+class AgentRollout(AroundEngine):
     """A rollout engine (HFRollout, VLLMRollout: anything with `continue_ids`) driven turn by turn."""
 
     def __init__(self, engine, tokenizer, eos_ids: list[int], tools: Tools, parser: ToolParser, multi_turn,
@@ -119,19 +119,6 @@ class AgentRollout:
         self.max_parallel_calls = multi_turn.max_parallel_calls
         self.budget = max_response_length
         self.default_agent = default_agent
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.engine.dtype
-
-    def wake_up(self, weights) -> None:
-        self.engine.wake_up(weights)
-
-    def update_weights(self, weights) -> None:
-        self.engine.update_weights(weights)
-
-    def sleep(self) -> None:
-        self.engine.sleep()
 
     def generate(self, prompts: Batch, validate: bool = False) -> Batch:
         episodes = self.start(prompts)

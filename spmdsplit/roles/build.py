@@ -28,11 +28,12 @@ from spmdsplit.roles.actor import Actor
 from spmdsplit.roles.critic import Critic
 from spmdsplit.roles.reward import RuleReward
 from spmdsplit.roles.reward_model import RewardModel
-from spmdsplit.agent import build_agent_rollout
+from spmdsplit.agent import build_agent
 from spmdsplit.rollout import Rollout
 from spmdsplit.rollout import build_engine as build_engine_of_rollout
 
 if TYPE_CHECKING:
+    from spmdsplit.agent.harness import HarnessRollout
     from spmdsplit.agent.loop import AgentRollout
 
 
@@ -45,11 +46,13 @@ class ActorRoles:
 @dataclass
 class RolloutRoles:
     engine: Rollout  # takes the policy's weights, and generates (stepwise for continuous generation)
-    agent: AgentRollout | None  # rollout.multi_turn: the agent loop around the engine, what generates a batch
+    # rollout.multi_turn: the agent loop around the engine; rollout.agent.harness: the engine served to
+    # the harness (agent/harness.py). What generates a batch.
+    agent: AgentRollout | HarnessRollout | None
 
     @property
     def generates(self) -> Rollout:
-        """What generates a batch: the agent loop with rollout.multi_turn, else the engine."""
+        """What generates a batch: the agent loop or the harness, else the engine."""
         return self.agent or self.engine
 
 
@@ -108,13 +111,12 @@ def ref_config(cfg):
 
 def build_rollout_roles(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> RolloutRoles:
     """This rank's rollout engine (rollout.name) and, with rollout.multi_turn, the agent loop
-    around it. Its weights come from the actor. vLLM: every rank must have run
+    around it (with rollout.agent.harness, the harness's episodes over it). Its weights come from the actor. vLLM: every rank must have run
     rollout.vllm_engine.init_vllm_distributed before."""
     dtype, _ = compute_dtypes(cfg, pools.device)
     engine = build_engine_of_rollout(cfg, cfg.model.path, tokenizer, eos_ids, pools.device, dtype, cfg.trainer.seed,
                                      sleeps=pools.placement.engines_share_device)
-    agent = build_agent_rollout(cfg, engine, tokenizer, eos_ids) if cfg.rollout.multi_turn.enable else None
-    return RolloutRoles(engine, agent)
+    return RolloutRoles(engine, build_agent(cfg, engine, tokenizer, eos_ids))
 
 
 def build_critic_roles(cfg, pools: Pools) -> CriticRoles:

@@ -14,13 +14,12 @@ from spmdsplit.rollout.base import Rollout, row_seeds  # noqa: F401 - the packag
 def build_rollout(cfg, model_path: str, tokenizer, eos_ids: list[int], device: torch.device, dtype: torch.dtype,
                   seed: int, sleeps: bool = True) -> Rollout:
     """What generates a batch: the engine (build_engine), driven turn by turn by the agent loop
-    with rollout.multi_turn.enable (spmdsplit/agent/loop.py)."""
+    with rollout.multi_turn.enable (spmdsplit/agent/loop.py), or served to the agent harness
+    rollout.agent.harness names (spmdsplit/agent/harness.py)."""
     engine = build_engine(cfg, model_path, tokenizer, eos_ids, device, dtype, seed, sleeps)
-    if cfg.rollout.multi_turn.enable:
-        from spmdsplit.agent import build_agent_rollout
+    from spmdsplit.agent import build_agent
 
-        return build_agent_rollout(cfg, engine, tokenizer, eos_ids)
-    return engine
+    return build_agent(cfg, engine, tokenizer, eos_ids) or engine
 
 
 def build_engine(cfg, model_path: str, tokenizer, eos_ids: list[int], device: torch.device, dtype: torch.dtype,

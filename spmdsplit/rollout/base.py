@@ -140,6 +140,26 @@ def with_prompts(prompts: Batch, columns: dict[str, torch.Tensor], response_atte
     )
 
 
+class AroundEngine:
+    """What generates by driving an engine (`self.engine`: the agent loop, a harness's server): the
+    engine's weights and sleep are the engine's own."""
+
+    engine: Rollout
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.engine.dtype
+
+    def wake_up(self, weights) -> None:
+        self.engine.wake_up(weights)
+
+    def update_weights(self, weights) -> None:
+        self.engine.update_weights(weights)
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+
 def episodes_batch(prompts: Batch, episodes: list, pad_token_id: int) -> Batch:
     """The rollout's columns from multi-turn episodes (spmdsplit/agent/loop.py), one per prompt row,
     each with `response_ids`, `response_mask` (1: the policy's tokens, 0: tool responses and

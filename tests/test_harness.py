@@ -1,0 +1,118 @@
+"""Agent harnesses that drive the model themselves through the OpenAI API (rollout.agent.harness,
+spmdsplit/agent/harness.py), with the real `openai` client: the embedded echo task played by an
+async harness learns as the environment's own loop does; harnesses that raise, hang or return
+garbage are contained and counted, and a batch whose every episode failed stops in one line."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from tests.support.jobs import ROOT, learning_run
+from tests.support.launch import job  # noqa: F401 - the e2e runs go through learning_run
+
+PRESET = f"{ROOT}/configs/environment_echo.yaml"
+HARNESS = ["rollout.multi_turn.enable=false", "rollout.agent.harness=tests.support.harnesses.echo_harness"]
+
+
+@pytest.mark.e2e
+def test_an_openai_client_harness_learns_the_echo_task_through_the_endpoint(tmp_path):
+    """tests/support/harnesses.py echo_harness: 3 chat calls an episode, each a one-token answer,
+    on 2 ranks in split; a random policy scores ~0.05, and the run ends once 5 steps in a row
+    average 0.9 (33 steps by hand), as the environment's own loop learns it."""
+    stdout, first, best = learning_run(tmp_path, PRESET, 0.9, "placement.mode=split", *HARNESS, "trainer.num_threads=1")
+    assert first <= 0.15 and best >= 0.9, (first, best, stdout[-1500:])
+
+
+async def raises(client, row):
+    await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "3"}], max_tokens=1)
+    raise KeyError("no such tool")
+
+
+async def hangs(client, row):
+    await asyncio.sleep(60)
+
+
+async def garbage(client, row):
+    return {"reward": float("nan")}
+
+
+async def plays(client, row):
+    reply = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "3"}],
+                                                 max_tokens=2)
+    return 1.0 if reply.choices[0].message.content else 0.5
+
+
+@pytest.fixture(scope="module")
+def rollout_of(embedded_cache):
+    from spmdsplit.config import load_config
+    from spmdsplit.data.prompts import collate_prompts
+    from spmdsplit.data.sources import build_rows
+    from spmdsplit.embedded import ensure_embedded_model
+    from spmdsplit.models import eos_token_ids, load_tokenizer
+    from spmdsplit.rollout import build_rollout
+
+    cfg = load_config(PRESET, [*HARNESS, "rollout.agent.harness_timeout_s=5"])
+    cfg.model.path = ensure_embedded_model(agent=True)
+    tokenizer = load_tokenizer(cfg.model.path)
+    rows, _ = build_rows(cfg.data, tokenizer, "train")
+    prompts = collate_prompts(rows[:8], tokenizer, cfg.data.max_prompt_length, step=1, first_row=0)
+    rollout = build_rollout(cfg, cfg.model.path, tokenizer, eos_token_ids(cfg.model.path, tokenizer),
+                            torch.device("cpu"), torch.float32, seed=3)
+
+    def make(harness):  # one engine and server for the module, each test's harness
+        rollout.harness = harness
+        rollout.pop_metrics()
+        return rollout, prompts
+    yield make
+    rollout.close()
+
+
+def test_harnesses_that_fail_are_contained_counted_and_scored_zero(rollout_of):
+    from spmdsplit.rewards.rule import ENVIRONMENT_REWARD
+
+    rollout, prompts = rollout_of(plays)
+    good = rollout.generate(prompts)
+    assert [info[ENVIRONMENT_REWARD] for info in good["extra_info"]] == [1.0] * 8
+    assert good["response_mask"].sum(-1).tolist() == [2] * 8 and good["input_ids"].shape[0] == 8
+    calls = {"n": 0}
+
+    async def mixed(client, row):
+        calls["n"] += 1
+        return await (raises, hangs, garbage, plays)[int(row["uid"].split("-")[1]) % 4](client, row)
+    rollout.harness = mixed
+    batch = rollout.generate(prompts)
+    assert [info[ENVIRONMENT_REWARD] for info in batch["extra_info"]] == [0.0, 0.0, 0.0, 1.0] * 2
+    assert rollout.pop_metrics() == {"agent/harness/errors/exception": 2.0, "agent/harness/errors/timeout": 2.0,
+                                     "agent/harness/errors/not_a_reward": 2.0}
+    assert batch["response_mask"][0].sum() == 1  # what a failed episode's calls made is kept
+
+
+def test_a_batch_whose_every_harness_episode_failed_stops_in_one_line(rollout_of):
+    from spmdsplit.agent.harness import EveryHarnessEpisodeFailed
+
+    rollout, prompts = rollout_of(raises)
+    with pytest.raises(EveryHarnessEpisodeFailed) as e:
+        rollout.generate(prompts)
+    assert "\n" not in str(e.value) and "rollout.agent.harness" in str(e.value)
+    assert "exception: 8" in str(e.value) and "KeyError" in str(e.value), str(e.value)
+
+
+def test_a_bad_harness_stops_the_job_before_it_starts_with_one_line(tmp_path):
+    from spmdsplit.agent import check_harness
+    from spmdsplit.config import load_config
+    from spmdsplit.errors import ConfigError
+
+    (tmp_path / "h.py").write_text("async def one(client):\n    return 1\nnot_callable = 3\n")
+    cases = [([f"rollout.agent.harness={tmp_path}/h.py:gone"], "has no attribute 'gone'"),
+             ([f"rollout.agent.harness={tmp_path}/h.py:one"], "a harness takes (client, row)"),
+             ([f"rollout.agent.harness={tmp_path}/h.py:not_callable"], "expected a function"),
+             ([HARNESS[1], "rollout.continuous=true"], "rollout.continuous=true"),
+             ([HARNESS[1], "rollout.multi_turn.enable=true"], "drives the turns itself")]
+    for overrides, expected in cases:
+        cfg = load_config(PRESET, ["rollout.multi_turn.enable=false", *overrides])
+        with pytest.raises(ConfigError) as e:
+            check_harness(cfg)
+        assert expected in str(e.value) and "\n" not in str(e.value), str(e.value)

@@ -78,6 +78,9 @@ def agent_metrics(batch: Batch, group, sums: dict, counts: dict, maxes: dict, mi
             sums[f"env/{key.removeprefix('env_')}"], counts[f"env/{key.removeprefix('env_')}"] = \
                 float(batch[key].sum().item()), 1.0 / ranks
         env_info_metrics(batch, group, sums, counts)
+    if "harness_rows_dropped" in batch:  # a harness's calls that did not extend their episode's row
+        sums["agent/harness/rows_dropped"] = float(batch["harness_rows_dropped"].sum().item())
+        counts["agent/harness/rows_dropped"] = 1.0 / ranks
     R = batch["response_mask"].shape[1]
     tool_tokens = (batch["attention_mask"][:, -R:] - batch["response_mask"]).sum(-1).float()
     sums["tool/response_tokens/mean"], counts["tool/response_tokens/mean"] = tool_tokens.sum().item(), len(tool_tokens)

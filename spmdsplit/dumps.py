@@ -26,7 +26,8 @@ from spmdsplit.batch import Batch
 from spmdsplit.roles.reward import VERDICT_TEXT, decoded_prompts, host_lists, response_lengths, response_texts
 
 # Our columns a line carries when the rows have them (besides verl's fields).
-EXTRA_COLUMNS = ("weights_version", "num_turns", "tool_calls", "tool_errors", "env_terminated", "env_truncated")
+EXTRA_COLUMNS = ("weights_version", "num_turns", "tool_calls", "tool_errors", "env_terminated", "env_truncated",
+                 "harness_rows_dropped")
 
 
 def dump_lines(tokenizer, eos_ids: list[int], step: int, rows: Batch, scores: torch.Tensor) -> list[dict]:

@@ -35,6 +35,7 @@ from spmdsplit.generation import (EngineWeights, ValidationSet, engine_shares, g
                                   step_prompts)
 from spmdsplit.groups import Pools
 from spmdsplit.messages import PoolChannel
+from spmdsplit.rollout.base import AroundEngine
 from spmdsplit.timing import PhaseTimer
 from spmdsplit.staleness import next_version_sent, validates_after, weights_needed
 from spmdsplit.weight_sync import WeightsReady
@@ -69,6 +70,10 @@ class BatchSource:
         self.staleness, self.total_steps = cfg.rollout.staleness, cfg.trainer.total_steps
         self.version = -1  # apart: the update whose weights the engine holds (0: the initial weights)
         self.ahead: dict[int, Batch] = {}  # apart: batches generated, not yet handed over (at most s)
+
+    def close(self) -> None:
+        if isinstance(self.engine, AroundEngine):  # the agent loop, a harness's server
+            self.engine.close()
 
     def start(self, step: int) -> None:
         """A rollout pool of its own starts with the weights the actor pool holds (the batches a
@@ -189,6 +194,9 @@ class ContinuousSource:
         self.stream = ContinuousGeneration(cfg, engine, prompts, self.take_weights, lambda: self.more and ready.arrived(),
                                            generating.index(pools.rank), len(generating), tokenizer.pad_token_id,
                                            eos_ids, pools.device, agent=agent)
+
+    def close(self) -> None:
+        """Nothing besides the engine and the stream, which end with the job."""
 
     def start(self, step: int) -> None:
         """Before the first step: the weights the actor pool holds (update step-1)."""

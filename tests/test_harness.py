@@ -64,7 +64,6 @@ def rollout_of(embedded_cache):
 
     def make(harness):  # one engine and server for the module, each test's harness
         rollout.harness = harness
-        rollout.pop_metrics()
         return rollout, prompts
     yield make
     rollout.close()
@@ -85,8 +84,11 @@ def test_harnesses_that_fail_are_contained_counted_and_scored_zero(rollout_of):
     rollout.harness = mixed
     batch = rollout.generate(prompts)
     assert [info[ENVIRONMENT_REWARD] for info in batch["extra_info"]] == [0.0, 0.0, 0.0, 1.0] * 2
-    assert rollout.pop_metrics() == {"agent/harness/errors/exception": 2.0, "agent/harness/errors/timeout": 2.0,
-                                     "agent/harness/errors/not_a_reward": 2.0}
+    from spmdsplit.agent.tools import ERROR_KINDS
+
+    errors = dict(zip(ERROR_KINDS, batch["tool_errors"].sum(0).tolist()))
+    assert errors == {"bad_call": 0, "unknown_tool": 0, "bad_arguments": 0, "exception": 2, "timeout": 2, "not_text": 2}
+    assert batch["tool_calls"].tolist() == [1, 0, 0, 1] * 2 and batch["harness_rows_dropped"].sum() == 0
     assert batch["response_mask"][0].sum() == 1  # what a failed episode's calls made is kept
 
 

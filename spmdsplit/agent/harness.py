@@ -12,10 +12,13 @@ row, calls the model as often as it likes, and returns the episode's reward.
 calls (serving/episodes.py): the first call's prompt as the row's prompt, its completions trained,
 what the harness put between them masked out; a call that does not extend the row before it starts
 another, which is counted (agent/harness/rows_dropped) and not trained yet: one row per episode.
+Its calls and faults are counted as the agent loop's turns and tool errors are (num_turns,
+tool/calls, tool/errors/exception|timeout|not_text).
 
 Harnesses are user code: each episode runs on the harness's event loop (spmdsplit/usercode.py)
 bounded by rollout.agent.harness_timeout_s, rollout.agent.max_concurrency at a time; one that
-raises, overruns or returns what is not a reward scores 0 and is counted by kind; a batch in which
+raises, overruns or returns what is not a reward scores 0 and is counted by kind (tool/errors/exception,
+timeout, not_text); a batch in which
 every episode failed stops in one line naming the harness.
 """
 
@@ -33,13 +36,16 @@ from spmdsplit.batch import Batch
 from spmdsplit.rewards.rule import ENVIRONMENT_REWARD
 from spmdsplit.rollout.base import AroundEngine, episodes_batch
 from spmdsplit.serving.episodes import Episodes, Row
-from spmdsplit.usercode import UserCode
+from spmdsplit.agent.tools import ERROR_KINDS
+from spmdsplit.usercode import EXCEPTION, TIMEOUT, UserCode
 
 SETTING = "rollout.agent.harness"
 # How long the engine, found idle, waits for more calls to batch with the first (EngineDriver): a
 # harness's episodes call at nearly the same time, spread over milliseconds by HTTP.
 GATHER_S = 0.01
 NOT_A_REWARD = "not_a_reward"  # the harness returned what is not a number nor a dict with one
+# Its faults counted as the tools' are (tool/errors/<kind>): what it raised, an overrun, garbage.
+ERROR_KIND = {EXCEPTION: "exception", TIMEOUT: "timeout", NOT_A_REWARD: "not_text"}
 
 
 class EveryHarnessEpisodeFailed(RuntimeError):
@@ -78,8 +84,8 @@ class HarnessRollout(AroundEngine):
                                                episodes=self.episodes, gather_s=GATHER_S)
                         for validate, s in ((False, sampling), (True, val_sampling))}
         self.usercode = UserCode("spmdsplit-harness")
-        self.counts: Counter = Counter()  # since the last pop_metrics
         self.client_arg = takes_client(harness)
+        self.client = None  # made on the harness's loop at the first episode
 
     def generate(self, prompts: Batch, validate: bool = False) -> Batch:
         """Every row's episode at once (max_concurrency at a time); the rows they made."""
@@ -92,29 +98,26 @@ class HarnessRollout(AroundEngine):
             outcomes, ids = self._run(prompts, server)
         finally:
             server.pause()  # the engine is the trainer's again (a sleep, new weights)
-        rows, rewards, errors = [], [], []
+        rows, rewards, errors, counts = [], [], [], []
         for episode, outcome in zip(ids, outcomes):
-            made, _ = self.episodes.close(episode)
-            if len(made) > 1:
-                self.counts["rows_dropped"] += len(made) - 1
-            error = outcome.error
-            reward = 0.0
+            made, record = self.episodes.close(episode)
+            error, reward = outcome.error, 0.0
             if error is None:
                 try:
                     reward = harness_reward(outcome.value)
                 except ValueError:
                     error = NOT_A_REWARD
             if error is not None:
-                self.counts[f"errors/{error}"] += 1
                 errors.append(f"{error}: {outcome.message if outcome.error else repr(outcome.value)}")
             rows.append(made[0] if made else None)
             rewards.append(reward)
+            counts.append((len(record.calls), ERROR_KIND.get(error), max(len(made) - 1, 0)))
         if errors and len(errors) == len(rows):
             kinds = Counter(e.split(":", 1)[0] for e in errors)
             raise EveryHarnessEpisodeFailed(
                 f"{SETTING}: every one of this rank's {len(rows)} episodes failed "
                 f"({', '.join(f'{k}: {n}' for k, n in sorted(kinds.items()))}); the first: {errors[0].split(': ', 1)[1]}")
-        return self._batch(prompts, rows, rewards)
+        return self._batch(prompts, rows, rewards, counts)
 
     def _run(self, prompts: Batch, server) -> tuple[list, list[str]]:
         texts = self.tokenizer.batch_decode(
@@ -131,18 +134,27 @@ class HarnessRollout(AroundEngine):
             async def run():
                 if not self.client_arg:
                     return await self.usercode.call(self.harness, url, row)
-                import openai
-
-                async with openai.AsyncOpenAI(base_url=url, api_key="spmdsplit", max_retries=0) as client:
-                    return await self.usercode.call(self.harness, client, row)
+                return await self.usercode.call(self.harness, self._client().with_options(base_url=url), row)
             return run
         outcomes = self.usercode.map([job(i) for i in range(len(ids))], self.cfg.harness_timeout_s,
                                      self.cfg.max_concurrency).result()
         return outcomes, ids
 
-    def _batch(self, prompts: Batch, rows: list[Row | None], rewards: list[float]) -> Batch:
+    def _client(self):
+        """One `openai.AsyncOpenAI` for every episode, on the harness's loop (each episode gets a copy
+        naming its base_url, sharing the connections): one client per episode cost more than the
+        episode's calls here."""
+        if self.client is None:
+            import openai
+
+            self.client = openai.AsyncOpenAI(base_url="http://127.0.0.1", api_key="spmdsplit", max_retries=0)
+        return self.client
+
+    def _batch(self, prompts: Batch, rows: list[Row | None], rewards: list[float], counts: list[tuple]) -> Batch:
         """The rows as a batch: each episode's first call's prompt as its prompt (left-padded to the
-        widest), its response, mask and log-probs; the reward in extra_info."""
+        widest), its response, mask and log-probs; the reward in extra_info; the agent loop's counts
+        (num_turns: 1 + its calls, tool_calls: its calls, tool_errors: the harness's fault by kind)
+        and the rows it made beyond the trained one (harness_rows_dropped)."""
         pad = self.tokenizer.pad_token_id
         made = [r if r is not None else Row(prompts["input_ids"][i][prompts["attention_mask"][i].bool()].tolist())
                 for i, r in enumerate(rows)]
@@ -157,13 +169,19 @@ class HarnessRollout(AroundEngine):
         batch = episodes_batch(own, made, pad)
         infos = prompts["extra_info"] if "extra_info" in prompts else [None] * len(made)
         batch["extra_info"] = [{**(info or {}), ENVIRONMENT_REWARD: reward} for info, reward in zip(infos, rewards)]
+        errors = torch.zeros((len(made), len(ERROR_KINDS)), dtype=torch.long)
+        for i, (_, kind, _) in enumerate(counts):
+            if kind is not None:
+                errors[i, ERROR_KINDS.index(kind)] = 1
+        batch["num_turns"] = torch.tensor([1 + calls for calls, _, _ in counts], device=device)
+        batch["tool_calls"] = torch.tensor([calls for calls, _, _ in counts], device=device)
+        batch["tool_errors"] = errors.to(device)
+        batch["harness_rows_dropped"] = torch.tensor([dropped for _, _, dropped in counts], device=device)
         return batch
 
-    def pop_metrics(self) -> dict[str, float]:
-        counts, self.counts = self.counts, Counter()
-        return {f"agent/harness/{k}": float(v) for k, v in counts.items()}
-
     def close(self) -> None:
+        if self.client is not None:
+            self.usercode.submit(self.client.close()).result()
         for server in self.servers.values():
             if server.port is not None:
                 server.stop()

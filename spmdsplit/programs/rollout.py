@@ -45,6 +45,9 @@ class RolloutProgram(Program):
     def validate(self, step: int, val_set) -> None:
         self.source.validate(step, val_set, self.channel)
 
+    def close(self) -> None:
+        self.source.close()
+
     def state(self, step: int) -> dict:
         return self.source.state()
 

@@ -159,6 +159,9 @@ class AroundEngine:
     def sleep(self) -> None:
         self.engine.sleep()
 
+    def close(self) -> None:
+        """At the job's end: what it runs besides the engine (a server, its loops)."""
+
 
 def episodes_batch(prompts: Batch, episodes: list, pad_token_id: int) -> Batch:
     """The rollout's columns from multi-turn episodes (spmdsplit/agent/loop.py), one per prompt row,

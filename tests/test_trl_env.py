@@ -296,3 +296,26 @@ def test_trl_episodes_on_the_hf_engine_open_with_reset_call_methods_and_are_scor
     logged = collections.Counter((e["shown"][0], tuple(e["said"]), round(e["reward"], 6)) for e in episodes)
     assert seen == logged
     assert sum(batch["tool_calls"].tolist()) > 0 and (batch["rollout_log_probs"][batch["response_mask"] == 0] == 0).all()
+
+
+def test_a_trl_class_the_config_cannot_run_stops_the_job_with_one_line(embedded_cache, tmp_path):
+    """Through the job's own check, before anything distributed: the echo preset's constructor
+    arguments left in place, a TRL class forced to the gym shape, a style that does not exist."""
+    from spmdsplit.agent import check_multi_turn
+    from spmdsplit.config import load_config
+    from spmdsplit.embedded import ensure_embedded_model
+    from spmdsplit.errors import ConfigError
+    from spmdsplit.models import load_tokenizer
+    from tests.support.jobs import ROOT
+
+    tokenizer = load_tokenizer(ensure_embedded_model(agent=True))
+    (tmp_path / "game.py").write_text(TRL_ECHO.format(log=str(tmp_path / "log")))
+    env = f"rollout.multi_turn.environment={tmp_path}/game.py:EchoGame"
+    cases = [([env], "clear them with rollout.multi_turn.environment_kwargs={}"),
+             ([env, "rollout.multi_turn.environment_kwargs={}", "rollout.multi_turn.environment_style=gym"],
+              "needs reset and step methods; it has no step"),
+             ([env, "rollout.multi_turn.environment_style=openai"], "rollout.multi_turn.environment_style")]
+    for overrides, expected in cases:
+        with pytest.raises(ConfigError) as e:
+            check_multi_turn(load_config(f"{ROOT}/configs/environment_echo.yaml", overrides), tokenizer)
+        assert expected in str(e.value) and "\n" not in str(e.value), str(e.value)

@@ -1,7 +1,8 @@
 """An environment written for TRL's environment_factory trains end to end: the echo preset with
 its gym environment swapped for a TRL-style class written here (tests/test_trl_env.py TRL_ECHO)
 and the preset's constructor arguments cleared from the command line, on 2 real ranks in split and
-on a rollout pool one batch ahead; every trained row's score is its own episode's get_reward()."""
+with continuous generation on a rollout pool one batch ahead; every trained row's score is its own
+episode's get_reward()."""
 
 from __future__ import annotations
 
@@ -19,11 +20,12 @@ PRESET = os.path.join(ROOT, "configs", "environment_echo.yaml")
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("layout", ["split", "rollout_pool_staleness_1"])
+@pytest.mark.parametrize("layout", ["split", "continuous_rollout_pool"])
 def test_a_trl_environment_trains_and_scores_each_row_by_its_get_reward(tmp_path, layout):
     game, log, dumps = tmp_path / "game.py", tmp_path / "episodes.jsonl", tmp_path / "dumps"
     game.write_text(TRL_ECHO.format(log=str(log)))
-    placement = ["placement.mode=split"] if layout == "split" else POOL
+    # split: batch mode; the pool: continuous generation one batch ahead (its calls and get_reward per episode)
+    placement = ["placement.mode=split"] if layout == "split" else [*POOL, "rollout.continuous=true"]
     result = job(2, "--config", PRESET, *placement, f"rollout.multi_turn.environment={game}:EchoGame",
                  "rollout.multi_turn.environment_kwargs={}", "rollout.multi_turn.max_turn_length=2",
                  "data.max_response_length=16", "trainer.total_steps=3", "data.train_batch_size=16",

@@ -332,7 +332,7 @@ class Tools:
         try:
             result = await self._checked(call)
         except Exception as e:  # a bug here, not in the tool: still one result per call
-            result = self._error("exception", f"tool {call.name} failed: {errorerror_line(e)}")
+            result = self._error("exception", f"tool {call.name} failed: {error_line(e)}")
         result.seconds = time.monotonic() - start
         return result
 

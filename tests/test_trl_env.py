@@ -319,3 +319,20 @@ def test_a_trl_class_the_config_cannot_run_stops_the_job_with_one_line(embedded_
         with pytest.raises(ConfigError) as e:
             check_multi_turn(load_config(f"{ROOT}/configs/environment_echo.yaml", overrides), tokenizer)
         assert expected in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_fault_outside_the_environments_calls_is_still_one_answer_per_call():
+    """An instance whose attribute lookup raises fails here, before its method runs: the call is
+    still answered and counted, the instance never called again, the other episodes unharmed."""
+    class Sly(Shop):
+        def __getattribute__(self, name):
+            if name == "add" and object.__getattribute__(self, "basket") == ["trap"]:
+                raise RuntimeError("trap")
+            return object.__getattribute__(self, name)
+    envs = load_trl_environments(Sly, "m.Sly", {}, timeout_s=1, max_text_chars=64, truncate_side="left")
+    trapped, fine = EnvSlot(), EnvSlot()
+    envs.run([EnvCall(trapped, None, {"start": ["trap"]}), EnvCall(fine, None, {})])
+    results = envs.run(envs.bind(trapped, [Call("add", {"item": "x"})]) + envs.bind(fine, [Call("add", {"item": "x"})]))
+    assert [(r.error, r.text) for r in results] == [("exception", "{'error': 'add failed: RuntimeError: trap'}"),
+                                                      ("", "1")]
+    assert trapped.broken and not fine.broken

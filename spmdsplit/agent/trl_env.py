@@ -143,7 +143,7 @@ class TrlEnvironments:
         answer per call, in order, never an exception. A reset (an EnvCall) is answered with an
         EnvResult, a tool call (a MethodCall) with a ToolResult."""
         async def episode(group: list[int]) -> list:
-            return [await self._one(calls[i]) for i in group]
+            return [await self._answer(calls[i]) for i in group]
 
         async def all_calls() -> list:
             groups: dict[int, list[int]] = {}
@@ -162,6 +162,16 @@ class TrlEnvironments:
 
     def run(self, calls: Sequence[EnvCall]) -> list:
         return self.start(calls).result()
+
+    async def _answer(self, call: EnvCall):
+        """The call's answer, even when the fault is this module's rather than the environment's."""
+        try:
+            return await self._one(call)
+        except Exception as e:
+            call.slot.broken = True
+            if isinstance(call, MethodCall):
+                return _error("exception", f"{call.name} failed: {error_line(e)}")
+            return EnvResult(f"Error: environment: reset failed: {error_line(e)}", error="exception", done=True)
 
     async def _one(self, call: EnvCall):
         if not isinstance(call, MethodCall):

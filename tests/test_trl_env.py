@@ -18,8 +18,9 @@ from spmdsplit.agent.tools import Call, ToolConfigError, ToolResult
 from spmdsplit.agent.trl_env import MethodCall, TrlEnvironments, is_trl_style, load_trl_environments, tool_names
 
 # An environment as TRL's users write one: shows a digit; the policy answers by calling say (the
-# embedded agent model's compact call "5@"); a say scores when it repeats the digit shown, and shows
-# the next. Each episode's end (get_reward) is logged with its calls, to LOG, set when written out.
+# embedded agent model's compact call "5@"); a say of the first three scores a tenth for the call and
+# the rest when it repeats the digit shown, and shows the next; the first digit shown adds
+# thousandths, so that episodes without a say still score apart from a rank that scored none. Each episode's end (get_reward) is logged with its calls, to LOG, set when written out.
 TRL_ECHO = '''
 import itertools, json, os, random
 
@@ -47,14 +48,14 @@ class EchoGame:
             digit: The digit the policy read.
         """
         if len(self.said) < self.TURNS:
-            self.hits += digit == str(self.digit)
+            self.hits += 0.1 + 0.9 * (digit == str(self.digit))
         self.said.append(digit)
         self.digit = self.rng.randrange(10)
         self.shown.append(self.digit)
         return str(self.digit)
 
     def get_reward(self) -> float:
-        reward = self.hits / self.TURNS
+        reward = self.hits / self.TURNS + self.shown[0] / 1000
         with open(LOG, "a") as f:
             f.write(json.dumps({{"serial": self.serial, "said": self.said, "shown": self.shown, "reward": reward}}) + "\\n")
         return reward

@@ -432,9 +432,10 @@ class MultiTurnConfig:
     tool_response_truncate_side: str = choice("middle", "left", "right")
     tool_timeout_s: float = positive(30.0)  # a call that runs longer is answered with an error
     format: str = choice("hermes", "compact")  # how calls are written (spmdsplit/agent/parsers.py)
-    # A gym-style environment (spmdsplit/agent/environments.py, docs/environments.md): each row an
-    # episode of it (its reset, then a step per policy turn), as pkg.mod.Name or path/to/file.py:Name;
-    # OpenEnv Environment subclasses run as they are. "" = none.
+    # An environment (docs/environments.md): each row an episode of it, as pkg.mod.Name or
+    # path/to/file.py:Name; gym-style (spmdsplit/agent/environments.py: its reset, then a step per policy
+    # turn; OpenEnv Environment subclasses run as they are) or written for TRL's environment_factory
+    # (spmdsplit/agent/trl_env.py: its methods the tools; environment_style). "" = none.
     environment: str = ""
     # The constructor's keyword arguments; `environment_kwargs={}` on the command line empties a preset's
     # (a TRL-style class takes none)
@@ -813,8 +814,9 @@ def _expected_form(schema: DictConfig, key: str) -> str:
 
 
 def _parse_overrides(schema: DictConfig, overrides: list[str]) -> list[DictConfig]:
-    """`key=value` overrides, one DictConfig each, in order (merged by load_config after
-    placement.pools, which may change shape, is taken out); a value YAML cannot parse names its key."""
+    """`key=value` overrides, one DictConfig each (an EmptyMapping for `key={}` on a mapping field),
+    in order (merged by load_config after placement.pools, which may change shape, is taken out); a
+    value YAML cannot parse names its key."""
     import yaml
 
     bad = [o for o in overrides if "=" not in o]
@@ -823,9 +825,6 @@ def _parse_overrides(schema: DictConfig, overrides: list[str]) -> list[DictConfi
     parsed = []
     for override in overrides:
         key, value = override.split("=", 1)
-        if value.strip() in ("{}", "{ }") and _is_mapping_field(schema, key):
-            parsed.append(EmptyMapping(key))
-            continue
         # `key=` (what the shell leaves of `key=""`) means the empty string, not null.
         try:
             parsed.append(OmegaConf.from_dotlist([f"{key}={value if value else chr(39) * 2}"]))
@@ -833,6 +832,9 @@ def _parse_overrides(schema: DictConfig, overrides: list[str]) -> list[DictConfi
             problem = getattr(e, "problem", None) or str(e).splitlines()[0]
             raise ConfigError(f"{key}={value!r}: cannot be parsed as YAML ({problem}); expected "
                               f"{_expected_form(schema, key)}") from None
+        if _is_mapping_field(schema, key) and OmegaConf.select(parsed[-1], key) == {}:
+            parsed[-1] = EmptyMapping(key)
+            continue
         # Each on its own: merging two overrides of different shapes would fail first.
         check_shapes(OmegaConf.to_container(parsed[-1], resolve=False))
     return parsed

@@ -171,7 +171,7 @@ class TrlEnvironments:
             call.slot.broken = True
             if isinstance(call, MethodCall):
                 return _error("exception", f"{call.name} failed: {error_line(e)}")
-            return EnvResult(f"Error: environment: reset failed: {error_line(e)}", error="exception", done=True)
+            return self._reset_error("exception", f"reset failed: {error_line(e)}")
 
     async def _one(self, call: EnvCall):
         if not isinstance(call, MethodCall):

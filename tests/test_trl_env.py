@@ -337,3 +337,51 @@ def test_a_fault_outside_the_environments_calls_is_still_one_answer_per_call():
     assert [(r.error, r.text) for r in results] == [("exception", "{'error': 'add failed: RuntimeError: trap'}"),
                                                       ("", "1")]
     assert trapped.broken and not fine.broken
+
+
+def test_a_continuous_checkpoint_keeps_no_trl_episode_whose_reward_is_unread(trl_echo):
+    """get_reward is read when an episode's group is handed over; a checkpoint cannot hold the
+    instance it reads, so the stream's checkpoint keeps no TRL episode, finished or not: each
+    starts again from its prompt, and every handed-over row is scored by a get_reward call."""
+    from omegaconf import OmegaConf
+
+    from spmdsplit.agent import build_agent_rollout
+    from spmdsplit.continuous import ContinuousGeneration
+    from spmdsplit.data.prompts import PromptDataset
+    from spmdsplit.generation import step_prompts
+    from spmdsplit.rollout import build_rollout
+
+    cfg, tokenizer, eos_ids, rows, log = trl_echo
+    cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([
+        "rollout.continuous=true", "rollout.hf_step_tokens=1", "rollout.n=2", "rollout.staleness=4",
+        "data.train_batch_size=8", "rollout.per_row_seed=false"]))
+
+    def make_stream():
+        torch.manual_seed(5)
+        base = build_rollout(cfg, cfg.model.path, tokenizer, eos_ids, torch.device("cpu"), torch.float32, seed=3).engine
+        dataset = PromptDataset(rows, 8, shuffle=False, seed=0)
+        weights = {k: v.clone() for k, v in base.model.state_dict().items()}
+
+        def take_weights(step):
+            base.wake_up(weights.items())
+            return 0
+        stream = ContinuousGeneration(cfg, base, lambda t: step_prompts(cfg, dataset, tokenizer, t, [0], 0),
+                                      take_weights, lambda: False, 0, 1, tokenizer.pad_token_id, eos_ids,
+                                      torch.device("cpu"), agent=build_agent_rollout(cfg, base, tokenizer, eos_ids))
+        stream.version = take_weights(1)
+        return stream
+
+    stream = make_stream()
+    for _ in range(200):  # until some episodes have finished in groups not yet complete
+        stream.engine_step()
+        if any(r.finished for g in stream.groups for r in g.responses):
+            break
+    state = stream.state()
+    saved = [r for g in state["in_flight"] + state["complete"] for r in g["responses"]]
+    assert saved and not any(r["tokens"] for r in saved)  # every one starts again
+    resumed = make_stream()
+    resumed.load_state(state, same_layout=True)
+    batch = resumed.next_batch(1)
+    logged = collections.Counter(round(json.loads(line)["reward"], 6) for line in log.read_text().splitlines())
+    assert len(batch) == 16
+    assert not collections.Counter(round(i["environment_reward"], 6) for i in batch["extra_info"]) - logged

@@ -173,11 +173,11 @@ class AgentRollout(AroundEngine):
         call, episode.env_reset = episode.env_reset, None
         return [call] if call is not None else []
 
-    @staticmethod
-    def resumable(episode: Episode | None) -> bool:
+    def resumable(self, episode: Episode | None) -> bool:
         """Whether the episode can be checkpointed as it is: not while an environment holds its
-        state (an environment cannot be saved; such an episode starts again from its prompt)."""
-        return episode is None or episode.env is None or episode.done
+        state (an environment cannot be saved; such an episode starts again from its prompt), nor
+        a TRL-style one's ever (its reward is read from the instance when it is handed over)."""
+        return episode is None or episode.env is None or episode.done and not self.calls_tools(episode)
 
     def turn_stop_ids(self, episode: Episode) -> list[int]:
         """What ends the episode's turn: a single-turn agent's answer and an environment's action

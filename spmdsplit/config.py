@@ -432,11 +432,19 @@ class MultiTurnConfig:
     tool_response_truncate_side: str = choice("middle", "left", "right")
     tool_timeout_s: float = positive(30.0)  # a call that runs longer is answered with an error
     format: str = choice("hermes", "compact")  # how calls are written (spmdsplit/agent/parsers.py)
-    # A gym-style environment (spmdsplit/agent/environments.py, docs/environments.md): each row an
-    # episode of it (its reset, then a step per policy turn), as pkg.mod.Name or path/to/file.py:Name;
-    # OpenEnv Environment subclasses run as they are. "" = none.
+    # An environment (docs/environments.md): each row an episode of it, as pkg.mod.Name or
+    # path/to/file.py:Name; gym-style (spmdsplit/agent/environments.py: its reset, then a step per policy
+    # turn; OpenEnv Environment subclasses run as they are) or written for TRL's environment_factory
+    # (spmdsplit/agent/trl_env.py: its methods the tools; environment_style). "" = none.
     environment: str = ""
-    environment_kwargs: dict[str, Any] = field(default_factory=dict)  # the constructor's keyword arguments
+    # The constructor's keyword arguments; `environment_kwargs={}` on the command line empties a preset's
+    # (a TRL-style class takes none)
+    environment_kwargs: dict[str, Any] = field(default_factory=dict)
+    # How the environment is driven: gym (reset, then step(turn text) per policy turn) | trl (a class written
+    # for TRL's environment_factory: no constructor arguments, reset(**row) -> str | None, its other public
+    # methods the tools the policy calls, an optional get_reward(); spmdsplit/agent/trl_env.py) | auto (trl
+    # for a class without a step method or with a get_reward, else gym)
+    environment_style: str = choice("auto", "gym", "trl")
     environment_reward: str = choice("sum", "last")  # an episode's reward: its steps' sum, or the last step's
     # The field of step's action model (OpenEnv) the policy's text fills; "": its one required string field
     environment_action_field: str = ""
@@ -806,8 +814,9 @@ def _expected_form(schema: DictConfig, key: str) -> str:
 
 
 def _parse_overrides(schema: DictConfig, overrides: list[str]) -> list[DictConfig]:
-    """`key=value` overrides, one DictConfig each, in order (merged by load_config after
-    placement.pools, which may change shape, is taken out); a value YAML cannot parse names its key."""
+    """`key=value` overrides, one DictConfig each (an EmptyMapping for `key={}` on a mapping field),
+    in order (merged by load_config after placement.pools, which may change shape, is taken out); a
+    value YAML cannot parse names its key."""
     import yaml
 
     bad = [o for o in overrides if "=" not in o]
@@ -823,9 +832,41 @@ def _parse_overrides(schema: DictConfig, overrides: list[str]) -> list[DictConfi
             problem = getattr(e, "problem", None) or str(e).splitlines()[0]
             raise ConfigError(f"{key}={value!r}: cannot be parsed as YAML ({problem}); expected "
                               f"{_expected_form(schema, key)}") from None
+        if _is_mapping_field(schema, key) and OmegaConf.select(parsed[-1], key) == {}:
+            parsed[-1] = EmptyMapping(key)
+            continue
         # Each on its own: merging two overrides of different shapes would fail first.
         check_shapes(OmegaConf.to_container(parsed[-1], resolve=False))
     return parsed
+
+
+class EmptyMapping(str):
+    """An override `key={}` of a mapping field (not a section of the schema): it empties the
+    mapping, where OmegaConf's merge would keep what a preset put there."""
+
+
+def _is_mapping_field(schema: DictConfig, key: str) -> bool:
+    """Whether `key` is a field holding a plain mapping (environment_kwargs, ...), not a section."""
+    try:
+        node = OmegaConf.select(schema, key)
+    except OmegaConfBaseException:  # a malformed key: the merge names it
+        return False
+    return OmegaConf.is_dict(node) and OmegaConf.get_type(node) is dict
+
+
+def _merge(schema: DictConfig, sources: list) -> DictConfig:
+    """The schema with `sources` merged over it in order, an EmptyMapping emptying its key there
+    (runs of other sources merged at once: a merge copies the whole config)."""
+    cfg, run = schema, []
+    for source in [*sources, None]:
+        if source is None or isinstance(source, EmptyMapping):
+            cfg = OmegaConf.merge(cfg, *run)  # a copy even when run is empty: the schema is read-only
+            run = []
+            if source is not None:
+                OmegaConf.update(cfg, source, {}, merge=False)
+        else:
+            run.append(source)
+    return cfg
 
 
 def _read_config_file(config_file: str) -> DictConfig:
@@ -896,10 +937,10 @@ def load_config(config_file: str | None = None, overrides: list[str] | None = No
         user = [_read_config_file(config_file)] if config_file else []
         if overrides:
             user += _parse_overrides(schema, overrides)
-        pools = _take_pools(user)
-        cfg = OmegaConf.merge(schema, *user)
+        pools = _take_pools([u for u in user if not isinstance(u, EmptyMapping)])
+        cfg = _merge(schema, user)
         if not cfg.model.path:  # the embedded toy: its learning rates, not those for a real model
-            cfg = OmegaConf.merge(schema, EMBEDDED_PRESET, *user)
+            cfg = _merge(schema, [EMBEDDED_PRESET, *user])
         if pools is not None:
             cfg.placement.pools = pools
     except OmegaConfBaseException as e:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from spmdsplit import failure, preempt
-from spmdsplit.agent import check_harness, check_multi_turn, default_agent
+from spmdsplit.agent import check_harness, check_multi_turn, default_agent, environment_tools
 from spmdsplit.checkpoint import CheckpointError, ResumeDisagreement, find_resume_after_restart, resume_disagreement
 from spmdsplit.cluster import choose_gloo_interface, device_index
 from spmdsplit.config import config_warnings, load_config, to_yaml
@@ -103,7 +103,8 @@ def start(cfg):
     tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
     tools = check_multi_turn(cfg, tokenizer)  # the tool config loads here, on every rank, or the job stops
     check_harness(cfg)
-    agents = dict(tools=tools.schemas if tools is not None else None, default_agent=default_agent(cfg))
+    agents = dict(tools=tools.schemas if tools is not None else None, default_agent=default_agent(cfg),
+                  environment_tools=environment_tools(cfg) if tools is not None else None)
     data = {"train": build_rows(cfg.data, tokenizer, "train", **agents)}
     if cfg.trainer.val_freq > 0 or cfg.trainer.val_before_train:
         data["val"] = build_rows(cfg.data, tokenizer, "val", **agents)

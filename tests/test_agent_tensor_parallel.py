@@ -2,7 +2,9 @@
 call, on the engine's first rank, and every rank of the engine continues from the same answers.
 The tool here answers each call with the number of calls made so far, on any rank, and writes down
 which process ran it: were each rank to run its own tools, the ranks' contexts would differ (and
-vLLM's lockstep with them) and the file would count every call twice.
+vLLM's lockstep with them) and the file would count every call twice. The same engine then runs a
+TRL-style environment's episodes (agent/trl_env.py): its instances, calls and get_reward live on
+the first rank, and every rank gets the same answers and rewards.
 
 Sampled, the ranks must also draw alike: every row carries a seed the engine's ranks share, so a
 tool that moves numpy's and torch's global generators on the first rank alone changes nothing."""
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import fcntl
 import importlib.util
+import json
 import os
 import re
 
@@ -22,6 +25,7 @@ import yaml
 from spmdsplit.agent.tools import BaseTool, ToolResponse
 from spmdsplit.config import load_config
 from tests.support.launch import run_ranks
+from tests.test_trl_env import TRL_ECHO
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = 32
@@ -47,11 +51,11 @@ class CountingTool(BaseTool):
         return ToolResponse(text=str(count)), 0.0, {}
 
 
-def tensor_parallel_episodes(rank, world_size, model_dir, tool_config, calls_file):
+def tensor_parallel_episodes(rank, world_size, model_dir, tool_config, calls_file, game):
     """Every rank: one engine of tensor parallel 2, multi-turn episodes of the same prompts, three
     times: greedy (validation's sampling); sampled as a training step's rows are, with
     rollout.per_row_seed=false; and sampled from rows that come without seeds."""
-    from spmdsplit.agent import check_multi_turn
+    from spmdsplit.agent import build_agent_rollout, check_multi_turn, default_agent, environment_tools
     from spmdsplit.batch import Batch
     from spmdsplit.data.prompts import PromptDataset, collate_prompts
     from spmdsplit.data.sources import build_rows
@@ -84,9 +88,21 @@ def tensor_parallel_episodes(rank, world_size, model_dir, tool_config, calls_fil
         tool_tokens = (greedy["response_mask"] == 0) & (greedy["attention_mask"][:, -width:] == 1)
         answers = [int(a) for row, holes in zip(greedy["responses"], tool_tokens)
                    for a in re.findall(r"\d+", tokenizer.decode(row[holes]))]
-        columns = {f"{run} {k}": out[k] for run, out in (("greedy", greedy), ("sampled", sampled), ("unseeded", unseeded))
+        # A TRL-style environment's greedy episodes on the same engine (the echo preset's rows).
+        trl = load_config(os.path.join(ROOT, "configs", "environment_echo.yaml"), [
+            "rollout.name=vllm", f"model.path={model_dir}", "rollout.tensor_model_parallel_size=2",
+            f"rollout.multi_turn.environment={game}:EchoGame", "rollout.multi_turn.environment_kwargs={}",
+            "rollout.multi_turn.max_turn_length=2", "data.max_response_length=16"])
+        trl_rows, _ = build_rows(trl.data, tokenizer, "train", tools=check_multi_turn(trl, tokenizer).schemas,
+                                 default_agent=default_agent(trl), environment_tools=environment_tools(trl))
+        episodes = build_agent_rollout(trl, engine.engine, tokenizer, eos_token_ids(model_dir, tokenizer)).generate(
+            collate_prompts(trl_rows[:PROMPTS], tokenizer, trl.data.max_prompt_length, step=1, first_row=0),
+            validate=True)
+        columns = {f"{run} {k}": out[k] for run, out in (("greedy", greedy), ("sampled", sampled), ("unseeded", unseeded),
+                                                         ("trl", episodes))
                    for k in ("responses", "response_mask", "num_turns", "tool_calls", "rollout_log_probs")}
-        return {"columns": columns, "answers": answers, "greedy_calls": greedy_calls, "pid": os.getpid()}
+        return {"columns": columns, "answers": answers, "greedy_calls": greedy_calls, "pid": os.getpid(),
+                "trl_rewards": [info["environment_reward"] for info in episodes["extra_info"]]}
     finally:
         shutdown_vllm_distributed()
 
@@ -103,13 +119,15 @@ def episodes(tmp_path_factory, agent_model_dir):
     entry.update(class_name=f"{__name__}.CountingTool",
                  config={"type": "native", "calls_file": str(calls_file), "draws": True})
     tool_config.write_text(yaml.safe_dump({"tools": [entry]}))
+    game, log = tmp_path / "game.py", tmp_path / "episodes.jsonl"
+    game.write_text(TRL_ECHO.format(log=str(log)))
     first, second = run_ranks(tensor_parallel_episodes, 2, agent_model_dir, str(tool_config), str(calls_file),
-                              timeout=300, kind="vllm")
-    return first, second, calls_file.read_text().split()
+                              str(game), timeout=300, kind="vllm")
+    return first, second, calls_file.read_text().split(), [json.loads(line) for line in log.read_text().splitlines()]
 
 
 def test_a_tensor_parallel_engine_runs_each_tool_call_once_and_its_ranks_agree(episodes):
-    first, second, calls_made = episodes
+    first, second, calls_made, _ = episodes
     for name, column in first["columns"].items():
         if name.startswith("greedy"):
             assert torch.equal(column, second["columns"][name]), name
@@ -126,7 +144,7 @@ def test_sampled_ranks_draw_alike_beside_a_tool_that_moves_the_global_generators
     tokens, since no row draws from a global generator (on CPU vLLM's V1 sampler would take an
     unseeded row's noise from torch's, on CUDA V2 its seed from numpy's); rows without seeds take
     the engine's own. Without either, the ranks' contexts part and vLLM's collectives fail."""
-    first, second, calls_made = episodes
+    first, second, calls_made, _ = episodes
     for run in ("sampled", "unseeded"):
         assert int(first["columns"][f"{run} tool_calls"].sum()) >= 3, "the model should call the tool in some episodes"
     assert set(calls_made) == {str(first["pid"])}  # the draws happened on the first rank only
@@ -135,3 +153,15 @@ def test_sampled_ranks_draw_alike_beside_a_tool_that_moves_the_global_generators
     # Sampled indeed: the rollout.n responses to one prompt are not all alike.
     responses = first["columns"]["sampled responses"]
     assert any(not torch.equal(responses[i], responses[i + 1]) for i in range(0, len(responses), 4))
+
+
+def test_a_tensor_parallel_engine_runs_a_trl_environment_on_its_first_rank_and_its_ranks_agree(episodes):
+    """Each episode's instance, its calls and its get_reward run once, on the engine's first rank;
+    both ranks continue from the same answers and carry the same rewards."""
+    first, second, _, logged = episodes
+    for name in [n for n in first["columns"] if n.startswith("trl")]:
+        assert torch.equal(first["columns"][name], second["columns"][name]), name
+    assert first["trl_rewards"] == second["trl_rewards"]
+    assert len(logged) == PROMPTS and {e["serial"][0] for e in logged} == {first["pid"]}  # scored once, on the first rank
+    assert sorted(first["trl_rewards"]) == sorted(e["reward"] for e in logged)
+    assert int(first["columns"]["trl tool_calls"].sum()) >= 3, "the boosted model should call the method in some episodes"

@@ -549,3 +549,17 @@ def test_a_process_whose_tool_hangs_forever_still_exits(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=20)
     assert (done.returncode, done.stdout, done.stderr) == (0, "timeout 1\n", "")
     assert time.monotonic() - start < 15
+
+
+def test_a_fault_of_the_runner_itself_is_still_one_answer_per_call():
+    """A schema the argument check cannot read (`required` not a list) fails in Tools, not in the
+    tool: the call is still answered, with an exception error, and the turn's other calls run."""
+    def echo(text: str) -> str:
+        return text
+    odd = {"type": "function", "function": {"name": "odd", "parameters": {"type": "object", "properties": {},
+                                                                          "required": 5}}}
+    tools = Tools([make_tool(lambda **kw: "x", odd), make_tool(echo, {"type": "function", "function": {
+        "name": "echo", "parameters": {"type": "object", "properties": {"text": {"type": "string"}}}}})])
+    broken, fine = tools.run([Call("odd", {}), Call("echo", {"text": "hi"})])
+    assert broken.error == "exception" and "tool odd failed: TypeError" in broken.text
+    assert (fine.error, fine.text) == ("", "hi")

@@ -765,3 +765,17 @@ def test_the_mask_check_spares_cpu_flash_attention_and_unpacked_passes():
     # trainer.device=cuda says so when the config loads; auto waits for start-up (preflight.check_device).
     assert "critic.forward_max_token_len_per_gpu" in error_of("model.use_remove_padding=true", "trainer.device=cuda",
                                                               "model.attn_implementation=sdpa", *big)
+
+
+def test_an_empty_mapping_on_the_command_line_replaces_a_presets_mapping():
+    """`key={}` empties a mapping a preset sets (OmegaConf's merge would keep its entries: a TRL-style
+    environment, built with no arguments, could not clear environment_kwargs={turns: 3}); a later
+    override adds to it again, and `{}` on a section of the schema changes nothing."""
+    preset = os.path.join(os.path.dirname(__file__), "..", "configs", "environment_echo.yaml")
+    assert load_config(preset).rollout.multi_turn.environment_kwargs == {"turns": 3}
+    cfg = load_config(preset, ["rollout.multi_turn.environment_kwargs={}"])
+    assert cfg.rollout.multi_turn.environment_kwargs == {}
+    cfg = load_config(preset, ["rollout.multi_turn.environment_kwargs={}", "rollout.multi_turn.environment_kwargs.n=2"])
+    assert cfg.rollout.multi_turn.environment_kwargs == {"n": 2}
+    cfg = load_config(preset, ["rollout.multi_turn={}"])
+    assert cfg.rollout.multi_turn.enable and cfg.rollout.multi_turn.environment_kwargs == {"turns": 3}

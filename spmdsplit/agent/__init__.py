@@ -4,6 +4,8 @@
   execute / calc_reward / release), loaded from verl's tool-config YAML, run concurrently;
 - parsers.py: how calls are read out of a turn (Hermes by default; compact for the embedded model);
 - chat.py: the tokens of tool responses, from the model's own chat template;
+- environments.py: gym-style environments (reset / step) as episodes; trl_env.py: classes written for
+  TRL's environment_factory, whose public methods are the episode's tools;
 - loop.py: the agent loop around an engine (HF or vLLM), token in, token out.
 """
 
@@ -16,7 +18,6 @@ import os
 from omegaconf import OmegaConf
 
 from spmdsplit.data.parquet import ENVIRONMENT_AGENT
-from spmdsplit.data.synthetic import AGENT_TASKS
 
 # verl's agent_name values, and ours for an environment's episodes (rollout.multi_turn.environment)
 AGENTS = ("single_turn_agent", "tool_agent", ENVIRONMENT_AGENT)
@@ -46,16 +47,22 @@ def load_job_environments(cfg):
     kwargs = json.dumps(OmegaConf.to_container(m.environment_kwargs) if OmegaConf.is_config(m.environment_kwargs)
                         else dict(m.environment_kwargs or {}), sort_keys=True)
     return _load_environments(environment_path(cfg), kwargs, m.environment_action_field, m.tool_timeout_s,
-                              m.max_tool_response_length, m.tool_response_truncate_side)
+                              m.max_tool_response_length, m.tool_response_truncate_side, m.environment_style)
 
 
 @functools.lru_cache(maxsize=None)
 def _load_environments(path: str, kwargs_json: str, action_field: str, timeout_s: float, max_text_chars: int,
-                       truncate_side: str):
+                       truncate_side: str, style: str = "auto"):
     """Loaded once per process, like the tools: the check before the first collective and the
     engine's agent loop share them (the constructor's probe runs once)."""
-    from spmdsplit.agent.environments import Environments, load_environment
+    from spmdsplit.agent.environments import SETTING, Environments, load_environment
+    from spmdsplit.agent.tools import import_target
+    from spmdsplit.agent.trl_env import is_trl_style, load_trl_environments
 
+    target = import_target(path, f"{SETTING}={path}")
+    if is_trl_style(target, style):
+        return load_trl_environments(target, path, json.loads(kwargs_json), timeout_s=timeout_s,
+                                     max_text_chars=max_text_chars, truncate_side=truncate_side)
     factory = load_environment(path, json.loads(kwargs_json), action_field)
     return Environments(factory, timeout_s=timeout_s, max_text_chars=max_text_chars, truncate_side=truncate_side,
                         action_field=action_field)
@@ -63,9 +70,10 @@ def _load_environments(path: str, kwargs_json: str, action_field: str, timeout_s
 
 def tool_config_path(cfg) -> str:
     """rollout.multi_turn.tool_config_path, or the embedded lookup task's own when it is empty and
-    that task is the data."""
+    that task is the data (not the echo task's: its environment's tools, if it has any, are the
+    ones its calls are read against)."""
     path = cfg.rollout.multi_turn.tool_config_path
-    if not path and not cfg.data.train_files and cfg.data.task in AGENT_TASKS:
+    if not path and not cfg.data.train_files and cfg.data.task == "lookup":
         return LOOKUP_TOOLS
     return path
 
@@ -91,6 +99,18 @@ def _load_tools(path: str, timeout_s: float, max_response_chars: int, truncate_s
     return load_tools(path, timeout_s=timeout_s, max_response_chars=max_response_chars, truncate_side=truncate_side)
 
 
+def environment_tools(cfg) -> list[dict] | None:
+    """The tool schemas of the job's environment's episodes: a TRL-style environment's methods;
+    None for a gym-style environment or none."""
+    environments = load_job_environments(cfg)
+    return getattr(environments, "schemas", None)
+
+
+def call_schemas(cfg) -> list[dict]:
+    """The tools a turn's calls are read against: the tool config's, then a TRL-style environment's."""
+    return load_job_tools(cfg).schemas + (environment_tools(cfg) or [])
+
+
 def check_multi_turn(cfg, tokenizer):
     """What would fail only mid-rollout, checked on every rank before the first collective: the
     tool config (a missing module or class), the call format, a tokenizer without a chat
@@ -108,7 +128,7 @@ def check_multi_turn(cfg, tokenizer):
         return None
     try:
         tools = load_job_tools(cfg)
-        parser = build_parser(cfg.rollout.multi_turn.format, tools.schemas)
+        parser = build_parser(cfg.rollout.multi_turn.format, call_schemas(cfg))
         chat = ToolChat(tokenizer)
         if load_job_environments(cfg) is not None:
             chat.opening_ids("x")  # a template that re-renders the first message cannot open an episode
@@ -121,9 +141,11 @@ def check_multi_turn(cfg, tokenizer):
     return tools
 
 
-def attach_tools(rows: list[dict], schemas: list[dict], default_agent: str, key: str) -> None:
-    """Each row's agent (its agent_name, or rollout.agent.default_agent_loop) and, for a tool
-    agent's row, the tool schemas its prompt is rendered with."""
+def attach_tools(rows: list[dict], schemas: list[dict], default_agent: str, key: str,
+                 environment_schemas: list[dict] | None = None) -> None:
+    """Each row's agent (its agent_name, or rollout.agent.default_agent_loop) and the tool schemas
+    its prompt is rendered with: a tool agent's row the tool config's, an environment's row its
+    environment's (a TRL-style one's methods; None for a gym-style one)."""
     from spmdsplit.data.parquet import DataError
 
     unknown = [i for i, r in enumerate(rows) if (r.get("agent_name") or default_agent) not in AGENTS]
@@ -136,7 +158,8 @@ def attach_tools(rows: list[dict], schemas: list[dict], default_agent: str, key:
                         f"rollout.multi_turn.environment")
     for r in rows:
         r["agent_name"] = r.get("agent_name") or default_agent
-        r["tools"] = schemas if r["agent_name"] == "tool_agent" else None
+        r["tools"] = (schemas if r["agent_name"] == "tool_agent" else
+                      environment_schemas if r["agent_name"] == ENVIRONMENT_AGENT else None)
 
 
 def load_harness(cfg):
@@ -200,7 +223,7 @@ def build_agent_rollout(cfg, engine, tokenizer, eos_ids: list[int]):
     tools = load_job_tools(cfg)
     # An engine whose ranks generate in lockstep (vLLM) runs each turn's tool calls and environment
     # steps on its first rank only.
-    return AgentRollout(engine, tokenizer, eos_ids, tools, build_parser(cfg.rollout.multi_turn.format, tools.schemas),
+    return AgentRollout(engine, tokenizer, eos_ids, tools, build_parser(cfg.rollout.multi_turn.format, call_schemas(cfg)),
                         cfg.rollout.multi_turn, cfg.data.max_response_length, default_agent(cfg),
                         run_once=getattr(engine, "run_on_first_rank", None),
                         environments=load_job_environments(cfg), seed=cfg.trainer.seed)

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from spmdsplit.agent.chat import ToolChat
-from spmdsplit.agent.environments import EnvCall, Environments, EnvSlot, reset_seed
+from spmdsplit.agent.environments import EnvCall, EnvResult, Environments, EnvSlot, reset_seed
 from spmdsplit.agent.parsers import ToolParser
 from spmdsplit.agent.tools import ERROR_KINDS, Tools
 from spmdsplit.batch import Batch
@@ -127,7 +127,7 @@ class AgentRollout(AroundEngine):
         while live := [e for e in episodes if not e.done]:
             calling = []
             for uses_tools in (True, False):  # the two kinds of turn end (turn_stop_ids)
-                group = [e for e in live if (e.agent == "tool_agent") is uses_tools]
+                group = [e for e in live if self.calls_tools(e) is uses_tools]
                 if not group:
                     continue
                 seeds = [self.turn_seed(e) for e in group] if group[0].seed is not None else None
@@ -163,7 +163,7 @@ class AgentRollout(AroundEngine):
         return self.tools.start(calls)
 
     def add_responses(self, episode: Episode, calls: list, results: list, turn_end: str) -> None:
-        if episode.env is not None:
+        if isinstance(results[0], EnvResult):  # a gym environment's answer, or a TRL one's reset (not its tools')
             self.add_observation(episode, calls[0], results[0], turn_end)
         else:
             self.add_tool_responses(episode, calls, results, turn_end)
@@ -173,16 +173,22 @@ class AgentRollout(AroundEngine):
         call, episode.env_reset = episode.env_reset, None
         return [call] if call is not None else []
 
-    @staticmethod
-    def resumable(episode: Episode | None) -> bool:
+    def resumable(self, episode: Episode | None) -> bool:
         """Whether the episode can be checkpointed as it is: not while an environment holds its
-        state (an environment cannot be saved; such an episode starts again from its prompt)."""
-        return episode is None or episode.env is None or episode.done
+        state (an environment cannot be saved; such an episode starts again from its prompt), nor
+        a TRL-style one's ever (its reward is read from the instance when it is handed over)."""
+        return episode is None or episode.env is None or episode.done and not self.calls_tools(episode)
 
     def turn_stop_ids(self, episode: Episode) -> list[int]:
         """What ends the episode's turn: a single-turn agent's answer and an environment's action
         end at the EOS only (a parser's stop token, "@", is text to them)."""
-        return self.stop_ids if episode.agent == "tool_agent" else self.eos_ids
+        return self.stop_ids if self.calls_tools(episode) else self.eos_ids
+
+    def calls_tools(self, episode: Episode) -> bool:
+        """Whether the episode's turns are tool calls: a tool agent's, or a TRL-style environment's
+        (trl_env.py: its methods are the tools; its reset opens the episode as a gym one's does)."""
+        return episode.agent == "tool_agent" or (episode.env is not None and
+                                                 getattr(self.environments, "tool_calling", False))
 
     def out_of_turns(self, episode: Episode) -> bool:
         """Whether the episode may take no further turn: the response's budget is spent, or
@@ -220,7 +226,7 @@ class AgentRollout(AroundEngine):
         text of the token that ended it."""
         episode.append(ids, policy=True, log_probs=log_probs)
         episode.assistant_turns += 1
-        if episode.env is not None:
+        if episode.env is not None and not self.calls_tools(episode):
             # Every action is stepped, the last one too (the environment scores it), and a turn cut
             # at rollout.multi_turn.max_turn_length is an action as well: the environment says when
             # its episode is done, or the response's budget or max_assistant_turns does.
@@ -228,13 +234,15 @@ class AgentRollout(AroundEngine):
             action = self.tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=False)
             return [EnvCall(episode.env, action)], (self.tokenizer.decode(ids[-1:], skip_special_tokens=False) if stopped else "")
         stopped = bool(ids) and ids[-1] in self.stop_ids
-        if not stopped or self.out_of_turns(episode) or episode.agent != "tool_agent":
+        if not stopped or self.out_of_turns(episode) or not self.calls_tools(episode):
             episode.done = True
             return [], ""
         text = self.tokenizer.decode(ids[:-1] if ids[-1] in self.eos_ids else ids, skip_special_tokens=False)
         calls = self.parser.calls(text, episode.row_kwargs)[: self.max_parallel_calls]
         if not calls:
             episode.done = True
+        elif episode.env is not None:  # run on the episode's own environment instance
+            calls = self.environments.bind(episode.env, calls)
         return calls, self.tokenizer.decode(ids[-1:], skip_special_tokens=False)
 
     def add_tool_responses(self, episode: Episode, calls, results, turn_end: str) -> None:
@@ -282,8 +290,24 @@ class AgentRollout(AroundEngine):
             return 0.0
         return episode.env_rewards[-1] if self.env_reward == "last" else sum(episode.env_rewards)
 
+    def end_episodes(self, episodes: list[Episode]) -> list[bool]:
+        """Whether each episode's reward is its environment's: a gym-style one's always; a TRL-style
+        one's when its class has get_reward, read now (once per episode, on the engine's first rank)
+        into env_rewards, a fault counted."""
+        final = getattr(self.environments, "rewards", None)
+        if final is None:
+            return [e.env is not None for e in episodes]
+        outcomes = self.run_once(lambda: final([e.env for e in episodes]))
+        for e, (reward, error) in zip(episodes, outcomes):
+            if error:
+                e.errors[ERROR_KINDS.index(error)] += 1
+            if reward is not None:
+                e.env_rewards.append(reward)
+        return [reward is not None for reward, _ in outcomes]
+
     def finish(self, prompts: Batch, episodes: list[Episode]) -> Batch:
         check_some_episode_ran(episodes, self.environment)
+        scored = self.end_episodes(episodes)
         batch = episodes_batch(prompts, episodes, self.tokenizer.pad_token_id)
         device = prompts["input_ids"].device
         batch["num_turns"] = torch.tensor([e.num_turns for e in episodes], device=device)
@@ -299,6 +323,6 @@ class AgentRollout(AroundEngine):
             batch["extra_info"] = [{**(info or {}), "num_turns": e.num_turns, "tool_rewards": e.tool_rewards,
                                     "rollout_reward_scores": e.tool_scores,
                                     **({ENVIRONMENT_REWARD: self.episode_reward(e), "environment_rewards": e.env_rewards,
-                                        "environment_info": e.env_info} if e.env is not None else {})}
-                                   for info, e in zip(batch["extra_info"], episodes)]
+                                        "environment_info": e.env_info} if owned else {})}
+                                   for info, e, owned in zip(batch["extra_info"], episodes, scored)]
         return batch

@@ -332,7 +332,7 @@ class Tools:
         try:
             result = await self._checked(call)
         except Exception as e:  # a bug here, not in the tool: still one result per call
-            result = self._error("exception", f"tool {call.name} failed: {errorerror_line(e)}")
+            result = self._error("exception", f"tool {call.name} failed: {error_line(e)}")
         result.seconds = time.monotonic() - start
         return result
 
@@ -344,7 +344,7 @@ class Tools:
         tool = self._tools.get(call.name)
         if tool is None:
             return self._error("unknown_tool", f"unknown tool {call.name!r}; tools: {', '.join(self.names)}")
-        problem = _check_arguments(tool, call.arguments)
+        problem = check_arguments(tool, call.arguments)
         if problem:
             return self._error("bad_arguments", problem)
         kw = call.row_kwargs.get(tool.name) if isinstance(call.row_kwargs, dict) else None
@@ -418,7 +418,7 @@ def _properties(tool: Tool) -> dict:
     return props if isinstance(props, dict) else {}
 
 
-def _check_arguments(tool: Tool, args: dict) -> str:
+def check_arguments(tool: Tool, args: dict) -> str:
     """The first way the arguments break the tool's schema, worded for the model; "" if none."""
     params, props = tool.schema["function"].get("parameters"), _properties(tool)
     params = params if isinstance(params, dict) else {}

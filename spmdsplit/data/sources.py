@@ -45,7 +45,8 @@ def _synthetic_rows(data_cfg, split: str) -> list[dict]:
 
 
 def build_rows(data_cfg, tokenizer, split: str, tools: list[dict] | None = None,
-               default_agent: str = "single_turn_agent") -> tuple[list[dict], dict]:
+               default_agent: str = "single_turn_agent",
+               environment_tools: list[dict] | None = None) -> tuple[list[dict], dict]:
     """The rows of `split` ("train" or "val") and a report:
     {"split", "source" ("parquet" | "synthetic/<task>"), "files", "rows_read", "malformed",
      "malformed_examples", "skipped", "filtered_overlong", "rows"}, and "reasoning_gym" (the tasks)
@@ -95,7 +96,7 @@ def build_rows(data_cfg, tokenizer, split: str, tools: list[dict] | None = None,
     if tools is not None:  # multi-turn: each row's agent, and the tool schemas its prompt is rendered with
         from spmdsplit.agent import attach_tools
 
-        attach_tools(rows, tools, default_agent, key)
+        attach_tools(rows, tools, default_agent, key, environment_tools)
     needs_template = any(not isinstance(r["prompt"], str) for r in rows)
     if needs_template and tokenizer is not None and not has_chat_template(tokenizer):
         raise DataError(

@@ -418,7 +418,16 @@ class ContinuousGeneration:
         # The order the engine holds them in (an HF step batches its requests in that order): a
         # resume submits them again in it.
         running = [(self.groups.index(g), m) for g, m in [*self.live.values(), *self.resumed]]
-        in_flight, complete = [group(g) for g in self.groups], [group(g) for g in self.complete]
+        # A complete group holding an episode that cannot be kept (a TRL-style environment's, whose
+        # reward is read from its instance at the hand-over) goes back in flight: those episodes
+        # start again from their prompt at the resume, the others stay as they finished.
+        redo = [g for g in self.complete if self.agent is not None
+                and not all(self.agent.resumable(r.episode) for r in g.responses)]
+        for k, g in enumerate(redo):
+            running += [(len(self.groups) + k, m) for m, r in enumerate(g.responses)
+                        if not self.agent.resumable(r.episode)]
+        in_flight = [group(g) for g in [*self.groups, *redo]]
+        complete = [group(g) for g in self.complete if g not in redo]
         return {"drawn": self.drawn, "clock": self.clock, "handed": dict(self.handed), "running": running,
                 "waiting": [group(g) for g in self.waiting], "in_flight": in_flight, "complete": complete,
                 "tokens_held": sum(len(r["tokens"]) for g in (*in_flight, *complete) for r in g["responses"])}

@@ -16,7 +16,9 @@ verl-format tool YAML, written under --out):
    multi-turn with the instant tool, which tells the tool's latency from multi-turn's other costs
    (more engine calls per batch, tool tokens in the rows).
    Also the embedded echo environment's episodes (3 one-token turns, each step sleeping as the
-   tool does), batch and continuous: modes "environment" and "environment, continuous".
+   tool does), batch and continuous: modes "environment" and "environment, continuous"; and the
+   same episodes driven by an agent harness through the OpenAI endpoint, "environment, harness"
+   (target: its gen per batch <= 1.3x the agent loop's).
    Targets: the train pool's step period grows <= 10 %, and the rollout pool's gen per batch stays
    shorter than the train pool's work per step (its busy time, waits left out).
 
@@ -39,7 +41,7 @@ from tools.report import fmt, run_and_write
 SLEEP_S, EPISODES, AT_BOOST = 0.2, 32, 10.0  # SLEEP_S: the issue's tool latency (--tool-s changes it)
 PRESET = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs",
                       "agent_lookup.yaml")
-TARGETS = {"turn_added_s": 0.4, "step_growth": 0.10}
+TARGETS = {"turn_added_s": 0.4, "step_growth": 0.10, "harness_gen": 1.3}
 TOOL_FILE = '''"""bench_agent's tools: one that waits {sleep_s} s per call, one that answers at once; and an environment."""
 import time
 
@@ -63,6 +65,26 @@ class SleepyEcho(EchoDigits):
     def step(self, action):
         time.sleep({sleep_s})
         return super().step(action)
+
+
+async def echo_harness(client, row):
+    """The same episodes driven through the OpenAI endpoint (rollout.agent.harness): SleepyEcho's
+    digit shown as a user message, a one-token answer, the step (in a thread: it sleeps) shown next."""
+    import asyncio
+    import hashlib
+
+    env = SleepyEcho(turns=3)
+    shown = env.reset(seed=int.from_bytes(hashlib.sha256(str(row["uid"]).encode()).digest()[:4], "big"))
+    messages, reward = [{{"role": "user", "content": shown.text}}], 0.0
+    for _ in range(3):
+        answer = await client.chat.completions.create(model="policy", messages=messages, max_tokens=1)
+        text = answer.choices[0].message.content or ""
+        shown = await asyncio.to_thread(env.step, text)
+        reward += shown.reward
+        if shown.done:
+            break
+        messages += [{{"role": "assistant", "content": text}}, {{"role": "user", "content": shown.text}}]
+    return reward
 '''
 ROLLOUT_TRAIN = ["placement.mode=custom", "placement.pool_unit=ranks_per_node", "placement.pools={gen: 1, train: 1}",
                  "placement.roles={rollout: gen, actor: train}", "rollout.staleness=1", "algorithm.adv_estimator=grpo",
@@ -75,10 +97,12 @@ CONTINUOUS = ["rollout.continuous=true"]
 # filled in with the sleeping environment's path): 3 one-token turns, each stepped in SLEEP_S.
 ECHO = ["data.task=echo", "data.max_prompt_length=4", "data.max_response_length=8", "rollout.multi_turn.max_turn_length=1",
         "rollout.multi_turn.environment_kwargs={turns: 3}", "ENVIRONMENT"]
+# The same episodes driven by an agent harness over the endpoint (HARNESS: the harness's path).
 MODES = {"single-turn": (False, "sleepy", []), "multi-turn, instant tool": (True, "instant", []),
          "multi-turn": (True, "sleepy", []), "single-turn, continuous": (False, "sleepy", CONTINUOUS),
          "multi-turn, continuous": (True, "sleepy", CONTINUOUS),
-         "environment": (True, "sleepy", ECHO), "environment, continuous": (True, "sleepy", [*ECHO, *CONTINUOUS])}
+         "environment": (True, "sleepy", ECHO), "environment, continuous": (True, "sleepy", [*ECHO, *CONTINUOUS]),
+         "environment, harness": (False, "sleepy", [*ECHO[:-1], "HARNESS"])}
 PHASES = ("gen", "gen_ahead", "sync_weights", "old_log_prob", "ref", "reward", "adv", "update_actor")
 
 
@@ -140,6 +164,9 @@ def targets(turn: dict, modes: dict[str, dict], sleep_s: float = SLEEP_S) -> lis
     waited = analysis.ratio(streamed.get("train_busy_s"), streamed.get("step_s"))
     row("s=1 multi-turn, continuous: train pool's wait for rows / its step period", None if waited is None else 1 - waited,
         TARGETS["step_growth"], "1 - train pool busy / step period", "share")
+    row("the echo episodes through the endpoint (harness) vs the agent loop: gen per batch",
+        analysis.ratio(modes.get("environment, harness", {}).get("gen_s"), modes.get("environment", {}).get("gen_s")),
+        TARGETS["harness_gen"], "rollout pool's gen, harness / environment", "ratio")
     return rows
 
 
@@ -191,6 +218,7 @@ def write_tools(folder: str, sleep_s: float = SLEEP_S) -> dict[str, str]:
         with open(paths[name], "w") as f:
             f.write(f'tools:\n  - class_name: "{code}:{name}"\n    config: {{type: native}}\n')
     paths["environment"] = f"{code}:SleepyEcho"
+    paths["harness"] = f"{code}:echo_harness"
     return paths
 
 
@@ -266,9 +294,10 @@ def run(args) -> dict:
     steady = async_rollout.steady_steps(args.steps, args.warmup, 1)
     modes = {}
     for i, (name, (on, tool, other)) in enumerate(chosen.items(), 2):
-        environment = f"rollout.multi_turn.environment={paths['environment']}"
+        filled = {"ENVIRONMENT": f"rollout.multi_turn.environment={paths['environment']}",
+                  "HARNESS": f"rollout.agent.harness={paths['harness']}"}
         extra = [f"rollout.multi_turn.enable={str(on).lower()}", f"rollout.multi_turn.tool_config_path={paths[tool]}",
-                 *(environment if o == "ENVIRONMENT" else o for o in other)]
+                 *(filled.get(o, o) for o in other)]
         print(f"tools.bench.agent: [{i}/{len(chosen) + 1}] {name}: {' '.join(extra)}", file=sys.stderr, flush=True)
         start = time.time()
         trace, scalars = run_job(2, workload + extra, os.path.join(args.out, name.replace(",", "").replace(" ", "-")))

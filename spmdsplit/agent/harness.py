@@ -42,8 +42,9 @@ from spmdsplit.usercode import EXCEPTION, TIMEOUT, UserCode
 
 SETTING = "rollout.agent.harness"
 # How long the engine, found idle, waits for more calls to batch with the first (EngineDriver): a
-# harness's episodes call at nearly the same time, spread over milliseconds by HTTP.
-GATHER_S = 0.01
+# harness's episodes call at nearly the same time, spread over milliseconds by HTTP. 2 ms: a batch of
+# 128 echo episodes took 1.7-2.2 s in one process, 2.1-2.6 s at 10 ms, 1.9-2.5 s at 0.
+GATHER_S = 0.002
 NOT_A_REWARD = "not_a_reward"  # the harness returned what is not a number nor a dict with one
 # Its faults counted as the tools' are (tool/errors/<kind>): what it raised, an overrun, garbage.
 ERROR_KIND = {EXCEPTION: "exception", TIMEOUT: "timeout", NOT_A_REWARD: "not_text"}

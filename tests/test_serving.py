@@ -533,3 +533,5 @@ def test_an_episode_holds_to_its_budget_and_turns_and_only_open_episodes_answer(
     for gone in (c, episode_client(server, "e999")):
         with pytest.raises(openai.NotFoundError, match="no episode"):
             gone.completions.create(model=MODEL, prompt="1=", max_tokens=1)
+    with pytest.raises(openai.NotFoundError, match="episodes only"):  # a call outside any episode
+        client(server).completions.create(model=MODEL, prompt="1=", max_tokens=1)

@@ -143,8 +143,12 @@ class OpenAIServer:
         return await self._answer(call, episode, messages_of(body))
 
     def _episode(self, request: web.Request) -> str | None:
-        """The episode a call names in its path (None: none); a 404 for one the job has not open."""
+        """The episode a call names in its path (None: none); a 404 for one the job has not open,
+        and, on a server of episodes, for a call that names none (it would train on nothing)."""
         episode = request.match_info.get("episode")
+        if episode is None and self.episodes is not None:
+            raise BadRequest("this server answers its episodes only: call the base_url the harness was given "
+                             "(/episodes/<id>/v1)", status=404, kind="not_found_error")
         if episode is not None and (self.episodes is None or not self.episodes.is_open(episode)):
             raise BadRequest(f"no episode {episode!r} is open on this server", status=404, kind="not_found_error")
         return episode

@@ -27,6 +27,7 @@ from spmdsplit.agent.environments import (
 )
 from spmdsplit.agent.tools import ERROR_KINDS, ToolConfigError
 from tests.support.agent_models import chat_tokenizer
+from tests.support.streams import agent_stream_factory
 
 pydantic = pytest.importorskip("pydantic")
 
@@ -281,33 +282,9 @@ def test_a_continuous_checkpoint_restarts_the_environments_episodes_still_runnin
     whole episodes, each scored by its own environment."""
     import io
 
-    from omegaconf import OmegaConf
-
-    from spmdsplit.agent import build_agent_rollout
-    from spmdsplit.continuous import ContinuousGeneration
-    from spmdsplit.data.prompts import PromptDataset
-    from spmdsplit.generation import step_prompts
-    from spmdsplit.rollout import build_rollout
 
     cfg, tokenizer, eos_ids, rows = echo_setup
-    cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([
-        "rollout.continuous=true", "rollout.hf_step_tokens=1", "rollout.n=2", "rollout.staleness=4",
-        "data.train_batch_size=8", "rollout.per_row_seed=false"]))
-
-    def make_stream():
-        torch.manual_seed(5)
-        base = build_rollout(cfg, cfg.model.path, tokenizer, eos_ids, torch.device("cpu"), torch.float32, seed=3).engine
-        dataset = PromptDataset(rows, 8, shuffle=False, seed=0)
-        weights = {k: v.clone() for k, v in base.model.state_dict().items()}
-
-        def take_weights(step):
-            base.wake_up(weights.items())
-            return 0
-        stream = ContinuousGeneration(cfg, base, lambda t: step_prompts(cfg, dataset, tokenizer, t, [0], 0),
-                                      take_weights, lambda: False, 0, 1, tokenizer.pad_token_id, eos_ids,
-                                      torch.device("cpu"), agent=build_agent_rollout(cfg, base, tokenizer, eos_ids))
-        stream.version = take_weights(1)
-        return stream
+    make_stream = agent_stream_factory(cfg, tokenizer, eos_ids, rows)
 
     stream = make_stream()
     for _ in range(200):  # until episodes are midway

@@ -16,6 +16,7 @@ import torch
 from spmdsplit.agent.environments import EnvCall, EnvResult, EnvSlot
 from spmdsplit.agent.tools import Call, ToolConfigError, ToolResult
 from spmdsplit.agent.trl_env import MethodCall, TrlEnvironments, is_trl_style, load_trl_environments, tool_names
+from tests.support.streams import agent_stream_factory
 
 # An environment as TRL's users write one: shows a digit; the policy answers by calling say (the
 # embedded agent model's compact call "5@"); a say of the first three scores a tenth for the call and
@@ -343,33 +344,8 @@ def test_a_continuous_checkpoint_keeps_no_trl_episode_whose_reward_is_unread(trl
     """get_reward is read when an episode's group is handed over; a checkpoint cannot hold the
     instance it reads, so the stream's checkpoint keeps no TRL episode, finished or not: each
     starts again from its prompt, and every handed-over row is scored by a get_reward call."""
-    from omegaconf import OmegaConf
-
-    from spmdsplit.agent import build_agent_rollout
-    from spmdsplit.continuous import ContinuousGeneration
-    from spmdsplit.data.prompts import PromptDataset
-    from spmdsplit.generation import step_prompts
-    from spmdsplit.rollout import build_rollout
-
     cfg, tokenizer, eos_ids, rows, log = trl_echo
-    cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([
-        "rollout.continuous=true", "rollout.hf_step_tokens=1", "rollout.n=2", "rollout.staleness=4",
-        "data.train_batch_size=8", "rollout.per_row_seed=false"]))
-
-    def make_stream():
-        torch.manual_seed(5)
-        base = build_rollout(cfg, cfg.model.path, tokenizer, eos_ids, torch.device("cpu"), torch.float32, seed=3).engine
-        dataset = PromptDataset(rows, 8, shuffle=False, seed=0)
-        weights = {k: v.clone() for k, v in base.model.state_dict().items()}
-
-        def take_weights(step):
-            base.wake_up(weights.items())
-            return 0
-        stream = ContinuousGeneration(cfg, base, lambda t: step_prompts(cfg, dataset, tokenizer, t, [0], 0),
-                                      take_weights, lambda: False, 0, 1, tokenizer.pad_token_id, eos_ids,
-                                      torch.device("cpu"), agent=build_agent_rollout(cfg, base, tokenizer, eos_ids))
-        stream.version = take_weights(1)
-        return stream
+    make_stream = agent_stream_factory(cfg, tokenizer, eos_ids, rows)
 
     stream = make_stream()
     for _ in range(200):  # until some episodes have finished in groups not yet complete

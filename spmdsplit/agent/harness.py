@@ -28,7 +28,6 @@ import concurrent.futures
 import inspect
 import math
 import numbers
-from collections import Counter
 from typing import Any, Callable
 
 import torch
@@ -37,6 +36,7 @@ from spmdsplit.batch import Batch
 from spmdsplit.rewards.rule import ENVIRONMENT_REWARD
 from spmdsplit.rollout.base import AroundEngine, episodes_batch
 from spmdsplit.serving.episodes import Episodes, Row
+from spmdsplit.agent.loop import EveryEpisodeFailed
 from spmdsplit.agent.tools import ERROR_KINDS
 from spmdsplit.usercode import EXCEPTION, TIMEOUT, UserCode
 
@@ -50,7 +50,7 @@ NOT_A_REWARD = "not_a_reward"  # the harness returned what is not a number nor a
 ERROR_KIND = {EXCEPTION: "exception", TIMEOUT: "timeout", NOT_A_REWARD: "not_text"}
 
 
-class EveryHarnessEpisodeFailed(RuntimeError):
+class EveryHarnessEpisodeFailed(EveryEpisodeFailed):
     """Every episode of a rank's batch failed in the harness: nothing to train on."""
 
 
@@ -101,12 +101,15 @@ class HarnessRollout(AroundEngine):
             server.start()
         else:
             server.resume()
+        # Each row's prompt as its ids (left padding off): what the harness is given, and the row's
+        # prompt where its episode made no call.
+        prompt_ids = [ids[mask.bool()].tolist() for ids, mask in zip(prompts["input_ids"], prompts["attention_mask"])]
         try:
-            outcomes, ids = self._run(prompts, server)
+            outcomes, ids = self._run(prompts, prompt_ids, server)
         finally:
             server.pause()  # the engine is the trainer's again (a sleep, new weights)
         rows, rewards, errors, counts = [], [], [], []
-        for episode, outcome in zip(ids, outcomes):
+        for i, (episode, outcome) in enumerate(zip(ids, outcomes)):
             made, record = self.episodes.close(episode)
             error, reward = outcome.error, 0.0
             if error is None:
@@ -116,24 +119,19 @@ class HarnessRollout(AroundEngine):
                     error = NOT_A_REWARD
             if error is not None:
                 errors.append(f"{error}: {outcome.message if outcome.error else repr(outcome.value)}")
-            rows.append(made[0] if made else None)
+            rows.append(made[0] if made else Row(prompt_ids[i]))
             rewards.append(reward)
             counts.append((len(record.calls), ERROR_KIND.get(error), max(len(made) - 1, 0)))
         if errors and len(errors) == len(rows):
-            kinds = Counter(e.split(":", 1)[0] for e in errors)
-            raise EveryHarnessEpisodeFailed(
-                f"{SETTING}: every one of this rank's {len(rows)} episodes failed "
-                f"({', '.join(f'{k}: {n}' for k, n in sorted(kinds.items()))}); the first: {errors[0].split(': ', 1)[1]}")
+            raise EveryHarnessEpisodeFailed.of(SETTING, errors)
         return self._batch(prompts, rows, rewards, counts)
 
-    def _run(self, prompts: Batch, server) -> tuple[list, list[str]]:
-        texts = self.tokenizer.batch_decode(
-            [ids[mask.bool()].tolist() for ids, mask in zip(prompts["input_ids"], prompts["attention_mask"])],
-            skip_special_tokens=False)
+    def _run(self, prompts: Batch, prompt_ids: list[list[int]], server) -> tuple[list, list[str]]:
+        texts = self.tokenizer.batch_decode(prompt_ids, skip_special_tokens=False)
         ids = [self.episodes.open(self.budget, self.max_turns) for _ in texts]
 
         def job(i: int):
-            row = {"prompt": texts[i], "prompt_ids": prompts["input_ids"][i][prompts["attention_mask"][i].bool()].tolist(),
+            row = {"prompt": texts[i], "prompt_ids": prompt_ids[i],
                    "uid": prompts["uid"][i] if "uid" in prompts else None,
                    **{k: prompts[k][i] for k in ("data_source", "ground_truth", "extra_info") if k in prompts}}
             url = f"http://127.0.0.1:{server.port}/episodes/{ids[i]}/v1"
@@ -157,14 +155,12 @@ class HarnessRollout(AroundEngine):
             self.client = openai.AsyncOpenAI(base_url="http://127.0.0.1", api_key="spmdsplit", max_retries=0)
         return self.client
 
-    def _batch(self, prompts: Batch, rows: list[Row | None], rewards: list[float], counts: list[tuple]) -> Batch:
+    def _batch(self, prompts: Batch, made: list[Row], rewards: list[float], counts: list[tuple]) -> Batch:
         """The rows as a batch: each episode's first call's prompt as its prompt (left-padded to the
         widest), its response, mask and log-probs; the reward in extra_info; the agent loop's counts
         (num_turns: 1 + its calls, tool_calls: its calls, tool_errors: the harness's fault by kind)
         and the rows it made beyond the trained one (harness_rows_dropped)."""
         pad = self.tokenizer.pad_token_id
-        made = [r if r is not None else Row(prompts["input_ids"][i][prompts["attention_mask"][i].bool()].tolist())
-                for i, r in enumerate(rows)]
         width = max(len(r.prompt_ids) for r in made)
         input_ids = torch.full((len(made), width), pad, dtype=torch.long)
         attention = torch.zeros((len(made), width), dtype=torch.long)

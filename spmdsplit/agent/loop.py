@@ -42,7 +42,16 @@ ENV_END_KEYS = ("env_terminated", "env_truncated")
 
 
 class EveryEpisodeFailed(RuntimeError):
-    """Every environment episode of a rank's batch failed: nothing to train on."""
+    """Every episode of a rank's batch failed: nothing to train on."""
+
+    @classmethod
+    def of(cls, what: str, errors: list[str]) -> EveryEpisodeFailed:
+        """The one line: `what` failed (the setting and its value), how many episodes of each error
+        kind, the first error; `errors`: one "kind: message" per episode."""
+        kinds = Counter(e.split(":", 1)[0] for e in errors)
+        return cls(f"{what}: every one of this rank's {len(errors)} episodes failed "
+                   f"({', '.join(f'{k}: {n}' for k, n in sorted(kinds.items()))}); the first: "
+                   f"{' '.join(errors[0].split(':', 1)[1].split())}")
 
 
 def check_some_episode_ran(episodes: list, environment: str) -> None:
@@ -51,12 +60,8 @@ def check_some_episode_ran(episodes: list, environment: str) -> None:
     kinds, not later as a numeric error of another pool (every response empty, nothing to whiten).
     A batch with any episode that ran trains on what it has: the failures are counted."""
     ran = [e for e in episodes if e.env is not None]
-    if not ran or not all(e.env_error for e in ran):
-        return
-    kinds = Counter(e.env_error.split(":", 1)[0] for e in ran)
-    raise EveryEpisodeFailed(f"rollout.multi_turn.environment={environment}: every one of this rank's {len(ran)} episodes "
-                             f"failed ({', '.join(f'{k}: {n}' for k, n in sorted(kinds.items()))}); the first: "
-                             f"{' '.join(ran[0].env_error.split(':', 1)[1].split())}")
+    if ran and all(e.env_error for e in ran):
+        raise EveryEpisodeFailed.of(f"rollout.multi_turn.environment={environment}", [e.env_error for e in ran])
 
 
 @dataclass

@@ -153,7 +153,8 @@ class EngineDriver:
         may sleep (and take new weights) until `resume`. Requests keep waiting meanwhile. Call it
         from any thread but the stepping thread or the server's event loop (it waits for a step)."""
         with self._cond:
-            self._paused = True
+            if not self._paused:  # parked again by this pause (a LockstepDriver's peer may have parked it)
+                self._paused, self._parked = True, False
             self._cond.notify_all()
             while not self._parked and self._thread is not None and self._thread.is_alive():
                 self._cond.wait()
@@ -338,19 +339,6 @@ class LockstepDriver(EngineDriver):
         self._prefix = f"r{self.place}s"  # unique over the engine's ranks
         self._aborts: list[str] = []  # for the next trade
         self._shadows: set[str] = set()  # the other ranks' requests in the engine
-
-    def pause(self) -> None:
-        with self._cond:
-            if not self._paused:
-                self._paused, self._parked = True, False
-            self._cond.notify_all()
-            while not self._parked and self._thread is not None and self._thread.is_alive():
-                self._cond.wait()
-
-    def resume(self) -> None:
-        with self._cond:
-            self._paused = self._parked = False  # the engine steps once a trade finds no rank paused
-            self._cond.notify_all()
 
     def _abort(self, request_ids: list[str]) -> None:
         self._aborts += request_ids

@@ -16,7 +16,7 @@ each episode's turn (a template may lay out several responses together), about 0
 
 from __future__ import annotations
 
-SENTINEL = "\u2063SPMDSPLIT\u2063"  # content no template alters and no real message holds
+from spmdsplit.serving.protocol import SENTINEL
 
 
 class ToolChat:

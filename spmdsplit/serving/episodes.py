@@ -26,7 +26,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-SENTINEL = "\u2063SPMDSPLIT\u2063"  # content no template alters and no real message holds
+from spmdsplit.serving.protocol import SENTINEL
+
 
 
 @dataclass

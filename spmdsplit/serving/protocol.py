@@ -17,6 +17,9 @@ from typing import Any
 from spmdsplit.rollout.base import splitmix64
 from spmdsplit.serving.driver import Completion, ContextTooLong, check_context
 
+# Content no chat template alters and no real message holds: where it lands in a rendered
+# conversation marks what the template writes around a message (serving/episodes.py, agent/chat.py).
+SENTINEL = "\u2063SPMDSPLIT\u2063"
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) for /v1/completions; chat: the context's room
 
 

@@ -29,6 +29,11 @@ recorded with the version then held, which no check reads). Nothing waits for a 
 every episode, as batch mode's loop does. An environment's episode (rollout.multi_turn.environment)
 is the same, its reset run as the episode's first call and each step as a turn's; a checkpoint
 keeps no environment's state, so its episodes still running start again from their prompts.
+
+A harness (rollout.agent.harness) makes its episode's requests itself, through the OpenAI server
+(agent/harness.py): the stream starts the episodes, steps the engine for their calls (and between
+two steps takes new weights), and hands an episode's row over once its harness returned. An
+episode holding a token too old is given up and played again; a checkpoint keeps none running.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from spmdsplit.agent.harness import HarnessRollout, Playing
 from spmdsplit.batch import Batch
 from spmdsplit.rollout.base import rollout_batch
 
@@ -60,8 +66,16 @@ class Response:
     log_probs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finished: bool = False
-    episode: object = None  # agents: the Episode (turns, calls, tool rewards; agent/loop.py)
+    episode: object = None  # agents: the Episode (turns, calls, tool rewards; agent/loop.py); a harness's: Playing, then Ended
     turn_start: int = 0  # agents: tokens[turn_start:] are the turn being generated
+
+    @property
+    def first_version(self) -> int | None:
+        """The version of its first token (None: none yet); a harness's episode still playing has
+        its tokens on the server."""
+        if self.versions:
+            return self.versions[0]
+        return self.episode.first_version() if isinstance(self.episode, Playing) else None
 
 
 @dataclass(eq=False)
@@ -93,8 +107,8 @@ class Group:
         return all(r.finished for r in self.responses)
 
     def oldest(self) -> int | None:
-        versions = [r.versions[0] for r in self.responses if r.versions]  # each in the order drawn: its first, its oldest
-        return min(versions) if versions else None
+        versions = [r.first_version for r in self.responses]  # each in the order drawn: its first, its oldest
+        return min((v for v in versions if v is not None), default=None)
 
 
 class ContinuousGeneration:
@@ -103,13 +117,17 @@ class ContinuousGeneration:
     loads the next version the actor pool sends and returns it (blocking: row_sources.ContinuousSource);
     `ready()` says,
     without waiting, whether the actor pool is sending one (weight_sync.WeightsReady). `agent`:
-    the agent loop (agent/loop.py AgentRollout) around `engine` with rollout.multi_turn."""
+    the agent loop (agent/loop.py AgentRollout) around `engine` with rollout.multi_turn, or a
+    harness's server (agent/harness.py HarnessRollout) with rollout.agent.harness."""
 
     def __init__(self, cfg, engine, prompts: Callable[[int], Batch], take_weights: Callable[[int], int],
                  ready: Callable[[], bool], part: int, parts: int, pad_token_id: int, eos_token_ids: list[int],
                  device: torch.device, agent=None):
         self.cfg, self.engine, self.prompts, self.take_weights, self.ready = cfg, engine, prompts, take_weights, ready
-        self.agent = agent
+        # A harness's episodes make their calls themselves (the stream steps the engine for them);
+        # the agent loop's turns are the stream's requests.
+        self.harness = agent if isinstance(agent, HarnessRollout) else None
+        self.agent = None if self.harness is not None else agent
         self.n, self.staleness = cfg.rollout.n, cfg.rollout.staleness
         self.budget = cfg.data.max_response_length
         self.quota = cfg.data.train_batch_size // parts  # this rank's groups per batch
@@ -127,6 +145,7 @@ class ContinuousGeneration:
         self.complete: list[Group] = []  # every response finished, in completion order
         self.resumed: list[tuple[Group, int]] = []  # responses a checkpoint kept, to submit again
         self.tooling: list[ToolCalls] = []  # agents: episodes whose tool calls run
+        self.playing: list[tuple[Group, int]] = []  # a harness's episodes running
         self._ids = itertools.count()
         self.counts = dict(engine_steps=0, live_requests=0, restarted=0, tokens_discarded=0, tokens=0, tokens_resumed=0,
                            steps_with_tools=0, tool_waits=0)
@@ -142,7 +161,7 @@ class ContinuousGeneration:
         self.restart_stale(batch)
         # Agents: the actor pool waits for this batch, so no episode of a later batch starts meanwhile
         # (admits): their first turns would slow every engine step of this batch's last turns.
-        self.awaited = batch if self.agent is not None else None
+        self.awaited = batch if self.agent is not None or self.harness is not None else None
         while not self.batch_ready(batch):
             self.engine_step()
         self.awaited = None
@@ -182,6 +201,9 @@ class ContinuousGeneration:
             # (The fixed schedule steps on: its clock at each hand-over sets when versions are due.)
             if not self.every:
                 return
+        if self.harness is not None:
+            self.harness_step()
+            return
         # On the fixed schedule a call's answer lands at the next step, however long it took: the rows
         # do not depend on a tool's latency.
         answered = self.take_tool_results(wait=bool(self.every))
@@ -211,6 +233,41 @@ class ContinuousGeneration:
             if delta.finished:
                 del self.live[delta.request_id]
                 self.turn_ended(group, member)
+
+    def harness_step(self) -> None:
+        """One engine step over the calls a harness's episodes made (the engine topped up first
+        with new episodes); the episodes that ended since are done. With no call to step: waits for
+        a call or an episode's end, or, with no episode running, for the next weights."""
+        self.top_up()
+        deltas = self.harness.step(self.version)
+        ended = self.take_ended_episodes()
+        if deltas is None:
+            if ended:
+                return
+            if self.playing:
+                self.counts["tool_waits"] += 1
+                self.harness.wait(1.0)
+                return
+            self.wait_for_weights()  # every group the staleness allows is generated: wait
+            self.restart_stale(self.filling)
+            return
+        self.clock += 1
+        self.counts["engine_steps"] += 1
+        self.counts["live_requests"] += self.harness.held
+        self.counts["tokens"] += sum(len(d.token_ids) for d in deltas)
+
+    def take_ended_episodes(self) -> int:
+        """The harness's episodes that ended: their rows as the responses, done. Returns how many."""
+        ended = [(g, m) for g, m in self.playing if g.responses[m].episode.outcome.done()]
+        for group, member in ended:
+            self.playing.remove((group, member))
+            response = group.responses[member]
+            response.episode = self.harness.end(response.episode)
+            row = response.episode.row
+            response.tokens, response.log_probs = list(row.response_ids), list(row.log_probs)
+            response.versions = list(row.versions) or [self.version]  # an episode that made no call: now
+            self.response_done(group, member)
+        return len(ended)
 
     def turn_ended(self, group: Group, member: int) -> None:
         """A request finished: the response is done, or (an agent's) its turn's calls start."""
@@ -304,7 +361,7 @@ class ContinuousGeneration:
         self.resumed = []
         # The engine's requests count, not the episodes whose tool calls are out: while they wait, new
         # groups keep the engine busy (how many may be out at once is admits()'s: the staleness).
-        while len(self.live) < self.quota * self.n and self.admits():
+        while len(self.live) + len(self.playing) < self.quota * self.n and self.admits():
             if not self.waiting:
                 self.drawn += 1
                 self.waiting.extend(self.split(self.prompts(self.drawn)))
@@ -336,6 +393,10 @@ class ContinuousGeneration:
         """The response's request: its prompt and the tokens it has, for the budget left (an agent's:
         its next turn, with the turn's seed and stop tokens)."""
         response = group.responses[member]
+        if self.harness is not None:  # its harness makes the requests
+            response.episode = self.harness.begin(group.prompts.slice(member, member + 1), group.validate)
+            self.playing.append((group, member))
+            return
         seed, stop_ids, budget = group.seeds[member], None, self.budget - len(response.tokens)
         if self.agent is not None:
             if response.episode is None:
@@ -367,11 +428,15 @@ class ContinuousGeneration:
                 self.groups.append(group)
         for group in self.groups:
             for member, response in enumerate(group.responses):
-                if response.versions and response.versions[0] < allowed and (group, member) not in restart:
+                first = response.first_version
+                if first is not None and first < allowed and (group, member) not in restart:
                     restart.append((group, member))
         self.resumed = [(g, m) for g, m in self.resumed if not any(g is rg and m == rm for rg, rm in restart)]
         for group, member in restart:
             response = group.responses[member]
+            if (group, member) in self.playing:  # a harness's episode still running: given up
+                self.playing.remove((group, member))
+                self.harness.cancel(response.episode)
             self.counts["restarted"] += 1
             self.counts["tokens_discarded"] += len(response.tokens)
             group.responses[member] = Response()
@@ -396,8 +461,8 @@ class ContinuousGeneration:
     def columns(self, prompts: Batch, responses: list[Response], device) -> Batch:
         """verl's columns of the responses with the engine's log-probs (an agent's: its episodes',
         tool tokens masked, as batch mode's loop gives them)."""
-        if self.agent is not None:
-            return self.agent.finish(prompts, [r.episode for r in responses])
+        if self.agent is not None or self.harness is not None:
+            return (self.agent or self.harness).finish(prompts, [r.episode for r in responses])
         return rollout_batch(prompts, padded([r.tokens for r in responses], self.pad_token_id, device),
                              self.pad_token_id, self.eos_token_ids,
                              {"rollout_log_probs": padded([r.log_probs for r in responses], 0.0, device)})
@@ -410,22 +475,24 @@ class ContinuousGeneration:
         Agents' tool calls out are waited for first (their answers appended, the next turns
         submitted): a call is never run twice, nor its answer lost."""
         self.take_tool_results(wait=True)
+        agent = self.agent or self.harness
+
+        def resumable(r: Response) -> bool:
+            return agent is None or agent.resumable(r.episode)
+
         def group(g: Group) -> dict:
             return {"prompts": g.prompts.to("cpu"), "contexts": g.contexts, "seeds": g.seeds,
-                    "responses": [vars(r if self.agent is None or self.agent.resumable(r.episode) else Response())
-                                  for r in g.responses]}
+                    "responses": [vars(r if resumable(r) else Response()) for r in g.responses]}
 
         # The order the engine holds them in (an HF step batches its requests in that order): a
-        # resume submits them again in it.
-        running = [(self.groups.index(g), m) for g, m in [*self.live.values(), *self.resumed]]
+        # resume submits them again in it (a harness's episodes running: from their prompts).
+        running = [(self.groups.index(g), m) for g, m in [*self.live.values(), *self.resumed, *self.playing]]
         # A complete group holding an episode that cannot be kept (a TRL-style environment's, whose
         # reward is read from its instance at the hand-over) goes back in flight: those episodes
         # start again from their prompt at the resume, the others stay as they finished.
-        redo = [g for g in self.complete if self.agent is not None
-                and not all(self.agent.resumable(r.episode) for r in g.responses)]
+        redo = [g for g in self.complete if not all(resumable(r) for r in g.responses)]
         for k, g in enumerate(redo):
-            running += [(len(self.groups) + k, m) for m, r in enumerate(g.responses)
-                        if not self.agent.resumable(r.episode)]
+            running += [(len(self.groups) + k, m) for m, r in enumerate(g.responses) if not resumable(r)]
         in_flight = [group(g) for g in [*self.groups, *redo]]
         complete = [group(g) for g in self.complete if g not in redo]
         return {"drawn": self.drawn, "clock": self.clock, "handed": dict(self.handed), "running": running,
@@ -459,7 +526,7 @@ class ContinuousGeneration:
         metrics = {"rollout/engine_steps": c["engine_steps"], "rollout/occupancy": c["live_requests"] / steps,
                    "rollout/requests_restarted": c["restarted"], "rollout/tokens_discarded": c["tokens_discarded"],
                    "rollout/tokens_generated": c["tokens"], "rollout/tokens_resumed": c["tokens_resumed"]}
-        if self.agent is not None:  # how much tool time the engine ran through, and how often it only waited for tools
+        if self.agent is not None or self.harness is not None:  # how much tool time the engine ran through, and how often it only waited for tools
             metrics.update({"rollout/engine_steps_during_tools": c["steps_with_tools"],
                             "rollout/tool_waits": c["tool_waits"]})
         self.counts = dict.fromkeys(c, 0)

@@ -149,7 +149,12 @@ class UserCode:
             return await job()
         start = time.monotonic()
         task = asyncio.ensure_future(tracked())
-        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+        try:
+            done, _ = await asyncio.wait({task}, timeout=timeout_s)
+        except asyncio.CancelledError:  # the caller gave the call up (a restarted episode): it ends too
+            self.keep(task)
+            task.cancel()
+            raise
         seconds = time.monotonic() - start
         if not done:
             self.keep(task)

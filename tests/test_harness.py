@@ -10,7 +10,7 @@ import asyncio
 import pytest
 import torch
 
-from tests.support.jobs import ROOT, learning_run
+from tests.support.jobs import POOL, ROOT, learning_run
 from tests.support.launch import job  # noqa: F401 - the e2e runs go through learning_run
 
 PRESET = f"{ROOT}/configs/environment_echo.yaml"
@@ -18,11 +18,14 @@ HARNESS = ["rollout.multi_turn.enable=false", "rollout.agent.harness=tests.suppo
 
 
 @pytest.mark.e2e
-def test_an_openai_client_harness_learns_the_echo_task_through_the_endpoint(tmp_path):
+@pytest.mark.parametrize("mode", ["batch_split", "continuous_rollout_pool"])
+def test_an_openai_client_harness_learns_the_echo_task_through_the_endpoint(tmp_path, mode):
     """tests/support/harnesses.py echo_harness: 3 chat calls an episode, each a one-token answer,
-    on 2 ranks in split; a random policy scores ~0.05, and the run ends once 5 steps in a row
-    average 0.9 (33 steps by hand), as the environment's own loop learns it."""
-    stdout, first, best = learning_run(tmp_path, PRESET, 0.9, "placement.mode=split", *HARNESS, "trainer.num_threads=1")
+    on 2 ranks, in split and with continuous generation on a rollout pool one batch ahead; a random
+    policy scores ~0.05, and the run ends once 5 steps in a row average 0.9 (33 and 44 steps by
+    hand), as the environment's own loop learns it."""
+    layout = ["placement.mode=split"] if mode == "batch_split" else [*POOL, "rollout.continuous=true"]
+    stdout, first, best = learning_run(tmp_path, PRESET, 0.9, *layout, *HARNESS, "trainer.num_threads=1")
     assert first <= 0.15 and best >= 0.9, (first, best, stdout[-1500:])
 
 
@@ -111,10 +114,85 @@ def test_a_bad_harness_stops_the_job_before_it_starts_with_one_line(tmp_path):
     cases = [([f"rollout.agent.harness={tmp_path}/h.py:gone"], "has no attribute 'gone'"),
              ([f"rollout.agent.harness={tmp_path}/h.py:one"], "a harness takes (client, row)"),
              ([f"rollout.agent.harness={tmp_path}/h.py:not_callable"], "expected a function"),
-             ([HARNESS[1], "rollout.continuous=true"], "rollout.continuous=true"),
              ([HARNESS[1], "rollout.multi_turn.enable=true"], "drives the turns itself")]
     for overrides, expected in cases:
         cfg = load_config(PRESET, ["rollout.multi_turn.enable=false", *overrides])
         with pytest.raises(ConfigError) as e:
             check_harness(cfg)
         assert expected in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.fixture(scope="module")
+def harness_stream(embedded_cache):
+    """A continuous generation stream of the echo harness's episodes on the HF engine
+    (tests/support/streams.py: 8 prompts a batch, 2 episodes each, one token a step)."""
+    from spmdsplit.config import load_config
+    from spmdsplit.data.sources import build_rows
+    from spmdsplit.embedded import ensure_embedded_model
+    from spmdsplit.models import eos_token_ids, load_tokenizer
+    from tests.support.streams import agent_stream_factory
+
+    cfg = load_config(PRESET, HARNESS)
+    cfg.model.path = ensure_embedded_model(agent=True)
+    tokenizer = load_tokenizer(cfg.model.path)
+    rows, _ = build_rows(cfg.data, tokenizer, "train")
+    made = []
+
+    def make():
+        made.append(agent_stream_factory(cfg, tokenizer, eos_token_ids(cfg.model.path, tokenizer), rows)())
+        return made[-1]
+    yield make
+    for stream in made:
+        stream.harness.close()
+
+
+def midway(stream) -> None:
+    """Engine steps until some episode is running with a call answered."""
+    for _ in range(200):
+        stream.engine_step()
+        if any(stream.harness.episodes.get(g.responses[m].episode.episode).calls for g, m in stream.playing):
+            return
+    raise AssertionError("no episode got midway")
+
+
+def test_continuous_generation_runs_harness_episodes_one_by_one_and_a_checkpoint_restarts_those_running(harness_stream):
+    """Under continuous generation the stream steps the engine for the harness's calls: a batch's
+    rows are whole episodes (3 calls, 3 trained tokens, each with the version that sampled it). A
+    checkpoint keeps the finished episodes and starts those running again from their prompts (a
+    harness's state cannot be saved); the resumed stream hands whole episodes over."""
+    import io
+
+    stream = harness_stream()
+    batch = stream.next_batch(1)
+    assert len(batch) == 16 and batch["num_turns"].tolist() == [4] * 16
+    assert batch["response_mask"].sum(-1).tolist() == [3] * 16
+    assert (batch["token_weights_version"][batch["response_mask"].bool()] == 0).all()
+    midway(stream)
+    state = stream.state()
+    saved = [r for g in state["in_flight"] + state["complete"] for r in g["responses"]]
+    assert state["running"] and not any(r["tokens"] and not r["finished"] for r in saved)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    resumed = harness_stream()
+    resumed.load_state(torch.load(buffer, weights_only=False), same_layout=True)
+    batch = resumed.next_batch(2)
+    assert len(batch) == 16 and batch["num_turns"].tolist() == [4] * 16
+    assert batch["response_mask"].sum(-1).tolist() == [3] * 16
+
+
+def test_a_harness_episode_holding_tokens_too_old_is_given_up_and_played_again(harness_stream):
+    """Staleness under continuous generation: an episode still running whose first token is older
+    than the batch allows (its tokens still on the server, not yet answered) is cancelled, its
+    calls refused from then on, and played again from its prompt; the batch trains the new
+    version's tokens only."""
+    stream = harness_stream()
+    midway(stream)
+    old = [g.responses[m].episode for g, m in stream.playing]
+    stream.version = 1
+    stream.restart_stale(6)  # allows versions >= 6 - 1 - staleness 4 = 1
+    assert stream.counts["restarted"] >= len(old) and all(p.outcome.cancelled() for p in old)
+    assert not any(stream.harness.episodes.is_open(p.episode) for p in old)
+    batch = stream.next_batch(1)
+    assert len(batch) == 16 and batch["num_turns"].tolist() == [4] * 16
+    assert (batch["token_weights_version"][batch["response_mask"].bool()] == 1).all()

@@ -189,7 +189,6 @@ def check_harness(cfg) -> None:
     if not cfg.rollout.agent.harness:
         return
     refused = [(cfg.rollout.multi_turn.enable, "rollout.multi_turn.enable=true (the harness drives the turns itself)"),
-               (cfg.rollout.continuous, "rollout.continuous=true (not yet: batch generation only)"),
                (cfg.rollout.tensor_model_parallel_size > 1 and cfg.rollout.name == "vllm",
                 "rollout.tensor_model_parallel_size > 1 (not yet: each engine's ranks would run the episodes twice)")]
     for bad, why in refused:
@@ -213,7 +212,7 @@ def build_harness_rollout(cfg, engine, tokenizer):
 
     return HarnessRollout(engine, tokenizer, load_harness(cfg), cfg.rollout.agent, cfg.data.max_response_length,
                           cfg.rollout.multi_turn.max_assistant_turns or 0, sampling=cfg.rollout,
-                          val_sampling=cfg.rollout.val_kwargs)
+                          val_sampling=cfg.rollout.val_kwargs, stepped=cfg.rollout.continuous)
 
 
 def build_agent_rollout(cfg, engine, tokenizer, eos_ids: list[int]):

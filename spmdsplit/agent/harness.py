@@ -15,8 +15,14 @@ another, which is counted (agent/harness/rows_dropped) and not trained yet: one 
 Its calls and faults are counted as the agent loop's turns and tool errors are (num_turns,
 tool/calls, tool/errors/exception|timeout|not_text).
 
+Batch mode runs a batch's episodes at once and the server's driver steps the engine; continuous
+generation (spmdsplit/continuous.py) starts them one by one and steps the engine itself, between
+its weight loads (`begin`, `step`, `end`, `cancel`: an episode holding tokens too old to train on is
+given up and played again).
+
 Harnesses are user code: each episode runs on the harness's event loop (spmdsplit/usercode.py)
-bounded by rollout.agent.harness_timeout_s, rollout.agent.max_concurrency at a time; one that
+bounded by rollout.agent.harness_timeout_s, rollout.agent.max_concurrency at a time (continuous:
+a batch's worth); one that
 raises, overruns or returns what is not a reward scores 0 and is counted by kind (tool/errors/exception,
 timeout, not_text); a batch in which
 every episode failed stops in one line naming the harness.
@@ -28,6 +34,8 @@ import concurrent.futures
 import inspect
 import math
 import numbers
+import threading
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -62,28 +70,66 @@ def harness_reward(result: Any) -> float:
     return float(value)
 
 
+def prompt_ids_of(prompts: Batch) -> list[list[int]]:
+    """Each row's prompt as its ids (the left padding off)."""
+    return [ids[mask.bool()].tolist() for ids, mask in zip(prompts["input_ids"], prompts["attention_mask"])]
+
+
 def takes_client(fn: Callable) -> bool:
     """Whether the harness takes an `openai.AsyncOpenAI` (its first parameter is not `base_url`)."""
     params = list(inspect.signature(fn).parameters)
     return not params or params[0] != "base_url"
 
 
+@dataclass(eq=False)
+class Playing:
+    """An episode running under continuous generation: its harness's outcome to come, the row's
+    prompt ids (its row where it makes no call), and the version of its first token sampled, as the
+    server's driver saw it (`seen`: SteppedDriver.first_version)."""
+
+    episode: str
+    prompt_ids: list[int]
+    outcome: concurrent.futures.Future
+    validate: bool
+    seen: dict[str, int]
+
+    def first_version(self) -> int | None:
+        return self.seen.get(self.episode)
+
+
+@dataclass
+class Ended:
+    """An episode's end: its trained row, its reward, its fault (`error`: a usercode kind or
+    NOT_A_REWARD, with `message`), its calls, and the rows it made beyond the trained one."""
+
+    row: Row
+    reward: float
+    error: str | None
+    message: str
+    calls: int
+    extra_rows: int
+
+
 class HarnessRollout(AroundEngine):
-    """The rollout engine behind the OpenAI server, each row an episode of the harness. The server's
-    driver owns the engine from the first generation on; the engine's sleeps and weight loads
-    happen with it paused."""
+    """The rollout engine behind the OpenAI server, each row an episode of the harness. In batch
+    mode the server's driver owns the engine from the first generation on (the engine's sleeps and
+    weight loads happen with it paused); under continuous generation (`stepped`) the stream steps
+    the engine itself (`step`), between its weight loads, and starts episodes one by one (`begin`)."""
 
     def __init__(self, engine, tokenizer, harness: Callable, agent_cfg, max_response_length: int,
-                 max_turns: int = 0, sampling=None, val_sampling=None):
+                 max_turns: int = 0, sampling=None, val_sampling=None, stepped: bool = False):
         from spmdsplit.serving import OpenAIServer
 
         self.engine, self.tokenizer, self.harness, self.cfg = engine, tokenizer, harness, agent_cfg
         self.budget, self.max_turns = max_response_length, max_turns
         self.episodes = Episodes()
-        # One server for training's sampling, one for validation's (rollout.val_kwargs), never
-        # both unpaused: each has its own driver, and one engine takes one driver at a time.
+        # Set by every call the servers take and every episode's end: what the stream waits on.
+        self.signal = threading.Event() if stepped else None
+        # One server for training's sampling, one for validation's (rollout.val_kwargs): each has its
+        # own driver. Batch mode: never both unpaused (one engine takes one stepping thread at a time);
+        # continuous: both stepped by the stream, their requests in the same engine steps.
         self.servers = {validate: OpenAIServer(engine, tokenizer, "policy", s, port=0, validate=validate,
-                                               episodes=self.episodes, gather_s=GATHER_S)
+                                               episodes=self.episodes, gather_s=GATHER_S, stepped=self.signal)
                         for validate, s in ((False, sampling), (True, val_sampling))}
         self.usercode = UserCode("spmdsplit-harness")
         # A harness's blocking work (an environment's step) goes to the loop's default executor
@@ -93,6 +139,9 @@ class HarnessRollout(AroundEngine):
             agent_cfg.max_concurrency, thread_name_prefix="spmdsplit-harness"))
         self.client_arg = takes_client(harness)
         self.client = None  # made on the harness's loop at the first episode
+        self.held = 0  # requests in the engine at the last step (continuous)
+
+    # ---- batch mode
 
     def generate(self, prompts: Batch, validate: bool = False) -> Batch:
         """Every row's episode at once (max_concurrency at a time); the rows they made."""
@@ -101,49 +150,103 @@ class HarnessRollout(AroundEngine):
             server.start()
         else:
             server.resume()
-        # Each row's prompt as its ids (left padding off): what the harness is given, and the row's
-        # prompt where its episode made no call.
-        prompt_ids = [ids[mask.bool()].tolist() for ids, mask in zip(prompts["input_ids"], prompts["attention_mask"])]
+        prompt_ids = prompt_ids_of(prompts)
+        ids = [self.episodes.open(self.budget, self.max_turns) for _ in prompt_ids]
+        jobs = [self._job(prompts, i, prompt_ids[i], ids[i], server) for i in range(len(ids))]
         try:
-            outcomes, ids = self._run(prompts, prompt_ids, server)
+            outcomes = self.usercode.map(jobs, self.cfg.harness_timeout_s, self.cfg.max_concurrency).result()
         finally:
             server.pause()  # the engine is the trainer's again (a sleep, new weights)
-        rows, rewards, errors, counts = [], [], [], []
-        for i, (episode, outcome) in enumerate(zip(ids, outcomes)):
-            made, record = self.episodes.close(episode)
-            error, reward = outcome.error, 0.0
-            if error is None:
-                try:
-                    reward = harness_reward(outcome.value)
-                except ValueError:
-                    error = NOT_A_REWARD
-            if error is not None:
-                errors.append(f"{error}: {outcome.message if outcome.error else repr(outcome.value)}")
-            rows.append(made[0] if made else Row(prompt_ids[i]))
-            rewards.append(reward)
-            counts.append((len(record.calls), ERROR_KIND.get(error), max(len(made) - 1, 0)))
-        if errors and len(errors) == len(rows):
+        return self.finish(prompts, [self._end(*args) for args in zip(ids, prompt_ids, outcomes)])
+
+    # ---- continuous generation (spmdsplit/continuous.py)
+
+    def begin(self, prompt: Batch, validate: bool) -> Playing:
+        """The episode of one prompt row, its harness started; the stream steps the engine for it."""
+        server = self.servers[validate]
+        if server.port is None:
+            server.start()
+        prompt_ids = prompt_ids_of(prompt)[0]
+        episode = self.episodes.open(self.budget, self.max_turns)
+        job = self._job(prompt, 0, prompt_ids, episode, server)
+        outcome = self.usercode.submit(self.usercode.within(job, self.cfg.harness_timeout_s))
+        outcome.add_done_callback(lambda _: self.signal.set())
+        return Playing(episode, prompt_ids, outcome, validate, server.driver.first_version)
+
+    def step(self, version: int) -> list | None:
+        """One engine step over every call the episodes made (training's and validation's sampling
+        side by side), each token recorded with `version`; None where no call waits for one."""
+        drivers = [s.driver for s in self.servers.values() if s.port is not None]
+        if not any([d.enter() for d in drivers]):
+            return None
+        try:
+            deltas = self.engine.step()
+        except Exception as e:  # noqa: BLE001 - the calls in it fail (their harnesses hear of it); the stream goes on
+            for d in drivers:
+                d.fail(e)
+            return []
+        self.held = sum(d.held for d in drivers)
+        for d in drivers:
+            d.settle(deltas, version)
+        return deltas
+
+    def wait(self, timeout_s: float) -> None:
+        """Until an episode makes a call or ends (`timeout_s` at most)."""
+        self.signal.wait(timeout_s)
+        self.signal.clear()
+
+    def end(self, playing: Playing) -> Ended:
+        """A finished episode's row and reward (its harness returned, failed or overran)."""
+        playing.seen.pop(playing.episode, None)
+        return self._end(playing.episode, playing.prompt_ids, playing.outcome.result())
+
+    def cancel(self, playing: Playing) -> None:
+        """An episode given up (its first tokens too old to train on): its harness cancelled, its
+        later calls refused."""
+        playing.outcome.cancel()
+        playing.seen.pop(playing.episode, None)
+        if self.episodes.is_open(playing.episode):
+            self.episodes.close(playing.episode)
+
+    @staticmethod
+    def resumable(episode) -> bool:
+        """Whether a checkpoint keeps the response: not while its harness runs (a harness's state
+        cannot be saved: its episode starts again from its prompt)."""
+        return not isinstance(episode, Playing)
+
+    # ---- both
+
+    def finish(self, prompts: Batch, ended: list[Ended]) -> Batch:
+        """The episodes' rows as a batch; EveryHarnessEpisodeFailed if none ran."""
+        errors = [f"{e.error}: {e.message}" for e in ended if e.error is not None]
+        if errors and len(errors) == len(ended):
             raise EveryHarnessEpisodeFailed.of(SETTING, errors)
-        return self._batch(prompts, rows, rewards, counts)
+        return self._batch(prompts, ended)
 
-    def _run(self, prompts: Batch, prompt_ids: list[list[int]], server) -> tuple[list, list[str]]:
-        texts = self.tokenizer.batch_decode(prompt_ids, skip_special_tokens=False)
-        ids = [self.episodes.open(self.budget, self.max_turns) for _ in texts]
+    def _end(self, episode: str, prompt_ids: list[int], outcome) -> Ended:
+        made, record = self.episodes.close(episode)
+        error, reward, message = outcome.error, 0.0, outcome.message if outcome.error else ""
+        if error is None:
+            try:
+                reward = harness_reward(outcome.value)
+            except ValueError:
+                error, message = NOT_A_REWARD, repr(outcome.value)
+        return Ended(made[0] if made else Row(prompt_ids), reward, error, message, len(record.calls),
+                     max(len(made) - 1, 0))
 
-        def job(i: int):
-            row = {"prompt": texts[i], "prompt_ids": prompt_ids[i],
-                   "uid": prompts["uid"][i] if "uid" in prompts else None,
-                   **{k: prompts[k][i] for k in ("data_source", "ground_truth", "extra_info") if k in prompts}}
-            url = f"http://127.0.0.1:{server.port}/episodes/{ids[i]}/v1"
+    def _job(self, prompts: Batch, i: int, prompt_ids: list[int], episode: str, server) -> Callable:
+        """Row `i`'s episode as a job for the harness's loop: the harness called with its client (or
+        base URL) naming the episode, and the row."""
+        row = {"prompt": self.tokenizer.decode(prompt_ids, skip_special_tokens=False), "prompt_ids": prompt_ids,
+               "uid": prompts["uid"][i] if "uid" in prompts else None,
+               **{k: prompts[k][i] for k in ("data_source", "ground_truth", "extra_info") if k in prompts}}
+        url = f"http://127.0.0.1:{server.port}/episodes/{episode}/v1"
 
-            async def run():
-                if not self.client_arg:
-                    return await self.usercode.call(self.harness, url, row)
-                return await self.usercode.call(self.harness, self._client().with_options(base_url=url), row)
-            return run
-        outcomes = self.usercode.map([job(i) for i in range(len(ids))], self.cfg.harness_timeout_s,
-                                     self.cfg.max_concurrency).result()
-        return outcomes, ids
+        async def run():
+            if not self.client_arg:
+                return await self.usercode.call(self.harness, url, row)
+            return await self.usercode.call(self.harness, self._client().with_options(base_url=url), row)
+        return run
 
     def _client(self):
         """One `openai.AsyncOpenAI` for every episode, on the harness's loop (each episode gets a copy
@@ -155,12 +258,12 @@ class HarnessRollout(AroundEngine):
             self.client = openai.AsyncOpenAI(base_url="http://127.0.0.1", api_key="spmdsplit", max_retries=0)
         return self.client
 
-    def _batch(self, prompts: Batch, made: list[Row], rewards: list[float], counts: list[tuple]) -> Batch:
+    def _batch(self, prompts: Batch, ended: list[Ended]) -> Batch:
         """The rows as a batch: each episode's first call's prompt as its prompt (left-padded to the
         widest), its response, mask and log-probs; the reward in extra_info; the agent loop's counts
         (num_turns: 1 + its calls, tool_calls: its calls, tool_errors: the harness's fault by kind)
         and the rows it made beyond the trained one (harness_rows_dropped)."""
-        pad = self.tokenizer.pad_token_id
+        pad, made = self.tokenizer.pad_token_id, [e.row for e in ended]
         width = max(len(r.prompt_ids) for r in made)
         input_ids = torch.full((len(made), width), pad, dtype=torch.long)
         attention = torch.zeros((len(made), width), dtype=torch.long)
@@ -171,15 +274,15 @@ class HarnessRollout(AroundEngine):
         own = Batch({"input_ids": input_ids.to(device), "attention_mask": attention.to(device)}, dict(prompts.non_tensors))
         batch = episodes_batch(own, made, pad)
         infos = prompts["extra_info"] if "extra_info" in prompts else [None] * len(made)
-        batch["extra_info"] = [{**(info or {}), ENVIRONMENT_REWARD: reward} for info, reward in zip(infos, rewards)]
+        batch["extra_info"] = [{**(info or {}), ENVIRONMENT_REWARD: e.reward} for info, e in zip(infos, ended)]
         errors = torch.zeros((len(made), len(ERROR_KINDS)), dtype=torch.long)
-        for i, (_, kind, _) in enumerate(counts):
-            if kind is not None:
-                errors[i, ERROR_KINDS.index(kind)] = 1
-        batch["num_turns"] = torch.tensor([1 + calls for calls, _, _ in counts], device=device)
-        batch["tool_calls"] = torch.tensor([calls for calls, _, _ in counts], device=device)
+        for i, e in enumerate(ended):
+            if e.error is not None:
+                errors[i, ERROR_KINDS.index(ERROR_KIND[e.error])] = 1
+        batch["num_turns"] = torch.tensor([1 + e.calls for e in ended], device=device)
+        batch["tool_calls"] = torch.tensor([e.calls for e in ended], device=device)
         batch["tool_errors"] = errors.to(device)
-        batch["harness_rows_dropped"] = torch.tensor([dropped for _, _, dropped in counts], device=device)
+        batch["harness_rows_dropped"] = torch.tensor([e.extra_rows for e in ended], device=device)
         return batch
 
     def close(self) -> None:

@@ -10,6 +10,9 @@ its request ends. Nothing else may call the engine while the driver runs, except
 held are taken out of it, with their tokens so far, and wait with the new ones; `resume` puts them
 back (prompt and tokens so far as the context, for the budget left). A pause never fails a request;
 `stop` does (DriverStopped).
+
+Where another loop owns the engine (continuous generation steps it, taking weights between steps),
+`SteppedDriver` has no thread: its owner enters the queued requests and settles each step's deltas.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class Completion:
     log_probs: list[float]
     finish_reason: str
     text: str
+    versions: list[int] = field(default_factory=list)  # each token's weights version (SteppedDriver's owner sets it)
 
 
 class DriverStopped(RuntimeError):
@@ -82,8 +86,10 @@ class _Request:
     stop: tuple[str, ...]
     stop_ids: list[int] | None  # None: the engine's own EOS ids
     future: concurrent.futures.Future
+    tag: str | None = None  # what the caller said it belongs to (an episode)
     tokens: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
 
     def entry(self) -> tuple[list[int], int, int | None]:
         """What goes into the engine: the prompt and the tokens so far as the context, the budget
@@ -130,23 +136,26 @@ class EngineDriver:
             self._thread.start()
 
     def submit(self, prompt_ids: Sequence[int], max_tokens: int | None = None, seed: int | None = None,
-               stop: Sequence[str] = ()) -> concurrent.futures.Future:
+               stop: Sequence[str] = (), tag: str | None = None) -> concurrent.futures.Future:
         """A future of the request's Completion: `prompt_ids` continued by at most `max_tokens`
         tokens (None: up to the engine's longest context), until an EOS or one of the `stop` strings.
         Raises ContextTooLong at once. Cancelling the future drops the request from the engine at
-        its next step."""
+        its next step. `tag`: what the request belongs to (SteppedDriver.first_version's key)."""
         budget = check_context(len(prompt_ids), max_tokens, self.max_model_len)
         single = single_token_ids(self.tokenizer, stop)
         request = _Request(f"{self._prefix}{next(self._ids)}", list(prompt_ids), budget, seed, tuple(stop),
-                           self.eos_ids + single if single else None, concurrent.futures.Future())
+                           self.eos_ids + single if single else None, concurrent.futures.Future(), tag)
         with self._cond:
-            if self._stopping or self._thread is None:
+            if self._stopping or not self._running():
                 request.future.set_exception(DriverStopped("the engine driver is not running"))
                 return request.future
             self._queue.append(request)
             self.requests += 1
             self._cond.notify_all()
         return request.future
+
+    def _running(self) -> bool:
+        return self._thread is not None
 
     def pause(self) -> None:
         """Returns once the engine holds none of the driver's requests and no step runs: the engine
@@ -268,11 +277,21 @@ class EngineDriver:
         try:
             deltas = self.engine.step()
         except Exception as e:  # noqa: BLE001 - every caller of this step hears of it; the driver goes on
-            failed, self._live = list(self._live.values()), {}
-            self.engine.abort([r.id for r in failed])
-            for request in failed:
-                _fail(request, e)
+            self._fail_live(e)
             return None
+        self._settle_deltas(deltas)
+        return deltas
+
+    def _fail_live(self, error: BaseException) -> None:
+        """A step failed: every request of this driver in the engine fails with it."""
+        failed, self._live = list(self._live.values()), {}
+        self.engine.abort([r.id for r in failed])
+        for request in failed:
+            _fail(request, error)
+
+    def _settle_deltas(self, deltas: list, version: int = 0) -> None:
+        """A step's deltas given to this driver's requests they belong to (the others' ignored), each
+        token recorded with `version`; the requests they end settled."""
         self.steps += 1
         for delta in deltas:
             request = self._live.get(delta.request_id)
@@ -281,6 +300,7 @@ class EngineDriver:
             before = len(request.tokens)
             request.tokens += delta.token_ids
             request.log_probs += delta.log_probs
+            request.versions += [version] * len(delta.token_ids)
             self.tokens += len(delta.token_ids)
             cut = self._stop_string(request, before)
             if cut is not None and not delta.finished:
@@ -288,8 +308,8 @@ class EngineDriver:
             if cut is not None or delta.finished:
                 del self._live[request.id]
                 text = self.tokenizer.decode(request.tokens, skip_special_tokens=True)[:cut]
-                _settle(request, Completion(request.tokens, request.log_probs, self._reason(request, cut), text))
-        return deltas
+                _settle(request, Completion(request.tokens, request.log_probs, self._reason(request, cut), text,
+                                            request.versions))
 
     def _abort(self, request_ids: list[str]) -> None:
         """Requests out of the engine before its next step."""
@@ -303,7 +323,7 @@ class EngineDriver:
             text = self.tokenizer.decode(request.tokens[:end], skip_special_tokens=True)
             found = [i for i in (text.find(s) for s in request.stop) if i >= 0]
             if found:
-                del request.tokens[end:], request.log_probs[end:]
+                del request.tokens[end:], request.log_probs[end:], request.versions[end:]
                 return min(found)
         return None
 
@@ -413,6 +433,62 @@ class LockstepDriver(EngineDriver):
         return True
 
 
+class SteppedDriver(EngineDriver):
+    """An EngineDriver whose engine its owner steps, on the owner's thread: continuous generation
+    (spmdsplit/continuous.py), which takes new weights between two steps while requests go on. No
+    thread of its own: callers submit from any thread as to any driver, and each submit sets
+    `signal` (the owner's: it waits on it while it has nothing to step); the owner calls `enter()`
+    before an engine step (what callers queued goes into the engine) and `settle(deltas, version)`
+    after it (each token recorded with the weights version that sampled it, each tag's first such
+    version kept in `first_version`). Not paused: the engine does not sleep while it serves
+    continuously."""
+
+    def __init__(self, engine, tokenizer, signal: threading.Event, **kwargs):
+        super().__init__(engine, tokenizer, **kwargs)
+        self.signal, self._started = signal, False
+        self.first_version: dict[str, int] = {}  # tag -> the version of its first token sampled
+
+    def _running(self) -> bool:
+        return self._started
+
+    def start(self) -> None:
+        with self._cond:
+            self._started = True
+
+    def submit(self, *args, **kwargs) -> concurrent.futures.Future:
+        future = super().submit(*args, **kwargs)
+        self.signal.set()
+        return future
+
+    def enter(self) -> bool:
+        """The requests queued into the engine (those whose callers went away out of it first; where
+        the engine held none of this driver's, after gather_s for others to come); whether it holds
+        any now."""
+        with self._cond:
+            self._drop_cancelled()
+            if self._queue and not self._live and self.gather_s > 0:
+                self._gather()
+            new, self._queue = self._queue, []
+        self._enter(new)
+        return bool(self._live)
+
+    def settle(self, deltas: list, version: int) -> None:
+        for delta in deltas:
+            request = self._live.get(delta.request_id)
+            if request is not None and request.tag is not None and delta.token_ids:
+                self.first_version.setdefault(request.tag, version)
+        self._settle_deltas(deltas, version)
+
+    def fail(self, error: BaseException) -> None:
+        """The owner's engine step failed: this driver's requests in it fail with it."""
+        self._fail_live(error)
+
+    @property
+    def held(self) -> int:
+        """How many of its requests the engine holds."""
+        return len(self._live)
+
+
 def _settle(request: _Request, completion: Completion) -> None:
     if request.future.set_running_or_notify_cancel():  # False: the caller cancelled it
         request.future.set_result(completion)
@@ -423,9 +499,13 @@ def _fail(request: _Request, error: BaseException) -> None:
         request.future.set_exception(error)
 
 
-def make_driver(engine, tokenizer, peers=None, **kwargs) -> EngineDriver:
-    """An EngineDriver, or with `peers` (the gloo group of a tensor-parallel engine's ranks, more
-    than one) a LockstepDriver."""
+def make_driver(engine, tokenizer, peers=None, stepped: threading.Event | None = None, **kwargs) -> EngineDriver:
+    """An EngineDriver; with `peers` (the gloo group of a tensor-parallel engine's ranks, more than
+    one) a LockstepDriver; with `stepped` (the owner's signal) a SteppedDriver."""
+    if stepped is not None:
+        if peers is not None and dist.get_world_size(peers) > 1:
+            raise ValueError("a SteppedDriver serves an engine of one rank (its owner steps it alone)")
+        return SteppedDriver(engine, tokenizer, stepped, **kwargs)
     if peers is not None and dist.get_world_size(peers) > 1:
         return LockstepDriver(engine, tokenizer, peers, **kwargs)
     return EngineDriver(engine, tokenizer, **kwargs)

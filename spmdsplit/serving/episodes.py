@@ -40,15 +40,20 @@ class Row:
     response_ids: list[int] = field(default_factory=list)
     response_mask: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # each response token's weights version (continuous generation)
 
     @property
     def context(self) -> list[int]:
         return self.prompt_ids + self.response_ids
 
-    def extend(self, between: list[int], completion: list[int], log_probs: list[float]) -> None:
+    def extend(self, between: list[int], completion: list[int], log_probs: list[float],
+               versions: list[int] | None = None) -> None:
         self.response_ids += between + completion
         self.response_mask += [0] * len(between) + [1] * len(completion)
         self.log_probs += [0.0] * len(between) + list(log_probs)
+        # What came between was not sampled: it carries the version of the completion after it.
+        versions = list(versions) if versions else [0] * len(completion)
+        self.versions += (versions[:1] or self.versions[-1:] or [0]) * len(between) + versions
 
 
 @dataclass
@@ -60,6 +65,7 @@ class Call:
     log_probs: list[float]
     messages: list[dict] | None = None
     ended_on_eos: bool = False  # its last token is an EOS, which the template writes after a reply too
+    versions: list[int] = field(default_factory=list)  # each completion token's weights version
 
 
 def chain_rows(calls: list[Call]) -> list[Row]:
@@ -69,10 +75,10 @@ def chain_rows(calls: list[Call]) -> list[Row]:
     for call in calls:
         last = rows[-1] if rows else None
         if last is not None and call.prompt_ids[:len(last.context)] == last.context:
-            last.extend(call.prompt_ids[len(last.context):], call.completion_ids, call.log_probs)
+            last.extend(call.prompt_ids[len(last.context):], call.completion_ids, call.log_probs, call.versions)
         else:
             row = Row(list(call.prompt_ids))
-            row.extend([], call.completion_ids, call.log_probs)
+            row.extend([], call.completion_ids, call.log_probs, call.versions)
             rows.append(row)
     return rows
 

@@ -14,6 +14,7 @@ import asyncio
 import copy
 import errno
 import json
+import threading
 from collections.abc import Callable
 
 from aiohttp import web
@@ -42,18 +43,20 @@ class OpenAIServer:
     goes out (keep it quick; what it raises fails the request with a 500). `gather_s`: EngineDriver's.
     `peers`: the gloo group of a tensor-parallel engine's ranks, each serving its own callers
     (driver.LockstepDriver). `episodes`: the job's episodes (episodes.py), served under
-    /episodes/<id>/v1/..., each call recorded into its episode and held to its budget."""
+    /episodes/<id>/v1/..., each call recorded into its episode and held to its budget. `stepped`:
+    the engine is stepped by its owner, not by a thread of the server's, and each call sets this
+    event of the owner's (driver.SteppedDriver)."""
 
     def __init__(self, engine, tokenizer, model_name: str, sampling, *, host: str = LOCALHOST, port: int = 0,
                  validate: bool = False, record: Callable[[Record], None] | None = None, gather_s: float = 0.0,
-                 peers=None, episodes: Episodes | None = None):
+                 peers=None, episodes: Episodes | None = None, stepped: threading.Event | None = None):
         if host not in (LOCALHOST, "localhost"):
             raise ValueError(f"OpenAIServer serves on {LOCALHOST} only (it has no authentication), not {host!r}")
         # A copy of its own: a fast tokenizer called with padding or truncation by the caller's threads
         # (a reward function's) changes its state, and the Rust side then refuses the server's
         # threads with "Already borrowed".
         self.tokenizer, self.record, self.requested_port = copy.deepcopy(tokenizer), record, port
-        self.driver = make_driver(engine, self.tokenizer, peers, validate=validate, gather_s=gather_s)
+        self.driver = make_driver(engine, self.tokenizer, peers, stepped, validate=validate, gather_s=gather_s)
         self.served = Served.of(model_name, sampling, self.driver.max_model_len)
         self.episodes = episodes
         self._code: UserCode | None = None
@@ -174,10 +177,10 @@ class OpenAIServer:
         if room <= 0:  # the budget or the turns spent, or the context full: no tokens
             completion = Completion([], [], "length", "")
         else:
-            completion, = await self._completed([self.driver.submit(prompt, room, call.seed, call.stop)])
+            completion, = await self._completed([self.driver.submit(prompt, room, call.seed, call.stop, tag=episode)])
         eos = bool(completion.token_ids) and completion.token_ids[-1] in self.driver.eos_ids
         self.episodes.record(episode, EpisodeCall(prompt, completion.token_ids, completion.log_probs,
-                                                  messages if call.chat else None, eos))
+                                                  messages if call.chat else None, eos, completion.versions))
         call.prompts = [prompt]
         return self._respond(call, [completion])
 

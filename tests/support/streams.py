@@ -1,5 +1,6 @@
-"""A continuous generation stream (spmdsplit/continuous.py) around the agent loop on the HF engine,
-built as a rollout pool's rank builds it, for the tests of what its checkpoints keep of episodes."""
+"""A continuous generation stream (spmdsplit/continuous.py) around the agent loop (or a harness's
+server) on the HF engine, built as a rollout pool's rank builds it, for the tests of what its
+checkpoints keep of episodes."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from omegaconf import OmegaConf
 
 
 def agent_stream_factory(cfg, tokenizer, eos_ids: list[int], rows: list[dict]):
-    """A function making a fresh stream of `cfg`'s agent (its environment's episodes): 8 prompts a
-    batch, 2 responses each, one token a step, up to 4 batches ahead, the same weights every time."""
-    from spmdsplit.agent import build_agent_rollout
+    """A function making a fresh stream of `cfg`'s agent (its environment's episodes, or its
+    harness's): 8 prompts a batch, 2 responses each, one token a step, up to 4 batches ahead, the
+    same weights every time."""
+    from spmdsplit.agent import build_agent
     from spmdsplit.continuous import ContinuousGeneration
     from spmdsplit.data.prompts import PromptDataset
     from spmdsplit.generation import step_prompts
@@ -31,7 +33,7 @@ def agent_stream_factory(cfg, tokenizer, eos_ids: list[int], rows: list[dict]):
             return 0
         stream = ContinuousGeneration(cfg, base, lambda t: step_prompts(cfg, dataset, tokenizer, t, [0], 0),
                                       take_weights, lambda: False, 0, 1, tokenizer.pad_token_id, eos_ids,
-                                      torch.device("cpu"), agent=build_agent_rollout(cfg, base, tokenizer, eos_ids))
+                                      torch.device("cpu"), agent=build_agent(cfg, base, tokenizer, eos_ids))
         stream.version = take_weights(1)
         return stream
     return make_stream

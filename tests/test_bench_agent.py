@@ -57,14 +57,16 @@ def test_targets_met_and_missed():
     turn = tool_turn([0.21], [0.45], [0.25], rounds=[32], calls=32)
     met = {t["target"]: t for t in targets(turn, {"single-turn": summary(0.5), "multi-turn": summary(0.8),
                                                   "multi-turn, continuous": summary(0.9), "environment": summary(0.5),
-                                                  "environment, harness": summary(0.6)})}
-    assert [t["met"] for t in met.values()] == [True] * 7
+                                                  "environment, harness": summary(0.6),
+                                                  "environment, continuous": summary(0.5),
+                                                  "environment, harness, continuous": summary(0.6)})}
+    assert [t["met"] for t in met.values()] == [True] * 8
     growth = next(t for name, t in met.items() if "step period" in name)
     assert growth["value"] == pytest.approx(0.0)
     # gen outgrows training: the step period follows it, both targets of the jobs missed
     slow = targets(tool_turn([0.9], [1.5], [0.3], rounds=[32], calls=32),
                    {"single-turn": summary(0.5), "multi-turn": summary(1.5)})
-    assert [t["met"] for t in slow] == [False, False, False, False, None, None, None]
+    assert [t["met"] for t in slow] == [False, False, False, False, None, None, None, None]
     assert slow[2]["value"] == pytest.approx(0.5) and slow[3]["value"] == pytest.approx(1.5)
     # continuous: the train pool waits for rows (the rollout pool's gen_ahead never shows it)
     late = targets(turn, {"single-turn": summary(0.5), "multi-turn, continuous": summary(1.25)})
@@ -73,8 +75,11 @@ def test_targets_met_and_missed():
     # the harness's episodes over 1.3x the agent loop's
     harness = targets(turn, {"environment": summary(0.5), "environment, harness": summary(0.7)})[6]
     assert harness["value"] == pytest.approx(1.4) and harness["met"] is False
+    # continuous: the step periods (1.0 s where the train pool's 1 s work paces them, 2.0 s where gen does)
+    streamed = targets(turn, {"environment, continuous": summary(0.5), "environment, harness, continuous": summary(2.0)})[7]
+    assert streamed["value"] == pytest.approx(2.0) and streamed["met"] is False
     # a missing mode gives n/a, never an error
-    assert [t["met"] for t in targets(turn, {})][2:] == [None] * 5
+    assert [t["met"] for t in targets(turn, {})][2:] == [None] * 6
     assert "the 1 s tool" in targets(turn, {}, sleep_s=1.0)[0]["how"]  # the run's latency, not the default's
 
 

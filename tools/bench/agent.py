@@ -18,7 +18,8 @@ verl-format tool YAML, written under --out):
    Also the embedded echo environment's episodes (3 one-token turns, each step sleeping as the
    tool does), batch and continuous: modes "environment" and "environment, continuous"; and the
    same episodes driven by an agent harness through the OpenAI endpoint, "environment, harness"
-   (target: its gen per batch <= 1.3x the agent loop's).
+   and "environment, harness, continuous" (target: its gen per batch, continuous its step period,
+   <= 1.3x the agent loop's).
    Targets: the train pool's step period grows <= 10 %, and the rollout pool's gen per batch stays
    shorter than the train pool's work per step (its busy time, waits left out).
 
@@ -102,7 +103,8 @@ MODES = {"single-turn": (False, "sleepy", []), "multi-turn, instant tool": (True
          "multi-turn": (True, "sleepy", []), "single-turn, continuous": (False, "sleepy", CONTINUOUS),
          "multi-turn, continuous": (True, "sleepy", CONTINUOUS),
          "environment": (True, "sleepy", ECHO), "environment, continuous": (True, "sleepy", [*ECHO, *CONTINUOUS]),
-         "environment, harness": (False, "sleepy", [*ECHO[:-1], "HARNESS"])}
+         "environment, harness": (False, "sleepy", [*ECHO[:-1], "HARNESS"]),
+         "environment, harness, continuous": (False, "sleepy", [*ECHO[:-1], "HARNESS", *CONTINUOUS])}
 PHASES = ("gen", "gen_ahead", "sync_weights", "old_log_prob", "ref", "reward", "adv", "update_actor")
 
 
@@ -167,6 +169,11 @@ def targets(turn: dict, modes: dict[str, dict], sleep_s: float = SLEEP_S) -> lis
     row("the echo episodes through the endpoint (harness) vs the agent loop: gen per batch",
         analysis.ratio(modes.get("environment, harness", {}).get("gen_s"), modes.get("environment", {}).get("gen_s")),
         TARGETS["harness_gen"], "rollout pool's gen, harness / environment", "ratio")
+    # Continuous: the rollout pool never stops, so the train pool's step period says what keeps up.
+    row("continuous: the echo episodes through the endpoint (harness) vs the agent loop: step period",
+        analysis.ratio(modes.get("environment, harness, continuous", {}).get("step_s"),
+                       modes.get("environment, continuous", {}).get("step_s")),
+        TARGETS["harness_gen"], "train pool's step period, harness / environment (continuous)", "ratio")
     return rows
 
 

@@ -535,3 +535,84 @@ def test_an_episode_holds_to_its_budget_and_turns_and_only_open_episodes_answer(
             gone.completions.create(model=MODEL, prompt="1=", max_tokens=1)
     with pytest.raises(openai.NotFoundError, match="episodes only"):  # a call outside any episode
         client(server).completions.create(model=MODEL, prompt="1=", max_tokens=1)
+
+
+# ------------------------------------------------------------------ tools: an agent SDK's calls
+
+LOOKUP = {"type": "function", "function": {"name": "lookup", "description": "a digit's value",
+                                           "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}
+
+
+class EveryReplyCalls:
+    """A tool format for these tests (serving/protocol.py ToolReader): every reply calls the first
+    tool with its text; "7" ends a reply, as a format's own mark would."""
+
+    stop = ("7",)
+
+    def read(self, text, tools):
+        return None, [(tools[0]["function"]["name"], {"q": text})]
+
+
+def test_tool_calls_are_answered_as_openais_and_the_sdks_next_call_continues_the_row(model, tokenizer):
+    """A harness written for an agent SDK: a chat call with `tools` gets the reply's calls as
+    `tool_calls` (finish_reason tool_calls, no content), read by the job's format; its next call,
+    the assistant's message as the SDK keeps it (the calls with their ids, arguments as JSON text)
+    and a tool message after it, continues the row as sampled, the tool message's tokens masked
+    out."""
+    from spmdsplit.serving import OpenAIServer
+    from spmdsplit.serving.episodes import Episodes
+
+    episodes = Episodes()
+    with OpenAIServer(hf_engine(model, tokenizer), tokenizer, MODEL, GREEDY, episodes=episodes,
+                      tool_reader=EveryReplyCalls()) as server:
+        episode = episodes.open(budget=R * 4)
+        c = episode_client(server, episode)
+        first = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "12"}], tools=[LOOKUP],
+                                          max_tokens=4)
+        choice = first.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        call, = choice.message.tool_calls
+        text = tokenizer.decode(episodes.get(episode).calls[0].completion_ids, skip_special_tokens=True)
+        assert call.function.name == "lookup" and json.loads(call.function.arguments) == {"q": text}
+        assert "7" not in text[:-1]  # the format's stop string ends the reply
+        history = [{"role": "user", "content": "12"}, choice.message.model_dump(exclude_none=True),
+                   {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+        c.chat.completions.create(model=MODEL, messages=history, tools=[LOOKUP], max_tokens=4)
+        rows, record = episodes.close(episode)
+        assert len(rows) == 1 and len(record.calls) == 2
+        glue = record.calls[1].prompt_ids[len(record.calls[0].prompt_ids) + len(record.calls[0].completion_ids):]
+        assert tokenizer.decode(glue) == "=5=" and rows[0].response_mask.count(0) == len(glue)
+
+
+def test_the_jobs_tool_formats_read_calls_for_the_server():
+    """agent/parsers.py ServedToolCalls: Hermes' calls with the text around them as the content, the
+    compact format's call by its mark, and a reply whose calls cannot be read answered as text."""
+    from spmdsplit.agent.parsers import ServedToolCalls
+
+    hermes = ServedToolCalls("hermes")
+    assert hermes.read('Let me look. <tool_call>{"name": "lookup", "arguments": {"q": "3"}}</tool_call>', [LOOKUP]) == \
+        ("Let me look.", [("lookup", {"q": "3"})])
+    assert hermes.read("<tool_call>{not json}</tool_call>", [LOOKUP]) == ("<tool_call>{not json}</tool_call>", [])
+    assert hermes.read("42", [LOOKUP]) == ("42", [])
+    compact = ServedToolCalls("compact")
+    assert compact.stop == ("@",) and compact.read("3@", [LOOKUP]) == ("", [("lookup", {"q": "3"})])
+    assert compact.read("3", [LOOKUP]) == ("3", [])
+
+
+def test_tools_are_rendered_by_the_template_and_refused_where_no_format_reads_calls():
+    """The request's tools reach the chat template (a Hermes-style one here), the format's stop
+    strings join the request's; a server without a format refuses tools, and a call cannot be forced."""
+    from spmdsplit.agent.parsers import ServedToolCalls
+    from spmdsplit.serving.protocol import BadRequest, Served, read_chat
+    from tests.support.agent_models import chat_tokenizer
+
+    tokenizer, served = chat_tokenizer(), Served(MODEL, 0.0, 1.0, -1, 4096)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [LOOKUP], "stop": ["!"]}
+    call = read_chat(body, served, tokenizer, ServedToolCalls("compact"))
+    assert '"name": "lookup"' in tokenizer.decode(call.prompts[0]) and call.stop == ("!", "@")
+    assert read_chat({**body, "tool_choice": "none"}, served, tokenizer, ServedToolCalls("compact")).tools is None
+    for reader, extra, expected in ((None, {}, "tools are not supported"),
+                                    (ServedToolCalls("hermes"), {"tool_choice": "required"}, "auto or none"),
+                                    (ServedToolCalls("hermes"), {"tools": [{"type": "function"}]}, "tools must be")):
+        with pytest.raises(BadRequest, match=expected):
+            read_chat({**body, **extra}, served, tokenizer, reader)

@@ -212,7 +212,8 @@ def build_harness_rollout(cfg, engine, tokenizer):
 
     return HarnessRollout(engine, tokenizer, load_harness(cfg), cfg.rollout.agent, cfg.data.max_response_length,
                           cfg.rollout.multi_turn.max_assistant_turns or 0, sampling=cfg.rollout,
-                          val_sampling=cfg.rollout.val_kwargs, stepped=cfg.rollout.continuous)
+                          val_sampling=cfg.rollout.val_kwargs, stepped=cfg.rollout.continuous,
+                          tool_format=cfg.rollout.multi_turn.format)
 
 
 def build_agent_rollout(cfg, engine, tokenizer, eos_ids: list[int]):

@@ -12,6 +12,8 @@ row, calls the model as often as it likes, and returns the episode's reward.
 calls (serving/episodes.py): the first call's prompt as the row's prompt, its completions trained,
 what the harness put between them masked out; a call that does not extend the row before it starts
 another, which is counted (agent/harness/rows_dropped) and not trained yet: one row per episode.
+A chat call with `tools` gets the model's calls as `tool_calls`, read in the job's format
+(rollout.multi_turn.format, agent/parsers.py ServedToolCalls); the harness runs the tools.
 Its calls and faults are counted as the agent loop's turns and tool errors are (num_turns,
 tool/calls, tool/errors/exception|timeout|not_text).
 
@@ -117,7 +119,9 @@ class HarnessRollout(AroundEngine):
     the engine itself (`step`), between its weight loads, and starts episodes one by one (`begin`)."""
 
     def __init__(self, engine, tokenizer, harness: Callable, agent_cfg, max_response_length: int,
-                 max_turns: int = 0, sampling=None, val_sampling=None, stepped: bool = False):
+                 max_turns: int = 0, sampling=None, val_sampling=None, stepped: bool = False,
+                 tool_format: str = "hermes"):
+        from spmdsplit.agent.parsers import ServedToolCalls
         from spmdsplit.serving import OpenAIServer
 
         self.engine, self.tokenizer, self.harness, self.cfg = engine, tokenizer, harness, agent_cfg
@@ -129,7 +133,8 @@ class HarnessRollout(AroundEngine):
         # own driver. Batch mode: never both unpaused (one engine takes one stepping thread at a time);
         # continuous: both stepped by the stream, their requests in the same engine steps.
         self.servers = {validate: OpenAIServer(engine, tokenizer, "policy", s, port=0, validate=validate,
-                                               episodes=self.episodes, gather_s=GATHER_S, stepped=self.signal)
+                                               episodes=self.episodes, gather_s=GATHER_S, stepped=self.signal,
+                                               tool_reader=ServedToolCalls(tool_format))
                         for validate, s in ((False, sampling), (True, val_sampling))}
         self.usercode = UserCode("spmdsplit-harness")
         # A harness's blocking work (an environment's step) goes to the loop's default executor

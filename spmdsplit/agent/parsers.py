@@ -42,6 +42,10 @@ class ToolParser:
     def calls(self, text: str, row_kwargs: dict) -> list[Call]:
         raise NotImplementedError
 
+    def content(self, text: str) -> str:
+        """What a turn of calls says besides them."""
+        return text
+
 
 @register("hermes")
 class HermesParser(ToolParser):
@@ -69,6 +73,9 @@ class HermesParser(ToolParser):
             calls.append(Call(name, arguments, row_kwargs))
         return calls
 
+    def content(self, text: str) -> str:
+        return self.PATTERN.sub("", text).strip()
+
 
 @register("compact")
 class CompactParser(ToolParser):
@@ -89,6 +96,27 @@ class CompactParser(ToolParser):
             return [Call(function["name"], None, row_kwargs,
                          parse_error=f"{function['name']} takes {len(params)} arguments, a compact call gives one")]
         return [Call(function["name"], {params[0]: argument}, row_kwargs)]
+
+    def content(self, text: str) -> str:
+        return ""  # the text before the mark is the call's argument
+
+
+class ServedToolCalls:
+    """The job's format (rollout.multi_turn.format) for the OpenAI server (serving/protocol.py
+    ToolReader): an agent harness's chat calls with `tools` get the calls the model wrote as
+    `tool_calls`, read as the agent loop reads a turn, against the request's tools. A reply whose
+    calls cannot be read (bad JSON, a wrong shape) is answered as text, as vLLM's parsers do."""
+
+    def __init__(self, name: str):
+        build_parser(name, [])  # an unknown format fails here, not at the first call
+        self.name, self.stop = name, PARSERS[name].stop_tokens
+
+    def read(self, text: str, tools: list[dict]) -> tuple[str | None, list[tuple[str, dict]]]:
+        parser = build_parser(self.name, tools)
+        calls = parser.calls(text, {})
+        if not calls or any(c.parse_error for c in calls):
+            return text, []
+        return parser.content(text), [(c.name, c.arguments) for c in calls]
 
 
 def build_parser(name: str, tool_schemas: list[dict]) -> ToolParser:

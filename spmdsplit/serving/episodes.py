@@ -22,11 +22,12 @@ from text read back (token in, token out):
 from __future__ import annotations
 
 import itertools
+import json
 import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from spmdsplit.serving.protocol import SENTINEL
+from spmdsplit.serving.protocol import SENTINEL, BadRequest, template_message
 
 
 
@@ -66,6 +67,7 @@ class Call:
     messages: list[dict] | None = None
     ended_on_eos: bool = False  # its last token is an EOS, which the template writes after a reply too
     versions: list[int] = field(default_factory=list)  # each completion token's weights version
+    answer: dict | None = None  # chat: the assistant's message the server answered with
 
 
 def chain_rows(calls: list[Call]) -> list[Row]:
@@ -83,7 +85,18 @@ def chain_rows(calls: list[Call]) -> list[Row]:
     return rows
 
 
-def continue_chat(last: Call | None, messages: list[dict], tokenizer) -> list[int] | None:
+def same_reply(message: dict, answer: dict | None) -> bool:
+    """Whether a message repeats the server's answer: its text (either side's whitespace aside)
+    and its tool calls (names and arguments; the ids are the harness's to keep or not)."""
+    def calls(m: dict) -> list:  # arguments as objects: the answer holds them as JSON text, as OpenAI's do
+        return [(c["function"]["name"], json.loads(a) if isinstance(a := c["function"]["arguments"], str) else a)
+                for c in m.get("tool_calls") or []]
+    return (answer is not None and message.get("role") == "assistant"
+            and (message.get("content") or "").strip() == (answer.get("content") or "").strip()
+            and calls(message) == calls(answer))
+
+
+def continue_chat(last: Call | None, messages: list[dict], tokenizer, tools: list[dict] | None = None) -> list[int] | None:
     """The prompt ids of a chat call that continues `last`: its context as sampled, then the
     template's tokens for the messages added after the assistant's reply (and the next generation
     prompt). None when `messages` do not repeat `last`'s conversation and its reply, or the
@@ -91,14 +104,11 @@ def continue_chat(last: Call | None, messages: list[dict], tokenizer) -> list[in
     if last is None or last.messages is None:
         return None
     k = len(last.messages)
-    if len(messages) <= k + 1 or messages[:k] != last.messages:
+    if len(messages) <= k + 1 or messages[:k] != last.messages or not same_reply(messages[k], last.answer):
         return None
-    reply = messages[k]
-    text = tokenizer.decode(last.completion_ids, skip_special_tokens=True)
-    if reply.get("role") != "assistant" or not isinstance(reply.get("content"), str) or reply["content"].strip() != text.strip():
-        return None
+    # The reply's own tokens are the sampled ones (its calls included): the marker stands for all of it.
     marked = [*last.messages, {"role": "assistant", "content": SENTINEL}, *messages[k + 1:]]
-    full = tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False)
+    full = tokenizer.apply_chat_template(marked, tools=tools, add_generation_prompt=True, tokenize=False)
     after = full[full.rindex(SENTINEL) + len(SENTINEL):]
     # A completion that ended on an EOS (such as "<|im_end|>") wrote the start of what the template
     # writes after an assistant's content: only the rest is new.
@@ -152,12 +162,13 @@ class Episodes:
             raise UnknownEpisode(episode_id)
         return episode
 
-    def prompt_for_chat(self, episode_id: str, messages: list[dict], rendered: list[int], tokenizer) -> list[int]:
+    def prompt_for_chat(self, episode_id: str, messages: list[dict], rendered: list[int], tokenizer,
+                        tools: list[dict] | None = None) -> list[int]:
         """The call's prompt: its messages continuing the episode's last call as sampled, where they
         do (continue_chat), else as the template rendered them."""
         episode = self.get(episode_id)
         last = episode.calls[-1] if episode.calls else None
-        return continue_chat(last, messages, tokenizer) or rendered
+        return continue_chat(last, messages, tokenizer, tools) or rendered
 
     def room(self, episode_id: str, prompt_ids: list[int], max_tokens: int | None) -> int | None:
         """How many tokens the call may have: `max_tokens` (None: all the room) cut to what its row's
@@ -183,8 +194,12 @@ class Episodes:
 
 
 def messages_of(body: Any) -> list[dict] | None:
-    """A chat request's messages as plain dicts (role and text content), for continue_chat."""
+    """A chat request's messages as the template takes them (protocol.template_message: text
+    content, tool calls' arguments as objects), for continue_chat."""
     messages = body.get("messages") if isinstance(body, dict) else None
     if not isinstance(messages, list):
         return None
-    return [{"role": m.get("role"), "content": m.get("content")} for m in messages if isinstance(m, dict)]
+    try:
+        return [template_message(m, i) for i, m in enumerate(messages)]
+    except BadRequest:
+        return None

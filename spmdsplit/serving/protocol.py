@@ -4,15 +4,19 @@ A request is read into a `Call`: its prompts as token ids, and what to ask the e
 What the engines cannot do is refused with a `BadRequest` naming the field, never ignored: the
 engine samples with its own settings (the stepwise contract has no per-request sampling), so a
 request's temperature, top_p or top_k must be the served ones or absent; no penalties, logit
-biases, tools, echo or top log-probs; no streaming.
+biases, echo or top log-probs; no streaming. Tools (chat's `tools`) where the server was given the
+job's tool-call format (a `ToolReader`): the tools rendered by the chat template, the calls the
+model wrote read out of its reply as `tool_calls`; a call cannot be forced (`tool_choice` auto or
+none only).
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from spmdsplit.rollout.base import splitmix64
 from spmdsplit.serving.driver import Completion, ContextTooLong, check_context
@@ -64,6 +68,15 @@ class Served:
         return f"temperature={self.temperature:g}{greedy}, top_p={self.top_p:g}, top_k={self.top_k}"
 
 
+class ToolReader(Protocol):
+    """How the served model writes tool calls (the job's format: agent/parsers.py ServedToolCalls)."""
+
+    stop: tuple[str, ...]  # what ends a reply of calls besides the EOS
+
+    def read(self, text: str, tools: list[dict]) -> tuple[str | None, list[tuple[str, dict]]]:
+        """A reply's content besides its calls, and the calls (name, arguments); (text, []) for none."""
+
+
 @dataclass
 class Call:
     """One request, read: each prompt's token ids, `n` completions of each."""
@@ -77,6 +90,7 @@ class Call:
     logprobs: int | None  # None: not asked; completions: 0 or 1; chat: 0
     user: Any
     metadata: Any
+    tools: list[dict] | None = None  # chat: the request's tools, where the reply's calls are read
 
 
 @dataclass
@@ -113,12 +127,11 @@ def read_completion(body: Any, served: Served, tokenizer) -> Call:
     return _call(body, False, prompts, n, max_tokens, logprobs, served)
 
 
-def read_chat(body: Any, served: Served, tokenizer) -> Call:
-    """/v1/chat/completions: `messages` rendered with the tokenizer's chat template."""
+def read_chat(body: Any, served: Served, tokenizer, tool_reader: ToolReader | None = None) -> Call:
+    """/v1/chat/completions: `messages` (and `tools`, where the server reads calls) rendered with
+    the tokenizer's chat template."""
     _check_common(body, served)
-    for name in ("tools", "functions"):
-        _refuse(body, name, lambda v: not v, f"{name} are not supported (no tool-call parsing)")
-    _refuse(body, "tool_choice", lambda v: v in (None, "none"), "tool_choice is not supported")
+    tools = _tools(body, tool_reader)
     _refuse(body, "response_format", lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
             "response_format other than text is not supported")
     _refuse(body, "top_logprobs", lambda v: v in (None, 0), "top_logprobs is not supported (the engines give "
@@ -128,31 +141,71 @@ def read_chat(body: Any, served: Served, tokenizer) -> Call:
         raise BadRequest("logprobs must be true or false", "logprobs")
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _max_tokens(body, key, None)
-    prompt = render_chat(body.get("messages"), tokenizer)
-    return _call(body, True, [prompt], _n(body), max_tokens, 0 if logprobs else None, served)
+    prompt = render_chat(body.get("messages"), tokenizer, tools)
+    call = _call(body, True, [prompt], _n(body), max_tokens, 0 if logprobs else None, served)
+    if tools:
+        call.tools, call.stop = tools, tuple(dict.fromkeys(call.stop + tool_reader.stop))
+    return call
 
 
-def render_chat(messages: Any, tokenizer) -> list[int]:
+def _tools(body: dict, tool_reader: ToolReader | None) -> list[dict] | None:
+    """The request's tools, checked (None: none, or tool_choice none); refused where the server reads
+    no calls, or asked to force one (the engine cannot)."""
+    _refuse(body, "functions", lambda v: not v, "functions (the legacy form) are not supported: use tools")
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if not tools:
+        _refuse(body, "tool_choice", lambda v: v in (None, "none", "auto"), "tool_choice needs tools")
+        return None
+    if tool_reader is None:
+        raise BadRequest("tools are not supported by this server (it reads no tool calls)", "tools")
+    if choice not in (None, "auto", "none"):
+        raise BadRequest("tool_choice may be auto or none here (the engine cannot force a call)", "tool_choice")
+    if not isinstance(tools, list) or not all(isinstance(t, dict) and t.get("type") == "function"
+                                              and isinstance(t.get("function"), dict)
+                                              and isinstance(t["function"].get("name"), str) for t in tools):
+        raise BadRequest('tools must be a list of {"type": "function", "function": {"name": ..., ...}}', "tools")
+    return None if choice == "none" else tools
+
+
+def render_chat(messages: Any, tokenizer, tools: list[dict] | None = None) -> list[int]:
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list", "messages")
     if not getattr(tokenizer, "chat_template", None):
         raise BadRequest("this model's tokenizer has no chat template: use /v1/completions with a prompt",
                          "messages")
-    plain = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise BadRequest(f"messages[{i}] must be an object with a role", "messages")
-        if m.get("tool_calls"):
-            raise BadRequest(f"messages[{i}]: tool_calls are not supported", "messages")
-        plain.append({**m, "content": _content(m.get("content"), i)})
+    plain = [template_message(m, i) for i, m in enumerate(messages)]
     try:
-        text = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(plain, tools=tools, add_generation_prompt=True, tokenize=False)
     except Exception as e:  # noqa: BLE001 - a template refuses with its own message (roles out of order, ...)
         raise BadRequest(f"the chat template refused the messages: {e}", "messages") from e
     ids = tokenizer.encode(text, add_special_tokens=False)  # the template writes its own special tokens
     if not ids:
         raise BadRequest("the rendered messages are empty", "messages")
     return ids
+
+
+def template_message(m: Any, i: int) -> dict:
+    """A request's message as chat templates take it: its content as text, an assistant's
+    tool_calls with their arguments as objects (OpenAI sends them as JSON strings)."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise BadRequest(f"messages[{i}] must be an object with a role", "messages")
+    message = {**m, "content": _content(m.get("content"), i)}
+    if m.get("tool_calls"):
+        message["tool_calls"] = [_template_tool_call(c, i) for c in m["tool_calls"]]
+    return message
+
+
+def _template_tool_call(call: Any, i: int) -> dict:
+    function = call.get("function") if isinstance(call, dict) else None
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    try:
+        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except json.JSONDecodeError:
+        arguments = None
+    if not isinstance(function.get("name") if isinstance(function, dict) else None, str) or not isinstance(arguments, dict):
+        raise BadRequest(f"messages[{i}].tool_calls: each must be {{\"function\": {{\"name\": ..., \"arguments\": "
+                         "<a JSON object, or its text>}}", "messages")
+    return {**call, "function": {"name": function["name"], "arguments": arguments}}
 
 
 def _content(content: Any, i: int) -> str:
@@ -295,10 +348,15 @@ def choice_seed(seed: int | None, choice: int) -> int | None:
 
 # ------------------------------------------------------------------ writing the response
 
-def response(call: Call, request_id: str, model: str, completions: list[Completion], tokenizer) -> dict:
-    """OpenAI's response body; `completions` in choice order (prompt by prompt, n each)."""
-    choices = [_chat_choice(i, c, call, tokenizer) if call.chat else _text_choice(i, c, call, tokenizer)
-               for i, c in enumerate(completions)]
+def response(call: Call, request_id: str, model: str, completions: list[Completion], tokenizer,
+             tool_reader: ToolReader | None = None, messages: list[dict] | None = None) -> dict:
+    """OpenAI's response body; `completions` in choice order (prompt by prompt, n each); chat's
+    `messages` where the caller made them already (chat_message)."""
+    if call.chat:
+        messages = messages or [chat_message(c, call, tokenizer, tool_reader) for c in completions]
+        choices = [_chat_choice(i, c, m, call, tokenizer) for i, (c, m) in enumerate(zip(completions, messages))]
+    else:
+        choices = [_text_choice(i, c, call, tokenizer) for i, c in enumerate(completions)]
     prompt_tokens = sum(len(p) for p in call.prompts)
     completion_tokens = sum(len(c.token_ids) for c in completions)
     return {"id": request_id, "object": "chat.completion" if call.chat else "text_completion",
@@ -319,13 +377,28 @@ def _text_choice(index: int, c: Completion, call: Call, tokenizer) -> dict:
     return {"index": index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason}
 
 
-def _chat_choice(index: int, c: Completion, call: Call, tokenizer) -> dict:
+def _chat_choice(index: int, c: Completion, message: dict, call: Call, tokenizer) -> dict:
     logprobs = None
     if call.logprobs is not None:
         logprobs = {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
                                 for t, lp in zip(_token_texts(c.token_ids, tokenizer), c.log_probs)]}
-    return {"index": index, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs,
-            "finish_reason": c.finish_reason}
+    return {"index": index, "message": message, "logprobs": logprobs,
+            "finish_reason": "tool_calls" if message.get("tool_calls") else c.finish_reason}
+
+
+def chat_message(c: Completion, call: Call, tokenizer, tool_reader: ToolReader | None) -> dict:
+    """The assistant's message of a chat completion: its text, or where the request gave tools and
+    the reply calls them, what is left of the text (None if nothing) and the calls. The reply is
+    read whole, its stop string included (a format's calls may end on one, as compact's `@`)."""
+    if not call.tools or tool_reader is None:
+        return {"role": "assistant", "content": c.text}
+    content, calls = tool_reader.read(tokenizer.decode(c.token_ids, skip_special_tokens=True), call.tools)
+    if not calls:
+        return {"role": "assistant", "content": c.text}
+    return {"role": "assistant", "content": content or None,
+            "tool_calls": [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                            "function": {"name": name, "arguments": json.dumps(arguments)}}
+                           for name, arguments in calls]}
 
 
 def _token_texts(ids: list[int], tokenizer) -> list[str]:

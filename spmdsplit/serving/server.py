@@ -45,17 +45,20 @@ class OpenAIServer:
     (driver.LockstepDriver). `episodes`: the job's episodes (episodes.py), served under
     /episodes/<id>/v1/..., each call recorded into its episode and held to its budget. `stepped`:
     the engine is stepped by its owner, not by a thread of the server's, and each call sets this
-    event of the owner's (driver.SteppedDriver)."""
+    event of the owner's (driver.SteppedDriver). `tool_reader`: how the model writes tool calls
+    (chat's `tools` are refused without one)."""
 
     def __init__(self, engine, tokenizer, model_name: str, sampling, *, host: str = LOCALHOST, port: int = 0,
                  validate: bool = False, record: Callable[[Record], None] | None = None, gather_s: float = 0.0,
-                 peers=None, episodes: Episodes | None = None, stepped: threading.Event | None = None):
+                 peers=None, episodes: Episodes | None = None, stepped: threading.Event | None = None,
+                 tool_reader: protocol.ToolReader | None = None):
         if host not in (LOCALHOST, "localhost"):
             raise ValueError(f"OpenAIServer serves on {LOCALHOST} only (it has no authentication), not {host!r}")
         # A copy of its own: a fast tokenizer called with padding or truncation by the caller's threads
         # (a reward function's) changes its state, and the Rust side then refuses the server's
         # threads with "Already borrowed".
         self.tokenizer, self.record, self.requested_port = copy.deepcopy(tokenizer), record, port
+        self.tool_reader = tool_reader
         self.driver = make_driver(engine, self.tokenizer, peers, stepped, validate=validate, gather_s=gather_s)
         self.served = Served.of(model_name, sampling, self.driver.max_model_len)
         self.episodes = episodes
@@ -142,7 +145,7 @@ class OpenAIServer:
 
     async def _chat(self, request: web.Request) -> web.Response:
         episode, body = self._episode(request), await _body(request)
-        call = protocol.read_chat(body, self.served, self.tokenizer)
+        call = protocol.read_chat(body, self.served, self.tokenizer, self.tool_reader)
         return await self._answer(call, episode, messages_of(body))
 
     def _episode(self, request: web.Request) -> str | None:
@@ -172,17 +175,18 @@ class OpenAIServer:
             raise BadRequest("an episode's call asks for one completion (n=1) of one prompt", "n")
         prompt = call.prompts[0]
         if call.chat:
-            prompt = self.episodes.prompt_for_chat(episode, messages, prompt, self.tokenizer)
+            prompt = self.episodes.prompt_for_chat(episode, messages, prompt, self.tokenizer, call.tools)
         room = min(self.episodes.room(episode, prompt, call.max_tokens), self.served.max_model_len - len(prompt))
         if room <= 0:  # the budget or the turns spent, or the context full: no tokens
             completion = Completion([], [], "length", "")
         else:
             completion, = await self._completed([self.driver.submit(prompt, room, call.seed, call.stop, tag=episode)])
         eos = bool(completion.token_ids) and completion.token_ids[-1] in self.driver.eos_ids
+        answer = protocol.chat_message(completion, call, self.tokenizer, self.tool_reader) if call.chat else None
         self.episodes.record(episode, EpisodeCall(prompt, completion.token_ids, completion.log_probs,
-                                                  messages if call.chat else None, eos, completion.versions))
+                                                  messages if call.chat else None, eos, completion.versions, answer))
         call.prompts = [prompt]
-        return self._respond(call, [completion])
+        return self._respond(call, [completion], None if answer is None else [answer])
 
     async def _completed(self, futures) -> list[Completion]:
         waiting = [asyncio.wrap_future(f) for f in futures]
@@ -194,7 +198,8 @@ class OpenAIServer:
             for f in futures:  # one failed, or the client went away: the rest leave the engine
                 f.cancel()
 
-    def _respond(self, call: protocol.Call, completions: list[Completion]) -> web.Response:
+    def _respond(self, call: protocol.Call, completions: list[Completion],
+                 messages: list[dict] | None = None) -> web.Response:
         request_id = protocol.new_request_id(call.chat)
         if self.record is not None:
             for record in protocol.records(call, request_id, completions):
@@ -203,7 +208,8 @@ class OpenAIServer:
                 except Exception as e:  # noqa: BLE001 - the caller learns that its call was not recorded
                     raise BadRequest(f"the server's record hook failed: {type(e).__name__}: {e}", status=500,
                                      kind="server_error") from e
-        return web.json_response(protocol.response(call, request_id, self.served.model, completions, self.tokenizer))
+        return web.json_response(protocol.response(call, request_id, self.served.model, completions, self.tokenizer,
+                                                   self.tool_reader, messages))
 
 
 async def _body(request: web.Request):

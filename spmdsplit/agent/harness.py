@@ -77,6 +77,11 @@ def prompt_ids_of(prompts: Batch) -> list[list[int]]:
     return [ids[mask.bool()].tolist() for ids, mask in zip(prompts["input_ids"], prompts["attention_mask"])]
 
 
+def endpoint_ports(port: int, local_rank: int) -> tuple[int, int]:
+    """The ports of a rank's endpoints, training's and validation's (rollout.agent.port: 0 for any)."""
+    return (port + 2 * local_rank, port + 2 * local_rank + 1) if port else (0, 0)
+
+
 def takes_client(fn: Callable) -> bool:
     """Whether the harness takes an `openai.AsyncOpenAI` (its first parameter is not `base_url`)."""
     params = list(inspect.signature(fn).parameters)
@@ -120,7 +125,7 @@ class HarnessRollout(AroundEngine):
 
     def __init__(self, engine, tokenizer, harness: Callable, agent_cfg, max_response_length: int,
                  max_turns: int = 0, sampling=None, val_sampling=None, stepped: bool = False,
-                 tool_format: str = "hermes"):
+                 tool_format: str = "hermes", ports: tuple[int, int] = (0, 0)):
         from spmdsplit.agent.parsers import ServedToolCalls
         from spmdsplit.serving import OpenAIServer
 
@@ -132,10 +137,10 @@ class HarnessRollout(AroundEngine):
         # One server for training's sampling, one for validation's (rollout.val_kwargs): each has its
         # own driver. Batch mode: never both unpaused (one engine takes one stepping thread at a time);
         # continuous: both stepped by the stream, their requests in the same engine steps.
-        self.servers = {validate: OpenAIServer(engine, tokenizer, "policy", s, port=0, validate=validate,
+        self.servers = {validate: OpenAIServer(engine, tokenizer, "policy", s, port=port, validate=validate,
                                                episodes=self.episodes, gather_s=GATHER_S, stepped=self.signal,
                                                tool_reader=ServedToolCalls(tool_format))
-                        for validate, s in ((False, sampling), (True, val_sampling))}
+                        for validate, s, port in ((False, sampling, ports[0]), (True, val_sampling, ports[1]))}
         self.usercode = UserCode("spmdsplit-harness")
         # A harness's blocking work (an environment's step) goes to the loop's default executor
         # (asyncio.to_thread): as many threads as episodes run at once, where asyncio's default

@@ -462,10 +462,10 @@ class AgentConfig:
     verifiers_env_kwargs: dict[str, Any] = field(default_factory=dict)
     harness_timeout_s: float = positive(300.0)  # an episode of the harness, start to end
     max_concurrency: int = positive(256)  # the harness's episodes running at once per generating rank
-    # The harness's endpoints on 127.0.0.1: a node's rank of local rank k serves training's episodes
-    # at port + 2k and validation's at port + 2k + 1 (a port taken stops the job before it starts);
-    # 0: any free ports (the harness is given its URL either way).
-    port: int = bounded(0, lambda v: 0 <= v <= 65535 - 512, "expected 0 (any free port) or a port up to 65023")
+    # The harness's endpoint on 127.0.0.1: a node's rank of local rank k serves its episodes at
+    # port + k (a port taken stops the job before it starts); 0: any free port (the harness is
+    # given its URL either way).
+    port: int = bounded(0, lambda v: 0 <= v <= 65535 - 256, "expected 0 (any free port) or a port up to 65279")
 
 
 @dataclass

@@ -4,7 +4,8 @@ The tool here answers each call with the number of calls made so far, on any ran
 which process ran it: were each rank to run its own tools, the ranks' contexts would differ (and
 vLLM's lockstep with them) and the file would count every call twice. The same engine then runs a
 TRL-style environment's episodes (agent/trl_env.py): its instances, calls and get_reward live on
-the first rank, and every rank gets the same answers and rewards.
+the first rank, and every rank gets the same answers and rewards; and an agent harness's episodes
+(agent/harness.py), played on the first rank through its endpoint, their rows handed to the other.
 
 Sampled, the ranks must also draw alike: every row carries a seed the engine's ranks share, so a
 tool that moves numpy's and torch's global generators on the first rank alone changes nothing."""
@@ -51,7 +52,7 @@ class CountingTool(BaseTool):
         return ToolResponse(text=str(count)), 0.0, {}
 
 
-def tensor_parallel_episodes(rank, world_size, model_dir, tool_config, calls_file, game):
+def tensor_parallel_episodes(rank, world_size, model_dir, tool_config, calls_file, game, harness_log):
     """Every rank: one engine of tensor parallel 2, multi-turn episodes of the same prompts, three
     times: greedy (validation's sampling); sampled as a training step's rows are, with
     rollout.per_row_seed=false; and sampled from rows that come without seeds."""
@@ -98,13 +99,40 @@ def tensor_parallel_episodes(rank, world_size, model_dir, tool_config, calls_fil
         episodes = build_agent_rollout(trl, engine.engine, tokenizer, eos_token_ids(model_dir, tokenizer)).generate(
             collate_prompts(trl_rows[:PROMPTS], tokenizer, trl.data.max_prompt_length, step=1, first_row=0),
             validate=True)
+        played = harness_episodes(engine.engine, tokenizer, model_dir, harness_log,
+                                  collate_prompts(trl_rows[:PROMPTS], tokenizer, trl.data.max_prompt_length, step=1,
+                                                  first_row=0))
         columns = {f"{run} {k}": out[k] for run, out in (("greedy", greedy), ("sampled", sampled), ("unseeded", unseeded),
-                                                         ("trl", episodes))
+                                                         ("trl", episodes), ("harness", played))
                    for k in ("responses", "response_mask", "num_turns", "tool_calls", "rollout_log_probs")}
         return {"columns": columns, "answers": answers, "greedy_calls": greedy_calls, "pid": os.getpid(),
-                "trl_rewards": [info["environment_reward"] for info in episodes["extra_info"]]}
+                "trl_rewards": [info["environment_reward"] for info in episodes["extra_info"]],
+                "harness_rewards": [info["environment_reward"] for info in played["extra_info"]]}
     finally:
         shutdown_vllm_distributed()
+
+
+def harness_episodes(engine, tokenizer, model_dir, log, prompts):
+    """The echo harness (tests/support/harnesses.py) over the engine's endpoint, each episode
+    written down with the process that played it; validation's sampling (greedy)."""
+    from spmdsplit.agent import engine_ranks
+    from spmdsplit.agent.harness import HarnessRollout
+    from tests.support.harnesses import echo_harness
+
+    cfg = load_config(os.path.join(ROOT, "configs", "environment_echo.yaml"), [
+        "rollout.name=vllm", f"model.path={model_dir}", "rollout.tensor_model_parallel_size=2",
+        "rollout.multi_turn.enable=false", "rollout.agent.harness=tests.support.harnesses.echo_harness"])
+
+    async def written_down(client, row):
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return await echo_harness(client, row)
+    rollout = HarnessRollout(engine, tokenizer, written_down, cfg.rollout.agent, cfg.data.max_response_length,
+                             sampling=cfg.rollout, val_sampling=cfg.rollout.val_kwargs, **engine_ranks(engine))
+    try:
+        return rollout.generate(prompts, validate=True)
+    finally:
+        rollout.close()
 
 
 @pytest.fixture(scope="module")
@@ -121,8 +149,10 @@ def episodes(tmp_path_factory, agent_model_dir):
     tool_config.write_text(yaml.safe_dump({"tools": [entry]}))
     game, log = tmp_path / "game.py", tmp_path / "episodes.jsonl"
     game.write_text(TRL_ECHO.format(log=str(log)))
+    harness_log = tmp_path / "harness.txt"
     first, second = run_ranks(tensor_parallel_episodes, 2, agent_model_dir, str(tool_config), str(calls_file),
-                              str(game), timeout=300, kind="vllm")
+                              str(game), str(harness_log), timeout=300, kind="vllm")
+    first["harness_played"] = harness_log.read_text().split()
     return first, second, calls_file.read_text().split(), [json.loads(line) for line in log.read_text().splitlines()]
 
 
@@ -165,3 +195,14 @@ def test_a_tensor_parallel_engine_runs_a_trl_environment_on_its_first_rank_and_i
     assert len(logged) == PROMPTS and {e["serial"][0] for e in logged} == {first["pid"]}  # scored once, on the first rank
     assert sorted(first["trl_rewards"]) == sorted(e["reward"] for e in logged)
     assert int(first["columns"]["trl tool_calls"].sum()) >= 3, "the boosted model should call the method in some episodes"
+
+
+def test_a_tensor_parallel_engine_plays_a_harness_on_its_first_rank_and_hands_its_rows_to_the_other(episodes):
+    """Each episode of the harness is played once, on the engine's first rank, whose calls the
+    other rank's engine steps in lockstep; both ranks hand over the same rows and rewards."""
+    first, second, _, _ = episodes
+    for name in [n for n in first["columns"] if n.startswith("harness")]:
+        assert torch.equal(first["columns"][name], second["columns"][name]), name
+    assert first["harness_played"] == [str(first["pid"])] * PROMPTS  # once each, on the first rank
+    assert first["harness_rewards"] == second["harness_rewards"]
+    assert first["columns"]["harness tool_calls"].tolist() == [3] * PROMPTS  # the echo harness's three calls

@@ -123,12 +123,12 @@ def test_a_bad_harness_stops_the_job_before_it_starts_with_one_line(tmp_path):
 
 
 def test_a_fixed_port_in_use_stops_the_job_before_it_starts_and_a_free_one_is_served(monkeypatch):
-    """rollout.agent.port: local rank k's endpoints at port + 2k (training) and + 2k + 1
-    (validation); one taken is one line naming the key before the first collective."""
+    """rollout.agent.port: local rank k's endpoint at port + k; one taken is one line naming the
+    key before the first collective."""
     import socket
 
     from spmdsplit.agent import check_harness
-    from spmdsplit.agent.harness import endpoint_ports
+    from spmdsplit.agent.harness import endpoint_port
     from spmdsplit.config import load_config
     from spmdsplit.errors import ConfigError
 
@@ -137,13 +137,13 @@ def test_a_fixed_port_in_use_stops_the_job_before_it_starts_and_a_free_one_is_se
         taken.listen()
         port = taken.getsockname()[1]
         monkeypatch.setenv("LOCAL_RANK", "1")
-        cfg = load_config(PRESET, [*HARNESS, f"rollout.agent.port={port - 3}"])  # local rank 1's validation port
+        cfg = load_config(PRESET, [*HARNESS, f"rollout.agent.port={port - 1}"])  # local rank 1's
         with pytest.raises(ConfigError) as e:
             check_harness(cfg)
-        assert str(e.value).startswith(f"rollout.agent.port={port - 3}: 127.0.0.1:{port}, this rank's validation")
+        assert str(e.value).startswith(f"rollout.agent.port={port - 1}: 127.0.0.1:{port}, the endpoint of local rank 1")
         assert "in use" in str(e.value) and "\n" not in str(e.value)
     check_harness(cfg)  # freed
-    assert endpoint_ports(0, 3) == (0, 0) and endpoint_ports(9000, 3) == (9006, 9007)
+    assert endpoint_port(0, 3) == 0 and endpoint_port(9000, 3) == 9003
 
 
 @pytest.fixture(scope="module")

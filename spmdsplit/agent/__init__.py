@@ -193,8 +193,8 @@ def check_harness(cfg) -> None:
     if not cfg.rollout.agent.harness:
         return
     refused = [(cfg.rollout.multi_turn.enable, "rollout.multi_turn.enable=true (the harness drives the turns itself)"),
-               (cfg.rollout.tensor_model_parallel_size > 1 and cfg.rollout.name == "vllm",
-                "rollout.tensor_model_parallel_size > 1 (not yet: each engine's ranks would run the episodes twice)")]
+               (cfg.rollout.tensor_model_parallel_size > 1 and cfg.rollout.name == "vllm" and cfg.rollout.continuous,
+                "rollout.tensor_model_parallel_size > 1 with rollout.continuous=true (not yet: batch generation only)")]
     for bad, why in refused:
         if bad:
             raise ConfigError(f"rollout.agent.harness={cfg.rollout.agent.harness} does not run with {why}")
@@ -203,24 +203,24 @@ def check_harness(cfg) -> None:
 
 
 def check_harness_ports(cfg) -> None:
-    """rollout.agent.port's ports for this rank free on 127.0.0.1, before the first collective (a
+    """rollout.agent.port's port for this rank free on 127.0.0.1, before the first collective (a
     port taken later still fails at start-up, with PortInUse)."""
     import errno
     import socket
 
-    from spmdsplit.agent.harness import endpoint_ports
+    from spmdsplit.agent.harness import endpoint_port
     from spmdsplit.errors import ConfigError
 
-    for what, port in zip(("training", "validation"), endpoint_ports(cfg.rollout.agent.port, local_rank())):
-        if not port:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError as e:
-                taken = "is in use" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror})"
-                raise ConfigError(f"rollout.agent.port={cfg.rollout.agent.port}: 127.0.0.1:{port}, this rank's "
-                                  f"{what} endpoint (local rank {local_rank()}), {taken}; 0 takes any free port") from None
+    port = endpoint_port(cfg.rollout.agent.port, local_rank())
+    if not port:
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError as e:
+            taken = "is in use" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror})"
+            raise ConfigError(f"rollout.agent.port={cfg.rollout.agent.port}: 127.0.0.1:{port}, the endpoint of "
+                              f"local rank {local_rank()}, {taken}; 0 takes any free port") from None
 
 
 def local_rank() -> int:
@@ -238,13 +238,20 @@ def build_agent(cfg, engine, tokenizer, eos_ids: list[int]):
 
 
 def build_harness_rollout(cfg, engine, tokenizer):
-    from spmdsplit.agent.harness import HarnessRollout, endpoint_ports
+    from spmdsplit.agent.harness import HarnessRollout, endpoint_port
 
     return HarnessRollout(engine, tokenizer, load_harness(cfg), cfg.rollout.agent, cfg.data.max_response_length,
                           cfg.rollout.multi_turn.max_assistant_turns or 0, sampling=cfg.rollout,
                           val_sampling=cfg.rollout.val_kwargs, stepped=cfg.rollout.continuous,
                           tool_format=cfg.rollout.multi_turn.format,
-                          ports=endpoint_ports(cfg.rollout.agent.port, local_rank()))
+                          port=endpoint_port(cfg.rollout.agent.port, local_rank()), **engine_ranks(engine))
+
+
+def engine_ranks(engine) -> dict:
+    """A tensor-parallel engine's group of ranks and whether this is its first (the harness runs
+    there): `peers` and `first` for HarnessRollout; nothing for an engine of one rank."""
+    group = getattr(engine, "tensor_parallel_group", lambda: None)()
+    return {} if group is None else {"peers": group.cpu_group, "first": group.is_first_rank}
 
 
 def build_agent_rollout(cfg, engine, tokenizer, eos_ids: list[int]):

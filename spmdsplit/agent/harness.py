@@ -77,9 +77,9 @@ def prompt_ids_of(prompts: Batch) -> list[list[int]]:
     return [ids[mask.bool()].tolist() for ids, mask in zip(prompts["input_ids"], prompts["attention_mask"])]
 
 
-def endpoint_ports(port: int, local_rank: int) -> tuple[int, int]:
-    """The ports of a rank's endpoints, training's and validation's (rollout.agent.port: 0 for any)."""
-    return (port + 2 * local_rank, port + 2 * local_rank + 1) if port else (0, 0)
+def endpoint_port(port: int, local_rank: int) -> int:
+    """The port of a rank's endpoint (rollout.agent.port: 0 for any)."""
+    return port + local_rank if port else 0
 
 
 def takes_client(fn: Callable) -> bool:
@@ -97,7 +97,6 @@ class Playing:
     episode: str
     prompt_ids: list[int]
     outcome: concurrent.futures.Future
-    validate: bool
     seen: dict[str, int]
 
     def first_version(self) -> int | None:
@@ -118,29 +117,36 @@ class Ended:
 
 
 class HarnessRollout(AroundEngine):
-    """The rollout engine behind the OpenAI server, each row an episode of the harness. In batch
-    mode the server's driver owns the engine from the first generation on (the engine's sleeps and
-    weight loads happen with it paused); under continuous generation (`stepped`) the stream steps
-    the engine itself (`step`), between its weight loads, and starts episodes one by one (`begin`)."""
+    """The rollout engine behind the OpenAI server, each row an episode of the harness (a
+    validation row's sampled with val_sampling). In batch mode the server's driver owns the engine
+    from the first generation on (the engine's sleeps and weight loads happen with it paused);
+    under continuous generation (`stepped`) the stream steps the engine itself (`step`), between
+    its weight loads, and starts episodes one by one (`begin`).
+
+    A tensor-parallel engine (`peers`: the gloo group of its ranks, batch mode) is given the same
+    rows on each of its ranks: the harness runs once, on the engine's first rank (`first`), whose
+    lockstep driver trades each call to the other ranks' engines; the episodes' ends then go to
+    them over the same trades (LockstepDriver.post), so every rank hands over the same rows, as the
+    agent loop's ranks do."""
 
     def __init__(self, engine, tokenizer, harness: Callable, agent_cfg, max_response_length: int,
                  max_turns: int = 0, sampling=None, val_sampling=None, stepped: bool = False,
-                 tool_format: str = "hermes", ports: tuple[int, int] = (0, 0)):
+                 tool_format: str = "hermes", port: int = 0, peers=None, first: bool = True):
         from spmdsplit.agent.parsers import ServedToolCalls
         from spmdsplit.serving import OpenAIServer
 
         self.engine, self.tokenizer, self.harness, self.cfg = engine, tokenizer, harness, agent_cfg
         self.budget, self.max_turns = max_response_length, max_turns
         self.episodes = Episodes()
-        # Set by every call the servers take and every episode's end: what the stream waits on.
+        # Set by every call the server takes and every episode's end: what the stream waits on.
         self.signal = threading.Event() if stepped else None
-        # One server for training's sampling, one for validation's (rollout.val_kwargs): each has its
-        # own driver. Batch mode: never both unpaused (one engine takes one stepping thread at a time);
-        # continuous: both stepped by the stream, their requests in the same engine steps.
-        self.servers = {validate: OpenAIServer(engine, tokenizer, "policy", s, port=port, validate=validate,
-                                               episodes=self.episodes, gather_s=GATHER_S, stepped=self.signal,
-                                               tool_reader=ServedToolCalls(tool_format))
-                        for validate, s, port in ((False, sampling, ports[0]), (True, val_sampling, ports[1]))}
+        # One server, one driver for the engine: each episode says which sampling its calls take, so
+        # training's and validation's calls share the engine's steps (and a tensor-parallel engine's
+        # ranks trade over one stream of steps).
+        self.server = OpenAIServer(engine, tokenizer, "policy", sampling, port=port, episodes=self.episodes,
+                                   gather_s=GATHER_S, stepped=self.signal, tool_reader=ServedToolCalls(tool_format),
+                                   val_sampling=val_sampling, peers=peers)
+        self.first = first
         self.usercode = UserCode("spmdsplit-harness")
         # A harness's blocking work (an environment's step) goes to the loop's default executor
         # (asyncio.to_thread): as many threads as episodes run at once, where asyncio's default
@@ -155,49 +161,52 @@ class HarnessRollout(AroundEngine):
 
     def generate(self, prompts: Batch, validate: bool = False) -> Batch:
         """Every row's episode at once (max_concurrency at a time); the rows they made."""
-        server = self.servers[validate]
-        if server.port is None:
-            server.start()
+        if self.server.port is None:
+            self.server.start()
         else:
-            server.resume()
-        prompt_ids = prompt_ids_of(prompts)
-        ids = [self.episodes.open(self.budget, self.max_turns) for _ in prompt_ids]
-        jobs = [self._job(prompts, i, prompt_ids[i], ids[i], server) for i in range(len(ids))]
+            self.server.resume()
         try:
-            outcomes = self.usercode.map(jobs, self.cfg.harness_timeout_s, self.cfg.max_concurrency).result()
+            ended = self._play(prompts, validate) if self.first else self.server.driver.posted()
         finally:
-            server.pause()  # the engine is the trainer's again (a sleep, new weights)
-        return self.finish(prompts, [self._end(*args) for args in zip(ids, prompt_ids, outcomes)])
+            self.server.pause()  # the engine is the trainer's again (a sleep, new weights)
+        return self.finish(prompts, ended)
+
+    def _play(self, prompts: Batch, validate: bool) -> list[Ended]:
+        prompt_ids = prompt_ids_of(prompts)
+        ids = [self.episodes.open(self.budget, self.max_turns, validate) for _ in prompt_ids]
+        jobs = [self._job(prompts, i, prompt_ids[i], ids[i]) for i in range(len(ids))]
+        outcomes = self.usercode.map(jobs, self.cfg.harness_timeout_s, self.cfg.max_concurrency).result()
+        ended = [self._end(*args) for args in zip(ids, prompt_ids, outcomes)]
+        if hasattr(self.server.driver, "post"):  # the engine's other ranks wait for them (before the pause)
+            self.server.driver.post(ended)
+        return ended
 
     # ---- continuous generation (spmdsplit/continuous.py)
 
     def begin(self, prompt: Batch, validate: bool) -> Playing:
         """The episode of one prompt row, its harness started; the stream steps the engine for it."""
-        server = self.servers[validate]
-        if server.port is None:
-            server.start()
+        if self.server.port is None:
+            self.server.start()
         prompt_ids = prompt_ids_of(prompt)[0]
-        episode = self.episodes.open(self.budget, self.max_turns)
-        job = self._job(prompt, 0, prompt_ids, episode, server)
+        episode = self.episodes.open(self.budget, self.max_turns, validate)
+        job = self._job(prompt, 0, prompt_ids, episode)
         outcome = self.usercode.submit(self.usercode.within(job, self.cfg.harness_timeout_s))
         outcome.add_done_callback(lambda _: self.signal.set())
-        return Playing(episode, prompt_ids, outcome, validate, server.driver.first_version)
+        return Playing(episode, prompt_ids, outcome, self.server.driver.first_version)
 
     def step(self, version: int) -> list | None:
         """One engine step over every call the episodes made (training's and validation's sampling
         side by side), each token recorded with `version`; None where no call waits for one."""
-        drivers = [s.driver for s in self.servers.values() if s.port is not None]
-        if not any([d.enter() for d in drivers]):
+        driver = self.server.driver
+        if not driver.enter():
             return None
         try:
             deltas = self.engine.step()
         except Exception as e:  # noqa: BLE001 - the calls in it fail (their harnesses hear of it); the stream goes on
-            for d in drivers:
-                d.fail(e)
+            driver.fail(e)
             return []
-        self.held = sum(d.held for d in drivers)
-        for d in drivers:
-            d.settle(deltas, version)
+        self.held = driver.held
+        driver.settle(deltas, version)
         return deltas
 
     def wait(self, timeout_s: float) -> None:
@@ -244,13 +253,13 @@ class HarnessRollout(AroundEngine):
         return Ended(made[0] if made else Row(prompt_ids), reward, error, message, len(record.calls),
                      max(len(made) - 1, 0))
 
-    def _job(self, prompts: Batch, i: int, prompt_ids: list[int], episode: str, server) -> Callable:
+    def _job(self, prompts: Batch, i: int, prompt_ids: list[int], episode: str) -> Callable:
         """Row `i`'s episode as a job for the harness's loop: the harness called with its client (or
         base URL) naming the episode, and the row."""
         row = {"prompt": self.tokenizer.decode(prompt_ids, skip_special_tokens=False), "prompt_ids": prompt_ids,
                "uid": prompts["uid"][i] if "uid" in prompts else None,
                **{k: prompts[k][i] for k in ("data_source", "ground_truth", "extra_info") if k in prompts}}
-        url = f"http://127.0.0.1:{server.port}/episodes/{episode}/v1"
+        url = f"http://127.0.0.1:{self.server.port}/episodes/{episode}/v1"
 
         async def run():
             if not self.client_arg:
@@ -298,7 +307,6 @@ class HarnessRollout(AroundEngine):
     def close(self) -> None:
         if self.client is not None:
             self.usercode.submit(self.client.close()).result()
-        for server in self.servers.values():
-            if server.port is not None:
-                server.stop()
+        if self.server.port is not None:
+            self.server.stop()
         self.usercode.close()

@@ -523,6 +523,14 @@ class VLLMRollout:
         is loaded; a request without one would silently sample from the base."""
         return self.adapter.request() if self.adapter else None
 
+    def tensor_parallel_group(self):
+        """vLLM's group of this engine's ranks (its `cpu_group`, `is_first_rank`, `first_rank`:
+        vLLM 0.32 parallel_state.py GroupCoordinator); None at tensor parallel 1."""
+        from vllm.distributed.parallel_state import get_tp_group
+
+        group = get_tp_group()
+        return None if group.world_size == 1 else group
+
     def run_on_first_rank(self, fn):
         """fn() run once for the engine: on its first tensor-parallel rank, its result handed to
         the other ranks, which wait for it. The agent loop runs each turn's tool calls so: were each
@@ -532,10 +540,8 @@ class VLLMRollout:
         `cpu_group`, gloo on GPU too; vLLM 0.32 parallel_state.py), where the peers block in a
         receive: not over the NCCL device group, and not by the group's `broadcast_object`, whose
         shared-memory queue busy-waits its readers for a second and warns of a hang after 60 s."""
-        from vllm.distributed.parallel_state import get_tp_group
-
-        group = get_tp_group()
-        if group.world_size == 1:
+        group = self.tensor_parallel_group()
+        if group is None:
             return fn()
         box = [fn() if group.is_first_rank else None]
         dist.broadcast_object_list(box, src=group.first_rank, group=group.cpu_group)

@@ -86,6 +86,7 @@ class _Request:
     stop: tuple[str, ...]
     stop_ids: list[int] | None  # None: the engine's own EOS ids
     future: concurrent.futures.Future
+    validate: bool = False  # sampled as the engine's validation settings say
     tag: str | None = None  # what the caller said it belongs to (an episode)
     tokens: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
@@ -102,7 +103,8 @@ class _Request:
 
 class EngineDriver:
     """`engine` (a StepwiseRollout: HFRollout, VLLMRollout) served to callers on any thread.
-    `validate`: the engine samples as its validation settings say (rollout.val_kwargs). `gather_s`:
+    `validate`: the engine samples as its validation settings say (rollout.val_kwargs), unless a
+    request says otherwise (submit's `validate`). `gather_s`:
     when a request finds the engine idle, how long the driver waits for others to join it before
     the first step (again after each that comes, up to GATHER_ROUNDS): concurrent HTTP calls arrive
     spread over milliseconds, and an engine whose step decodes a request's whole budget (the judge's
@@ -136,7 +138,8 @@ class EngineDriver:
             self._thread.start()
 
     def submit(self, prompt_ids: Sequence[int], max_tokens: int | None = None, seed: int | None = None,
-               stop: Sequence[str] = (), tag: str | None = None) -> concurrent.futures.Future:
+               stop: Sequence[str] = (), tag: str | None = None,
+               validate: bool | None = None) -> concurrent.futures.Future:
         """A future of the request's Completion: `prompt_ids` continued by at most `max_tokens`
         tokens (None: up to the engine's longest context), until an EOS or one of the `stop` strings.
         Raises ContextTooLong at once. Cancelling the future drops the request from the engine at
@@ -144,7 +147,8 @@ class EngineDriver:
         budget = check_context(len(prompt_ids), max_tokens, self.max_model_len)
         single = single_token_ids(self.tokenizer, stop)
         request = _Request(f"{self._prefix}{next(self._ids)}", list(prompt_ids), budget, seed, tuple(stop),
-                           self.eos_ids + single if single else None, concurrent.futures.Future(), tag)
+                           self.eos_ids + single if single else None, concurrent.futures.Future(),
+                           self.validate if validate is None else validate, tag)
         with self._cond:
             if self._stopping or not self._running():
                 request.future.set_exception(DriverStopped("the engine driver is not running"))
@@ -260,7 +264,7 @@ class EngineDriver:
         for request in new:
             context, budget, seed = request.entry()
             try:
-                self.engine.submit(request.id, context, budget, seed, validate=self.validate,
+                self.engine.submit(request.id, context, budget, seed, validate=request.validate,
                                    stop_ids=request.stop_ids)
             except Exception as e:  # noqa: BLE001 - its caller hears of it
                 _fail(request, e)
@@ -349,7 +353,10 @@ class LockstepDriver(EngineDriver):
       carried this rank's pause, so no step can run after it returns until it resumes.
     - Idle, the drivers still trade, every POLL_S, backing off to IDLE_POLL_S: a request on one
       rank must reach the others' engines.
-    - `stop` returns once every rank's driver stopped (the job's end: each rank stops its own)."""
+    - `stop` returns once every rank's driver stopped (the job's end: each rank stops its own).
+    - `post(obj)`: an object for the other ranks, carried by the next trade (`posted()` on theirs):
+      what one rank made of its callers' answers (a harness's episodes) reaches the ranks that only
+      stepped the engine with it, over the group the drivers already trade on."""
 
     POLL_S, IDLE_POLL_S = 0.002, 0.05
 
@@ -359,9 +366,26 @@ class LockstepDriver(EngineDriver):
         self._prefix = f"r{self.place}s"  # unique over the engine's ranks
         self._aborts: list[str] = []  # for the next trade
         self._shadows: set[str] = set()  # the other ranks' requests in the engine
+        self._outbox: list = []  # posted here, for the next trade
+        self._inbox: list = []  # the other ranks' posts, in the order traded
 
     def _abort(self, request_ids: list[str]) -> None:
         self._aborts += request_ids
+
+    def post(self, obj) -> None:
+        with self._cond:
+            self._outbox.append(obj)
+            self._cond.notify_all()
+
+    def posted(self, timeout_s: float | None = None):
+        """The next object another rank posted, waiting for it (DriverStopped if the driver stops
+        first, TimeoutError after `timeout_s`)."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._inbox or self._stopping, timeout_s):
+                raise TimeoutError(f"no peer posted within {timeout_s} s")
+            if not self._inbox:
+                raise DriverStopped("the engine driver stopped before a peer posted")
+            return self._inbox.pop(0)
 
     def _loop(self) -> None:
         wait = self.POLL_S
@@ -379,19 +403,25 @@ class LockstepDriver(EngineDriver):
         a pause or a stop cuts it short)."""
         with self._cond:
             stepping = self._live or self._shadows
-            if not stepping:
+            if not stepping and not self._outbox:
                 self._cond.wait(wait)
             if self._queue and not stepping and self.gather_s > 0 and not self._paused:
                 self._gather()
             self._drop_cancelled()
             offered = [] if self._paused or self._stopping else list(self._queue)
             aborts, self._aborts = self._aborts, []
-            offer = {"requests": [(r.id, *r.entry(), r.stop_ids) for r in offered], "aborts": aborts,
+            outbox, self._outbox = self._outbox, []
+            offer = {"post": outbox, "requests": [(r.id, *r.entry(), r.stop_ids, r.validate) for r in offered], "aborts": aborts,
                      "paused": self._paused, "stopping": self._stopping}
         return offer, offered
 
     def _apply(self, offers: list[dict], offered: list[_Request], paused: bool) -> bool:
         """Every rank's trade applied alike; returns whether anything happened or is held."""
+        posts = [obj for place, o in enumerate(offers) if place != self.place for obj in o["post"]]
+        if posts:
+            with self._cond:
+                self._inbox += posts
+                self._cond.notify_all()
         aborts = [rid for o in offers for rid in o["aborts"]]
         if aborts:
             self.engine.abort(aborts)
@@ -411,9 +441,9 @@ class LockstepDriver(EngineDriver):
         with self._cond:
             self._queue = [r for r in self._queue if r.id not in mine]
         for o in offers:
-            for rid, context, budget, seed, stop_ids in o["requests"]:
+            for rid, context, budget, seed, stop_ids, validate in o["requests"]:
                 try:
-                    self.engine.submit(rid, context, budget, seed, validate=self.validate, stop_ids=stop_ids)
+                    self.engine.submit(rid, context, budget, seed, validate=validate, stop_ids=stop_ids)
                 except Exception as e:  # noqa: BLE001 - refused alike on every rank; its owner hears of it
                     if rid in mine:
                         _fail(mine[rid], e)

@@ -122,6 +122,7 @@ def continue_chat(last: Call | None, messages: list[dict], tokenizer, tools: lis
 class Episode:
     budget: int  # tokens of a row's response at most
     max_turns: int  # calls at most (0: no limit)
+    validate: bool = False  # sampled as the engine's validation settings say
     calls: list[Call] = field(default_factory=list)
     refused: int = 0  # calls answered with no tokens: over the budget or the turns
 
@@ -139,10 +140,10 @@ class Episodes:
         self._open: dict[str, Episode] = {}
         self._ids = itertools.count()
 
-    def open(self, budget: int, max_turns: int = 0) -> str:
+    def open(self, budget: int, max_turns: int = 0, validate: bool = False) -> str:
         with self._lock:
             episode_id = f"e{next(self._ids)}"
-            self._open[episode_id] = Episode(budget, max_turns)
+            self._open[episode_id] = Episode(budget, max_turns, validate)
         return episode_id
 
     def close(self, episode_id: str) -> tuple[list[Row], Episode]:

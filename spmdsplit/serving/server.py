@@ -43,7 +43,8 @@ class OpenAIServer:
     goes out (keep it quick; what it raises fails the request with a 500). `gather_s`: EngineDriver's.
     `peers`: the gloo group of a tensor-parallel engine's ranks, each serving its own callers
     (driver.LockstepDriver). `episodes`: the job's episodes (episodes.py), served under
-    /episodes/<id>/v1/..., each call recorded into its episode and held to its budget. `stepped`:
+    /episodes/<id>/v1/..., each call recorded into its episode and held to its budget, and sampled
+    as its episode says (a validation episode's with `val_sampling`). `stepped`:
     the engine is stepped by its owner, not by a thread of the server's, and each call sets this
     event of the owner's (driver.SteppedDriver). `tool_reader`: how the model writes tool calls
     (chat's `tools` are refused without one)."""
@@ -51,7 +52,7 @@ class OpenAIServer:
     def __init__(self, engine, tokenizer, model_name: str, sampling, *, host: str = LOCALHOST, port: int = 0,
                  validate: bool = False, record: Callable[[Record], None] | None = None, gather_s: float = 0.0,
                  peers=None, episodes: Episodes | None = None, stepped: threading.Event | None = None,
-                 tool_reader: protocol.ToolReader | None = None):
+                 tool_reader: protocol.ToolReader | None = None, val_sampling=None):
         if host not in (LOCALHOST, "localhost"):
             raise ValueError(f"OpenAIServer serves on {LOCALHOST} only (it has no authentication), not {host!r}")
         # A copy of its own: a fast tokenizer called with padding or truncation by the caller's threads
@@ -61,6 +62,8 @@ class OpenAIServer:
         self.tool_reader = tool_reader
         self.driver = make_driver(engine, self.tokenizer, peers, stepped, validate=validate, gather_s=gather_s)
         self.served = Served.of(model_name, sampling, self.driver.max_model_len)
+        self.served_val = self.served if val_sampling is None else Served.of(model_name, val_sampling,
+                                                                             self.driver.max_model_len)
         self.episodes = episodes
         self._code: UserCode | None = None
         self._runner: web.AppRunner | None = None
@@ -141,12 +144,17 @@ class OpenAIServer:
 
     async def _completions(self, request: web.Request) -> web.Response:
         episode = self._episode(request)
-        return await self._answer(protocol.read_completion(await _body(request), self.served, self.tokenizer), episode)
+        served = self._served(episode)
+        return await self._answer(protocol.read_completion(await _body(request), served, self.tokenizer), episode)
 
     async def _chat(self, request: web.Request) -> web.Response:
         episode, body = self._episode(request), await _body(request)
-        call = protocol.read_chat(body, self.served, self.tokenizer, self.tool_reader)
+        call = protocol.read_chat(body, self._served(episode), self.tokenizer, self.tool_reader)
         return await self._answer(call, episode, messages_of(body))
+
+    def _served(self, episode: str | None) -> Served:
+        """What the call is sampled with: its episode's settings (validation's or training's)."""
+        return self.served_val if episode is not None and self.episodes.get(episode).validate else self.served
 
     def _episode(self, request: web.Request) -> str | None:
         """The episode a call names in its path (None: none); a 404 for one the job has not open,
@@ -180,7 +188,9 @@ class OpenAIServer:
         if room <= 0:  # the budget or the turns spent, or the context full: no tokens
             completion = Completion([], [], "length", "")
         else:
-            completion, = await self._completed([self.driver.submit(prompt, room, call.seed, call.stop, tag=episode)])
+            validate = self.episodes.get(episode).validate
+            completion, = await self._completed([self.driver.submit(prompt, room, call.seed, call.stop, tag=episode,
+                                                                    validate=validate)])
         eos = bool(completion.token_ids) and completion.token_ids[-1] in self.driver.eos_ids
         answer = protocol.chat_message(completion, call, self.tokenizer, self.tool_reader) if call.chat else None
         self.episodes.record(episode, EpisodeCall(prompt, completion.token_ids, completion.log_probs,

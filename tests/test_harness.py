@@ -207,16 +207,18 @@ def test_continuous_generation_runs_harness_episodes_one_by_one_and_a_checkpoint
 
 def test_a_harness_episode_holding_tokens_too_old_is_given_up_and_played_again(harness_stream):
     """Staleness under continuous generation: an episode still running whose first token is older
-    than the batch allows (its tokens still on the server, not yet answered) is cancelled, its
-    calls refused from then on, and played again from its prompt; the batch trains the new
-    version's tokens only."""
+    than the batch allows (its tokens on the server, answered or not) is cancelled, its calls
+    refused from then on, and played again from its prompt; one whose first call has no token yet
+    plays on (its tokens will be the new version's); the batch trains the new version's tokens only."""
     stream = harness_stream()
     midway(stream)
-    old = [g.responses[m].episode for g, m in stream.playing]
+    playing = [g.responses[m].episode for g, m in stream.playing]
+    old = [p for p in playing if p.first_version() is not None]
     stream.version = 1
     stream.restart_stale(6)  # allows versions >= 6 - 1 - staleness 4 = 1
-    assert stream.counts["restarted"] >= len(old) and all(p.outcome.cancelled() for p in old)
+    assert old and stream.counts["restarted"] >= len(old) and all(p.outcome.cancelled() for p in old)
     assert not any(stream.harness.episodes.is_open(p.episode) for p in old)
+    assert not any(p.outcome.cancelled() for p in playing if p not in old)
     batch = stream.next_batch(1)
     assert len(batch) == 16 and batch["num_turns"].tolist() == [4] * 16
     assert (batch["token_weights_version"][batch["response_mask"].bool()] == 1).all()

@@ -44,12 +44,45 @@ def pool_run() -> pathlib.Path:
     return pathlib.Path(out)
 
 
+def verl_agent_files(folder: pathlib.Path) -> list[str]:
+    """The verl files' test's parquet (half its rows the tool agent's, half the single-turn agent's)
+    and tool config, written into `folder`: the overrides that train on them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from spmdsplit.data.synthetic import make_dataset
+
+    rows = make_dataset("lookup", 64, seed=5)
+    for i, row in enumerate(rows):
+        row["agent_name"] = "tool_agent" if i % 2 == 0 else "single_turn_agent"
+        row["ability"] = "lookup"
+    pq.write_table(pa.Table.from_pylist(rows), str(folder / "train.parquet"))
+    tools = folder / "tool_config.yaml"
+    tools.write_text(open(os.path.join(ROOT, "spmdsplit", "agent", "lookup_tools.yaml")).read())
+    return [f"data.train_files={folder}/train.parquet", f"data.val_files={folder}/train.parquet",
+            f"rollout.multi_turn.tool_config_path={tools}", "data.shuffle=false"]
+
+
+@pytest.fixture(scope="module")
+def colocate_verl_run(tmp_path_factory) -> pathlib.Path:
+    """The colocate layout's job, on verl's agent files: once a module, for the layout test and the
+    verl files' test (each ran a colocate job of its own before)."""
+    out = tmp_path_factory.mktemp("colocate_verl")
+    nproc, overrides = LAYOUTS["colocate"]
+    run(out, nproc, *overrides, *verl_agent_files(out))
+    return out
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_multi_turn_job_runs_in_every_layout(tmp_path, layout):
+def test_multi_turn_job_runs_in_every_layout(tmp_path, layout, request):
     nproc, overrides = LAYOUTS[layout]
-    out = pool_run() if layout == "rollout_pool_staleness_1" else tmp_path
-    if out == tmp_path:
+    if layout == "rollout_pool_staleness_1":
+        out = pool_run()
+    elif layout == "colocate":  # the verl files' job: its tool agent's rows call, answer after calls, validate
+        out = request.getfixturevalue("colocate_verl_run")
+    else:
+        out = tmp_path
         run(out, nproc, *overrides)
     tb = scalars(str(out / "tb"))
     assert [s for s, _ in tb["critic/score/mean"]] == list(range(1, STEPS.get(layout, 3) + 1))
@@ -82,26 +115,12 @@ def test_multi_turn_resume_across_a_stop_is_exact_with_episodes_generated_ahead(
 
 
 @pytest.mark.e2e
-def test_a_verl_agent_parquet_and_tool_config_run_unchanged(tmp_path):
+def test_a_verl_agent_parquet_and_tool_config_run_unchanged(colocate_verl_run):
     """verl's agent data as its preprocessing scripts write it (chat prompts, `agent_name`,
     `extra_info.tools_kwargs`, `reward_model.ground_truth`), a verl-format tool config naming a
     verl-style class, and rows of both agents: the job runs them as they are, the tool agent's rows
     call their own tool instance with their own create_kwargs, the single-turn rows never call."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from spmdsplit.data.synthetic import make_dataset
-
-    rows = make_dataset("lookup", 64, seed=5)
-    for i, row in enumerate(rows):
-        row["agent_name"] = "tool_agent" if i % 2 == 0 else "single_turn_agent"
-        row["ability"] = "lookup"
-    pq.write_table(pa.Table.from_pylist(rows), str(tmp_path / "train.parquet"))
-    tools = tmp_path / "tool_config.yaml"
-    tools.write_text(open(os.path.join(ROOT, "spmdsplit", "agent", "lookup_tools.yaml")).read())
-    _, tb = run(tmp_path, 2, "placement.mode=colocate", "placement.pools=[]", f"data.train_files={tmp_path}/train.parquet",
-                f"data.val_files={tmp_path}/train.parquet", f"rollout.multi_turn.tool_config_path={tools}", "data.shuffle=false",
-                steps=2)
+    tb = scalars(str(colocate_verl_run / "tb"))
     calls = [v for _, v in tb["tool/calls"]]
     assert all(0 < c <= 8 * 2 for c in calls), calls  # only the 8 tool-agent rows of a 16-row step call (<= 2 each)
-    assert [s for s, _ in tb["critic/score/mean"]] == [1, 2]
+    assert [s for s, _ in tb["critic/score/mean"]] == [1, 2, 3]

@@ -139,13 +139,25 @@ def test_default_job_learns_the_embedded_task_one_step_off_policy_on_a_rollout_p
     assert last >= 0.9, f"score {first:.3f} -> {last:.3f}: the default one step off did not solve its task"
 
 
-def test_streaming_rollout_chunks_give_the_same_step(tmp_path):
+# Greedy, 2 steps, every token's importance weight truncated at 0.5: the streaming test's run of the
+# rollout in one piece and the rollout-correction test's weighted run, one job (they were two).
+GREEDY_WEIGHTED = ["rollout.do_sample=false", "trainer.total_steps=2", "algorithm.rollout_correction.rollout_is=token",
+                   "algorithm.rollout_correction.rollout_is_threshold=0.5"]
+
+
+@pytest.fixture(scope="module")
+def greedy_weighted_run(tmp_path_factory):
+    out, _ = run_short(tmp_path_factory.mktemp("greedy_weighted"), 2, *GREEDY_WEIGHTED)
+    return out
+
+
+def test_streaming_rollout_chunks_give_the_same_step(tmp_path, greedy_weighted_run):
     """rollout.stream_chunks=2 sends the rollout in two chunks, each as soon as it is generated,
     and the critic scores each on arrival. With greedy decoding the rollout is the same, so the
-    step must be too; the timeline shows values of chunk 0 before generation of chunk 1 ends."""
-    greedy = ["rollout.do_sample=false", "trainer.total_steps=2"]
-    whole, _ = run_short(tmp_path / "whole", 2, *greedy)
-    streamed, _ = run_short(tmp_path / "streamed", 2, *greedy, "rollout.stream_chunks=2")
+    step must be too (both runs' tokens weighted alike); the timeline shows values of chunk 0
+    before generation of chunk 1 ends."""
+    whole = greedy_weighted_run
+    streamed, _ = run_short(tmp_path / "streamed", 2, *GREEDY_WEIGHTED, "rollout.stream_chunks=2")
 
     a, b = scalars(str(whole / "tb")), scalars(str(streamed / "tb"))
     assert a["critic/score/mean"] == b["critic/score/mean"]
@@ -177,17 +189,18 @@ def test_grpo_groups_responses_and_trains_no_critic(tmp_path):
     assert len([e for e in events if e["name"] == "update_actor"]) == 2 * 4  # 2 ranks x 4 steps
 
 
-def test_rollout_correction_weights_reach_the_update_and_bypass_skips_the_recomputation(tmp_path):
+def test_rollout_correction_weights_reach_the_update_and_bypass_skips_the_recomputation(tmp_path, greedy_weighted_run):
     """algorithm.rollout_correction on the HF engine, greedy so both runs roll out the same rows.
     In fp32 the engine's log-probs are the actor's (rollout_probs_diff ~0), so every token weight
     is ~1 and a threshold of 0.5 truncates them all to 0.5: step 1's token-mean policy loss must be
     half that of bypass mode, whose old policy is the engine's (no weights, no old_log_prob). Half
     to 1e-3, not exactly: the second mini-batch follows an update, and Adam's step for a gradient of
-    half the size is the same but for its epsilon."""
-    greedy = ["rollout.do_sample=false", "trainer.total_steps=1"]
-    weighted, _ = run_short(tmp_path / "weighted", 2, *greedy, "algorithm.rollout_correction.rollout_is=token",
-                            "algorithm.rollout_correction.rollout_is_threshold=0.5")
-    bypass, _ = run_short(tmp_path / "bypass", 2, *greedy, "algorithm.rollout_correction.bypass_mode=true")
+    half the size is the same but for its epsilon. The weighted run is the streaming test's
+    (2 steps: step 1's learning rate is the warmup's first whatever the total, so its step 1 is a
+    1-step job's)."""
+    weighted = greedy_weighted_run
+    bypass, _ = run_short(tmp_path / "bypass", 2, "rollout.do_sample=false", "trainer.total_steps=1",
+                          "algorithm.rollout_correction.bypass_mode=true")
     w, b = scalars(str(weighted / "tb")), scalars(str(bypass / "tb"))
     assert w["training/rollout_probs_diff_max"][0][1] < 1e-5
     for name in ("rollout_is_mean", "rollout_is_max", "rollout_is_min"):

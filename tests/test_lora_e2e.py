@@ -97,21 +97,39 @@ def engine_against_its_adapter(out) -> dict[int, tuple[float, float]]:
     return found
 
 
+# Split 1+1 on the HF engine, the value model with an adapter too, checkpointed after steps 2 and 4 and
+# exported: one job, once a module, read by the engine check's (hf, split) case and as the resume
+# test's uninterrupted run (each ran a split job of its own before).
+SPLIT_ADAPTERS = [*LAYOUTS["split"][1], "rollout.name=hf", "critic.model.lora_rank=4", "trainer.save_freq=2",
+                  "actor.use_kl_loss=true"]
+
+
+@pytest.fixture(scope="module")
+def split_adapters_job(tmp_path_factory):
+    """(its folder: the probe's rows and adapters, tb/, ckpt/, hf/; its CompletedProcess)."""
+    out = tmp_path_factory.mktemp("split_adapters")
+    return out, probed_job(out, 2, *SPLIT_ADAPTERS, f"trainer.output_dir={out}/hf")
+
+
 @pytest.mark.parametrize("engine, layout", [(engine, layout) for engine in ("hf", "vllm") for layout in LAYOUTS
                                             # vLLM with rollout.ranks=all: the same engine and broadcast as HF's
                                             if (engine, layout) != ("vllm", "rollout-ranks-all")])
-def test_the_engine_samples_from_the_adapter_it_was_given(tmp_path, engine, layout):
+def test_the_engine_samples_from_the_adapter_it_was_given(tmp_path, engine, layout, request):
     if engine == "vllm" and importlib.util.find_spec("vllm") is None:
         pytest.skip("vllm is not installed")
     nproc, overrides = LAYOUTS[layout]
-    probed_job(tmp_path, nproc, *overrides, f"rollout.name={engine}")
-    found = engine_against_its_adapter(tmp_path)
+    if (engine, layout) == ("hf", "split"):  # this layout's job is the resume test's uninterrupted run
+        out, _ = request.getfixturevalue("split_adapters_job")
+    else:
+        out = tmp_path
+        probed_job(out, nproc, *overrides, f"rollout.name={engine}")
+    found = engine_against_its_adapter(out)
     for step, (adapter, base) in found.items():
         assert adapter < PROBABILITY_TOLERANCE, (step, found)
     # The test can tell: once the adapter has moved, the base's probabilities are far off.
     assert max(base for _, base in found.values()) > 0.05, found
     if layout != "rollout-pool-staleness-1":  # verl's own metric agrees (the trainer's log-probs, same weights)
-        diff = scalars(str(tmp_path / "tb"))["training/rollout_probs_diff_max"]
+        diff = scalars(str(out / "tb"))["training/rollout_probs_diff_max"]
         assert [s for s, _ in diff] == list(range(1, STEPS + 1)) and max(v for _, v in diff) < PROBABILITY_TOLERANCE
 
 
@@ -127,7 +145,7 @@ def test_the_same_check_fails_when_the_engine_skips_the_sync(tmp_path, engine, l
     assert all(found[s][0] > 10 * PROBABILITY_TOLERANCE for s in range(stale_from, STEPS + 1)), found
 
 
-def test_an_adapter_checkpoint_resumes_exactly_and_exports_a_peft_folder(tmp_path):
+def test_an_adapter_checkpoint_resumes_exactly_and_exports_a_peft_folder(tmp_path, split_adapters_job):
     """Split 1+1, the policy and the value model each with an adapter: a job of 4 steps checkpoints
     after steps 2 and 4; a job resumed from step 2 logs steps 3 and 4 bit for bit as it did. The
     checkpoint holds the adapters and their optimizer state only; the export is an adapter folder
@@ -140,10 +158,7 @@ def test_an_adapter_checkpoint_resumes_exactly_and_exports_a_peft_folder(tmp_pat
     from spmdsplit.embedded import ensure_embedded_model
     from spmdsplit.models import load_causal_lm
 
-    overrides = ["placement.mode=split", "data.train_batch_size=16", "critic.model.lora_rank=4", "trainer.save_freq=2",
-                 "actor.use_kl_loss=true"]
-    whole = tmp_path / "whole"
-    result = probed_job(whole, 2, *overrides, f"trainer.output_dir={whole}/hf")
+    whole, result = split_adapters_job
     sizes = re.findall(r"checkpoint of step (\d) written to \S+ \(([\d.]+) MB\)", result.stdout)
     assert [s for s, _ in sizes] == ["2", "4"] and all(float(mb) < 2 for _, mb in sizes), sizes
     for group in ("actor", "critic"):  # the adapters (and the value model's score head) and their optimizer state
@@ -152,7 +167,7 @@ def test_an_adapter_checkpoint_resumes_exactly_and_exports_a_peft_folder(tmp_pat
         assert weights and all(lora.is_adapter(k) or ".modules_to_save." in k for k in weights), weights
 
     resumed = tmp_path / "resumed"
-    result = job(2, *LORA, f"trainer.total_steps={STEPS}", *overrides, f"trainer.log_dir={resumed}/tb",
+    result = job(2, *LORA, f"trainer.total_steps={STEPS}", *SPLIT_ADAPTERS, f"trainer.log_dir={resumed}/tb",
                  f"trainer.default_local_dir={resumed}/ckpt", f"trainer.resume={whole}/ckpt/global_step_2",
                  "trainer.output_dir=", cwd=REPO, timeout=600)
     assert result.returncode == 0, result.stderr[-5000:]

@@ -16,6 +16,7 @@ starts in a fraction of a second.
   torchrun's agent hosts it); the rest are stopped when one fails, as torchrun does. Returns a
   `CompletedProcess` like `subprocess.run`'s, the ranks' output interleaved as torchrun's is.
   `cached_job` runs a job once per session for every test that reads the same job's outputs.
+  `stop_on_request`: such a job, one of its ranks asked to stop (SIGUSR2) once a line is printed.
 - `torchrun(n, *args)`, `start_torchrun`: real `torchrun`, for tests whose subject is the
   launcher or the operating system (teardown, signals, preemption); marked `e2e`.
 - `ranks_apart(n, argv)`: forked ranks with torchrun's variables and no launcher (each must end on
@@ -516,16 +517,24 @@ def python(args: list[str], env: dict | None = None, cwd=None, timeout: float = 
                           text=True, timeout=timeout)
 
 
-# ------------------------------------------------------------------ controlling a torchrun job
-def stop_on_request(nproc: int, argv, ckpt_dir, after: str, rank: int) -> int:
-    """Starts the job under torchrun, asks world rank `rank` alone to stop (SIGUSR2; the others
+# ------------------------------------------------------------------ stopping a job; controlling a torchrun job
+def stop_on_request(nproc: int, argv, ckpt_dir, after: str, rank: int, timeout: float = 240) -> int:
+    """Starts the job warm (as `job`), asks world rank `rank` alone to stop (SIGUSR2; the others
     learn it by the vote) once `after` is printed, and returns the step it checkpointed and
-    stopped after."""
-    stopped = start_torchrun(nproc, *argv)
-    read_until(stopped, after)
-    os.kill(worker_pid(stopped.pid, rank=rank), signal.SIGUSR2)
-    output, _ = stopped.communicate(timeout=240)
-    assert "stopped on request" in output, output[-3000:]
+    stopped after. Its callers' subject is what the checkpoint holds and the exact resume from it;
+    the same stop under real torchrun, whose teardown of ranks that exit stopped is the subject,
+    is tests/test_resume.py's (a cold torchrun cost 8-13 s more a stop on a quiet 2-core machine, 19-41 s
+    on a busy one, in each of five tests)."""
+    stopped = Job(nproc, _job_argv(argv), kind=_kind(argv))
+    deadline = time.monotonic() + timeout
+    while after not in "".join(stopped.output()):
+        assert stopped.poll() is None, f"the job ended before {after!r}:\n{''.join(stopped.output())[-3000:]}"
+        assert time.monotonic() < deadline, f"no {after!r} within {timeout}s:\n{''.join(stopped.output())[-3000:]}"
+        time.sleep(0.05)
+    os.kill(stopped.procs[rank].pid, signal.SIGUSR2)
+    result = stopped.wait(timeout)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and "stopped on request" in output, output[-3000:]  # EXIT_STOPPED, as torchrun reports it
     return int(open(os.path.join(ckpt_dir, LATEST)).read())
 
 

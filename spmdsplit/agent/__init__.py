@@ -187,17 +187,15 @@ def load_harness(cfg):
 
 def check_harness(cfg) -> None:
     """rollout.agent.harness on every rank before the first collective: its function, and the
-    settings it does not run with yet."""
+    setting it does not run with, its port."""
     from spmdsplit.errors import ConfigError
 
     if not cfg.rollout.agent.harness:
         return
-    refused = [(cfg.rollout.multi_turn.enable, "rollout.multi_turn.enable=true (the harness drives the turns itself)"),
-               (cfg.rollout.tensor_model_parallel_size > 1 and cfg.rollout.name == "vllm" and cfg.rollout.continuous,
-                "rollout.tensor_model_parallel_size > 1 with rollout.continuous=true (not yet: batch generation only)")]
-    for bad, why in refused:
-        if bad:
-            raise ConfigError(f"rollout.agent.harness={cfg.rollout.agent.harness} does not run with {why}")
+    # (Continuous generation refuses a tensor-parallel engine for every rollout: preflight.py.)
+    if cfg.rollout.multi_turn.enable:
+        raise ConfigError(f"rollout.agent.harness={cfg.rollout.agent.harness} does not run with "
+                          "rollout.multi_turn.enable=true (the harness drives the turns itself)")
     load_harness(cfg)
     check_harness_ports(cfg)
 

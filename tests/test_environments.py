@@ -282,7 +282,6 @@ def test_a_continuous_checkpoint_restarts_the_environments_episodes_still_runnin
     whole episodes, each scored by its own environment."""
     import io
 
-
     cfg, tokenizer, eos_ids, rows = echo_setup
     make_stream = agent_stream_factory(cfg, tokenizer, eos_ids, rows)
 

@@ -169,7 +169,6 @@ def load_harness(cfg):
 
     from spmdsplit.agent.harness import SETTING
     from spmdsplit.agent.tools import ToolConfigError, import_target
-
     from spmdsplit.agent.verifiers_env import is_verifiers, load_verifiers_harness
 
     if is_verifiers(cfg.rollout.agent.harness):

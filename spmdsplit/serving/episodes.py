@@ -22,13 +22,10 @@ from text read back (token in, token out):
 from __future__ import annotations
 
 import itertools
-import json
 import threading
 from dataclasses import dataclass, field
-from typing import Any
 
-from spmdsplit.serving.protocol import SENTINEL, BadRequest, template_message
-
+from spmdsplit.serving.protocol import SENTINEL, template_message
 
 
 @dataclass
@@ -86,13 +83,16 @@ def chain_rows(calls: list[Call]) -> list[Row]:
 
 
 def same_reply(message: dict, answer: dict | None) -> bool:
-    """Whether a message repeats the server's answer: its text (either side's whitespace aside)
-    and its tool calls (names and arguments; the ids are the harness's to keep or not)."""
-    def calls(m: dict) -> list:  # arguments as objects: the answer holds them as JSON text, as OpenAI's do
-        return [(c["function"]["name"], json.loads(a) if isinstance(a := c["function"]["arguments"], str) else a)
-                for c in m.get("tool_calls") or []]
-    return (answer is not None and message.get("role") == "assistant"
-            and (message.get("content") or "").strip() == (answer.get("content") or "").strip()
+    """Whether a message (as the template takes it: protocol.template_message) repeats the server's
+    answer: its text (either side's whitespace aside) and its tool calls (names and arguments; the
+    ids are the harness's to keep or not)."""
+    if answer is None:
+        return False
+    answer = template_message(answer, 0)  # its calls' arguments as objects, as the message's are
+
+    def calls(m: dict) -> list:
+        return [(c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls") or []]
+    return (message.get("role") == "assistant" and message["content"].strip() == answer["content"].strip()
             and calls(message) == calls(answer))
 
 
@@ -193,14 +193,3 @@ class Episodes:
         with self._lock:
             episode.calls.append(call)
 
-
-def messages_of(body: Any) -> list[dict] | None:
-    """A chat request's messages as the template takes them (protocol.template_message: text
-    content, tool calls' arguments as objects), for continue_chat."""
-    messages = body.get("messages") if isinstance(body, dict) else None
-    if not isinstance(messages, list):
-        return None
-    try:
-        return [template_message(m, i) for i, m in enumerate(messages)]
-    except BadRequest:
-        return None

@@ -91,6 +91,7 @@ class Call:
     user: Any
     metadata: Any
     tools: list[dict] | None = None  # chat: the request's tools, where the reply's calls are read
+    messages: list[dict] | None = None  # chat: its messages as the template took them (template_message)
 
 
 @dataclass
@@ -141,8 +142,10 @@ def read_chat(body: Any, served: Served, tokenizer, tool_reader: ToolReader | No
         raise BadRequest("logprobs must be true or false", "logprobs")
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _max_tokens(body, key, None)
-    prompt = render_chat(body.get("messages"), tokenizer, tools)
-    call = _call(body, True, [prompt], _n(body), max_tokens, 0 if logprobs else None, served)
+    messages = chat_messages(body.get("messages"), tokenizer)
+    call = _call(body, True, [_render(messages, tokenizer, tools)], _n(body), max_tokens, 0 if logprobs else None,
+                 served)
+    call.messages = messages
     if tools:
         call.tools, call.stop = tools, tuple(dict.fromkeys(call.stop + tool_reader.stop))
     return call
@@ -168,12 +171,22 @@ def _tools(body: dict, tool_reader: ToolReader | None) -> list[dict] | None:
 
 
 def render_chat(messages: Any, tokenizer, tools: list[dict] | None = None) -> list[int]:
+    """`messages` as the tokenizer's chat template renders them, with the generation prompt."""
+    return _render(chat_messages(messages, tokenizer), tokenizer, tools)
+
+
+def chat_messages(messages: Any, tokenizer) -> list[dict]:
+    """A request's messages, checked, as chat templates take them (template_message); a BadRequest
+    for none, or for a tokenizer without a chat template."""
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list", "messages")
     if not getattr(tokenizer, "chat_template", None):
         raise BadRequest("this model's tokenizer has no chat template: use /v1/completions with a prompt",
                          "messages")
-    plain = [template_message(m, i) for i, m in enumerate(messages)]
+    return [template_message(m, i) for i, m in enumerate(messages)]
+
+
+def _render(plain: list[dict], tokenizer, tools: list[dict] | None) -> list[int]:
     try:
         text = tokenizer.apply_chat_template(plain, tools=tools, add_generation_prompt=True, tokenize=False)
     except Exception as e:  # noqa: BLE001 - a template refuses with its own message (roles out of order, ...)
@@ -202,7 +215,7 @@ def _template_tool_call(call: Any, i: int) -> dict:
         arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
     except json.JSONDecodeError:
         arguments = None
-    if not isinstance(function.get("name") if isinstance(function, dict) else None, str) or not isinstance(arguments, dict):
+    if not isinstance(arguments, dict) or not isinstance(function.get("name"), str):  # function: a dict here
         raise BadRequest(f"messages[{i}].tool_calls: each must be {{\"function\": {{\"name\": ..., \"arguments\": "
                          "<a JSON object, or its text>}}", "messages")
     return {**call, "function": {"name": function["name"], "arguments": arguments}}

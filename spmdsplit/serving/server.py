@@ -22,7 +22,7 @@ from aiohttp import web
 from spmdsplit.serving import protocol
 from spmdsplit.serving.driver import Completion, DriverStopped, make_driver
 from spmdsplit.serving.episodes import Call as EpisodeCall
-from spmdsplit.serving.episodes import Episodes, messages_of
+from spmdsplit.serving.episodes import Episodes
 from spmdsplit.serving.protocol import BadRequest, Record, Served
 from spmdsplit.usercode import UserCode
 
@@ -150,7 +150,7 @@ class OpenAIServer:
     async def _chat(self, request: web.Request) -> web.Response:
         episode, body = self._episode(request), await _body(request)
         call = protocol.read_chat(body, self._served(episode), self.tokenizer, self.tool_reader)
-        return await self._answer(call, episode, messages_of(body))
+        return await self._answer(call, episode)
 
     def _served(self, episode: str | None) -> Served:
         """What the call is sampled with: its episode's settings (validation's or training's)."""
@@ -167,23 +167,22 @@ class OpenAIServer:
             raise BadRequest(f"no episode {episode!r} is open on this server", status=404, kind="not_found_error")
         return episode
 
-    async def _answer(self, call: protocol.Call, episode: str | None = None,
-                      messages: list[dict] | None = None) -> web.Response:
+    async def _answer(self, call: protocol.Call, episode: str | None = None) -> web.Response:
         if episode is not None:
-            return await self._episode_answer(call, episode, messages)
+            return await self._episode_answer(call, episode)
         futures = [self.driver.submit(prompt, call.max_tokens, protocol.choice_seed(call.seed, j), call.stop)
                    for prompt in call.prompts for j in range(call.n)]
         completions = await self._completed(futures)
         return self._respond(call, completions)
 
-    async def _episode_answer(self, call: protocol.Call, episode: str, messages: list[dict] | None) -> web.Response:
+    async def _episode_answer(self, call: protocol.Call, episode: str) -> web.Response:
         """One completion of one prompt: continuing the episode's last call as sampled where it
         does, cut to the episode's budget, recorded into the episode."""
         if call.n != 1 or len(call.prompts) != 1:
             raise BadRequest("an episode's call asks for one completion (n=1) of one prompt", "n")
         prompt = call.prompts[0]
         if call.chat:
-            prompt = self.episodes.prompt_for_chat(episode, messages, prompt, self.tokenizer, call.tools)
+            prompt = self.episodes.prompt_for_chat(episode, call.messages, prompt, self.tokenizer, call.tools)
         room = min(self.episodes.room(episode, prompt, call.max_tokens), self.served.max_model_len - len(prompt))
         if room <= 0:  # the budget or the turns spent, or the context full: no tokens
             completion = Completion([], [], "length", "")
@@ -194,7 +193,7 @@ class OpenAIServer:
         eos = bool(completion.token_ids) and completion.token_ids[-1] in self.driver.eos_ids
         answer = protocol.chat_message(completion, call, self.tokenizer, self.tool_reader) if call.chat else None
         self.episodes.record(episode, EpisodeCall(prompt, completion.token_ids, completion.log_probs,
-                                                  messages if call.chat else None, eos, completion.versions, answer))
+                                                  call.messages, eos, completion.versions, answer))
         call.prompts = [prompt]
         return self._respond(call, [completion], None if answer is None else [answer])
 

@@ -482,7 +482,7 @@ class RolloutConfig:
     # batch k is generated with the weights after update k-1-s; s >= 1 lets a rollout pool of its own
     # generate while the others train (needs placement.roles.rollout on a pool of its own). 0: on-policy.
     staleness: int = bounded(0, lambda v: v >= 0, "expected >= 0 (0 = on-policy)")
-    # Continuous generation (spmdsplit/continuous.py; a rollout pool of its own): the engine never
+    # Continuous generation (spmdsplit/generation/continuous.py; a rollout pool of its own): the engine never
     # drains; each batch is handed over as soon as its groups are complete, in completion order; new
     # weights are loaded between two engine steps while requests go on (every token records its
     # version; staleness bounds how old a trained token may be).
@@ -536,7 +536,7 @@ class RolloutConfig:
     # depend on its batch, rank or pool size: runs repeat across layouts. false: one seed per engine
     # per step (each row seeded by it and its place), the same on every rank of a tensor-parallel
     # engine; a row's tokens then depend on the layout. Either way every row has a seed, never one
-    # from a global generator a tool could move (generation.sample_seeds). No cost on GPU: vLLM 0.32
+    # from a global generator a tool could move (generation.shares.sample_seeds). No cost on GPU: vLLM 0.32
     # on CUDA (its V2 model runner) reads the seeds inside its one batched sampling kernel.
     per_row_seed: bool = True
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)

@@ -83,7 +83,7 @@ Checkpoint at step k:
   control  pool[0] -> 0       CHECKPOINT_WRITTEN k     from the first rank of every pool but world
                                                        rank 0's; rank 0 first takes POOL_METRICS <= k
 
-With rollout.continuous (a rollout pool of its own; spmdsplit/row_sources.py ContinuousSource) the
+With rollout.continuous (a rollout pool of its own; spmdsplit/generation/sources.py ContinuousSource) the
 rollout pool posts GENERATED k as soon as its share of batch k is complete (each row's tokens carry
 their versions: `token_weights_version`, within k-1-s .. k-1, checked), and the weights go after
 every update but the last (staleness.weights_needed), each announced first:
@@ -142,7 +142,7 @@ ROLLOUT_KEYS = ("responses", "response_mask", "input_ids", "attention_mask", "po
 # A multi-turn rollout's per-row counts and, with an environment, how each episode ended
 # (spmdsplit/agent/loop.py), for the critic pool's data metrics and the dumps.
 AGENT_KEYS = ("num_turns", "tool_calls", "tool_errors", "env_terminated", "env_truncated", "harness_rows_dropped")
-# ReMax's greedy response of each row's prompt (generation.greedy_baselines), scored by the reward group.
+# ReMax's greedy response of each row's prompt (generation.shares.greedy_baselines), scored by the reward group.
 BASELINE_KEYS = ("baseline_responses", "baseline_response_mask")
 # The update whose weights generated each row, where a rollout pool of its own says so (the dumps' column).
 VERSION_KEYS = ("weights_version",)

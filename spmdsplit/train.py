@@ -210,9 +210,10 @@ def main(argv=None) -> int:
                 print(f"spmdsplit: {format_report(data_report, cfg.data.max_prompt_length)}", flush=True)
             for note in notes:
                 print(f"spmdsplit: {note}", file=sys.stderr if note.startswith("WARNING") else sys.stdout, flush=True)
+        from spmdsplit.builder import build
         from spmdsplit.trainer import Trainer
 
-        trainer = Trainer(cfg, groups, {split: rows for split, (rows, _) in data.items()}, resume_from)
+        trainer = Trainer(cfg, build(cfg, groups, {split: rows for split, (rows, _) in data.items()}, resume_from))
         completed = trainer.fit()
         if completed:
             trainer.reports.summary()

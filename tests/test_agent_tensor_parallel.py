@@ -60,7 +60,7 @@ def tensor_parallel_episodes(rank, world_size, model_dir, tool_config, calls_fil
     from spmdsplit.batch import Batch
     from spmdsplit.data.prompts import PromptDataset, collate_prompts
     from spmdsplit.data.sources import build_rows
-    from spmdsplit.generation import engine_shares
+    from spmdsplit.generation.shares import engine_shares
     from spmdsplit.models import eos_token_ids, load_causal_lm, load_tokenizer
     from spmdsplit.rollout import build_rollout
     from spmdsplit.rollout.vllm_engine import init_vllm_distributed, shutdown_vllm_distributed

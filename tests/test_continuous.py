@@ -1,5 +1,5 @@
-"""Continuous generation on a rollout pool (rollout.continuous; spmdsplit/continuous.py and
-row_sources.ContinuousSource), as a user runs it: torchrun jobs of 2 ranks (rollout | actor)
+"""Continuous generation on a rollout pool (rollout.continuous; spmdsplit/generation/continuous.py and
+generation.sources.ContinuousSource), as a user runs it: torchrun jobs of 2 ranks (rollout | actor)
 under the NCCL-contract layer (tests/support/nccl_site), HF and vLLM.
 
 What the jobs must show: weights land mid-answer (rows whose tokens span two versions), every

@@ -1,4 +1,4 @@
-"""Agent episodes in continuous generation (spmdsplit/continuous.py with rollout.multi_turn), on
+"""Agent episodes in continuous generation (spmdsplit/generation/continuous.py with rollout.multi_turn), on
 the real HF engine and the embedded lookup task in this process: each episode's next turn enters
 the engine as soon as its tool calls return, and the engine runs other episodes' turns while a
 slow tool answers (batch mode's loop would wait for the whole turn). The rows are batch mode's
@@ -29,9 +29,9 @@ def make_stream(cfg, tokenizer, eos_ids, rows, tmp_path, prompts_per_batch=8, n=
     from spmdsplit.agent.loop import AgentRollout
     from spmdsplit.agent.parsers import build_parser
     from spmdsplit.agent.tools import load_tools
-    from spmdsplit.continuous import ContinuousGeneration
+    from spmdsplit.generation.continuous import ContinuousGeneration
     from spmdsplit.data.prompts import PromptDataset
-    from spmdsplit.generation import step_prompts
+    from spmdsplit.generation.shares import step_prompts
     from spmdsplit.rollout import build_rollout
 
     (tmp_path / "slow.py").write_text(SLOW_TOOL)
@@ -139,7 +139,7 @@ def test_a_call_that_returns_while_the_stream_looks_is_not_lost(lookup_setup, tm
     any moment): it must land as still running or as answered, never in neither."""
     import concurrent.futures
 
-    from spmdsplit.continuous import ToolCalls
+    from spmdsplit.generation.continuous import ToolCalls
 
     class ReturnsWhileLooked(concurrent.futures.Future):
         """Not done at the first look, done from the second on: the tools' thread finishing it in between."""

@@ -1,4 +1,4 @@
-"""ContinuousGeneration (spmdsplit/continuous.py) on the real HF engine in this process, the test
+"""ContinuousGeneration (spmdsplit/generation/continuous.py) on the real HF engine in this process, the test
 playing the actor pool: it says when each version's weights are there (`ready`) and loads them
 (`take_weights`), so the stream's rules can be checked step by step: rows in batch mode's shape,
 versions per token, the staleness bound (answers too old start again, counted), groups held back
@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 
 from spmdsplit.config import load_config
-from spmdsplit.continuous import ContinuousGeneration
+from spmdsplit.generation.continuous import ContinuousGeneration
 from spmdsplit.data.prompts import PromptDataset
 from spmdsplit.data.synthetic import make_dataset
-from spmdsplit.generation import step_prompts
+from spmdsplit.generation.shares import step_prompts
 from tests.support.engines import build_model
 
 PROMPTS, N = 4, 2

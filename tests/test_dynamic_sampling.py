@@ -84,7 +84,7 @@ def sampler_of(tokenizer, world, train_groups, max_num_gen_batches, metric="seq_
 
 
 def filled(sampler, step, tokenizer, rank, world):
-    """Step `step`'s rows, the stages as the row source runs them (spmdsplit/row_sources.py)."""
+    """Step `step`'s rows, the stages as the row source runs them (spmdsplit/generation/sources.py)."""
     sampler.begin(step)
     while sampler.wants_more(step):
         sampler.add(rows_of(tokenizer, sampler.next_gen_batch, rank, world))

@@ -54,16 +54,32 @@ def program_attributes(path: str) -> set[str]:
 
 @pytest.mark.parametrize("path", ["spmdsplit/trainer.py", "spmdsplit/checkpointing.py"])
 def test_the_loop_calls_programs_only_through_their_common_interface(path):
-    """A new feature that needs a program to do something at a point of the loop adds it to
+    """A new feature that needs every program to do something at a point of the loop adds it to
     Program (spmdsplit/programs/__init__.py), not a reach into one program's insides."""
     interface = {name for name in vars(Program) if not name.startswith("_")}
-    assert interface == {"SCHEDULE", "engine", "checkpointed", "start", "state", "load_state", "validate",
-                         "score_validation", "export", "close"}
+    assert interface == {"engine", "checkpointed", "start", "state", "load_state", "validate", "score_validation",
+                         "export", "close"}
     used = program_attributes(path)
     assert used and used <= interface, f"{path} reaches into programs: {sorted(used - interface)}"
-    # The step's phases are called by name from the SCHEDULE (getattr), nothing else.
-    phases = Program.SCHEDULE.per_chunk + Program.SCHEDULE.after
-    assert {p.method for p in phases} == {"generate", "take_rows", "end_step", "roll_out", "step", "update"}
+
+
+def test_the_step_calls_each_programs_own_phases():
+    """train_step's `<group>.<method>(step, ...)` calls (group: rollout, actor, critic, reward) are
+    methods the group's program defines itself: a phase renamed or moved fails here, not in a job."""
+    from spmdsplit.builder import Programs
+
+    with open(os.path.join(ROOT, "spmdsplit/trainer.py")) as f:
+        tree = ast.parse(f.read())
+    step = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "train_step")
+    classes = {f.name: f.type for f in Programs.__dataclass_fields__.values()}
+    calls = [(n.func.value.id, n.func.attr) for n in ast.walk(step) if isinstance(n, ast.Call)
+             and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name) and n.func.value.id in classes]
+    assert {group for group, _ in calls} == set(classes)
+    import spmdsplit.builder as builder
+
+    for group, method in calls:
+        program = getattr(builder, classes[group].split(" | ")[0])
+        assert method in vars(program), f"train_step calls {group}.{method}, which {program.__name__} does not define"
 
 
 def spmdsplit_imports(path: str) -> set[str]:
@@ -87,6 +103,5 @@ def test_no_program_imports_another_and_only_the_rollout_program_generates(name)
     imported = spmdsplit_imports(f"spmdsplit/programs/{name}")
     others = {f"spmdsplit.programs.{other[:-3]}" for other in PROGRAMS if other != name}
     assert not imported & others, f"{name} imports {sorted(imported & others)}"
-    generation = {m for m in imported if m.startswith(("spmdsplit.generation", "spmdsplit.row_sources",
-                                                       "spmdsplit.rollout", "spmdsplit.continuous"))}
+    generation = {m for m in imported if m.startswith(("spmdsplit.generation", "spmdsplit.rollout"))}
     assert not generation or name == "rollout.py", f"{name} imports generation: {sorted(generation)}"

@@ -5,7 +5,7 @@ sampled ones, where they are generated, and scored by the critic group's reward 
 import pytest
 import torch
 
-from spmdsplit.generation import greedy_baselines
+from spmdsplit.generation.shares import greedy_baselines
 from spmdsplit.batch import Batch
 from spmdsplit.config import RolloutConfig
 from spmdsplit.scoring import score_baselines

@@ -18,7 +18,7 @@ Its calls and faults are counted as the agent loop's turns and tool errors are (
 tool/calls, tool/errors/exception|timeout|not_text).
 
 Batch mode runs a batch's episodes at once and the server's driver steps the engine; continuous
-generation (spmdsplit/continuous.py) starts them one by one and steps the engine itself, between
+generation (spmdsplit/generation/continuous.py) starts them one by one and steps the engine itself, between
 its weight loads (`begin`, `step`, `end`, `cancel`: an episode holding tokens too old to train on is
 given up and played again).
 
@@ -181,7 +181,7 @@ class HarnessRollout(AroundEngine):
             self.server.driver.post(ended)
         return ended
 
-    # ---- continuous generation (spmdsplit/continuous.py)
+    # ---- continuous generation (spmdsplit/generation/continuous.py)
 
     def begin(self, prompt: Batch, validate: bool) -> Playing:
         """The episode of one prompt row, its harness started; the stream steps the engine for it."""

@@ -9,7 +9,7 @@ of a turn generate together, one engine call per turn; the calls of a turn, ever
 run at the same time (tools.Tools.run), off this thread. An engine of several ranks (vLLM's tensor
 parallel) runs each turn's calls once, on its first rank, and hands every rank the same results
 (`run_once`): its ranks must continue the same contexts, and a tool's side effects happen once.
-With rollout.continuous the stream (spmdsplit/continuous.py) drives the same episodes a turn at a
+With rollout.continuous the stream (spmdsplit/generation/continuous.py) drives the same episodes a turn at a
 time instead of `generate`: it calls take_turn / add_tool_responses / turn_seed / turn_stop_ids /
 finish per episode, and each episode's calls run while the others generate.
 

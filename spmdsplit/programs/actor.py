@@ -33,8 +33,8 @@ class ActorProgram(Program):
         self.actor, self.ref, self.dataset, self.sampler = roles.actor, roles.ref, dataset, sampler
         self.weights, self.balancer = weights, balancer
         self.sends = PendingSend()  # this step's sends to the critic pool, waited for at its end
-        self.parts: list[Batch] = []  # this step's rows, chunk by chunk, until roll_out
-        self.rollout_batch: Batch | None = None  # this step's rollout, from roll_out to update
+        self.parts: list[Batch] = []  # this step's rows, chunk by chunk, until compute_log_probs
+        self.rollout_batch: Batch | None = None  # this step's rollout, from compute_log_probs to update
         self.rollout_metrics: dict[str, float] = {}
 
     @property
@@ -47,7 +47,7 @@ class ActorProgram(Program):
         if self.pools.placement.apart("rollout"):
             self.weights.push(step - 1)
 
-    def take_rows(self, step: int, chunk: int) -> None:
+    def receive_rows(self, step: int, chunk: int) -> None:
         """Chunk `chunk` of the step's rows in (this rank's share of every generating rank's),
         balanced once this pool holds all of them, sent on to the critic group at once."""
         with self.timer.phase("exchange/generated", step, chunk=chunk) as stats:
@@ -59,8 +59,9 @@ class ActorProgram(Program):
         self.sends.add(self.channel.send_rollout(step, chunk, rows))
         self.parts.append(rows)
 
-    def roll_out(self, step: int) -> None:
-        """old_log_prob -> ref [-> log-probs sent]."""
+    def compute_log_probs(self, step: int) -> None:
+        """The step's rows under the policy before the update (old_log_prob) and under the
+        reference (ref) [-> both sent to the critic group, for the KL penalty in the reward]."""
         parts, self.parts = self.parts, []
         rollout = Batch.concat(parts, pad_to_widest=True)  # each chunk as wide as its longest response
         self.rollout_metrics = {}

@@ -28,15 +28,18 @@ class CriticProgram(Program):
         self.cfg, self.pools, self.channel, self.timer, self.handoff = cfg, pools, channel, timer, handoff
         self.critic, self.kl_ctrl, self.reward, self.dumps = roles.critic, roles.kl_ctrl, reward, dumps
         self.chunks = cfg.rollout.stream_chunks
+        self.batch: Batch | None = None  # this step's rows, from compute_advantages to update
+        self.metrics: dict[str, float] = {}  # the advantages' metrics, reported with the update's
+        self.sends: list = []  # the advantages' sends, waited for at the end of the update
 
     @property
     def engine(self):
         """What a checkpoint saves of this group (None for critic-free estimators)."""
         return self.critic.engine if self.critic is not None else None
 
-    def step(self, step: int) -> dict[str, float]:
-        """rollout in (values + scores per chunk) [-> log-probs in] -> adv -> advantages out ->
-        update_critic. Returns the group's metrics of the step."""
+    def compute_advantages(self, step: int) -> None:
+        """rollout in (values + scores per chunk) [-> log-probs in] -> adv -> advantages out to
+        the actor group."""
         phase, channel = self.timer.phase, self.channel
         parts = []
         for c in range(self.chunks):
@@ -70,7 +73,12 @@ class CriticProgram(Program):
         if self.reward is not None:
             metrics.update(self.reward.pop_extra_metrics(self.pools.group("reward"), self.pools.device))  # e.g. "acc"
         # Back in the chunks they came in, so each actor rank gets exactly its rows.
-        sends = [channel.send_advantages(step, c, part) for c, part in enumerate(batch.split(len(parts[0])))]
+        self.sends = [channel.send_advantages(step, c, part) for c, part in enumerate(batch.split(len(parts[0])))]
+        self.batch, self.metrics = batch, metrics
+
+    def update(self, step: int) -> dict[str, float]:
+        """update_critic; the rows' data metrics and dump. Returns the group's metrics of the step."""
+        batch, metrics, phase = self.batch, self.metrics, self.timer.phase
         if self.critic is not None:
             with scoring.judge_asleep(self.reward, self.timer, step), phase("update_critic", step):
                 metrics.update(self.critic.update_critic(batch, seed=update_seed(self.cfg.trainer.seed, step)))
@@ -80,8 +88,9 @@ class CriticProgram(Program):
             with phase("dump", step):
                 self.dumps.rollout.write(step, batch, batch["token_level_scores"].sum(-1))
         self.handoff()  # blocking mode: the actor updates only after the critic did
-        for sent in sends:
+        for sent in self.sends:
             sent.wait()
+        self.batch, self.metrics, self.sends = None, {}, []
         return metrics
 
     def close(self) -> None:

@@ -25,7 +25,7 @@ class RewardProgram(Program):  # nothing trained: a checkpoint keeps only the ra
         self.dumps = dumps
         self.chunks = cfg.rollout.stream_chunks
 
-    def step(self, step: int) -> dict[str, float]:
+    def score(self, step: int) -> dict[str, float]:
         """rollout in (each chunk scored as it arrives) -> scores out. Returns the reward's metrics
         (e.g. "acc"). The scores go out only once every chunk is in: where the critic shares the
         actor's ranks, the actor still sends chunks to this rank while the critic would take

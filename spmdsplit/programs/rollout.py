@@ -1,10 +1,11 @@
 """The rollout group's program, on every rank that generates (a rollout pool of its own, the actor
 pool where the engines share it, and with rollout.ranks=all the critic pool's ranks too): a step's
-rows from its row source (spmdsplit/row_sources.py: batch generation, or continuous generation),
+rows from its row source (spmdsplit/generation/sources.py: batch generation, or continuous generation),
 chunk by chunk, each sent to the actor group as GENERATED as soon as it is there; then what the
 source does once the step is handed over (generate ahead, take the next weights); the validation
 responses to the reward group. Which weights the rows are generated with, and when the engine takes
-them, is the source's. Messages and their order: spmdsplit/messages.py."""
+them, is the source's; what goes out, and when, is this program's alone. Messages and their order:
+spmdsplit/messages.py."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ class RolloutProgram(Program):
     engine = None  # nothing trained
 
     def __init__(self, source, channel: PoolChannel):
-        """`source`: row_sources.BatchSource or ContinuousSource."""
+        """`source`: generation.sources' BatchSource or ContinuousSource."""
         self.source, self.channel = source, channel
         self.checkpointed = source.keeps_state  # rows generated ahead, requests in flight
         self.chunks: Iterator[Batch] | None = None  # this step's rows, chunk by chunk
@@ -29,13 +30,14 @@ class RolloutProgram(Program):
     def start(self, step: int) -> None:
         self.source.start(step)
 
-    def generate(self, step: int, chunk: int) -> None:
-        """Chunk `chunk` of this rank's rows of `step`, to the actor group."""
+    def generate_chunk(self, step: int, chunk: int) -> None:
+        """Chunk `chunk` of this rank's rows of `step`, generated (or taken from the rows generated
+        ahead) and sent to the actor group."""
         if chunk == 0:
             self.chunks = self.source.batch(step)
         self.sends.add(self.channel.send_generated(step, chunk, next(self.chunks)))
 
-    def end_step(self, step: int) -> dict[str, float]:
+    def after_hand_over(self, step: int) -> dict[str, float]:
         """The source's work after the hand-over; returns its metrics of the step."""
         metrics = self.source.after_handover(step)
         self.sends.wait()
@@ -43,7 +45,11 @@ class RolloutProgram(Program):
         return metrics
 
     def validate(self, step: int, val_set) -> None:
-        self.source.validate(step, val_set, self.channel)
+        """This rank's validation responses to the reward group (not balanced: scoring them is cheap
+        next to a training step)."""
+        rows = self.source.validation_rows(step, val_set)
+        if rows is not None:
+            self.channel.send_val_rollout(step, rows, val_set.responses).wait()
 
     def close(self) -> None:
         self.source.close()

@@ -52,7 +52,7 @@ class Delta(NamedTuple):
 
 
 class StepwiseRollout(Rollout, Protocol):
-    """An engine driven one step at a time (rollout.continuous, spmdsplit/continuous.py): requests
+    """An engine driven one step at a time (rollout.continuous, spmdsplit/generation/continuous.py): requests
     go in whenever there is room, each step advances all of them, and new weights may be loaded
     between two steps (`update_weights`) while the requests held go on: their next tokens are
     sampled with the new weights."""

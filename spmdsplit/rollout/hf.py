@@ -172,7 +172,7 @@ class HFRollout:
         return turns
 
 
-    # ---- continuous generation (spmdsplit/continuous.py; rollout/base.py StepwiseRollout)
+    # ---- continuous generation (spmdsplit/generation/continuous.py; rollout/base.py StepwiseRollout)
     #
     # transformers has no engine that takes requests while it decodes, so a step here is one
     # `generate` of `step_tokens` tokens over the requests held (up to max_num_seqs, oldest first),

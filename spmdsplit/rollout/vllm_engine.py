@@ -257,7 +257,7 @@ class VLLMRollout:
         os.environ["VLLM_FLASHINFER_AUTOTUNE_CACHE_DIR"] = flashinfer_autotune_dir(engine_index)
         self.llm = LLM(**{**engine_kwargs(cfg, model_path, device, dtype, sleeps),
                           "seed": cfg.trainer.seed * 1009 + engine_index})
-        # Every request carries a seed (generation.sample_seeds gives each row one); one that comes
+        # Every request carries a seed (generation.shares.sample_seeds gives each row one); one that comes
         # without takes the engine's own next seed, never a global generator's: on CUDA vLLM 0.32
         # (its V2 model runner) would draw it from numpy's global generator when the request is
         # admitted (v1/worker/gpu/sample/states.py), on CPU (V1) every token from torch's
@@ -480,7 +480,7 @@ class VLLMRollout:
         _, log_probs = sampled_tokens_and_log_probs(samples, max(budgets), self.pad_token_id)
         return [(list(s.token_ids), row[: len(s.token_ids)]) for s, row in zip(samples, log_probs.tolist())]
 
-    # ---- continuous generation (spmdsplit/continuous.py; rollout/base.py StepwiseRollout): the
+    # ---- continuous generation (spmdsplit/generation/continuous.py; rollout/base.py StepwiseRollout): the
     # engine's own loop, one scheduler step per call (LLMEngine.add_request / step / abort_request,
     # in-process: each step runs the model in this thread), outputs as deltas.
 

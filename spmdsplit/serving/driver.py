@@ -465,7 +465,7 @@ class LockstepDriver(EngineDriver):
 
 class SteppedDriver(EngineDriver):
     """An EngineDriver whose engine its owner steps, on the owner's thread: continuous generation
-    (spmdsplit/continuous.py), which takes new weights between two steps while requests go on. No
+    (spmdsplit/generation/continuous.py), which takes new weights between two steps while requests go on. No
     thread of its own: callers submit from any thread as to any driver, and each submit sets
     `signal` (the owner's: it waits on it while it has nothing to step); the owner calls `enter()`
     before an engine step (what callers queued goes into the engine) and `settle(deltas, version)`

@@ -31,7 +31,7 @@ def dump_adapter(program: ActorProgram, version: int) -> None:
         torch.save(adapter, os.path.join(OUT, f"adapter_v{version}.pt"))
 
 
-original_start, original_roll_out, original_update = ActorProgram.start, ActorProgram.roll_out, ActorProgram.update
+original_start, original_compute_log_probs, original_update = ActorProgram.start, ActorProgram.compute_log_probs, ActorProgram.update
 
 
 def start(self, step):
@@ -39,8 +39,8 @@ def start(self, step):
     return original_start(self, step)
 
 
-def roll_out(self, step):
-    original_roll_out(self, step)
+def compute_log_probs(self, step):
+    original_compute_log_probs(self, step)
     rows = self.rollout_batch
     version = rows["weights_version"].cpu() if "weights_version" in rows else torch.full((len(rows),), step - 1)
     torch.save({**{c: rows[c].cpu() for c in COLUMNS}, "version": version},
@@ -53,7 +53,7 @@ def update(self, step):
     return metrics
 
 
-ActorProgram.start, ActorProgram.roll_out, ActorProgram.update = start, roll_out, update
+ActorProgram.start, ActorProgram.compute_log_probs, ActorProgram.update = start, compute_log_probs, update
 
 if os.environ.get("PROBE_SKIP_SYNC") == "1":
     engines = [HFRollout]

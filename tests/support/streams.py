@@ -1,4 +1,4 @@
-"""A continuous generation stream (spmdsplit/continuous.py) around the agent loop (or a harness's
+"""A continuous generation stream (spmdsplit/generation/continuous.py) around the agent loop (or a harness's
 server) on the HF engine, built as a rollout pool's rank builds it, for the tests of what its
 checkpoints keep of episodes."""
 
@@ -13,9 +13,9 @@ def agent_stream_factory(cfg, tokenizer, eos_ids: list[int], rows: list[dict]):
     harness's): 8 prompts a batch, 2 responses each, one token a step, up to 4 batches ahead, the
     same weights every time."""
     from spmdsplit.agent import build_agent
-    from spmdsplit.continuous import ContinuousGeneration
+    from spmdsplit.generation.continuous import ContinuousGeneration
     from spmdsplit.data.prompts import PromptDataset
-    from spmdsplit.generation import step_prompts
+    from spmdsplit.generation.shares import step_prompts
     from spmdsplit.rollout import build_rollout
 
     cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([

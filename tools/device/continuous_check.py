@@ -1,8 +1,8 @@
 """`python -m tools.device.continuous_check [--device cuda|cpu] [--batches 4] [--out DIR] [key=value ...]`
 
-Continuous generation (rollout.continuous, spmdsplit/continuous.py) on one device, in one process:
+Continuous generation (rollout.continuous, spmdsplit/generation/continuous.py) on one device, in one process:
 the HF engine kept full by `ContinuousGeneration` exactly as a rollout rank drives it
-(row_sources.ContinuousSource: batch k handed over as soon as its groups are complete, then
+(generation.sources.ContinuousSource: batch k handed over as soon as its groups are complete, then
 generating on until the weights of update k are in), with the actor pool played by this process:
 the weights of update k are version k-1's plus noise, taken on the fixed schedule
 (rollout.version_every_engine_steps) once batch k has been handed over. Why not a job: a
@@ -60,11 +60,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from spmdsplit.config import load_config
-    from spmdsplit.continuous import ContinuousGeneration
+    from spmdsplit.generation.continuous import ContinuousGeneration
     from spmdsplit.data.prompts import PromptDataset
     from spmdsplit.data.sources import build_rows
     from spmdsplit.embedded import ensure_embedded_model
-    from spmdsplit.generation import step_prompts
+    from spmdsplit.generation.shares import step_prompts
     from spmdsplit.models import eos_token_ids, load_causal_lm, load_tokenizer
     from spmdsplit.preflight import check_config
     from spmdsplit.rollout import build_rollout
@@ -98,7 +98,7 @@ def main(argv=None) -> int:
     dataset = PromptDataset(rows_data, cfg.data.gen_batch_size or cfg.data.train_batch_size, cfg.data.shuffle,
                             cfg.data.seed)
 
-    def take_weights(step: int) -> int:  # the next version, as row_sources.ContinuousSource.take_weights
+    def take_weights(step: int) -> int:  # the next version, as generation.sources.ContinuousSource.take_weights
         version = stream.version + 1
         engine.update_weights(weights(version).items())
         return version

@@ -113,8 +113,8 @@ class Group:
 
 class ContinuousGeneration:
     """This rank's engine, kept full. `prompts(t)`: this rank's rows of the dataset's generation
-    batch t (generation.step_prompts: each prompt rollout.n times, with its seeds); `take_weights(step)`
-    loads the next version the actor pool sends and returns it (blocking: row_sources.ContinuousSource);
+    batch t (shares.step_prompts: each prompt rollout.n times, with its seeds); `take_weights(step)`
+    loads the next version the actor pool sends and returns it (blocking: sources.ContinuousSource);
     `ready()` says,
     without waiting, whether the actor pool is sending one (weight_sync.WeightsReady). `agent`:
     the agent loop (agent/loop.py AgentRollout) around `engine` with rollout.multi_turn, or a
@@ -318,7 +318,7 @@ class ContinuousGeneration:
 
     def generate(self, prompts: Batch, validate: bool = False, greedy: bool = False) -> Batch:
         """Rows generated now, beside the requests held, which go on (validation: the engine is
-        never drained for it); as an engine's `generate`, so generation.generate_validation_rows
+        never drained for it); as an engine's `generate`, so validation.validation_rows
         takes it as its engine."""
         if greedy:
             raise RuntimeError("continuous generation has no greedy baselines (preflight refuses ReMax with it)")

@@ -4,7 +4,7 @@ the rollout group generates.
     start(step)                 the weights before the first step (1, or the one after a checkpoint)
     batch(step)                 this rank's rows of `step`, chunk by chunk, each as soon as it is there
     after_handover(step)        what the source does once the step's rows are out; its metrics
-    validate(step, val_set, channel)   the validation responses, to the reward group
+    validation_rows(step, val_set)   this rank's validation responses (None where it makes none)
     state() / load_state(state, same_layout), keeps_state   its part of a checkpoint, if any
 
 When the engine takes the policy's weights is the source's policy:
@@ -14,7 +14,7 @@ When the engine takes the policy's weights is the source's policy:
 - BatchSource on a rollout pool of its own: after handing batch k over and generating the batches
   up to k+s ahead (rollout.staleness=s), the weights of update k; the engine never sleeps.
 - ContinuousSource (rollout.continuous, a rollout pool of its own): between two engine steps,
-  whenever the actor pool sends a version (spmdsplit/continuous.py).
+  whenever the actor pool sends a version (continuous.py).
 
 Stages inside a batch: dynamic sampling (algorithm.filter_groups) takes generation batches until
 the kept groups fill the step; an agent (rollout.multi_turn) runs each response as an episode.
@@ -28,13 +28,13 @@ from collections.abc import Iterator
 import torch
 
 from spmdsplit.batch import Batch
-from spmdsplit.continuous import ContinuousGeneration
 from spmdsplit.data.prompts import PromptDataset
 from spmdsplit.dynamic_sampling import DynamicSampling
-from spmdsplit.generation import (EngineWeights, ValidationSet, engine_shares, generate_validation_rows,
-                                  step_prompts)
+from spmdsplit.generation.continuous import ContinuousGeneration
+from spmdsplit.generation.shares import engine_shares, step_prompts
+from spmdsplit.generation.validation import ValidationSet, validation_rows
+from spmdsplit.generation.weights import EngineWeights
 from spmdsplit.groups import Pools
-from spmdsplit.messages import PoolChannel
 from spmdsplit.rollout.base import AroundEngine
 from spmdsplit.timing import PhaseTimer
 from spmdsplit.staleness import next_version_sent, validates_after, weights_needed
@@ -142,20 +142,21 @@ class BatchSource:
         self.weights.take(step)
         self.version = version
 
-    def validate(self, step: int, val_set: ValidationSet, channel: PoolChannel) -> None:
+    def validation_rows(self, step: int, val_set: ValidationSet) -> Batch | None:
         """The validation responses with the policy's weights after `step`, one wake for every
         batch of the set (on a training pool: from the actor's shards, for this pool's engines
         alone; rollout.ranks=all's critic pool generates none)."""
         if self.pools.rank not in self.pools.placement.ranks("rollout"):
-            return
+            return None
         if self.apart:
             if self.version < step:
                 self.take_weights(step, step)
         else:
             self.weights.take(step, broadcast=False)
-        generate_validation_rows(self.cfg, self.pools, self.engine, channel, self.timer, self.tokenizer, step, val_set)
+        rows = validation_rows(self.cfg, self.pools, self.engine, self.timer, self.tokenizer, step, val_set)
         self.weights.release(step)
         self.pools.meet()  # as after a step's rows: each rank's share took its own time
+        return rows
 
     def state(self) -> dict:
         """Apart: the batches generated ahead (rollout.staleness), each rank its own rows of them."""
@@ -170,7 +171,7 @@ class BatchSource:
 
 class ContinuousSource:
     """rollout.continuous on a rollout pool of its own: the engine never drains
-    (spmdsplit/continuous.py keeps it full and hands a batch over as soon as this rank's share of
+    (continuous.py keeps it full and hands a batch over as soon as this rank's share of
     its groups is complete); each version the actor pool sends (after every update but the last,
     each announced first: weight_sync.WeightsReady) is taken between two engine steps. Agent
     episodes flow one by one: a turn's tool calls run while other episodes generate. A checkpoint
@@ -221,11 +222,11 @@ class ContinuousSource:
                     self.stream.engine_step()
         return self.stream.pop_metrics()
 
-    def validate(self, step: int, val_set: ValidationSet, channel: PoolChannel) -> None:
+    def validation_rows(self, step: int, val_set: ValidationSet) -> Batch:
         """Responses to the validation set with the weights of update `step`, beside the requests held."""
         while self.stream.version < step:
             self.stream.wait_for_weights()
-        generate_validation_rows(self.cfg, self.pools, self.stream, channel, self.timer, self.tokenizer, step, val_set)
+        return validation_rows(self.cfg, self.pools, self.stream, self.timer, self.tokenizer, step, val_set)
 
     def take_weights(self, step: int) -> int:
         """The next version the actor pool sends (waiting for it if it is not sent yet); returns it."""

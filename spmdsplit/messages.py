@@ -58,18 +58,18 @@ Per training step k, with N = rollout.stream_chunks and s = rollout.staleness:
    ranks'                                              the step is full one all_to_all that hands
    group)                                              each generating rank its share of the kept
                                                        groups (spmdsplit/dynamic_sampling.py); it
-                                                       comes before GENERATED / BALANCE / ROLLOUT
-  bulk     actor -> critic    ROLLOUT k, chunk c       each chunk as soon as it is generated
+                                                       comes before GENERATED / BALANCE / ROWS
+  bulk     actor -> critic    ROWS k, chunk c          each chunk as soon as it is generated
                                                        (and balanced), c = 0 .. N-1
-  bulk     actor -> reward    ROLLOUT k, chunk c       only with reward on a pool of its own, right
+  bulk     actor -> reward    ROWS k, chunk c          only with reward on a pool of its own, right
                                                        after the critic's copy of the chunk
   bulk     reward -> critic   SCORES k, chunk 0..N-1   only with reward on a pool of its own: each
                                                        chunk's token_level_scores (and ReMax's
-                                                       reward_baselines), sent once every ROLLOUT
+                                                       reward_baselines), sent once every ROWS
                                                        chunk is in (with the critic on the actor's
                                                        ranks the two directions between a pair of
                                                        ranks must not interleave)
-  bulk     actor -> critic    LOG_PROBS k, chunk 0..N-1 after all ROLLOUT chunks; only with
+  bulk     actor -> critic    LOG_PROBS k, chunk 0..N-1 after all ROWS chunks; only with
                                                        algorithm.use_kl_in_reward
   bulk     critic -> actor    ADVANTAGES k, chunk 0..N-1 after GAE, before update_critic
   control  pool[0] -> 0       POOL_METRICS k           from the first rank of every pool but world
@@ -77,7 +77,7 @@ Per training step k, with N = rollout.stream_chunks and s = rollout.staleness:
                                                        step k; rank 0 takes them during step k+1,
                                                        so it never waits for them
 Validation at step k (after the step, before any checkpoint):
-  bulk     rollout -> reward  VAL_ROLLOUT k
+  bulk     rollout -> reward  VAL_ROWS k
   control  reward[0] -> 0     VAL_METRICS k            rank 0 first takes POOL_METRICS <= k
 Checkpoint at step k:
   control  pool[0] -> 0       CHECKPOINT_WRITTEN k     from the first rank of every pool but world
@@ -126,19 +126,19 @@ from spmdsplit.exchange import (Link, Message, PendingSend, ProtocolError, recv_
 from spmdsplit.placement import Placement
 from spmdsplit.roles.reward import RESPONSE_TEXT, VERDICT_TEXT
 
-GENERATED, BALANCE, ROLLOUT, LOG_PROBS, ADVANTAGES = "GENERATED", "BALANCE", "ROLLOUT", "LOG_PROBS", "ADVANTAGES"
-SCORES, VAL_ROLLOUT = "SCORES", "VAL_ROLLOUT"
+GENERATED, BALANCE, ROWS, LOG_PROBS, ADVANTAGES = "GENERATED", "BALANCE", "ROWS", "LOG_PROBS", "ADVANTAGES"
+SCORES, VAL_ROWS = "SCORES", "VAL_ROWS"
 POOL_METRICS, VAL_METRICS, CHECKPOINT_WRITTEN = "POOL_METRICS", "VAL_METRICS", "CHECKPOINT_WRITTEN"
 FILTER_GROUPS = "FILTER_GROUPS"  # a collective among the generating ranks (spmdsplit/dynamic_sampling.py)
 
-# The role groups that take every step's rows (ROLLOUT), each rank of their pools an equal share:
+# The role groups that take every step's rows (ROWS), each rank of their pools an equal share:
 # balancing cuts the rows for them all, and the batch must divide over each (preflight.check_against_pools).
 ROWS_TO = ("critic", "reward")
-# What the critic and reward groups need of a rollout (the rest stays with the actor pool). Everything a
+# What the critic and reward groups need of the step's rows (the rest stays with the actor pool). Everything a
 # reward function is called with travels: `extra_info` too (verl's scorers for code and tool
 # answers read it), for training and validation rows alike, in every placement.
-ROLLOUT_KEYS = ("responses", "response_mask", "input_ids", "attention_mask", "position_ids",
-                "data_source", "ground_truth", "extra_info", "uid", "row_index")
+ROW_KEYS = ("responses", "response_mask", "input_ids", "attention_mask", "position_ids",
+            "data_source", "ground_truth", "extra_info", "uid", "row_index")
 # A multi-turn rollout's per-row counts and, with an environment, how each episode ended
 # (spmdsplit/agent/loop.py), for the critic pool's data metrics and the dumps.
 AGENT_KEYS = ("num_turns", "tool_calls", "tool_errors", "env_terminated", "env_truncated", "harness_rows_dropped")
@@ -152,12 +152,12 @@ TEXT_KEYS = (RESPONSE_TEXT,)
 LOG_PROB_KEYS = ("old_log_probs", "ref_log_prob", "row_index")
 
 
-def rollout_columns(part: Batch) -> Batch:
-    """What of a rollout goes to the critic and reward groups: ROLLOUT_KEYS, AGENT_KEYS when the rollout was
+def row_columns(part: Batch) -> Batch:
+    """What of the rows goes to the critic and reward groups: ROW_KEYS, AGENT_KEYS when the rollout was
     multi-turn (every row of a step is, or none), BASELINE_KEYS with ReMax, TEXT_KEYS with dynamic sampling,
     VERSION_KEYS from a rollout pool of its own."""
     optional = AGENT_KEYS + BASELINE_KEYS + TEXT_KEYS + VERSION_KEYS
-    return part.select(ROLLOUT_KEYS + tuple(k for k in optional if k in part))
+    return part.select(ROW_KEYS + tuple(k for k in optional if k in part))
 ADVANTAGE_KEYS = ("advantages", "row_index")
 SCORE_KEYS = ("token_level_scores", "row_index")  # + reward_baselines with ReMax
 
@@ -190,7 +190,7 @@ class PoolChannel:
 
     def __init__(self, placement: Placement, generating: list[int], device: torch.device, rows_per_step: int,
                  chunks: int, bulk_group, control_group, meet=lambda group: None):
-        self.bulk = Link([GENERATED, ROLLOUT, SCORES, LOG_PROBS, ADVANTAGES, VAL_ROLLOUT], bulk_group, device, "bulk")
+        self.bulk = Link([GENERATED, ROWS, SCORES, LOG_PROBS, ADVANTAGES, VAL_ROWS], bulk_group, device, "bulk")
         self.control_group = control_group
         self.control = Link([POOL_METRICS, VAL_METRICS, CHECKPOINT_WRITTEN], self.control_group, "cpu", "control")
         self.placement = placement
@@ -198,7 +198,7 @@ class PoolChannel:
         # Who sends GENERATED (Placement.generating_ranks): a rollout pool of its own, or with
         # rollout.ranks=all every actor and critic rank; else the actor's ranks, each to itself.
         self.generating = generating
-        self.scored_apart = placement.apart("reward")  # ROLLOUT to the reward group too, SCORES back
+        self.scored_apart = placement.apart("reward")  # ROWS to the reward group too, SCORES back
         self.rows_per_step, self.chunk_rows = rows_per_step, rows_per_step // chunks
         self.meet = meet  # Pools.meet: see "A receive from another pool" above
         self.metrics_in_flight: dict[int, PendingSend] = {}  # step -> this pool's POOL_METRICS send
@@ -211,13 +211,13 @@ class PoolChannel:
         group on its ranks, whose all_to_all is run once too (NCCL connects its pairs then)."""
         actor, critic, reward = self.ranks["actor"], self.ranks["critic"], self.ranks["reward"]
         pairs = row_pairs(self.generating, actor, self.rows_per_step)  # GENERATED (none where each rank sends itself)
-        pairs += row_pairs(actor, critic, self.chunk_rows)  # ROLLOUT, LOG_PROBS
+        pairs += row_pairs(actor, critic, self.chunk_rows)  # ROWS, LOG_PROBS
         if self.scored_apart:
-            pairs += row_pairs(actor, reward, self.chunk_rows)  # ROLLOUT
+            pairs += row_pairs(actor, reward, self.chunk_rows)  # ROWS
             pairs += row_pairs(reward, critic, self.chunk_rows)  # SCORES
         pairs += row_pairs(critic, actor, self.chunk_rows)  # ADVANTAGES
         if num_val_rows:
-            pairs += row_pairs(self.ranks["rollout"], reward, num_val_rows)  # VAL_ROLLOUT
+            pairs += row_pairs(self.ranks["rollout"], reward, num_val_rows)  # VAL_ROWS
         self.bulk.connect(pairs)
         if balance_group is not None and len(actor) > 1:  # BALANCE
             token = torch.zeros(len(actor), device=self.bulk.device)
@@ -256,16 +256,16 @@ class PoolChannel:
     # ---- a training step, rows chunk by chunk (chunk c of the global batch is chunk c of every
     #      actor rank, laid end to end, so each chunk is an exchange of its own)
 
-    def send_rollout(self, step: int, chunk: int, part: Batch) -> PendingSend:
+    def send_step_rows(self, step: int, chunk: int, part: Batch) -> PendingSend:
         """To the critic group, then (on a pool of its own) the reward group."""
-        msg, rows = Message(ROLLOUT, step, chunk), rollout_columns(part)
+        msg, rows = Message(ROWS, step, chunk), row_columns(part)
         sent = self._send(msg, rows, "actor", "critic", self.chunk_rows)
         if self.scored_apart:
             sent.add(self._send(msg, rows, "actor", "reward", self.chunk_rows))
         return sent
 
-    def recv_rollout(self, step: int, chunk: int, stats: dict | None = None, to: str = "critic") -> Batch:
-        return self._recv(Message(ROLLOUT, step, chunk), "actor", to, self.chunk_rows, stats)
+    def recv_step_rows(self, step: int, chunk: int, stats: dict | None = None, to: str = "critic") -> Batch:
+        return self._recv(Message(ROWS, step, chunk), "actor", to, self.chunk_rows, stats)
 
     def send_scores(self, step: int, chunk: int, part: Batch) -> PendingSend:
         keys = SCORE_KEYS + tuple(k for k in ("reward_baselines", VERDICT_TEXT) if k in part)
@@ -290,11 +290,11 @@ class PoolChannel:
 
     # ---- validation
 
-    def send_val_rollout(self, step: int, batch: Batch, num_rows: int) -> PendingSend:
-        return self._send(Message(VAL_ROLLOUT, step), rollout_columns(batch), "rollout", "reward", num_rows)
+    def send_val_rows(self, step: int, batch: Batch, num_rows: int) -> PendingSend:
+        return self._send(Message(VAL_ROWS, step), row_columns(batch), "rollout", "reward", num_rows)
 
-    def recv_val_rollout(self, step: int, num_rows: int) -> Batch:
-        return self._recv(Message(VAL_ROLLOUT, step), "rollout", "reward", num_rows)
+    def recv_val_rows(self, step: int, num_rows: int) -> Batch:
+        return self._recv(Message(VAL_ROWS, step), "rollout", "reward", num_rows)
 
     # ---- control: each pool's first rank tells world rank 0
 

@@ -64,11 +64,11 @@ def score_baselines(reward, part: Batch) -> torch.Tensor:
 
 
 def score_validation(pools, reward, channel, timer, step: int, val_set, dump=None) -> dict[str, float]:
-    """The validation responses in (VAL_ROLLOUT), scored: verl's val-core/<data_source>/reward/mean@n,
+    """The validation responses in (VAL_ROWS), scored: verl's val-core/<data_source>/reward/mean@n,
     reduced over the reward group's pool (generation.validation.ValidationSet: every rank the same keys);
     `dump`: trainer.validation_data_dir's (dumps.RowDump)."""
     n = val_set.n
-    batch = channel.recv_val_rollout(step, val_set.responses)
+    batch = channel.recv_val_rows(step, val_set.responses)
     with timer.phase("val_reward", step):
         _, scores = reward.compute(batch)
     if dump is not None:

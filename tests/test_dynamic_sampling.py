@@ -150,7 +150,7 @@ def decoding_one_step(rank, world, model_path, train_groups):
     computes it (on the columns it receives, scoring.score_rollout): {what: (responses the
     tokenizer decoded, decode calls)} for the filter and for the training score, the responses
     generated, and the training scores next to those of the rows decoded afresh."""
-    from spmdsplit.messages import rollout_columns
+    from spmdsplit.messages import row_columns
     from spmdsplit.models import load_tokenizer
     from spmdsplit.roles.reward import RESPONSE_TEXT, RuleReward
     from spmdsplit.scoring import score_rollout
@@ -171,7 +171,7 @@ def decoding_one_step(rank, world, model_path, train_groups):
     try:
         rows = filled(sampler, 1, tokenizer, rank, world)
         filtered, counts = counts, {}
-        scores = score_rollout(RuleReward(tokenizer), rollout_columns(rows))["token_level_scores"]
+        scores = score_rollout(RuleReward(tokenizer), row_columns(rows))["token_level_scores"]
         trained = counts
     finally:
         cls._decode, cls.decode = _decode, decode

@@ -56,7 +56,7 @@ class ActorProgram(Program):
             check_weights_version(rows, step, self.cfg.rollout.staleness)
         if self.balancer:
             rows = self.balancer(step, chunk, rows)
-        self.sends.add(self.channel.send_rollout(step, chunk, rows))
+        self.sends.add(self.channel.send_step_rows(step, chunk, rows))
         self.parts.append(rows)
 
     def compute_log_probs(self, step: int) -> None:

@@ -44,7 +44,7 @@ class CriticProgram(Program):
         parts = []
         for c in range(self.chunks):
             with phase("exchange/rollout", step, chunk=c) as stats:
-                part = channel.recv_rollout(step, c, stats)
+                part = channel.recv_step_rows(step, c, stats)
             if c == 0:
                 self.handoff()  # blocking mode: values start once the actor pool's log-probs are done
             if self.critic is not None:

@@ -34,7 +34,7 @@ class RewardProgram(Program):  # nothing trained: a checkpoint keeps only the ra
         scored = []
         for c in range(self.chunks):
             with self.timer.phase("exchange/rollout/reward", step, chunk=c) as stats:  # the critic's is exchange/rollout
-                part = self.channel.recv_rollout(step, c, stats, to="reward")
+                part = self.channel.recv_step_rows(step, c, stats, to="reward")
             with self.timer.phase("reward", step, chunk=c):
                 scored.append(part.update(scoring.score_rollout(self.reward, part, self.timer, step, c)))
         sends = PendingSend()

@@ -49,7 +49,7 @@ class RolloutProgram(Program):
         next to a training step)."""
         rows = self.source.validation_rows(step, val_set)
         if rows is not None:
-            self.channel.send_val_rollout(step, rows, val_set.responses).wait()
+            self.channel.send_val_rows(step, rows, val_set.responses).wait()
 
     def close(self) -> None:
         self.source.close()

@@ -1,5 +1,5 @@
 """`varlen`: the attention kernel spmdsplit registers with transformers for packed micro-batches
-without the flash-attn package. A packed pass (roles/common.py `_packed_forward`) hands every
+without the flash-attn package. A packed pass (roles/forward.py `_packed_forward`) hands every
 layer the rows' boundaries (`cu_seq_lens_q/k`, `max_length_q/k`, as FlashAttention-2 takes them)
 and no mask; each row then attends only to itself, so no [T, T] mask is built and no score
 between two rows is computed. Any other call (a padded batch, a single sequence, generation with

@@ -1,6 +1,6 @@
 """The actor pool's side of trainer.balance_batch: each chunk's token counts gathered over the pool,
 the rows moved to the balanced order, and the step's token sums per rank before and after kept for
-verl's global_seqlen/* metrics. The math (the order, the sums) is spmdsplit/balance.py; the rows'
+verl's global_seqlen/* metrics. The math (the order, the sums) is spmdsplit/balanced_order.py; the rows'
 exchange is messages.PoolChannel.balance."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from spmdsplit.balance import balanced_group_order, seqlen_metrics, slice_sums
+from spmdsplit.balanced_order import balanced_group_order, seqlen_metrics, slice_sums
 from spmdsplit.batch import Batch
 from spmdsplit.messages import ROWS_TO, PoolChannel
 from spmdsplit.groups import Pools

@@ -34,7 +34,7 @@ from spmdsplit.programs.rollout import RolloutProgram
 from spmdsplit.reporting import Reports
 from spmdsplit.roles.build import (build_actor_roles, build_critic_roles, build_reward, build_rollout_roles,
                                    build_rule_reward)
-from spmdsplit.score_target import ScoreTarget
+from spmdsplit.stop_at_score import ScoreTarget
 from spmdsplit.stop_budget import StopBudget, signal_delay_s
 from spmdsplit.timing import PhaseTimer, StepProfiler
 from spmdsplit.weight_sync import PolicyWeights, WeightBroadcast, WeightsReady

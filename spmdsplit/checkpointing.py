@@ -24,7 +24,7 @@ from spmdsplit.messages import PoolChannel
 from spmdsplit.groups import Pools
 from spmdsplit.programs import Program
 from spmdsplit.reporting import Reports, other_pools
-from spmdsplit.score_target import ScoreTarget
+from spmdsplit.stop_at_score import ScoreTarget
 from spmdsplit.timing import PhaseTimer
 
 

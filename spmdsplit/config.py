@@ -121,7 +121,7 @@ class TrainerConfig:
     # End the run early once it has learned: when the mean training score (critic/score/mean) of the
     # last stop_at_score_window steps reaches this, the job stops after the next step as after its
     # last one (exported; a checkpoint only if save_freq asks for one after the last step; no final
-    # validation beyond val_freq's) and exits 0. null = run every step (spmdsplit/score_target.py).
+    # validation beyond val_freq's) and exits 0. null = run every step (spmdsplit/stop_at_score.py).
     stop_at_score: Optional[float] = None
     stop_at_score_window: int = positive(5)
     seed: int = 1
@@ -157,7 +157,7 @@ class TrainerConfig:
     critic_warmup: int = 0  # the first this many steps train only the critic
     # verl's balance_batch: each chunk's prompt groups are reordered so that every rank of each
     # pool holds an even share of the tokens (attention_mask sums), not just an even row count
-    # (spmdsplit/balance.py; the move among the actor pool's ranks: spmdsplit/messages.py).
+    # (spmdsplit/balanced_order.py; the move among the actor pool's ranks: spmdsplit/messages.py).
     balance_batch: bool = True
     # Checkpoints (see spmdsplit/checkpoint.py). A stop request (SIGUSR2, SIGTERM) always checkpoints.
     # save_freq: checkpoint every this many steps and after the last; -1 = only when stopped.

@@ -23,7 +23,7 @@ view carries any dtype (bool, bfloat16) that gloo cannot send natively.
 Rows: the global batch of `num_rows` rows is split contiguously over each rank list with
 `row_ranges`; each source sends each destination exactly the overlap of their ranges, so no rank
 ever holds rows it does not need and nothing is gathered on one rank. `reorder_rows` puts the
-rows held by one pool into another global order (balancing, spmdsplit/balance.py): each rank
+rows held by one pool into another global order (balancing, spmdsplit/balanced_order.py): each rank
 sends each other rank only the rows of its new slice, but there any two ranks may send each other
 in the same phase, so it is a collective over the pool's group (all_to_all, NCCL's grouped call),
 never separate sends and receives.

@@ -46,7 +46,7 @@ Per training step k, with N = rollout.stream_chunks and s = rollout.staleness:
    group)                                              actor pool holds chunk c (after GENERATED
                                                        with rollout.ranks=all or a rollout pool),
                                                        its rows move between the actor pool's ranks
-                                                       into the balanced order (spmdsplit/balance.py),
+                                                       into the balanced order (spmdsplit/balanced_order.py),
                                                        after one all_gather of token counts over
                                                        the pool's meeting group: two all_to_all
                                                        over the actor pool's group (any two of its

@@ -249,7 +249,7 @@ def check_flash_attn_installed(cfg: DictConfig) -> None:
 
 
 # A packed micro-batch under sdpa/eager carries a dense [T, T] block-causal mask in the compute
-# dtype (roles/common.py block_causal_mask; its boolean temporaries add T^2 bytes each while it is
+# dtype (roles/forward.py block_causal_mask; its boolean temporaries add T^2 bytes each while it is
 # built). Past this size a GPU job is refused: T^2 x 2 bytes (bf16) passes 1 GiB at T = 23171
 # tokens, so the 32768-token budget of a GPU preset would need 2 GiB (4 GiB in fp32) per forward.
 MAX_DENSE_MASK_BYTES = 2**30

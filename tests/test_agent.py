@@ -121,8 +121,8 @@ def agent_rollout(cfg, tokenizer, eos_ids):
 
 
 def trainer_log_probs(model, batch):
-    """What the actor computes for the rollout (roles/common.forward_response, padded path)."""
-    from spmdsplit.roles.common import forward_response
+    """What the actor computes for the rollout (roles/forward.forward_response, padded path)."""
+    from spmdsplit.roles.forward import forward_response
 
     def head(logits, tokens):
         return torch.log_softmax(logits.float(), -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
@@ -159,7 +159,7 @@ def test_episodes_on_the_hf_engine_mask_tool_tokens_and_keep_the_policys_log_pro
     # The scorer sees the whole response, and extra_info carries verl's num_turns.
     assert all(info["num_turns"] == n for info, n in zip(batch["extra_info"], batch["num_turns"].tolist()))
     # The same rollout through the padding-free forward (packing) scores the same tokens.
-    from spmdsplit.roles.common import forward_response
+    from spmdsplit.roles.forward import forward_response
     packed = forward_response(rollout.engine.model, batch, lambda lg, t: torch.log_softmax(lg.float(), -1).gather(
         -1, t.unsqueeze(-1)).squeeze(-1), remove_padding=True)
     assert (packed[mask == 1] - actor[mask == 1]).abs().max() < 1e-5

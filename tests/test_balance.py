@@ -1,5 +1,5 @@
 """Issue 20 items 3 and 4: rollouts cut to their longest response (rows of different widths meet
-in Batch.concat), and rows balanced over a pool's ranks (spmdsplit/balance.py, the BALANCE
+in Batch.concat), and rows balanced over a pool's ranks (spmdsplit/balanced_order.py, the BALANCE
 message of spmdsplit/messages.py, trainer.balance_batch in a real job)."""
 
 import random
@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from spmdsplit.balance import balanced_group_order, karmarkar_karp, seqlen_metrics, slice_sums
+from spmdsplit.balanced_order import balanced_group_order, karmarkar_karp, seqlen_metrics, slice_sums
 from spmdsplit.batch import Batch
 from spmdsplit.exchange import Message, ProtocolError, reorder_rows, row_ranges
 from tests.support.launch import run_ranks

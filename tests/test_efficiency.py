@@ -10,7 +10,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from spmdsplit.batch import Batch
 from spmdsplit.engines.common import apply_ac
-from spmdsplit.roles.common import forward_response
+from spmdsplit.roles.forward import forward_response
 from tests.support.launch import job
 from tools.models import ModelShape
 from tools.plan.efficiency import Tokens, phase_activity, phase_flops, phase_tokens, read_trace

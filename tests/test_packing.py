@@ -77,7 +77,7 @@ def test_packed_and_trimmed_actor_log_probs_entropy_and_gradients_match(embedded
 def padded_and_packed_match(model, after=lambda stage: None):
     """The actor's log-probs, entropy and gradients, padded and packed, equal each row run alone;
     `after(stage)` runs after each stage: "alone" (the reference), "padded", "packed"."""
-    from spmdsplit.roles.common import forward_response
+    from spmdsplit.roles.forward import forward_response
 
     batch = ragged_batch(model.config.vocab_size)
     weights = torch.randn(len(batch), R, generator=torch.Generator().manual_seed(1))
@@ -101,7 +101,7 @@ def padded_and_packed_match(model, after=lambda stage: None):
 @pytest.mark.parametrize("attention", ["sdpa", "eager", "varlen"])
 def test_packed_critic_values_match(embedded_model_dir, attention):
     from spmdsplit.models import ModelSource
-    from spmdsplit.roles.common import forward_response
+    from spmdsplit.roles.forward import forward_response
     from spmdsplit.roles.critic import value_head
 
     model = ModelSource("value", embedded_model_dir, torch.float32, 3, attn_implementation=attention).read("cpu")
@@ -141,7 +141,7 @@ def test_packed_reward_model_scores_match(embedded_model_dir):
 # ------------------------------------------------------------------ FlashAttention-2's packed path
 
 def test_flash_varlen_kwargs_are_the_rows_starts_and_the_longest_row():
-    from spmdsplit.roles.common import flash_varlen_kwargs
+    from spmdsplit.roles.forward import flash_varlen_kwargs
 
     kwargs = flash_varlen_kwargs(torch.tensor([3, 1, 5, 2]))
     assert kwargs["cu_seq_lens_q"].tolist() == [0, 3, 4, 9, 11] and kwargs["cu_seq_lens_q"].dtype == torch.int32
@@ -183,7 +183,7 @@ def test_flash_attention_is_given_the_rows_boundaries_once_per_micro_batch(embed
     import itertools
 
     from spmdsplit.models import load_causal_lm
-    from spmdsplit.roles.common import forward_response
+    from spmdsplit.roles.forward import forward_response
 
     model = load_causal_lm(embedded_model_dir, torch.float32, torch.device("cpu"), seed=3)
     batch = ragged_batch(model.config.vocab_size)
@@ -337,7 +337,7 @@ def test_varlen_packed_passes_carry_no_mask_and_match_each_row_alone(embedded_mo
 
 def _dense_reference(query, key, value, lengths, scale, window=None):
     """sdpa over the whole packed sequence with the dense block-causal mask (and a sliding window)."""
-    from spmdsplit.roles.common import block_causal_mask
+    from spmdsplit.roles.forward import block_causal_mask
 
     allowed = block_causal_mask(torch.tensor(lengths), torch.float32) == 0
     if window is not None:
@@ -393,7 +393,7 @@ def test_varlen_attention_equals_sdpa_with_the_dense_mask(monkeypatch, kernel):
         monkeypatch.setattr(attention, "_torch_varlen", lambda: (stand_in, frozenset(params)))
         monkeypatch.setattr(attention, "_kernel_runs", lambda query: True)
     module = SimpleNamespace(is_causal=True)
-    from spmdsplit.roles.common import flash_varlen_kwargs
+    from spmdsplit.roles.forward import flash_varlen_kwargs
 
     out, _ = attention.varlen_attention_forward(module, query, key, value, None, scaling=scale,
                                                 **flash_varlen_kwargs(torch.tensor(lengths)))

@@ -276,7 +276,7 @@ def teacher_forced_log_probs(model, out, temperature: float, top_k: int = 0) -> 
     """What the actor computes (roles/actor.py), log_softmax(logits / T) of the response tokens,
     here with top-k applied before the softmax when asked: the distribution the engine sampled from."""
     from spmdsplit import algo
-    from spmdsplit.roles.common import forward_response
+    from spmdsplit.roles.forward import forward_response
 
     def head(logits, tokens):
         z = logits.float() / temperature

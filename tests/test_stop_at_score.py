@@ -1,4 +1,4 @@
-"""trainer.stop_at_score: a run ends once it has learned (spmdsplit/score_target.py, the vote in
+"""trainer.stop_at_score: a run ends once it has learned (spmdsplit/stop_at_score.py, the vote in
 spmdsplit/preempt.py). The window's rule by hand, and a job on a rollout pool one batch ahead that
 ends the step after its target was reached, as after its last step."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from spmdsplit.score_target import ScoreTarget
+from spmdsplit.stop_at_score import ScoreTarget
 from tests.support.launch import job
 from tests.support.outputs import scalars
 

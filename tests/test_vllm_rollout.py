@@ -28,7 +28,7 @@ from tests.support.launch import run_ranks
 def actor_log_probs(model, rollout, temperature: float) -> torch.Tensor:
     """What the actor computes (roles/actor.py): log_softmax(logits / T) of the response tokens."""
     from spmdsplit import algo
-    from spmdsplit.roles.common import forward_response
+    from spmdsplit.roles.forward import forward_response
 
     def head(logits, tokens):
         return algo.logprobs_from_logits(logits.float() / temperature, tokens)

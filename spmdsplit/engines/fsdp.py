@@ -145,7 +145,7 @@ class FSDPEngine(HFExport):
         gradient *unsharded*, in the reduce dtype (fp32), and adds the next ones to it, until a
         backward with `enabled=True` reduces the sum once. A whole fp32 gradient per rank meanwhile
         (4 B/param, whatever the pool size) for one reduce-scatter saved per micro-batch: only
-        `no_sync_accumulation` asks for it (roles/common.run_ppo_updates)."""
+        `no_sync_accumulation` asks for it (roles/ppo_updates.run_ppo_updates)."""
         self.model.set_requires_gradient_sync(enabled)
         try:
             yield
@@ -154,7 +154,7 @@ class FSDPEngine(HFExport):
 
     def step(self) -> dict[str, float]:
         """Clips and steps; returns grad_norm (before clipping) and lr. The LR schedule advances once
-        per trainer step, not here (see roles/common.run_ppo_updates)."""
+        per trainer step, not here (see roles/ppo_updates.run_ppo_updates)."""
         lr = self.scheduler.get_last_lr()[0]
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trained, self.optim_cfg.grad_clip)
         if isinstance(grad_norm, DTensor):

@@ -9,7 +9,8 @@ import torch
 
 from spmdsplit import algo, lora
 from spmdsplit.batch import Batch
-from spmdsplit.roles.common import forward_response, run_ppo_updates
+from spmdsplit.roles.forward import forward_response
+from spmdsplit.roles.ppo_updates import run_ppo_updates
 from spmdsplit.roles.micro_batches import Extent, in_row_order, micro_batches, plan_micro_batches
 
 

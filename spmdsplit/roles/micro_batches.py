@@ -104,7 +104,7 @@ def plan_micro_batches(batch: Batch, dynamic: bool, rows_per_micro: int, max_tok
 @dataclass(frozen=True)
 class Extent:
     """The shape of a micro-batch's tokens, on the host: what its forward slices and packs by
-    (roles/common.py forward_response), so that the forward reads nothing from the device."""
+    (roles/forward.py forward_response), so that the forward reads nothing from the device."""
 
     first: int  # the first column any row's prompt uses (P - 1 if none does)
     width: int  # the response columns its longest response reaches (at least 1)

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from spmdsplit.batch import Batch
-from spmdsplit.roles.common import packed_attention_kwargs
+from spmdsplit.roles.forward import packed_attention_kwargs
 from spmdsplit.roles.micro_batches import in_row_order, plan_bins
 from spmdsplit.roles.reward import (RewardError, decoded_prompts, describe_sample, on_last_token, per_flag,
                                     response_lengths, response_texts)
@@ -138,7 +138,7 @@ class RewardModel:
         return out.logits[:, 0].float()
 
     def _forward_packed(self, rows: list[list[int]]) -> torch.Tensor:
-        """The rows as one sequence, position ids restarting at each (roles/common.py
+        """The rows as one sequence, position ids restarting at each (roles/forward.py
         `_packed_forward` says what keeps them apart); each row's score at its last token."""
         # Built on the host from the token lists, then moved: no device reads.
         lengths = torch.tensor([len(r) for r in rows]).to(self.device)

@@ -16,7 +16,7 @@ step's mean lengths; padding is never counted, so it shows as lost utilisation):
   pair, so 2qd L(L+1); from the mean row length L = T / rows (exact when rows are equal: at
   Qwen2.5-0.5B's shape and 200-token rows it is under 1 % of the total);
 - forward = 2 W T + attention + the head: the actor's LM head (h x vocab) only where it predicts a
-  response token (logits_to_keep, roles/common.py), 2 h V R; the critic's value head (h x 1) at
+  response token (logits_to_keep, roles/forward.py), 2 h V R; the critic's value head (h x 1) at
   every token, 2 h T;
 - gen = a forward of T - rows tokens (the last token of a response is never fed back), head R;
   old_log_prob and ref = the actor's forward; values = the critic's forward;

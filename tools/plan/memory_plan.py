@@ -6,7 +6,7 @@ Face config with no weights (FakeTensorMode: tensors with a shape, a dtype and a
 storage), shards them with our FSDP2 engine (`engines/fsdp.py parallelize` + `FSDPEngine`, as
 `load_into_shards` does, without the weights it would read) over a fake process group of the
 pool's size (torch's `fake` backend: every collective returns at once, with nothing moved), and
-runs our own roles' code (`roles/actor.py`, `roles/critic.py`, `roles/common.py`) on one
+runs our own roles' code (`roles/actor.py`, `roles/critic.py`, `roles/forward.py`, `roles/ppo_updates.py`) on one
 micro-batch per phase: the actor's and the reference's log-prob pass, the critic's values, and
 one optimizer step of the actor and of the critic (forward, backward, clip, AdamW), gradient
 checkpointing and mixed precision as the config sets them. torch's `FSDPMemTracker` counts what

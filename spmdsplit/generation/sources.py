@@ -3,7 +3,7 @@ the rollout group generates.
 
     start(step)                 the weights before the first step (1, or the one after a checkpoint)
     batch(step)                 this rank's rows of `step`, chunk by chunk, each as soon as it is there
-    after_handover(step)        what the source does once the step's rows are out; its metrics
+    after_hand_over(step)        what the source does once the step's rows are out; its metrics
     validation_rows(step, val_set)   this rank's validation responses (None where it makes none)
     state() / load_state(state, same_layout), keeps_state   its part of a checkpoint, if any
 
@@ -89,7 +89,7 @@ class BatchSource:
         self.weights.take(step)
         yield from self.generate(step)
 
-    def after_handover(self, step: int) -> dict[str, float]:
+    def after_hand_over(self, step: int) -> dict[str, float]:
         """Apart: the batches up to step+s generated, then the weights of update `step` in.
         Returns dynamic sampling's train/num_gen_batches, ..., where it runs."""
         if self.apart:
@@ -210,7 +210,7 @@ class ContinuousSource:
             rows = self.stream.next_batch(step)
         yield rows
 
-    def after_handover(self, step: int) -> dict[str, float]:
+    def after_hand_over(self, step: int) -> dict[str, float]:
         """Generating on until the weights of update `step` are in: every rank ends step k after
         the actor's update k (the stop vote is the world's), and the engine does not stop meanwhile.
         With rollout.partial_rollout the answers running wait for these weights instead."""

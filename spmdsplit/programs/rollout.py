@@ -39,7 +39,7 @@ class RolloutProgram(Program):
 
     def after_hand_over(self, step: int) -> dict[str, float]:
         """The source's work after the hand-over; returns its metrics of the step."""
-        metrics = self.source.after_handover(step)
+        metrics = self.source.after_hand_over(step)
         self.sends.wait()
         self.sends = PendingSend()
         return metrics

@@ -121,9 +121,9 @@ def run(args) -> dict:
 
 
 def code_scoring() -> dict:
-    """The code scorer on 128 APPS-shaped programs of 10 tests each (tools/make_code_parquet.py's
+    """The code scorer on 128 APPS-shaped programs of 10 tests each (tools/data/make_code_parquet.py's
     problems), in this process: seconds per batch, all right, all wrong, half and half."""
-    from tools.make_code_parquet import bench_samples
+    from tools.data.make_code_parquet import bench_samples
 
     from spmdsplit.config import load_config
     from spmdsplit.rewards.calls import RewardCalls, waiting_scorers

@@ -1,7 +1,7 @@
 """The registries of advantage estimators and policy losses (spmdsplit/algo.py), and every one of
 them against verl 0.9.1's own function: tests/data/verl_core_algos.pt holds verl's outputs (and
-the losses' gradients) on the inputs it also holds, written by tools/verl_algo_fixtures.py (its
-docstring says how to regenerate it). CI has no verl: these tests read only the file.
+the losses' gradients) on the inputs it also holds, written by tools/fixtures/verl_algo_fixtures.py
+(its docstring says how to regenerate it). CI has no verl: these tests read only the file.
 
 Everything is fp64 and compared to 1e-6. Where our semantics deliberately differ from verl's, the
 comparison is made in the setting where the two coincide, and the test says so:

@@ -1,4 +1,4 @@
-"""The code preset as a user runs it (configs/code_apps.yaml, data from tools/make_code_parquet.py):
+"""The code preset as a user runs it (configs/code_apps.yaml, data from tools/data/make_code_parquet.py):
 3 steps on 2 ranks, every response's program run against its row's tests in the score pool's
 sandbox, the job saying at start which isolation its programs get. The embedded model cannot write
 Python, so its programs fail: but the `add` problems pass whatever the program, as in verl (its
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.e2e
 
 def test_the_code_preset_runs_programs_in_the_sandbox(tmp_path):
     data = tmp_path / "code"
-    subprocess.run([sys.executable, "-m", "tools.make_code_parquet", "--out", str(data), "--digit-prompts",
+    subprocess.run([sys.executable, "-m", "tools.data.make_code_parquet", "--out", str(data), "--digit-prompts",
                     "--train-rows", "24", "--test-rows", "6", "--tests", "3"], check=True, capture_output=True)
     result = job(2, "--config", "configs/code_apps.yaml", f"data.train_files={data}/train.parquet",
                  f"data.val_files={data}/test.parquet", "data.train_batch_size=6", "rollout.n=2",

@@ -1,8 +1,8 @@
 r"""verl's prime_code scorer as spmdsplit/rewards/code.py reproduces it: every case of
 tests/data/verl_prime_code_scores.json (verl 0.9.1's own scores, written by
-tools/verl_code_fixtures.py; this test needs no verl) scored through the local sandbox, and the
-pieces one by one: how the program is loaded (spmdsplit/sandbox/harness.py), how an output is
-judged (spmdsplit/rewards/code_compare.py), how a returned value travels
+tools/fixtures/verl_code_fixtures.py; this test needs no verl) scored through the local sandbox,
+and the pieces one by one: how the program is loaded (spmdsplit/sandbox/harness.py), how an output
+is judged (spmdsplit/rewards/code_compare.py), how a returned value travels
 (spmdsplit/sandbox/values.py)."""
 
 import asyncio

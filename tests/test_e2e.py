@@ -234,7 +234,7 @@ def test_validation_logs_verl_val_core_metrics(tmp_path, monkeypatch):
 
 
 def test_gsm8k_parquet_files_train_through_the_chat_template(tmp_path):
-    """verl's parquet path end to end: files written by tools/make_gsm8k_parquet.py, chat
+    """verl's parquet path end to end: files written by tools/data/make_gsm8k_parquet.py, chat
     messages rendered by the tokenizer's template, the openai/gsm8k scorer on the critic pool."""
     import pathlib
     import shutil
@@ -245,7 +245,7 @@ def test_gsm8k_parquet_files_train_through_the_chat_template(tmp_path):
 
     repo = pathlib.Path(__file__).parent.parent
     data = tmp_path / "gsm8k"
-    subprocess.run([sys.executable, str(repo / "tools/make_gsm8k_parquet.py"), "--out", str(data),
+    subprocess.run([sys.executable, str(repo / "tools/data/make_gsm8k_parquet.py"), "--out", str(data),
                     "--train-rows", "64", "--test-rows", "8"], check=True)
     model = tmp_path / "chat-model"  # the embedded model with a chat template and digits-only vocabulary
     shutil.copytree(ensure_embedded_model(), model)

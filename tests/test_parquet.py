@@ -1,5 +1,5 @@
 """verl's parquet data (spmdsplit/data/parquet.py, spmdsplit/data/sources.py, the prompt-length rules
-in spmdsplit/data/prompts.py) and the GSM8K writer (tools/make_gsm8k_parquet.py)."""
+in spmdsplit/data/prompts.py) and the GSM8K writer (tools/data/make_gsm8k_parquet.py)."""
 
 import importlib.util
 import json
@@ -21,7 +21,7 @@ from spmdsplit.embedded import ensure_embedded_model
 from spmdsplit.models import load_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "tools", "make_gsm8k_parquet.py")
+SCRIPT = os.path.join(ROOT, "tools", "data", "make_gsm8k_parquet.py")
 SAMPLE = os.path.join(ROOT, "spmdsplit", "data", "gsm8k_sample.jsonl")
 # Renders the messages' contents back to back, then "=" as the generation prompt: with the
 # embedded character tokenizer, [{"role": "user", "content": "12"}] becomes the tokens of "12=".

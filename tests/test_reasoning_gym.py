@@ -120,9 +120,9 @@ def test_scores_equal_reasoning_gyms_own():
 
 
 def test_scores_equal_reasoning_gyms_own_after_a_parquet_round_trip(tmp_path):
-    """The rows written by tools/make_reasoning_gym_parquet.py and read back as any verl parquet:
+    """The rows written by tools/data/make_reasoning_gym_parquet.py and read back as any verl parquet:
     extra_info survives the round trip (the entry itself would not, for some tasks)."""
-    from tools.make_reasoning_gym_parquet import main
+    from tools.data.make_reasoning_gym_parquet import main
 
     path = str(tmp_path / "rg.parquet")
     assert main([path, "--tasks", ",".join(TASKS), "--size", str(SIZE), "--seed", str(SEED)]) == 0
@@ -162,7 +162,7 @@ def test_plain_prompts_for_a_model_without_a_chat_template(embedded_model_dir):
 
 
 def test_parquet_files_and_tasks_in_one_list(tmp_path):
-    from tools.make_reasoning_gym_parquet import main
+    from tools.data.make_reasoning_gym_parquet import main
 
     path = str(tmp_path / "chain_sum.parquet")
     assert main([path, "--tasks", "chain_sum", "--size", "4"]) == 0

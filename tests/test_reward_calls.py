@@ -23,7 +23,7 @@ from spmdsplit.rewards.custom import load_custom_reward_fn
 from spmdsplit.rewards.remote import RemoteReward
 from spmdsplit.roles.reward import RewardError, RuleReward
 from tests.support.launch import run_ranks
-from tools.reward_server import serve
+from tools.serve.reward_server import serve
 
 FUNCTIONS = """
     import asyncio, math, os, time

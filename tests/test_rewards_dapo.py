@@ -1,7 +1,7 @@
 r"""DAPO's rewards as verl 0.9.1 gives them: the math_dapo scorer (and the data sources routed to
 it) against verl's own results on the cases of tests/data/verl_math_dapo_scores.json (written by
-tools/verl_reward_fixtures.py, which runs verl's code; this test needs no verl), and the overlong
-buffer (reward.overlong_buffer) in the rule reward and in the config."""
+tools/fixtures/verl_reward_fixtures.py, which runs verl's code; this test needs no verl), and the
+overlong buffer (reward.overlong_buffer) in the rule reward and in the config."""
 
 import json
 import math

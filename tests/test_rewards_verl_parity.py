@@ -1,6 +1,7 @@
 r"""The `numina_*`, `hiyouga/geometry3k` and `searchR1_*` scorers against verl 0.9.1's own results
-(tests/data/verl_{prime_math,geo3k,search_r1}_scores.json, written by tools/verl_reward_fixtures.py,
-which runs verl's code; this test needs no verl), and their routing by data_source."""
+(tests/data/verl_{prime_math,geo3k,search_r1}_scores.json, written by
+tools/fixtures/verl_reward_fixtures.py, which runs verl's code; this test needs no verl), and their
+routing by data_source."""
 
 import importlib.util
 import json

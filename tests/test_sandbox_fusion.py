@@ -1,8 +1,8 @@
 r"""verl's SandboxFusion scorer as spmdsplit/rewards/sandbox_fusion.py reproduces it: every case of
 tests/data/verl_sandbox_fusion_scores.json (verl 0.9.1's own client against
-tests/support/fake_sandbox_fusion.py, written by tools/verl_code_fixtures.py; this test needs no
-verl) scored by our client against the same fake server, and the client's requests, retries and
-concurrency."""
+tests/support/fake_sandbox_fusion.py, written by tools/fixtures/verl_code_fixtures.py; this test
+needs no verl) scored by our client against the same fake server, and the client's requests,
+retries and concurrency."""
 
 import asyncio
 import json

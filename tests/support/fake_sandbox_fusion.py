@@ -1,6 +1,6 @@
-"""A stand-in for a SandboxFusion server's run_code API, for tools/verl_code_fixtures.py (verl's
-client against it) and tests/test_sandbox_fusion.py (ours against it). Trusted code only: it runs
-what it is sent with a plain subprocess.
+"""A stand-in for a SandboxFusion server's run_code API, for tools/fixtures/verl_code_fixtures.py
+(verl's client against it) and tests/test_sandbox_fusion.py (ours against it). Trusted code only: it
+runs what it is sent with a plain subprocess.
 
 It answers in SandboxFusion's response shape: {"status": "Success" | "Failed" | "SandboxError",
 "message", "compile_result", "run_result", "executor_pod_name", "files"}, each result

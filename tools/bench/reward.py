@@ -8,7 +8,7 @@ sample before giving the built-in score, called in each of the ways a user write
 - `one at a time`: a plain def on one thread (reward.num_workers=1): how every reward ran before;
 - `plain def`: the same function with the defaults (threads, reward.num_workers=0: 64 at once);
 - `async def`: an `async def` on the scoring rank's event loop (reward.max_concurrency=64);
-- `reward server`: reward.remote_url, a server (tools/reward_server.py, its own process) that waits
+- `reward server`: reward.remote_url, a server (tools/serve/reward_server.py, its own process) that waits
   as long before each answer.
 
 Per mode: the scoring phase per step (the critic pool's `reward` phase, summed over chunks; median
@@ -74,8 +74,8 @@ def parse_args(argv):
 
 def start_server(sleep_s: float) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "tools.reward_server", "--port", str(port), "--sleep", str(sleep_s)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen([sys.executable, "-m", "tools.serve.reward_server", "--port", str(port),
+                               "--sleep", str(sleep_s)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
@@ -121,9 +121,9 @@ def run(args) -> dict:
 
 
 def code_scoring() -> dict:
-    """The code scorer on 128 APPS-shaped programs of 10 tests each (tools/make_code_parquet.py's
+    """The code scorer on 128 APPS-shaped programs of 10 tests each (tools/data/make_code_parquet.py's
     problems), in this process: seconds per batch, all right, all wrong, half and half."""
-    from tools.make_code_parquet import bench_samples
+    from tools.data.make_code_parquet import bench_samples
 
     from spmdsplit.config import load_config
     from spmdsplit.rewards.calls import RewardCalls, waiting_scorers

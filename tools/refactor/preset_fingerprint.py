@@ -1,8 +1,10 @@
 """Every CPU preset run for a few steps, its logged scalars written down, to compare two checkouts
 bit for bit (a refactor that should change no number).
 
-    python -m tools.preset_fingerprint run OUT.json [--steps 4]     # in each checkout
-    python -m tools.preset_fingerprint compare BEFORE.json AFTER.json
+    python -m tools.refactor.preset_fingerprint run OUT.json [--steps 4]     # in each checkout
+    python -m tools.refactor.preset_fingerprint compare BEFORE.json AFTER.json
+
+(A checkout from before tools/ was sorted into folders by job has it as tools.preset_fingerprint.)
 
 Each job validates and checkpoints at step 2, so those paths are in the numbers too. Wall-clock
 scalars (timing_s/*, perf/*) are left out; everything else must be equal, float for float.

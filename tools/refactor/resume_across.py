@@ -1,10 +1,11 @@
-"""A refactor's other promise besides tools.preset_fingerprint's: a checkpoint written by the code
-before it resumes in the code after it. In each layout the old checkout runs 4 steps (checkpoints at
-2 and 4), the new one resumes from step 2; its steps 3-4 must log what the old uninterrupted run
-logged (bit for bit, timings aside); continuous generation's, what the old code's own resume of it
-logs (its engine counters count the validation run before the checkpoint only when uninterrupted).
+"""A refactor's other promise besides tools.refactor.preset_fingerprint's: a checkpoint written by
+the code before it resumes in the code after it. In each layout the old checkout runs 4 steps
+(checkpoints at 2 and 4), the new one resumes from step 2; its steps 3-4 must log what the old
+uninterrupted run logged (bit for bit, timings aside); continuous generation's, what the old code's
+own resume of it logs (its engine counters count the validation run before the checkpoint only when
+uninterrupted).
 
-    python -m tools.resume_across OLD_CHECKOUT NEW_CHECKOUT     # from either checkout's root
+    python -m tools.refactor.resume_across OLD_CHECKOUT NEW_CHECKOUT     # from either checkout's root
 """
 import argparse
 import os

@@ -1,6 +1,6 @@
 """Writes reasoning-gym's tasks as a verl parquet file (nothing is downloaded; the `reasoning-gym` extra).
 
-    python -m tools.make_reasoning_gym_parquet OUT.parquet --tasks leg_counting,basic_arithmetic \
+    python -m tools.data.make_reasoning_gym_parquet OUT.parquet --tasks leg_counting,basic_arithmetic \
         [--size 1000 --seed 1 --split train --system-prompt default --plain]
 
 The rows are exactly those `data.train_files=reasoning_gym:<tasks>` builds in a job

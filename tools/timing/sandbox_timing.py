@@ -3,7 +3,7 @@ the program's load (verl's prelude imports), its 10 tests, the end; the median o
 after another. What batches of programs cost a rank is the reward bench's
 (`python -m tools.bench --reward --code`, docs/rewards.md).
 
-    .venv/bin/python -m tools.sandbox_timing --isolation namespaces
+    .venv/bin/python -m tools.timing.sandbox_timing --isolation namespaces
 """
 
 from __future__ import annotations

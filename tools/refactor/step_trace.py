@@ -1,4 +1,4 @@
-"""What one training step passes through: `python -m tools.step_trace [--nproc N] [--step S] [key=value ...]`
+"""What one training step passes through: `python -m tools.refactor.step_trace [--nproc N] [--step S] [key=value ...]`
 
 Runs `spmdsplit.train` under torchrun (the default job: 4 ranks, split), and on every rank traces the
 main thread's Python calls during step S's `train_step` (sys.setprofile). It prints the spmdsplit
@@ -9,7 +9,8 @@ policy's weights into the engine, the advantages, the policy loss) the fewest ca
 (senders, the failure watch) are not traced.
 
 A structure check for refactors: the numbers before and after a change, side by side, from the same
-command in each checkout.
+command in each checkout (one from before tools/ was sorted into folders by job has it as
+tools.step_trace).
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def main() -> None:
                "trainer.timeline=", f"trainer.log_dir={out}/logs", f"trainer.default_local_dir={out}/ckpt",
                "trainer.save_freq=-1", "trainer.resume=disable"]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc), "--master-port",
-               str(free_port()), "-m", "tools.step_trace", "--step", str(args.step), "--rank-side", out, *job]
+               str(free_port()), "-m", "tools.refactor.step_trace", "--step", str(args.step), "--rank-side", out, *job]
         os.makedirs(out, exist_ok=True)
         r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         if r.returncode != 0:

@@ -1,8 +1,8 @@
 """Where the test suite's time goes: seconds per test file, by tier, from pytest's JUnit XML files.
 
     .venv/bin/python -m pytest -q --junitxml=after.xml
-    python -m tools.suite_times after.xml                 # one run: seconds per file, slowest first
-    python -m tools.suite_times before.xml after.xml      # two runs side by side
+    python -m tools.timing.suite_times after.xml                 # one run: seconds per file, slowest first
+    python -m tools.timing.suite_times before.xml after.xml      # two runs side by side
 
 A test's time is its setup, call and teardown (pytest's `junit_duration_report=total`, the
 default), so a module fixture's job counts against the file whose first test starts it. The tier
@@ -58,7 +58,7 @@ def table(runs: list[dict[str, dict[str, float]]], names: list[str], tiers: bool
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.suite_times", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.timing.suite_times", description=__doc__.splitlines()[0])
     parser.add_argument("junit", nargs="+", help="pytest --junitxml files, oldest first")
     parser.add_argument("--e2e-ids", help="a file of the e2e tier's test ids (pytest -m e2e --collect-only -q)")
     args = parser.parse_args(argv)

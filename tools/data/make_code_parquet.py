@@ -3,7 +3,8 @@
 downloaded): problems in APPS's row shape, scored by running the response's program against the
 row's tests (spmdsplit/rewards/code.py).
 
-    python -m tools.make_code_parquet --out data/code [--train-rows 256 --test-rows 32 --tests 10 --seed 0] [--digit-prompts]
+    python -m tools.data.make_code_parquet --out data/code [--train-rows 256 --test-rows 32 --tests 10 --seed 0] \
+        [--digit-prompts]
 
 writes DIR/train.parquet and DIR/test.parquet with the columns verl's APPS / TACO preprocessing writes:
 

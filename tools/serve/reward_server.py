@@ -1,7 +1,7 @@
 """A reward server of the kind reward.remote_url calls (OpenRLHF's and slime's shape), for the tests
 and the bench: each POSTed sample scored by spmdsplit's built-in scorer of its data_source.
 
-    python -m tools.reward_server [--port 8000] [--sleep 0.2] [--answer slime|openrlhf]
+    python -m tools.serve.reward_server [--port 8000] [--sleep 0.2] [--answer slime|openrlhf]
 
 `--sleep` makes each request wait that long before answering (a judge, a sandbox); `--answer` picks
 the answer's shape: slime's (the score, a bare number) or OpenRLHF's ({"rewards": [score]}).

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Writes GSM8K-style parquet files in verl's schema from local data (nothing is downloaded).
 
-    python tools/make_gsm8k_parquet.py --out data/gsm8k [--train-rows 256 --test-rows 64 --seed 0]
+    python tools/data/make_gsm8k_parquet.py --out data/gsm8k [--train-rows 256 --test-rows 64 --seed 0]
 
 writes DIR/train.parquet and DIR/test.parquet with the columns verl's GSM8K preprocessing writes:
 
@@ -32,7 +32,8 @@ DATA_SOURCE = "openai/gsm8k"
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 ANSWER_RE = re.compile(r"#### (\-?[0-9\.\,]+)")
 DEFAULT_SOURCE = os.path.normpath(
-    os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "spmdsplit", "data", "gsm8k_sample.jsonl")
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir, "spmdsplit", "data",
+                 "gsm8k_sample.jsonl")
 )
 TEST_EVERY = 4  # without --test-source, every 4th source problem goes to the test split
 

@@ -31,7 +31,7 @@ def _score(solution_str: str, extra_info: dict) -> float:
 def compute_score(solution_str: str, ground_truth=None, extra_info: dict | None = None) -> float:
     if not isinstance(extra_info, dict) or not {"task", "config", "index"} <= extra_info.keys():
         raise ValueError(f"a reasoning_gym/ row needs extra_info with task, config and index (got {extra_info!r}); "
-                         "build the rows with reasoning_gym:<task> in data.train_files or tools/make_reasoning_gym_parquet.py")
+                         "build the rows with reasoning_gym:<task> in data.train_files or tools/data/make_reasoning_gym_parquet.py")
     try:
         return call_within(TIMEOUT_S, _score, solution_str, extra_info)
     except Overrun:

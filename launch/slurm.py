@@ -153,7 +153,7 @@ class SlurmTrain(submitit.helpers.Checkpointable):
         # The training state is already on disk (train.main wrote it before returning
         # EXIT_STOPPED). The requeued run reruns the same arguments; train.main sees
         # SLURM_RESTART_COUNT > 0 and resumes from the job's latest checkpoint, whatever
-        # trainer.resume said (checkpoint.find_resume_after_restart).
+        # trainer.resume said (checkpoint_files.find_resume_after_restart).
         return submitit.helpers.DelayedSubmission(type(self)(self.train_args))
 
 

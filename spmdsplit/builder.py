@@ -12,9 +12,9 @@ from dataclasses import dataclass, fields
 
 import torch.distributed as dist
 
-from spmdsplit import checkpoint, lora
+from spmdsplit import checkpoint_files, lora
 from spmdsplit.batch_balancer import BatchBalancer
-from spmdsplit.checkpointing import CheckpointManager, seed_sampling
+from spmdsplit.checkpoint_manager import CheckpointManager, seed_sampling
 from spmdsplit.data.prompts import PromptDataset
 from spmdsplit.dumps import Dumps, RowDump
 from spmdsplit.dynamic_sampling import DynamicSampling
@@ -96,7 +96,7 @@ class Rank:
 def build(cfg, groups: ProcessGroups, rows: dict[str, list[dict]], resume_from: str | None) -> Rank:
     """This rank's parts. `groups`: every process group of the job (spmdsplit/groups.py); `rows`:
     the prompt rows of each split ("train", and "val" when validating); `resume_from`: a complete
-    checkpoint folder to continue from (checkpoint.find_resume), loaded here."""
+    checkpoint folder to continue from (checkpoint_files.find_resume), loaded here."""
     pools = groups.pools
     device, rank, placement = pools.device, pools.rank, pools.placement
     assert placement.pool_at(0) == placement.pool_of("actor"), "world rank 0 logs, as the actor"
@@ -151,7 +151,7 @@ def build(cfg, groups: ProcessGroups, rows: dict[str, list[dict]], resume_from: 
     seed_sampling(cfg.trainer.seed, rank)
 
     # A resumed run goes on after the checkpoint's step, in its wandb / MLflow runs.
-    resumed = checkpoint.read_meta(resume_from) if resume_from else {"step": 0}
+    resumed = checkpoint_files.read_meta(resume_from) if resume_from else {"step": 0}
     reports = Reports(cfg, placement, rank, channel, after_step=resumed["step"],
                       run_ids=resumed.get("tracking_runs", {}))
     checkpoints = CheckpointManager(cfg, pools, channel, timer, programs.by_group(), sampler, dataset, reports,

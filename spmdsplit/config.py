@@ -159,7 +159,7 @@ class TrainerConfig:
     # pool holds an even share of the tokens (attention_mask sums), not just an even row count
     # (spmdsplit/balanced_order.py; the move among the actor pool's ranks: spmdsplit/messages.py).
     balance_batch: bool = True
-    # Checkpoints (see spmdsplit/checkpoint.py). A stop request (SIGUSR2, SIGTERM) always checkpoints.
+    # Checkpoints (see spmdsplit/checkpoint_files.py). A stop request (SIGUSR2, SIGTERM) always checkpoints.
     # save_freq: checkpoint every this many steps and after the last; -1 = only when stopped.
     save_freq: int = bounded(-1, lambda v: v > 0 or v == -1, "expected a positive number of steps, or -1 (off)")
     default_local_dir: str = "checkpoints"  # on a filesystem every node sees, to resume after a requeue

@@ -6,7 +6,7 @@ their own keys (tools, custom rewards, vLLM) all raise it without importing one 
 
 The other errors train.py prints the same way stay beside what raises them: PlacementError
 (spmdsplit/placement.py), DataError (spmdsplit/data/parquet.py), CheckpointError
-(spmdsplit/checkpoint.py); none of those modules imports the configuration.
+(spmdsplit/checkpoint_files.py); none of those modules imports the configuration.
 """
 
 

@@ -33,7 +33,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from spmdsplit import failure, preempt
 from spmdsplit.agent import check_harness, check_multi_turn, default_agent, environment_tools
-from spmdsplit.checkpoint import CheckpointError, ResumeDisagreement, find_resume_after_restart, resume_disagreement
+from spmdsplit.checkpoint_files import CheckpointError, ResumeDisagreement, find_resume_after_restart, resume_disagreement
 from spmdsplit.cluster import choose_gloo_interface, device_index
 from spmdsplit.config import config_warnings, load_config, to_yaml
 from spmdsplit.data.parquet import DataError

@@ -1,6 +1,6 @@
 """The PPO loop: each step's phases of the programs on this rank, in the order of the message
 schedule (spmdsplit/messages.py); validation and a checkpoint when due. What a rank runs is built
-by spmdsplit/builder.py, what goes into a checkpoint is spmdsplit/checkpointing.py's, what rank 0
+by spmdsplit/builder.py, what goes into a checkpoint is spmdsplit/checkpoint_manager.py's, what rank 0
 logs spmdsplit/reporting.py's.
 
     actor pool : gen ──rollout──► old_log_prob, ref ──(log-probs)──►   ◄──advantages── update_actor ──► gen(k+1)

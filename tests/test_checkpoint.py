@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from spmdsplit.checkpoint import (
+from spmdsplit.checkpoint_files import (
     LATEST, CheckpointError, find_resume, find_resume_after_restart, partial_dir, publish, resume_disagreement, step_dir,
 )
 from tests.support.helpers import full_weights

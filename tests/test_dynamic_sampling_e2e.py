@@ -9,7 +9,7 @@ import pathlib
 import pytest
 import torch
 
-from spmdsplit.checkpoint import step_dir
+from spmdsplit.checkpoint_files import step_dir
 from tests.support.launch import cached_job, job
 from tests.support.outputs import scalars
 from tests.support.launch import stop_on_request

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from spmdsplit.checkpointing import save_due
+from spmdsplit.checkpoint_manager import save_due
 from spmdsplit.programs import Program
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,7 +52,7 @@ def program_attributes(path: str) -> set[str]:
     return {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute) and is_program(node.value)}
 
 
-@pytest.mark.parametrize("path", ["spmdsplit/trainer.py", "spmdsplit/checkpointing.py"])
+@pytest.mark.parametrize("path", ["spmdsplit/trainer.py", "spmdsplit/checkpoint_manager.py"])
 def test_the_loop_calls_programs_only_through_their_common_interface(path):
     """A new feature that needs every program to do something at a point of the loop adds it to
     Program (spmdsplit/programs/__init__.py), not a reach into one program's insides."""

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from spmdsplit.checkpoint import LATEST, partial_dir, step_dir
+from spmdsplit.checkpoint_files import LATEST, partial_dir, step_dir
 from tests.support.launch import cached_job, job, read_until, start_torchrun, worker_pid
 from spmdsplit.sinks import mlflow_metric_name
 from tests.support.outputs import assert_same_scalars, comparable, mlflow_scalars, scalars, wandb_offline_runs, wandb_offline_scalars

@@ -10,7 +10,7 @@ import pathlib
 
 import pytest
 
-from spmdsplit.checkpoint import step_dir
+from spmdsplit.checkpoint_files import step_dir
 from tests.support.launch import cached_job, job
 from tests.support.outputs import scalars, timeline_events
 from tests.support.launch import stop_on_request

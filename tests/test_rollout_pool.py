@@ -12,7 +12,7 @@ import torch
 from omegaconf import OmegaConf
 
 from spmdsplit.batch import Batch
-from spmdsplit.checkpoint import step_dir
+from spmdsplit.checkpoint_files import step_dir
 from spmdsplit.staleness import check_weights_version, next_version_sent, validates_after, weights_needed
 from tests.support.launch import cached_job, job
 from tests.support.outputs import scalars, timeline_events

@@ -39,7 +39,7 @@ import time
 import traceback
 from datetime import timedelta
 
-from spmdsplit.checkpoint import LATEST
+from spmdsplit.checkpoint_files import LATEST
 from tools.jobs import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

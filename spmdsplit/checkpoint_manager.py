@@ -1,6 +1,6 @@
 """When a checkpoint is written and what goes in it, on every rank: the trainer asks `due` after each
 step and calls `save`, and `load` once before the first step of a resumed run. The folders, the
-files and their atomic publishing are spmdsplit/checkpoint.py's (which needs no process group, so
+files and their atomic publishing are spmdsplit/checkpoint_files.py's (which needs no process group, so
 train.py can choose the checkpoint to resume from before the world forms).
 
 What a rank writes, for each role group it runs a program of: inside the group's pool, its
@@ -17,7 +17,7 @@ import time
 import torch
 from omegaconf import OmegaConf
 
-from spmdsplit import checkpoint
+from spmdsplit import checkpoint_files
 from spmdsplit.data.prompts import PromptDataset
 from spmdsplit.dynamic_sampling import DynamicSampling
 from spmdsplit.messages import PoolChannel
@@ -59,7 +59,7 @@ class CheckpointManager:
         return save_due(step, stop, self.cfg.trainer.save_freq, last)
 
     def rank_state(self, group: str, step: int) -> dict:
-        state = {"step": step, "rng": checkpoint.rng_state(self.pools.device), **self.programs[group].state(step)}
+        state = {"step": step, "rng": checkpoint_files.rng_state(self.pools.device), **self.programs[group].state(step)}
         if group == "critic":  # the ranks that hold the score's window (trainer.stop_at_score)
             state["score_target"] = self.score_target.state_dict()
         if self.sampler:  # dynamic sampling's data position (and where the steps generated ahead began)
@@ -71,7 +71,7 @@ class CheckpointManager:
         the whole once every other pool's first rank says its parts are on disk."""
         cfg, placement, pools = self.cfg, self.placement, self.pools
         root = cfg.trainer.default_local_dir
-        partial = checkpoint.partial_dir(root, step)
+        partial = checkpoint_files.partial_dir(root, step)
         for group, program in self.programs.items():
             leader = placement.ranks(group)[0]
             folder = os.path.join(partial, group)
@@ -84,7 +84,7 @@ class CheckpointManager:
                 # trainer.dist_timeout_s), and no device picked for a barrier (the first GPU run
                 # warned of it here).
                 pools.meet(group)
-                checkpoint.save_rank_state(os.path.join(folder, f"rank_{self.rank}.pt"), self.rank_state(group, step))
+                checkpoint_files.save_rank_state(os.path.join(folder, f"rank_{self.rank}.pt"), self.rank_state(group, step))
                 if program.engine is not None:  # its waits on the meeting group too: the long timeout
                     program.engine.save_checkpoint(os.path.join(folder, "engine"), pools.meet_group(group))
                 pools.meet(group)  # every rank's files are written
@@ -97,10 +97,10 @@ class CheckpointManager:
                 self.channel.recv_checkpoint_written(step, pool)
             meta = {"step": step, "world_size": placement.world_size, "ranks": self.layout, "time": time.time(),
                     "config": OmegaConf.to_container(cfg, resolve=True), "tracking_runs": self.reports.run_ids()}
-            path = checkpoint.publish(root, step, meta, cfg.trainer.max_ckpt_to_keep)
+            path = checkpoint_files.publish(root, step, meta, cfg.trainer.max_ckpt_to_keep)
             # Its size: with LoRA the trained models' parts are their adapters and their optimizer state.
             print(f"spmdsplit: checkpoint of step {step} written to {path} "
-                  f"({checkpoint.folder_bytes(path) / 2**20:.1f} MB)", flush=True)
+                  f"({checkpoint_files.folder_bytes(path) / 2**20:.1f} MB)", flush=True)
         if self.other_pools and my_pool not in self.other_pools:
             # Rank 0 waited for the other pools' parts (a large critic's save may take minutes);
             # its pool's next collectives need it, so the pool waits for it here instead.
@@ -110,9 +110,9 @@ class CheckpointManager:
         """Each program's part and engine from the checkpoint at `path` (DCP reshards where the pool
         sizes changed; the RNG is restored, or with other sizes sampling reseeded). Returns the
         step it was written after."""
-        meta = checkpoint.read_meta(path)
+        meta = checkpoint_files.read_meta(path)
         step = meta["step"]
-        saved = checkpoint.saved_ranks(meta)
+        saved = checkpoint_files.saved_ranks(meta)
         same_layout = saved == self.layout
         for group, program in self.programs.items():
             folder = os.path.join(path, group)
@@ -122,9 +122,9 @@ class CheckpointManager:
                 # DCP reshards if the pool size changed; its waits run on the meeting group, as on save
                 program.engine.load_checkpoint(os.path.join(folder, "engine"), self.pools.meet_group(group))
             mine = os.path.join(folder, f"rank_{self.rank}.pt")
-            state = checkpoint.load_rank_state(mine if same_layout else os.path.join(folder, f"rank_{saved[group][0]}.pt"))
+            state = checkpoint_files.load_rank_state(mine if same_layout else os.path.join(folder, f"rank_{saved[group][0]}.pt"))
             if same_layout:
-                checkpoint.set_rng_state(state["rng"], self.pools.device)
+                checkpoint_files.set_rng_state(state["rng"], self.pools.device)
             else:
                 seed_sampling(self.cfg.trainer.seed, self.rank, after_step=step)
             if self.sampler and "dynamic_sampling" in state:

@@ -41,6 +41,7 @@ ROLLOUT_IS_LEVELS = ("token", "sequence")  # one weight per token, or the row's 
 __all__ = [
     "masked_sum", "masked_mean", "masked_var", "masked_whiten",
     "AdvEstimator", "ADV_ESTIMATOR_REGISTRY", "register_adv_est", "get_adv_estimator", "get_adv_estimator_fn",
+    "generates_greedy_baselines",
     "POLICY_LOSS_REGISTRY", "register_policy_loss", "get_policy_loss_fn",
     "compute_gae_advantage_return", "compute_grpo_outcome_advantage", "compute_rloo_outcome_advantage",
     "compute_reinforce_plus_plus_outcome_advantage",
@@ -161,6 +162,13 @@ def get_adv_estimator(name: str) -> AdvEstimator:
 
 def get_adv_estimator_fn(name: str) -> Callable:
     return get_adv_estimator(name).fn
+
+
+def generates_greedy_baselines(cfg) -> bool:
+    """Whether the job generates each prompt's greedy response as its reward baseline: its
+    estimator reads `reward_baselines` (ReMax). generation.py generates them; preflight refuses
+    what cannot have them (multi-turn episodes, continuous generation)."""
+    return "reward_baselines" in get_adv_estimator(cfg.algorithm.adv_estimator).inputs
 
 
 def register_policy_loss(name: str):

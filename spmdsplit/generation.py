@@ -101,7 +101,7 @@ def engine_shares(cfg, dataset: PromptDataset, tokenizer, step: int, generating)
     """The step's prompts of this rank's engine (`step_prompts` of each of its peers)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     peers = peers_of(cfg, rank)
-    remax = "reward_baselines" in algo.get_adv_estimator(cfg.algorithm.adv_estimator).inputs
+    remax = algo.generates_greedy_baselines(cfg)
     return EngineShares([step_prompts(cfg, dataset, tokenizer, step, generating, peer) for peer in peers],
                         peers.index(rank), (cfg.rollout.n, cfg.data.max_response_length) if remax else None)
 

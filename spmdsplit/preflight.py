@@ -44,7 +44,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from spmdsplit import lora, versions
 from spmdsplit.algo import (ADV_ESTIMATOR_REGISTRY, LOSS_AGG_MODES, POLICY_LOSS_REGISTRY, ROLLOUT_IS_LEVELS,
-                            get_adv_estimator)
+                            generates_greedy_baselines, get_adv_estimator)
 from spmdsplit.config import not_one_of
 from spmdsplit.data.synthetic import TASKS
 from spmdsplit.errors import ConfigError
@@ -94,7 +94,7 @@ def check_config(cfg: DictConfig) -> None:
             f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares responses to the same prompt: "
             f"set rollout.n >= 2 (got {cfg.rollout.n})"
         )
-    if "reward_baselines" in estimator.inputs and cfg.rollout.multi_turn.enable:
+    if generates_greedy_baselines(cfg) and cfg.rollout.multi_turn.enable:
         raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares each episode with its "
                           "prompt's greedy single-turn response, which a multi-turn episode has no counterpart of; "
                           "use grpo or rloo with rollout.multi_turn.enable=true")
@@ -374,7 +374,7 @@ def check_continuous(cfg: DictConfig) -> None:
     refusals = [
         (cfg.algorithm.filter_groups.enable, "algorithm.filter_groups.enable=true: dynamic sampling fills a step "
                                              "from whole generation batches"),
-        ("reward_baselines" in get_adv_estimator(cfg.algorithm.adv_estimator).inputs,
+        (generates_greedy_baselines(cfg),
          f"algorithm.adv_estimator={cfg.algorithm.adv_estimator}: its greedy baselines are generated per batch"),
         (r.tensor_model_parallel_size != 1, f"rollout.tensor_model_parallel_size={r.tensor_model_parallel_size}: "
                                             "a tensor-parallel engine's ranks would have to take each request together"),

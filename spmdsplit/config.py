@@ -99,7 +99,10 @@ def positive(default):
 
 # Choices several keys share.
 ENGINES = ("fsdp", "deepspeed")  # spmdsplit/engines/
-KL_ESTIMATORS = ("kl", "abs", "mse", "low_var_kl")  # the KL penalty in the reward, and the actor's KL loss
+# The KL(pi || pi_ref) estimators of the KL penalty in the reward and the actor's KL loss, each with
+# verl's other name for it (None: none). The keys take the first names; spmdsplit/algo.py kl_penalty,
+# the math, takes both and reads them from here.
+KL_ESTIMATORS = {"kl": "k1", "abs": None, "mse": "k2", "low_var_kl": "k3"}
 # Declared in spmdsplit/algo.py, beside the math that implements them, and checked at start-up
 # (spmdsplit/preflight.py REGISTERED): LOSS_AGG_MODES (agg_loss), ROLLOUT_IS_LEVELS
 # (compute_rollout_is_weights), and the registries of advantage estimators and policy losses,

@@ -99,6 +99,9 @@ def positive(default):
 
 # Choices several keys share.
 ENGINES = ("fsdp", "deepspeed")  # spmdsplit/engines/
+# data.truncation: a prompt still too long stops the job (error) or is cut, keeping its end (left) or
+# its start (right); spmdsplit/data/prompts.py cuts by it and checks a value that skipped load_config.
+TRUNCATIONS = ("error", "left", "right")
 # The KL(pi || pi_ref) estimators of the KL penalty in the reward and the actor's KL loss, each with
 # verl's other name for it (None: none). The keys take the first names; spmdsplit/algo.py kl_penalty,
 # the math, takes both and reads them from here.
@@ -289,7 +292,7 @@ class DataConfig:
     max_prompt_length: int = positive(8)
     max_response_length: int = positive(6)  # the synthetic tasks' answers are 4 digits: room for the EOS and to overrun
     filter_overlong_prompts: bool = False  # drop (and count) prompts longer than max_prompt_length
-    truncation: str = choice("error", "left", "right")  # a prompt still too long: fail, or cut on that side
+    truncation: str = choice(*TRUNCATIONS)  # a prompt still too long: fail, or cut on that side
     skip_malformed_rows: bool = False  # false: malformed rows stop the job, with their row numbers
     shuffle: bool = True
     seed: int = 1

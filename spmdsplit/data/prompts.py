@@ -9,10 +9,9 @@ import random
 import torch
 
 from spmdsplit.batch import Batch
+from spmdsplit.config import TRUNCATIONS
 from spmdsplit.data.parquet import ENVIRONMENT_AGENT, DataError, render_prompt
 from spmdsplit.exchange import row_ranges
-
-TRUNCATIONS = ("error", "left", "right")
 
 
 class PromptDataset:
@@ -77,6 +76,12 @@ def filter_overlong_prompts(rows: list[dict], tokenizer, max_prompt_length: int)
     return kept, len(rows) - len(kept)
 
 
+def check_truncation(truncation: str) -> None:
+    """data.truncation's value where it did not come through load_config (a config built in code)."""
+    if truncation not in TRUNCATIONS:
+        raise DataError(f"data.truncation={truncation!r}: expected one of {list(TRUNCATIONS)}")
+
+
 def _row_name(row: dict, global_row: int) -> str:
     return row.get("source_row") or f"row {global_row}"
 
@@ -89,8 +94,7 @@ def collate_prompts(
     Chat-message prompts go through the tokenizer's chat template. A prompt longer than
     `max_prompt_length` tokens is cut per `truncation` (verl's data.truncation): `left` keeps its
     last tokens, `right` its first, `error` stops with the rows' numbers."""
-    if truncation not in TRUNCATIONS:
-        raise ValueError(f"data.truncation={truncation!r}: expected one of {list(TRUNCATIONS)}")
+    check_truncation(truncation)
     ids = tokenizer(prompt_texts(rows, tokenizer), add_special_tokens=False)["input_ids"]
     empty = [_row_name(r, first_row + i) for i, (r, t) in enumerate(zip(rows, ids)) if not t]
     if empty:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from spmdsplit.data import reasoning_gym
 from spmdsplit.data.parquet import DataError, as_file_list, has_chat_template, read_parquet_rows
-from spmdsplit.data.prompts import TRUNCATIONS, filter_overlong_prompts, prompt_lengths
+from spmdsplit.data.prompts import check_truncation, filter_overlong_prompts, prompt_lengths
 from spmdsplit.data.synthetic import make_dataset
 
 SYNTHETIC_VAL_SAMPLES = 256  # validation set of the synthetic task when data.val_files is empty
@@ -61,8 +61,7 @@ def build_rows(data_cfg, tokenizer, split: str, tools: list[dict] | None = None,
     key = "data.train_files" if split == "train" else "data.val_files"
     files = as_file_list(getattr(data_cfg, "train_files" if split == "train" else "val_files", ""))
     truncation = getattr(data_cfg, "truncation", "error")
-    if truncation not in TRUNCATIONS:
-        raise DataError(f"data.truncation={truncation!r}: expected one of {list(TRUNCATIONS)}")
+    check_truncation(truncation)
     max_len = int(data_cfg.max_prompt_length)
 
     specs = [f for f in files if reasoning_gym.is_spec(f)]

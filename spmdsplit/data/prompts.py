@@ -13,6 +13,8 @@ from spmdsplit.config import TRUNCATIONS
 from spmdsplit.data.parquet import ENVIRONMENT_AGENT, DataError, render_prompt
 from spmdsplit.exchange import row_ranges
 
+EXAMPLES = 5  # the too-long prompts an error names
+
 
 class PromptDataset:
     def __init__(self, rows: list[dict], batch_size: int, shuffle: bool, seed: int):
@@ -82,6 +84,24 @@ def check_truncation(truncation: str) -> None:
         raise DataError(f"data.truncation={truncation!r}: expected one of {list(TRUNCATIONS)}")
 
 
+def check_prompt_lengths(rows: list[dict], lengths: list[int], max_prompt_length: int, first_row: int = 0,
+                         key: str = "") -> None:
+    """data.truncation=error's rule: a prompt longer than `max_prompt_length` tokens stops the job,
+    with the first EXAMPLES of them (row, tokens) and their files' rows. Checked as a file's rows
+    are loaded (sources.build_rows, `key` the data key), before any training, and as each step's
+    prompts are collated (`first_row`: the first row's place in the step's batch)."""
+    too_long = [(first_row + i, n) for i, n in enumerate(lengths) if n > max_prompt_length]
+    if not too_long:
+        return
+    sources = [rows[row - first_row].get("source_row") for row, _ in too_long[:EXAMPLES]]
+    where = f" from {sources}" if any(sources) else ""
+    raise DataError(
+        f"{key + ': ' if key else ''}{len(too_long)} prompt(s) longer than data.max_prompt_length={max_prompt_length} "
+        f"(row, tokens): {too_long[:EXAMPLES]}{where}; raise data.max_prompt_length, drop them when the data "
+        f"is loaded with data.filter_overlong_prompts=true, or cut them with data.truncation=left|right"
+    )
+
+
 def _row_name(row: dict, global_row: int) -> str:
     return row.get("source_row") or f"row {global_row}"
 
@@ -99,15 +119,8 @@ def collate_prompts(
     empty = [_row_name(r, first_row + i) for i, (r, t) in enumerate(zip(rows, ids)) if not t]
     if empty:
         raise DataError(f"{len(empty)} prompt(s) have no tokens after tokenisation: {empty[:5]}")
-    too_long = [(first_row + i, len(t)) for i, t in enumerate(ids) if len(t) > max_prompt_length]
-    if too_long and truncation == "error":
-        sources = [rows[row - first_row].get("source_row") for row, _ in too_long[:5]]
-        where = f" from {sources}" if any(sources) else ""
-        raise DataError(
-            f"{len(too_long)} prompt(s) longer than data.max_prompt_length={max_prompt_length} "
-            f"(row, tokens): {too_long[:5]}{where}; raise data.max_prompt_length, drop them when the data "
-            f"is loaded with data.filter_overlong_prompts=true, or cut them with data.truncation=left|right"
-        )
+    if truncation == "error":
+        check_prompt_lengths(rows, [len(t) for t in ids], max_prompt_length, first_row)
     if truncation == "left":
         ids = [t[-max_prompt_length:] for t in ids]
     elif truncation == "right":

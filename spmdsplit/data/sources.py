@@ -17,12 +17,11 @@ from __future__ import annotations
 
 from spmdsplit.data import reasoning_gym
 from spmdsplit.data.parquet import DataError, as_file_list, has_chat_template, read_parquet_rows
-from spmdsplit.data.prompts import check_truncation, filter_overlong_prompts, prompt_lengths
+from spmdsplit.data.prompts import check_prompt_lengths, check_truncation, filter_overlong_prompts, prompt_lengths
 from spmdsplit.data.synthetic import make_dataset
 
 SYNTHETIC_VAL_SAMPLES = 256  # validation set of the synthetic task when data.val_files is empty
 SYNTHETIC_VAL_SEED_OFFSET = 1_000_003  # its seed: data.seed + this, so it differs from the train set's
-EXAMPLES = 5  # row ids shown in errors about prompt lengths
 
 
 def _synthetic_rows(data_cfg, split: str) -> list[dict]:
@@ -117,14 +116,7 @@ def build_rows(data_cfg, tokenizer, split: str, tools: list[dict] | None = None,
     elif truncation == "error" and files and tokenizer is not None:
         # checked here for files, so a long prompt stops the job before training rather than at its
         # step; the synthetic task's prompts are short by design, and collate_prompts checks them
-        too_long = [(i, n) for i, n in enumerate(prompt_lengths(rows, tokenizer)) if n > max_len]
-        if too_long:
-            shown = [f"{rows[i].get('source_row') or f'row {i}'} ({n} tokens)" for i, n in too_long[:EXAMPLES]]
-            raise DataError(
-                f"{key}: {len(too_long)} of {len(rows)} prompt(s) are longer than data.max_prompt_length={max_len} "
-                f"tokens, e.g. {', '.join(shown)}; raise data.max_prompt_length, drop them with "
-                f"data.filter_overlong_prompts=true, or cut them with data.truncation=left|right"
-            )
+        check_prompt_lengths(rows, prompt_lengths(rows, tokenizer), max_len, key=key)
 
     for i, r in enumerate(rows):
         r["index"] = i

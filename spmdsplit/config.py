@@ -102,6 +102,9 @@ ENGINES = ("fsdp", "deepspeed")  # spmdsplit/engines/
 # data.truncation: a prompt still too long stops the job (error) or is cut, keeping its end (left) or
 # its start (right); spmdsplit/data/prompts.py cuts by it and checks a value that skipped load_config.
 TRUNCATIONS = ("error", "left", "right")
+# rollout.multi_turn.tool_response_truncate_side: the side of a long tool or environment response
+# KEPT, as verl (middle: both ends); spmdsplit/agent/tools.py truncate cuts by it.
+TRUNCATE_SIDES = ("middle", "left", "right")
 # The KL(pi || pi_ref) estimators of the KL penalty in the reward and the actor's KL loss, each with
 # verl's other name for it (None: none). The keys take the first names; spmdsplit/algo.py kl_penalty,
 # the math, takes both and reads them from here.
@@ -435,7 +438,7 @@ class MultiTurnConfig:
     max_turn_length: Optional[int] = None
     max_parallel_calls: int = positive(1)  # calls of one turn that run (verl's default: 1); the rest are dropped
     max_tool_response_length: int = positive(256)  # characters of a tool response the model sees
-    tool_response_truncate_side: str = choice("middle", "left", "right")
+    tool_response_truncate_side: str = choice(*TRUNCATE_SIDES)
     tool_timeout_s: float = positive(30.0)  # a call that runs longer is answered with an error
     format: str = choice("hermes", "compact")  # how calls are written (spmdsplit/agent/parsers.py)
     # An environment (docs/environments.md): each row an episode of it, as pkg.mod.Name or

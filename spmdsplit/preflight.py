@@ -54,6 +54,7 @@ from spmdsplit.placement import launch_shape_from_env, plan_from_config
 from spmdsplit.rewards.calls import check_reward_function
 from spmdsplit.rewards.custom import load_custom_reward_fn
 from spmdsplit.roles.build import trains_critic
+from spmdsplit.roles.reward import check_overlong_buffer_len
 from spmdsplit.rollout.base import engine_peers
 from spmdsplit.rollout.vllm_engine import CPU_HEAD_SIZES, MAX_LORA_RANKS, head_size
 from spmdsplit.sinks import missing_logger
@@ -115,12 +116,10 @@ def check_config(cfg: DictConfig) -> None:
 
 
 def check_overlong_buffer(cfg: DictConfig) -> None:
-    buffer, limit = cfg.reward.overlong_buffer, cfg.data.max_response_length
+    buffer = cfg.reward.overlong_buffer
     if not buffer.enable:
         return
-    if not 0 < buffer.len < limit:
-        raise ConfigError(f"reward.overlong_buffer.len={buffer.len}: expected > 0 and < data.max_response_length={limit} "
-                          "(the penalty ramps over the last len tokens before the limit)")
+    check_overlong_buffer_len(buffer.len, cfg.data.max_response_length)
     if cfg.reward.model.path:
         raise ConfigError("reward.overlong_buffer.enable=true shapes the rule reward, and reward.model.path replaces "
                           "it with the reward model's scores: drop one of them")

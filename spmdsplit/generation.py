@@ -13,17 +13,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from spmdsplit import algo
+from spmdsplit import algo, seeds
 from spmdsplit.batch import Batch
 from spmdsplit.data.prompts import PromptDataset, collate_prompts
 from spmdsplit.exchange import row_ranges
 from spmdsplit.messages import PoolChannel
 from spmdsplit.timing import PhaseTimer
 from spmdsplit.groups import Pools
-from spmdsplit.rollout.base import engine_peers, engine_seeds, row_seeds
-
-# Validation rows are seeded apart from the training rows of the same step.
-VALIDATION_SEED_SALT = 0x5EED_7A11
+from spmdsplit.rollout.base import engine_peers
 
 
 def generate_validation_rows(cfg, pools: Pools, rollout_engine, channel: PoolChannel, timer: PhaseTimer, tokenizer,
@@ -130,11 +127,9 @@ def sample_seeds(cfg, step: int, row_index: torch.Tensor, rank: int, validation:
     v1/worker/gpu/sample/states.py; on CPU: torch's, at every token) that a tool or an environment,
     run on the engine's first rank only, may move. per_row_seed: the row's own (row_seeds: the same
     tokens on any layout); false: one seed per engine per step (engine_seeds)."""
-    seed = cfg.trainer.seed ^ (VALIDATION_SEED_SALT if validation else 0)
-    if cfg.rollout.per_row_seed:
-        return row_seeds(seed, step, row_index)
     peers = peers_of(cfg, rank)
-    return engine_seeds(seed, step, peers[0] // len(peers), row_index)
+    engine = None if cfg.rollout.per_row_seed else peers[0] // len(peers)
+    return seeds.sample_seeds(cfg.trainer.seed, step, row_index, engine, validation)
 
 
 def generate_rows(rollout_engine, prompts: Batch, device, validate: bool = False) -> Batch:

@@ -12,6 +12,7 @@ from spmdsplit.batch import Batch
 from spmdsplit.config import TRUNCATIONS
 from spmdsplit.data.parquet import ENVIRONMENT_AGENT, DataError, render_prompt
 from spmdsplit.exchange import row_ranges
+from spmdsplit.seeds import epoch_order_seed
 
 EXAMPLES = 5  # the too-long prompts an error names
 
@@ -26,7 +27,7 @@ class PromptDataset:
     def _order(self, epoch: int) -> list[int]:
         order = list(range(len(self.rows)))
         if self.shuffle:
-            random.Random(self.seed * 100003 + epoch).shuffle(order)
+            random.Random(epoch_order_seed(self.seed, epoch)).shuffle(order)
         return order
 
     def global_batch(self, step: int) -> list[dict]:

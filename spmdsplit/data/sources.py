@@ -19,16 +19,16 @@ from spmdsplit.data import reasoning_gym
 from spmdsplit.data.parquet import DataError, as_file_list, has_chat_template, read_parquet_rows
 from spmdsplit.data.prompts import check_prompt_lengths, check_truncation, filter_overlong_prompts, prompt_lengths
 from spmdsplit.data.synthetic import make_dataset
+from spmdsplit.seeds import validation_data_seed
 
 SYNTHETIC_VAL_SAMPLES = 256  # validation set of the synthetic task when data.val_files is empty
-SYNTHETIC_VAL_SEED_OFFSET = 1_000_003  # its seed: data.seed + this, so it differs from the train set's
 
 
 def _synthetic_rows(data_cfg, split: str) -> list[dict]:
     if split == "train":
         rows = make_dataset(data_cfg.task, int(data_cfg.num_train_samples), int(data_cfg.seed))
     else:
-        rows = make_dataset(data_cfg.task, SYNTHETIC_VAL_SAMPLES, int(data_cfg.seed) + SYNTHETIC_VAL_SEED_OFFSET)
+        rows = make_dataset(data_cfg.task, SYNTHETIC_VAL_SAMPLES, validation_data_seed(int(data_cfg.seed)))
     return [
         {
             "prompt": r["prompt"],

@@ -46,7 +46,8 @@ import torch.distributed as dist
 
 from spmdsplit import lora
 from spmdsplit.batch import Batch
-from spmdsplit.rollout.base import GREEDY, Delta, SeedSequence, engine_peers, rollout_batch
+from spmdsplit.rollout.base import GREEDY, Delta, engine_peers, rollout_batch
+from spmdsplit.seeds import SeedSequence, engine_own_seed
 
 # vllm/v1/attention/backends/cpu_attn.py: CPUAttentionBackend.get_supported_head_sizes() (0.32);
 # spmdsplit/preflight.py check_vllm refuses other sizes before the job starts.
@@ -256,7 +257,7 @@ class VLLMRollout:
         engine_index = dist.get_rank() // cfg.rollout.tensor_model_parallel_size if dist.is_initialized() else 0
         os.environ["VLLM_FLASHINFER_AUTOTUNE_CACHE_DIR"] = flashinfer_autotune_dir(engine_index)
         self.llm = LLM(**{**engine_kwargs(cfg, model_path, device, dtype, sleeps),
-                          "seed": cfg.trainer.seed * 1009 + engine_index})
+                          "seed": engine_own_seed(cfg.trainer.seed, engine_index)})
         # Every request carries a seed (generation.sample_seeds gives each row one); one that comes
         # without takes the engine's own next seed, never a global generator's: on CUDA vLLM 0.32
         # (its V2 model runner) would draw it from numpy's global generator when the request is
@@ -267,7 +268,7 @@ class VLLMRollout:
         # batched sampling kernel (a hash of seed and position, gumbel.py; it takes no FlashInfer
         # path anyway with processed log-probs, which the engine always asks for), and CPU draws
         # one number per seeded row per token from the row's generator.
-        self.own_seeds = SeedSequence(cfg.trainer.seed * 1009 + engine_index)
+        self.own_seeds = SeedSequence(engine_own_seed(cfg.trainer.seed, engine_index))
         # The engine freezes every object alive now (gc.freeze) so GC never scans them: the
         # trainer's too, whose cyclic garbage would then never be freed.
         gc.unfreeze()

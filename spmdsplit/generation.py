@@ -11,11 +11,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from spmdsplit import algo, seeds
 from spmdsplit.batch import Batch
 from spmdsplit.data.prompts import PromptDataset, collate_prompts
+from spmdsplit.distributed import world_rank
 from spmdsplit.exchange import row_ranges
 from spmdsplit.messages import PoolChannel
 from spmdsplit.timing import PhaseTimer
@@ -96,7 +96,7 @@ def greedy_baselines(rollout_engine, prompts: Batch, n: int, width: int) -> Batc
 
 def engine_shares(cfg, dataset: PromptDataset, tokenizer, step: int, generating) -> EngineShares:
     """The step's prompts of this rank's engine (`step_prompts` of each of its peers)."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = world_rank()
     peers = peers_of(cfg, rank)
     remax = algo.generates_greedy_baselines(cfg)
     return EngineShares([step_prompts(cfg, dataset, tokenizer, step, generating, peer) for peer in peers],

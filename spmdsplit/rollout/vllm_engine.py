@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from spmdsplit import lora
 from spmdsplit.batch import Batch
+from spmdsplit.distributed import world_rank
 from spmdsplit.rollout.base import GREEDY, Delta, engine_peers, rollout_batch
 from spmdsplit.seeds import SeedSequence, engine_own_seed
 
@@ -254,7 +255,7 @@ class VLLMRollout:
         # trainer sets its thread count before; train.py does, before the world forms), and all
         # later allocations are bound to the NUMA node of the rank's first CPU (MEMBIND): pin each
         # rank to one node's cores (numactl / srun --cpu-bind) on multi-socket hosts.
-        engine_index = dist.get_rank() // cfg.rollout.tensor_model_parallel_size if dist.is_initialized() else 0
+        engine_index = world_rank() // cfg.rollout.tensor_model_parallel_size
         os.environ["VLLM_FLASHINFER_AUTOTUNE_CACHE_DIR"] = flashinfer_autotune_dir(engine_index)
         self.llm = LLM(**{**engine_kwargs(cfg, model_path, device, dtype, sleeps),
                           "seed": engine_own_seed(cfg.trainer.seed, engine_index)})
@@ -572,7 +573,7 @@ class AdapterFolder:
         self.bytes = 0  # the adapter's tensors, as last written
 
     def _make_root(self, parent: str) -> str:
-        rank = dist.get_rank() if dist.is_initialized() else 0
+        rank = world_rank()
         root = tempfile.mkdtemp(prefix=f"spmdsplit-lora-rank{rank}-", dir=parent)
         weakref.finalize(self, shutil.rmtree, root, True)
         return root

@@ -58,8 +58,8 @@ def build_rows(data_cfg, tokenizer, split: str, tools: list[dict] | None = None,
     if split not in ("train", "val"):
         raise ValueError(f"split={split!r}: expected 'train' or 'val'")
     key = "data.train_files" if split == "train" else "data.val_files"
-    files = as_file_list(getattr(data_cfg, "train_files" if split == "train" else "val_files", ""))
-    truncation = getattr(data_cfg, "truncation", "error")
+    files = as_file_list(data_cfg.train_files if split == "train" else data_cfg.val_files)
+    truncation = data_cfg.truncation
     check_truncation(truncation)
     max_len = int(data_cfg.max_prompt_length)
 
@@ -70,8 +70,8 @@ def build_rows(data_cfg, tokenizer, split: str, tools: list[dict] | None = None,
         if parquet_files:
             rows, report = read_parquet_rows(
                 parquet_files,
-                prompt_key=getattr(data_cfg, "prompt_key", "prompt") or "prompt",
-                skip_malformed=bool(getattr(data_cfg, "skip_malformed_rows", False)),
+                prompt_key=data_cfg.prompt_key or "prompt",
+                skip_malformed=data_cfg.skip_malformed_rows,
                 key=key,
             )
         report = {"split": split, "source": "parquet", **report}
@@ -104,7 +104,7 @@ def build_rows(data_cfg, tokenizer, split: str, tools: list[dict] | None = None,
         )
 
     filtered = 0
-    if getattr(data_cfg, "filter_overlong_prompts", False):
+    if data_cfg.filter_overlong_prompts:
         if tokenizer is None:
             raise ValueError("data.filter_overlong_prompts needs the tokenizer")
         rows, filtered = filter_overlong_prompts(rows, tokenizer, max_len)

@@ -67,7 +67,8 @@ def max_lora_rank(cfg) -> int:
 def head_size(model_path: str, trust_remote_code: bool = False) -> int:
     from transformers import AutoConfig
 
-    # A multimodal checkpoint nests its language model's config.
+    # A multimodal checkpoint nests its language model's config; older configs have no head_dim
+    # (getattr), whose heads then split the hidden size.
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code).get_text_config()
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 

@@ -520,6 +520,8 @@ class RolloutConfig:
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)  # sampling for validation
     # vLLM only (rollout.name=vllm), under verl's names.
     tensor_model_parallel_size: int = positive(1)  # ranks per engine, consecutive, inside one pool
+    # Kept so that a verl config that sets it loads: 1 is the one layout here (nothing else reads
+    # it), and its check (check_declared, when the config loads) refuses any other value.
     data_parallel_size: int = bounded(1, lambda v: v == 1, "expected 1; vLLM's own data parallel steps its engines "
                                       "in lockstep, and every generating rank (or tensor-parallel group) already runs "
                                       "its own engine")
@@ -720,6 +722,8 @@ class RolloutCorrectionConfig:
     # true: the engine's log-probs stand in for old_log_probs (no recomputation; PPO's ratio is
     # then against the rollout policy itself, so no weights are applied under loss_type=ppo_clip)
     bypass_mode: bool = False
+    # Kept so that a verl config that sets it loads: ppo_clip is the one loss here, and its check
+    # (check_declared, when the config loads) refuses any other value.
     loss_type: str = choice("ppo_clip", why_not={"reinforce": "verl's bypass-mode REINFORCE loss is not implemented "
                                                  "here; use {key}=ppo_clip"})
 

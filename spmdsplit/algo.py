@@ -31,6 +31,8 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor
 
+from spmdsplit.config import KL_ESTIMATORS
+
 ReduceSum = Callable[[Tensor], Tensor]
 
 # The choices of actor/critic.loss_agg_mode (agg_loss) and of algorithm.rollout_correction.rollout_is
@@ -41,6 +43,7 @@ ROLLOUT_IS_LEVELS = ("token", "sequence")  # one weight per token, or the row's 
 __all__ = [
     "masked_sum", "masked_mean", "masked_var", "masked_whiten",
     "AdvEstimator", "ADV_ESTIMATOR_REGISTRY", "register_adv_est", "get_adv_estimator", "get_adv_estimator_fn",
+    "generates_greedy_baselines",
     "POLICY_LOSS_REGISTRY", "register_policy_loss", "get_policy_loss_fn",
     "compute_gae_advantage_return", "compute_grpo_outcome_advantage", "compute_rloo_outcome_advantage",
     "compute_reinforce_plus_plus_outcome_advantage",
@@ -161,6 +164,13 @@ def get_adv_estimator(name: str) -> AdvEstimator:
 
 def get_adv_estimator_fn(name: str) -> Callable:
     return get_adv_estimator(name).fn
+
+
+def generates_greedy_baselines(cfg) -> bool:
+    """Whether the job generates each prompt's greedy response as its reward baseline: its
+    estimator reads `reward_baselines` (ReMax). generation.py generates them; preflight refuses
+    what cannot have them (multi-turn episodes, continuous generation)."""
+    return "reward_baselines" in get_adv_estimator(cfg.algorithm.adv_estimator).inputs
 
 
 def register_policy_loss(name: str):
@@ -377,7 +387,8 @@ def compute_gpg_outcome_advantage(token_level_rewards: Tensor, response_mask: Te
 
 # ----------------------------------------------------------------------------- KL penalty
 
-KL_PENALTY_NAMES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+KL_PENALTY_NAMES = tuple(n for name, alias in KL_ESTIMATORS.items() for n in (name, alias) if n)  # kl, k1, abs, ...
+_KL_NAME = {alias: name for name, alias in KL_ESTIMATORS.items() if alias}  # verl's other names: k1 -> kl, ...
 
 
 def kl_penalty(logprob: Tensor, ref_logprob: Tensor, kl_penalty: str) -> Tensor:
@@ -388,13 +399,14 @@ def kl_penalty(logprob: Tensor, ref_logprob: Tensor, kl_penalty: str) -> Tensor:
     [-20, 20] and the result to [-10, 10] (as verl) so a single outlier token cannot explode.
     """
     diff = logprob - ref_logprob
-    if kl_penalty in ("kl", "k1"):
+    estimator = _KL_NAME.get(kl_penalty, kl_penalty)
+    if estimator == "kl":
         return diff
-    if kl_penalty == "abs":
+    if estimator == "abs":
         return diff.abs()
-    if kl_penalty in ("mse", "k2"):
+    if estimator == "mse":
         return 0.5 * diff.square()
-    if kl_penalty in ("low_var_kl", "k3"):
+    if estimator == "low_var_kl":
         log_ratio = (-diff).clamp(-20.0, 20.0)  # log(pi_ref / pi)
         return (log_ratio.exp() - log_ratio - 1).clamp(-10.0, 10.0)
     raise ValueError(f"unknown kl_penalty {kl_penalty!r}; valid: {', '.join(KL_PENALTY_NAMES)}")

@@ -24,6 +24,7 @@ from spmdsplit.messages import PoolChannel
 from spmdsplit.groups import Pools
 from spmdsplit.programs import Program
 from spmdsplit.reporting import Reports, other_pools
+from spmdsplit.seeds import sampling_seed
 from spmdsplit.stop_at_score import ScoreTarget
 from spmdsplit.timing import PhaseTimer
 
@@ -38,7 +39,7 @@ def save_due(step: int, stop: bool, save_freq: int, last: bool) -> bool:
 def seed_sampling(seed: int, rank: int, after_step: int = 0) -> None:
     """Sampling must differ between ranks (else every shard draws the same responses); a resume
     that cannot restore the RNG state (other pool sizes) seeds from the step too."""
-    torch.manual_seed(seed * 1000 + 7 + rank + 7919 * after_step)
+    torch.manual_seed(sampling_seed(seed, rank, after_step))
 
 
 class CheckpointManager:

@@ -99,7 +99,16 @@ def positive(default):
 
 # Choices several keys share.
 ENGINES = ("fsdp", "deepspeed")  # spmdsplit/engines/
-KL_ESTIMATORS = ("kl", "abs", "mse", "low_var_kl")  # the KL penalty in the reward, and the actor's KL loss
+# data.truncation: a prompt still too long stops the job (error) or is cut, keeping its end (left) or
+# its start (right); spmdsplit/data/prompts.py cuts by it and checks a value that skipped load_config.
+TRUNCATIONS = ("error", "left", "right")
+# rollout.multi_turn.tool_response_truncate_side: the side of a long tool or environment response
+# KEPT, as verl (middle: both ends); spmdsplit/agent/tools.py truncate cuts by it.
+TRUNCATE_SIDES = ("middle", "left", "right")
+# The KL(pi || pi_ref) estimators of the KL penalty in the reward and the actor's KL loss, each with
+# verl's other name for it (None: none). The keys take the first names; spmdsplit/algo.py kl_penalty,
+# the math, takes both and reads them from here.
+KL_ESTIMATORS = {"kl": "k1", "abs": None, "mse": "k2", "low_var_kl": "k3"}
 # Declared in spmdsplit/algo.py, beside the math that implements them, and checked at start-up
 # (spmdsplit/preflight.py REGISTERED): LOSS_AGG_MODES (agg_loss), ROLLOUT_IS_LEVELS
 # (compute_rollout_is_weights), and the registries of advantage estimators and policy losses,
@@ -286,7 +295,7 @@ class DataConfig:
     max_prompt_length: int = positive(8)
     max_response_length: int = positive(6)  # the synthetic tasks' answers are 4 digits: room for the EOS and to overrun
     filter_overlong_prompts: bool = False  # drop (and count) prompts longer than max_prompt_length
-    truncation: str = choice("error", "left", "right")  # a prompt still too long: fail, or cut on that side
+    truncation: str = choice(*TRUNCATIONS)  # a prompt still too long: fail, or cut on that side
     skip_malformed_rows: bool = False  # false: malformed rows stop the job, with their row numbers
     shuffle: bool = True
     seed: int = 1
@@ -429,7 +438,7 @@ class MultiTurnConfig:
     max_turn_length: Optional[int] = None
     max_parallel_calls: int = positive(1)  # calls of one turn that run (verl's default: 1); the rest are dropped
     max_tool_response_length: int = positive(256)  # characters of a tool response the model sees
-    tool_response_truncate_side: str = choice("middle", "left", "right")
+    tool_response_truncate_side: str = choice(*TRUNCATE_SIDES)
     tool_timeout_s: float = positive(30.0)  # a call that runs longer is answered with an error
     format: str = choice("hermes", "compact")  # how calls are written (spmdsplit/agent/parsers.py)
     # An environment (docs/environments.md): each row an episode of it, as pkg.mod.Name or
@@ -511,6 +520,8 @@ class RolloutConfig:
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)  # sampling for validation
     # vLLM only (rollout.name=vllm), under verl's names.
     tensor_model_parallel_size: int = positive(1)  # ranks per engine, consecutive, inside one pool
+    # Kept so that a verl config that sets it loads: 1 is the one layout here (nothing else reads
+    # it), and its check (check_declared, when the config loads) refuses any other value.
     data_parallel_size: int = bounded(1, lambda v: v == 1, "expected 1; vLLM's own data parallel steps its engines "
                                       "in lockstep, and every generating rank (or tensor-parallel group) already runs "
                                       "its own engine")
@@ -711,6 +722,8 @@ class RolloutCorrectionConfig:
     # true: the engine's log-probs stand in for old_log_probs (no recomputation; PPO's ratio is
     # then against the rollout policy itself, so no weights are applied under loss_type=ppo_clip)
     bypass_mode: bool = False
+    # Kept so that a verl config that sets it loads: ppo_clip is the one loss here, and its check
+    # (check_declared, when the config loads) refuses any other value.
     loss_type: str = choice("ppo_clip", why_not={"reinforce": "verl's bypass-mode REINFORCE loss is not implemented "
                                                  "here; use {key}=ppo_clip"})
 

@@ -1,10 +1,17 @@
-"""Small pool-scoped reductions. Everything here takes the pool's group: nothing reduces over
-the world, because the other pool is busy with different work and would never join."""
+"""Small pool-scoped reductions, and this process's rank. Everything here takes the pool's group:
+nothing reduces over the world, because the other pool is busy with different work and would never
+join."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+
+def world_rank() -> int:
+    """This process's rank in the world; 0 without one (a single process: colocate on one rank,
+    which exchanges with itself without a process group; a test, a tool)."""
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def meet_on(group, device) -> None:

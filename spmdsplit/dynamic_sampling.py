@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from spmdsplit.batch import Batch
+from spmdsplit.distributed import world_rank
 from spmdsplit.exchange import Message, regroup_rows
 from spmdsplit.messages import FILTER_GROUPS
 from spmdsplit.roles.reward import RESPONSE_TEXT
@@ -65,7 +66,7 @@ class DynamicSampling:
         self.gen_groups = cfg.data.gen_batch_size or cfg.data.train_batch_size
         self.scorer, self.ranks, self.group = scorer, list(ranks), group
         self.count_group = group if count_group is None else count_group
-        self.me = self.ranks.index(dist.get_rank() if dist.is_initialized() else 0)
+        self.me = self.ranks.index(world_rank())
         self.device = self.group_device(group, device)  # for the rows' all_to_all
         self.count_device = self.group_device(self.count_group, device)
         self.next_gen_batch = 1  # the data position: the next generation batch to take

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from spmdsplit.batch import Batch
+from spmdsplit.distributed import world_rank
 
 _ALIGN = 16  # column offsets in the payload, so every column is a zero-copy, aligned dtype view
 _HEADER = 6
@@ -97,11 +98,6 @@ class PendingSend:
         self._works, self._buffers = [], []
 
 
-def _rank() -> int:
-    # Lets a single process (colocate, one rank) exchange with itself without a process group.
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
 class Link:
     """Checked, ordered messages over one process group. `kinds` names every kind of message that
     may travel on it (its index is the kind's code in the header). The group's timeout is what a
@@ -127,7 +123,7 @@ class Link:
         always has both its ranks waiting at it, and within a pair the two directions are posted
         in the same order on both sides. From here on a message to a pair not connected is an
         error (the schedule missed it)."""
-        me = _rank()
+        me = world_rank()
         token = torch.zeros(1, device=self.device)
         ordered = list(dict.fromkeys((min(a, b), max(a, b)) for a, b in pairs if a != b))
         for low, high in ordered:
@@ -142,7 +138,7 @@ class Link:
         self.connected = set(ordered)
 
     def _check_connected(self, peer: int) -> None:
-        me = _rank()
+        me = world_rank()
         if self.connected is not None and (min(me, peer), max(me, peer)) not in self.connected:
             raise ProtocolError(f"rank {me} talks to rank {peer} on the {self.name} link, a pair that was not "
                                 "connected at start-up (Link.connect)")
@@ -178,7 +174,7 @@ class Link:
         got = Message(name, step, chunk)
         if got != expect or seq != want_seq:
             raise ProtocolError(
-                f"rank {_rank()} expected {expect.describe(want_seq)} from rank {src} on the {self.name} link, "
+                f"rank {world_rank()} expected {expect.describe(want_seq)} from rank {src} on the {self.name} link, "
                 f"got {got.describe(seq)}"
             )
         return meta_len, payload_len
@@ -198,12 +194,12 @@ class Link:
 
     def park(self, msg: Message, value: Any) -> None:
         if tuple(msg) in self._local:
-            raise ProtocolError(f"rank {_rank()} sent itself {msg.describe()} twice without receiving it")
+            raise ProtocolError(f"rank {world_rank()} sent itself {msg.describe()} twice without receiving it")
         self._local[tuple(msg)] = value
 
     def unpark(self, msg: Message) -> Any:
         if tuple(msg) not in self._local:
-            raise ProtocolError(f"rank {_rank()} expected {msg.describe()} from itself, but it was never sent")
+            raise ProtocolError(f"rank {world_rank()} expected {msg.describe()} from itself, but it was never sent")
         return self._local.pop(tuple(msg))
 
     # ---- small objects (metrics, control)
@@ -211,14 +207,14 @@ class Link:
     def send_object(self, obj: Any, dst: int, msg: Message) -> PendingSend:
         """Non-blocking send of a small picklable object to global rank `dst`."""
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        if dst == _rank():
+        if dst == world_rank():
             self.park(msg, data)  # pickled, so the receiver gets a copy as it would remotely
             return PendingSend()
         return self.isend(msg, data, None, dst)
 
     def recv_object(self, src: int, msg: Message) -> Any:
         """Blocks until the object `msg` from global rank `src` arrived."""
-        if src == _rank():
+        if src == world_rank():
             return pickle.loads(self.unpark(msg))
         sizes = self.recv_headers(msg, [src])
         meta, _ = self.recv_bodies(sizes)[src]
@@ -288,7 +284,7 @@ def send_rows(link: Link, msg: Message, batch: Batch, src_ranks, dst_ranks, num_
     Rows for other ranks are copied at call time, so `batch` may be changed right after; rows
     for itself are kept as views (see the module doc)."""
     src, dst = _check_ranks(src_ranks, dst_ranks, num_rows)
-    me = _rank()
+    me = world_rank()
     if me not in src:
         raise ValueError(f"send_rows called on rank {me}, which is not in src_ranks {src}")
     mine = row_ranges(num_rows, len(src))[src.index(me)]
@@ -316,7 +312,7 @@ def recv_rows(link: Link, msg: Message, src_ranks, dst_ranks, num_rows: int, sta
     `stats`, if given, receives `bytes` (received over the wire) and `transfer_us` (from all
     headers in to all bodies in): the transfer itself, without the wait for the senders."""
     src, dst = _check_ranks(src_ranks, dst_ranks, num_rows)
-    me = _rank()
+    me = world_rank()
     if me not in dst:
         raise ValueError(f"recv_rows called on rank {me}, which is not in dst_ranks {dst}")
     mine = row_ranges(num_rows, len(dst))[dst.index(me)]
@@ -346,7 +342,7 @@ def reorder_rows(msg: Message, batch: Batch, ranks: Sequence[int], order: Sequen
     all_to_all of sizes, checked (the message's step and chunk, and the order's fingerprint, must
     agree on every rank), then one all_to_all of the pieces' bytes, each NCCL's grouped call. Rows
     a rank keeps never leave it (views, as with self-delivery)."""
-    ranks, me = list(ranks), _rank()
+    ranks, me = list(ranks), world_rank()
     if sorted(order) != list(range(len(order))):
         raise ValueError(f"order must be a permutation of range({len(order)})")
     ranges = row_ranges(len(order), len(ranks))
@@ -380,7 +376,7 @@ def exchange_pieces(msg: Message, pieces: Sequence[Batch | None], ranks: Sequenc
     `fingerprint` of the plan must agree on every rank, else a ProtocolError naming both), then one
     all_to_all of the pieces' bytes: each is NCCL's grouped call, since any two ranks may send each
     other here."""
-    ranks, me = list(ranks), _rank()
+    ranks, me = list(ranks), world_rank()
     mine = ranks.index(me)
     if len(ranks) == 1:
         return [pieces[0]]

@@ -121,6 +121,7 @@ import torch
 import torch.distributed as dist
 
 from spmdsplit.batch import Batch
+from spmdsplit.distributed import world_rank
 from spmdsplit.exchange import (Link, Message, PendingSend, ProtocolError, recv_rows, reorder_rows, row_pairs,
                                 send_rows)
 from spmdsplit.placement import Placement
@@ -179,7 +180,7 @@ def check_rows(received: Batch, held: Batch, what: str) -> None:
     """Rows that came back must be the rows this rank holds, in the same order."""
     if not torch.equal(received["row_index"].cpu(), held["row_index"].cpu()):
         raise ProtocolError(
-            f"rank {dist.get_rank() if dist.is_initialized() else 0}: {what} arrived for rows "
+            f"rank {world_rank()}: {what} arrived for rows "
             f"{received['row_index'].tolist()[:8]}..., but this rank holds rows {held['row_index'].tolist()[:8]}..."
         )
 

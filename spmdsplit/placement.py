@@ -463,7 +463,7 @@ def plan_from_config(cfg, world_size: int, local_world_size: int, nnodes: int) -
     placement_cfg = cfg.placement
     return plan_placement(
         placement_cfg.mode, plain(placement_cfg.pools), placement_cfg.pool_unit,
-        world_size, local_world_size, nnodes, plain(getattr(placement_cfg, "roles", None)),
+        world_size, local_world_size, nnodes, plain(placement_cfg.roles),
         rollout_ranks=cfg.rollout.ranks, overlap=placement_cfg.overlap,
     )
 

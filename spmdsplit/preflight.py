@@ -44,7 +44,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from spmdsplit import lora, versions
 from spmdsplit.algo import (ADV_ESTIMATOR_REGISTRY, LOSS_AGG_MODES, POLICY_LOSS_REGISTRY, ROLLOUT_IS_LEVELS,
-                            get_adv_estimator)
+                            generates_greedy_baselines, get_adv_estimator)
 from spmdsplit.config import not_one_of
 from spmdsplit.data.synthetic import TASKS
 from spmdsplit.errors import ConfigError
@@ -54,6 +54,7 @@ from spmdsplit.placement import launch_shape_from_env, plan_from_config
 from spmdsplit.rewards.calls import check_reward_function
 from spmdsplit.rewards.custom import load_custom_reward_fn
 from spmdsplit.roles.build import trains_critic
+from spmdsplit.roles.reward import check_overlong_buffer_len
 from spmdsplit.rollout.base import engine_peers
 from spmdsplit.rollout.vllm_engine import CPU_HEAD_SIZES, MAX_LORA_RANKS, head_size
 from spmdsplit.sinks import missing_logger
@@ -94,7 +95,7 @@ def check_config(cfg: DictConfig) -> None:
             f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares responses to the same prompt: "
             f"set rollout.n >= 2 (got {cfg.rollout.n})"
         )
-    if "reward_baselines" in estimator.inputs and cfg.rollout.multi_turn.enable:
+    if generates_greedy_baselines(cfg) and cfg.rollout.multi_turn.enable:
         raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares each episode with its "
                           "prompt's greedy single-turn response, which a multi-turn episode has no counterpart of; "
                           "use grpo or rloo with rollout.multi_turn.enable=true")
@@ -115,12 +116,10 @@ def check_config(cfg: DictConfig) -> None:
 
 
 def check_overlong_buffer(cfg: DictConfig) -> None:
-    buffer, limit = cfg.reward.overlong_buffer, cfg.data.max_response_length
+    buffer = cfg.reward.overlong_buffer
     if not buffer.enable:
         return
-    if not 0 < buffer.len < limit:
-        raise ConfigError(f"reward.overlong_buffer.len={buffer.len}: expected > 0 and < data.max_response_length={limit} "
-                          "(the penalty ramps over the last len tokens before the limit)")
+    check_overlong_buffer_len(buffer.len, cfg.data.max_response_length)
     if cfg.reward.model.path:
         raise ConfigError("reward.overlong_buffer.enable=true shapes the rule reward, and reward.model.path replaces "
                           "it with the reward model's scores: drop one of them")
@@ -374,7 +373,7 @@ def check_continuous(cfg: DictConfig) -> None:
     refusals = [
         (cfg.algorithm.filter_groups.enable, "algorithm.filter_groups.enable=true: dynamic sampling fills a step "
                                              "from whole generation batches"),
-        ("reward_baselines" in get_adv_estimator(cfg.algorithm.adv_estimator).inputs,
+        (generates_greedy_baselines(cfg),
          f"algorithm.adv_estimator={cfg.algorithm.adv_estimator}: its greedy baselines are generated per batch"),
         (r.tensor_model_parallel_size != 1, f"rollout.tensor_model_parallel_size={r.tensor_model_parallel_size}: "
                                             "a tensor-parallel engine's ranks would have to take each request together"),

@@ -23,9 +23,9 @@ from spmdsplit.agent.environments import (
     load_environment,
     read_observation,
     read_returned,
-    reset_seed,
 )
 from spmdsplit.agent.tools import ERROR_KINDS, ToolConfigError
+from spmdsplit.seeds import reset_seed
 from tests.support.agent_models import chat_tokenizer
 from tests.support.streams import agent_stream_factory
 

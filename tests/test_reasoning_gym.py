@@ -17,6 +17,7 @@ from spmdsplit.data import reasoning_gym as rg_rows
 from spmdsplit.data.parquet import DataError, read_parquet_rows
 from spmdsplit.data.sources import build_rows, format_report
 from spmdsplit.roles.reward import RESPONSE_TEXT, RuleReward
+from spmdsplit.seeds import VALIDATION_DATA_SEED_OFFSET
 from tests.support.jobs import SHORT
 from tests.support.launch import job
 
@@ -140,7 +141,7 @@ def test_validation_split_differs_from_training():
     assert not {r["prompt"][1]["content"] for r in val} & {r["prompt"][1]["content"] for r in train}
     row = val[0]
     seed = json.loads(row["extra_info"]["config"])["seed"]
-    assert seed == SEED + rg_rows.VAL_SEED_OFFSET
+    assert seed == SEED + VALIDATION_DATA_SEED_OFFSET
     text = f"<answer>{row['reward_model']['ground_truth']}</answer>"
     assert ours([row], [text]) == [theirs(row["extra_info"]["task"], 0, text, size=3, seed=seed)] == [1.0]
 

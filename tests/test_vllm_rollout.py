@@ -19,7 +19,7 @@ import torch
 from spmdsplit.config import load_config
 from spmdsplit.errors import ConfigError
 from spmdsplit.placement import Placement
-from spmdsplit.rollout import row_seeds
+from spmdsplit.seeds import row_seeds
 from spmdsplit.rollout.base import rollout_probs_diff
 from tests.support.engines import P_LONG, R, build_model, job_config, needs_vllm, start_engine, task_prompts
 from tests.support.launch import run_ranks

@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import hashlib
 import inspect
 import json
 import math
@@ -227,13 +226,6 @@ def read_returned(returned: Any, reset: bool) -> Reading:
         raise ValueError(f"returned a tuple of {len(returned)}, not gymnasium's {shapes}")
     return Reading(observation_text(obs), finite_reward(reward, "a reward that"), bool(terminated), bool(truncated),
                    info_numbers(info))
-
-
-def reset_seed(uid: str, trainer_seed: int) -> int:
-    """The seed of a prompt's environment: the same for the rollout.n episodes of one prompt (GRPO
-    compares them on one task), another for every prompt and run. Below 2**32: numpy's legacy
-    seeding (np.random.seed, RandomState) and GEM's environments take no larger one."""
-    return int.from_bytes(hashlib.sha256(f"{trainer_seed}/{uid}".encode()).digest()[:4], "big")
 
 
 def _accepts(fn: Callable, name: str) -> bool:

@@ -28,13 +28,14 @@ from typing import Callable
 import torch
 
 from spmdsplit.agent.chat import ToolChat
-from spmdsplit.agent.environments import EnvCall, EnvResult, Environments, EnvSlot, reset_seed
+from spmdsplit.agent.environments import EnvCall, EnvResult, Environments, EnvSlot
 from spmdsplit.agent.parsers import ToolParser
 from spmdsplit.agent.tools import ERROR_KINDS, Tools
 from spmdsplit.batch import Batch
 from spmdsplit.data.parquet import ENVIRONMENT_AGENT
 from spmdsplit.rewards.rule import ENVIRONMENT_REWARD
-from spmdsplit.rollout.base import AroundEngine, episodes_batch, splitmix64
+from spmdsplit.rollout.base import AroundEngine, episodes_batch
+from spmdsplit.seeds import nth_seed, reset_seed
 
 
 # Each row: its environment ended it in a terminal state, or before one (a time limit).
@@ -208,7 +209,7 @@ class AgentRollout(AroundEngine):
     @staticmethod
     def turn_seed(episode: Episode) -> int | None:
         """The seed of the episode's next turn: its row's, hashed with the turn's number."""
-        return None if episode.seed is None else splitmix64(episode.seed ^ episode.assistant_turns) >> 1
+        return None if episode.seed is None else nth_seed(episode.seed, episode.assistant_turns)
 
     def start(self, prompts: Batch) -> list[Episode]:
         ids, mask = prompts["input_ids"].cpu(), prompts["attention_mask"].cpu().bool()

@@ -37,12 +37,12 @@ from typing import Any, Sequence
 
 import yaml
 
+from spmdsplit.config import TRUNCATE_SIDES  # verl's meaning: the side KEPT ("middle": both ends)
 from spmdsplit.errors import ConfigError
 from spmdsplit.usercode import TIMEOUT, UserCode, error_line
 
 SETTING = "rollout.multi_turn.tool_config_path"
 ERROR_KINDS = ("bad_call", "unknown_tool", "bad_arguments", "exception", "timeout", "not_text")
-TRUNCATE_SIDES = ("left", "middle", "right")  # verl's meaning: the side KEPT ("middle": both ends)
 CUT = "...[truncated]..."
 _ENTRY_KEYS = ("class_name", "function", "config", "tool_schema")
 # Checked in this order, so a bool is named "boolean" and never passes as "integer" or "number".

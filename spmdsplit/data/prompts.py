@@ -9,10 +9,12 @@ import random
 import torch
 
 from spmdsplit.batch import Batch
+from spmdsplit.config import TRUNCATIONS
 from spmdsplit.data.parquet import ENVIRONMENT_AGENT, DataError, render_prompt
 from spmdsplit.exchange import row_ranges
+from spmdsplit.seeds import epoch_order_seed
 
-TRUNCATIONS = ("error", "left", "right")
+EXAMPLES = 5  # the too-long prompts an error names
 
 
 class PromptDataset:
@@ -25,7 +27,7 @@ class PromptDataset:
     def _order(self, epoch: int) -> list[int]:
         order = list(range(len(self.rows)))
         if self.shuffle:
-            random.Random(self.seed * 100003 + epoch).shuffle(order)
+            random.Random(epoch_order_seed(self.seed, epoch)).shuffle(order)
         return order
 
     def global_batch(self, step: int) -> list[dict]:
@@ -77,6 +79,30 @@ def filter_overlong_prompts(rows: list[dict], tokenizer, max_prompt_length: int)
     return kept, len(rows) - len(kept)
 
 
+def check_truncation(truncation: str) -> None:
+    """data.truncation's value where it did not come through load_config (a config built in code)."""
+    if truncation not in TRUNCATIONS:
+        raise DataError(f"data.truncation={truncation!r}: expected one of {list(TRUNCATIONS)}")
+
+
+def check_prompt_lengths(rows: list[dict], lengths: list[int], max_prompt_length: int, first_row: int = 0,
+                         key: str = "") -> None:
+    """data.truncation=error's rule: a prompt longer than `max_prompt_length` tokens stops the job,
+    with the first EXAMPLES of them (row, tokens) and their files' rows. Checked as a file's rows
+    are loaded (sources.build_rows, `key` the data key), before any training, and as each step's
+    prompts are collated (`first_row`: the first row's place in the step's batch)."""
+    too_long = [(first_row + i, n) for i, n in enumerate(lengths) if n > max_prompt_length]
+    if not too_long:
+        return
+    sources = [rows[row - first_row].get("source_row") for row, _ in too_long[:EXAMPLES]]
+    where = f" from {sources}" if any(sources) else ""
+    raise DataError(
+        f"{key + ': ' if key else ''}{len(too_long)} prompt(s) longer than data.max_prompt_length={max_prompt_length} "
+        f"(row, tokens): {too_long[:EXAMPLES]}{where}; raise data.max_prompt_length, drop them when the data "
+        f"is loaded with data.filter_overlong_prompts=true, or cut them with data.truncation=left|right"
+    )
+
+
 def _row_name(row: dict, global_row: int) -> str:
     return row.get("source_row") or f"row {global_row}"
 
@@ -89,21 +115,13 @@ def collate_prompts(
     Chat-message prompts go through the tokenizer's chat template. A prompt longer than
     `max_prompt_length` tokens is cut per `truncation` (verl's data.truncation): `left` keeps its
     last tokens, `right` its first, `error` stops with the rows' numbers."""
-    if truncation not in TRUNCATIONS:
-        raise ValueError(f"data.truncation={truncation!r}: expected one of {list(TRUNCATIONS)}")
+    check_truncation(truncation)
     ids = tokenizer(prompt_texts(rows, tokenizer), add_special_tokens=False)["input_ids"]
     empty = [_row_name(r, first_row + i) for i, (r, t) in enumerate(zip(rows, ids)) if not t]
     if empty:
         raise DataError(f"{len(empty)} prompt(s) have no tokens after tokenisation: {empty[:5]}")
-    too_long = [(first_row + i, len(t)) for i, t in enumerate(ids) if len(t) > max_prompt_length]
-    if too_long and truncation == "error":
-        sources = [rows[row - first_row].get("source_row") for row, _ in too_long[:5]]
-        where = f" from {sources}" if any(sources) else ""
-        raise DataError(
-            f"{len(too_long)} prompt(s) longer than data.max_prompt_length={max_prompt_length} "
-            f"(row, tokens): {too_long[:5]}{where}; raise data.max_prompt_length, drop them when the data "
-            f"is loaded with data.filter_overlong_prompts=true, or cut them with data.truncation=left|right"
-        )
+    if truncation == "error":
+        check_prompt_lengths(rows, [len(t) for t in ids], max_prompt_length, first_row)
     if truncation == "left":
         ids = [t[-max_prompt_length:] for t in ids]
     elif truncation == "right":

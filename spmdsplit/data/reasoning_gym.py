@@ -20,11 +20,11 @@ import functools
 import json
 
 from spmdsplit.data.parquet import DataError
+from spmdsplit.seeds import validation_data_seed
 
 PREFIX = "reasoning_gym:"  # in data.train_files / data.val_files
 DATA_SOURCE_PREFIX = "reasoning_gym/"  # the rows' data_source: the scorer of spmdsplit/rewards/rule.py
 INSTALL = "reasoning-gym is not installed; install the extra: pip install -e '.[reasoning-gym]'"
-VAL_SEED_OFFSET = 1_000_003  # the validation set's seed is the training set's + this: disjoint entries
 
 
 def is_spec(entry: str) -> bool:
@@ -70,7 +70,7 @@ def entry(task: str, config: str, index: int) -> dict:
 
 def split_seed(seed: int, split: str) -> int:
     """The seed of a split's entries: the validation split's is offset, so it shares none with training."""
-    return int(seed) + (VAL_SEED_OFFSET if split == "val" else 0)
+    return validation_data_seed(int(seed)) if split == "val" else int(seed)
 
 
 def config_json(size: int, seed: int) -> str:

@@ -17,19 +17,18 @@ from __future__ import annotations
 
 from spmdsplit.data import reasoning_gym
 from spmdsplit.data.parquet import DataError, as_file_list, has_chat_template, read_parquet_rows
-from spmdsplit.data.prompts import TRUNCATIONS, filter_overlong_prompts, prompt_lengths
+from spmdsplit.data.prompts import check_prompt_lengths, check_truncation, filter_overlong_prompts, prompt_lengths
 from spmdsplit.data.synthetic import make_dataset
+from spmdsplit.seeds import validation_data_seed
 
 SYNTHETIC_VAL_SAMPLES = 256  # validation set of the synthetic task when data.val_files is empty
-SYNTHETIC_VAL_SEED_OFFSET = 1_000_003  # its seed: data.seed + this, so it differs from the train set's
-EXAMPLES = 5  # row ids shown in errors about prompt lengths
 
 
 def _synthetic_rows(data_cfg, split: str) -> list[dict]:
     if split == "train":
         rows = make_dataset(data_cfg.task, int(data_cfg.num_train_samples), int(data_cfg.seed))
     else:
-        rows = make_dataset(data_cfg.task, SYNTHETIC_VAL_SAMPLES, int(data_cfg.seed) + SYNTHETIC_VAL_SEED_OFFSET)
+        rows = make_dataset(data_cfg.task, SYNTHETIC_VAL_SAMPLES, validation_data_seed(int(data_cfg.seed)))
     return [
         {
             "prompt": r["prompt"],
@@ -59,10 +58,9 @@ def build_rows(data_cfg, tokenizer, split: str, tools: list[dict] | None = None,
     if split not in ("train", "val"):
         raise ValueError(f"split={split!r}: expected 'train' or 'val'")
     key = "data.train_files" if split == "train" else "data.val_files"
-    files = as_file_list(getattr(data_cfg, "train_files" if split == "train" else "val_files", ""))
-    truncation = getattr(data_cfg, "truncation", "error")
-    if truncation not in TRUNCATIONS:
-        raise DataError(f"data.truncation={truncation!r}: expected one of {list(TRUNCATIONS)}")
+    files = as_file_list(data_cfg.train_files if split == "train" else data_cfg.val_files)
+    truncation = data_cfg.truncation
+    check_truncation(truncation)
     max_len = int(data_cfg.max_prompt_length)
 
     specs = [f for f in files if reasoning_gym.is_spec(f)]
@@ -72,8 +70,8 @@ def build_rows(data_cfg, tokenizer, split: str, tools: list[dict] | None = None,
         if parquet_files:
             rows, report = read_parquet_rows(
                 parquet_files,
-                prompt_key=getattr(data_cfg, "prompt_key", "prompt") or "prompt",
-                skip_malformed=bool(getattr(data_cfg, "skip_malformed_rows", False)),
+                prompt_key=data_cfg.prompt_key or "prompt",
+                skip_malformed=data_cfg.skip_malformed_rows,
                 key=key,
             )
         report = {"split": split, "source": "parquet", **report}
@@ -106,7 +104,7 @@ def build_rows(data_cfg, tokenizer, split: str, tools: list[dict] | None = None,
         )
 
     filtered = 0
-    if getattr(data_cfg, "filter_overlong_prompts", False):
+    if data_cfg.filter_overlong_prompts:
         if tokenizer is None:
             raise ValueError("data.filter_overlong_prompts needs the tokenizer")
         rows, filtered = filter_overlong_prompts(rows, tokenizer, max_len)
@@ -118,14 +116,7 @@ def build_rows(data_cfg, tokenizer, split: str, tools: list[dict] | None = None,
     elif truncation == "error" and files and tokenizer is not None:
         # checked here for files, so a long prompt stops the job before training rather than at its
         # step; the synthetic task's prompts are short by design, and collate_prompts checks them
-        too_long = [(i, n) for i, n in enumerate(prompt_lengths(rows, tokenizer)) if n > max_len]
-        if too_long:
-            shown = [f"{rows[i].get('source_row') or f'row {i}'} ({n} tokens)" for i, n in too_long[:EXAMPLES]]
-            raise DataError(
-                f"{key}: {len(too_long)} of {len(rows)} prompt(s) are longer than data.max_prompt_length={max_len} "
-                f"tokens, e.g. {', '.join(shown)}; raise data.max_prompt_length, drop them with "
-                f"data.filter_overlong_prompts=true, or cut them with data.truncation=left|right"
-            )
+        check_prompt_lengths(rows, prompt_lengths(rows, tokenizer), max_len, key=key)
 
     for i, r in enumerate(rows):
         r["index"] = i

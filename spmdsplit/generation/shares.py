@@ -6,15 +6,12 @@ together) and kept as its own rows; ReMax's greedy baselines beside them."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from spmdsplit import algo
+from spmdsplit import algo, seeds
 from spmdsplit.batch import Batch
 from spmdsplit.data.prompts import PromptDataset, collate_prompts
-from spmdsplit.rollout.base import engine_peers, engine_seeds, row_seeds
-
-# Validation rows are seeded apart from the training rows of the same step.
-VALIDATION_SEED_SALT = 0x5EED_7A11
+from spmdsplit.distributed import world_rank
+from spmdsplit.rollout.base import engine_peers
 
 
 def peers_of(cfg, rank: int) -> list[int]:
@@ -61,9 +58,9 @@ def greedy_baselines(rollout_engine, prompts: Batch, n: int, width: int) -> Batc
 
 def engine_shares(cfg, dataset: PromptDataset, tokenizer, step: int, generating) -> EngineShares:
     """The step's prompts of this rank's engine (`step_prompts` of each of its peers)."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = world_rank()
     peers = peers_of(cfg, rank)
-    remax = "reward_baselines" in algo.get_adv_estimator(cfg.algorithm.adv_estimator).inputs
+    remax = algo.generates_greedy_baselines(cfg)
     return EngineShares([step_prompts(cfg, dataset, tokenizer, step, generating, peer) for peer in peers],
                         peers.index(rank), (cfg.rollout.n, cfg.data.max_response_length) if remax else None)
 
@@ -92,11 +89,9 @@ def sample_seeds(cfg, step: int, row_index: torch.Tensor, rank: int, validation:
     v1/worker/gpu/sample/states.py; on CPU: torch's, at every token) that a tool or an environment,
     run on the engine's first rank only, may move. per_row_seed: the row's own (row_seeds: the same
     tokens on any layout); false: one seed per engine per step (engine_seeds)."""
-    seed = cfg.trainer.seed ^ (VALIDATION_SEED_SALT if validation else 0)
-    if cfg.rollout.per_row_seed:
-        return row_seeds(seed, step, row_index)
     peers = peers_of(cfg, rank)
-    return engine_seeds(seed, step, peers[0] // len(peers), row_index)
+    engine = None if cfg.rollout.per_row_seed else peers[0] // len(peers)
+    return seeds.sample_seeds(cfg.trainer.seed, step, row_index, engine, validation)
 
 
 def generate_rows(rollout_engine, prompts: Batch, device, validate: bool = False) -> Batch:

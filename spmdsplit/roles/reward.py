@@ -29,6 +29,7 @@ from typing import Callable, Sequence
 import torch
 
 from spmdsplit.batch import Batch
+from spmdsplit.errors import ConfigError
 from spmdsplit.rewards.calls import RewardCalls, Sample, Scored
 from spmdsplit.rewards.rule import SEES_SPECIAL_TOKENS, find_scorer
 
@@ -165,6 +166,14 @@ def overlong_reward(length: int, max_response_length: int, buffer_len: int, pena
     return min(-exceed / buffer_len * penalty_factor, 0.0)  # min, as verl: a negative factor never pays for length
 
 
+def check_overlong_buffer_len(buffer_len: int, max_response_length: int | None) -> None:
+    """reward.overlong_buffer.len, when the buffer is on: inside the response's budget, so that
+    overlong_reward's ramp has tokens to run over (preflight and RuleReward both ask)."""
+    if not (max_response_length and 0 < buffer_len < max_response_length):
+        raise ConfigError(f"reward.overlong_buffer.len={buffer_len}: expected > 0 and < data.max_response_length="
+                          f"{max_response_length} (the penalty ramps over the last len tokens before the limit)")
+
+
 def default_reward_config():
     """reward.* as the schema's defaults (a RuleReward made without a job's config)."""
     from omegaconf import OmegaConf
@@ -187,9 +196,8 @@ class RuleReward:
         self.custom_fn = self.calls.custom_fn
         self.on_error = None if self.calls.cfg.on_error == "fail" else float(self.calls.cfg.on_error)
         self.overlong_buffer = overlong_buffer if overlong_buffer is not None and overlong_buffer.enable else None
-        if self.overlong_buffer is not None and not (max_response_length and 0 < overlong_buffer.len < max_response_length):
-            raise ValueError(f"reward.overlong_buffer.len={overlong_buffer.len}: expected > 0 and < "
-                             f"data.max_response_length={max_response_length}")
+        if self.overlong_buffer is not None:
+            check_overlong_buffer_len(overlong_buffer.len, max_response_length)
         self.max_response_length = max_response_length
         # The extra numbers of the scores computed since the last pop_extra_metrics: key -> [sum, count];
         # and the samples whose call failed, by kind.

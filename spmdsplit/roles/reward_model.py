@@ -64,6 +64,7 @@ class RewardModel:
         self.max_tokens = max_tokens
         model = engine.model
         self.pad_token_id = self._ensure_pad_token(model, rm_tokenizer)
+        # getattr: a Hugging Face config, not ours; not every architecture's declares a maximum.
         self.max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         # Decoder reward models (Llama, Qwen2, Mistral, ...) put a `score` head on every token and
         # keep the output at the last token that is not the pad id. We read the per-token output

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from spmdsplit import lora
-from spmdsplit.rollout.base import Rollout, row_seeds  # noqa: F401 - the package's public names
+from spmdsplit.rollout.base import Rollout  # noqa: F401 - the package's public names
 
 
 def build_rollout(cfg, model_path: str, tokenizer, eos_ids: list[int], device: torch.device, dtype: torch.dtype,

@@ -1,5 +1,5 @@
-"""What every rollout engine shares: the contract the trainer calls, the columns of a rollout, and
-the per-row sampling seeds.
+"""What every rollout engine shares: the contract the trainer calls and the columns of a rollout
+(the per-row sampling seeds: spmdsplit/seeds.py).
 
 An engine (transformers `generate` in hf.py, vLLM in vllm_engine.py) takes left-padded prompts and
 returns the rollout with verl's columns; the trainer never knows which one runs.
@@ -185,53 +185,6 @@ def episodes_batch(prompts: Batch, episodes: list, pad_token_id: int) -> Batch:
     device = prompts["input_ids"].device
     columns = {"responses": responses, "response_mask": response_mask, "rollout_log_probs": log_probs}
     return with_prompts(prompts, {k: v.to(device) for k, v in columns.items()}, response_attention.to(device))
-
-
-_MASK64 = (1 << 64) - 1
-
-
-def splitmix64(x: int) -> int:
-    """A 64-bit mixer: the rows' seeds below, and agent/loop.py's seed of each turn from its row's."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def row_seeds(trainer_seed: int, step: int, global_row_index: torch.Tensor) -> torch.Tensor:
-    """One sampling seed per rollout row [B] (int64, in [0, 2**63)), a pure function of the trainer
-    seed, the step and the row's index in the step's global batch: a row samples the same tokens
-    whichever rank generates it, next to whichever other rows, on any pool size. Hashed (splitmix64)
-    so neighbouring rows and steps get unrelated seeds."""
-    base = splitmix64(splitmix64(trainer_seed & _MASK64) ^ (step & _MASK64))
-    seeds = [splitmix64(base ^ i) >> 1 for i in global_row_index.tolist()]
-    return torch.tensor(seeds, dtype=torch.int64)
-
-
-def engine_seeds(trainer_seed: int, step: int, engine_index: int, global_row_index: torch.Tensor) -> torch.Tensor:
-    """rollout.per_row_seed=false: one seed per engine per step, the same on every rank of the engine
-    (a pure function of the trainer seed, the step and the engine's index), each row seeded by it
-    plus the row's index in the step's batch. Every row still has a seed of its own, and must:
-    vLLM 0.32's CUDA sampler (the V2 model runner's, v1/worker/gpu/sample/gumbel.py) draws a row's
-    noise from a hash of (its seed, its position), so rows sharing a seed would sample alike. Unlike
-    row_seeds, a row's tokens depend on which engine generates it: runs on other layouts differ."""
-    base = splitmix64(splitmix64(splitmix64(trainer_seed & _MASK64) ^ (step & _MASK64)) ^ (engine_index & _MASK64)) >> 1
-    return torch.tensor([(base + i) & (_MASK64 >> 1) for i in global_row_index.tolist()], dtype=torch.int64)
-
-
-class SeedSequence:
-    """An engine's own seeds for requests that come without one (a caller outside the trainer's
-    step: a bench, a test, a tool of its own): the i-th request submitted gets
-    splitmix64(base ^ i). The ranks of a tensor-parallel engine submit the same requests in the same
-    order, so they draw alike; no global generator is read, so nothing a user's code does (a tool or
-    an environment on the engine's first rank calling np.random or torch.rand) moves it."""
-
-    def __init__(self, base: int):
-        self.base, self.drawn = splitmix64(base & _MASK64), 0
-
-    def next(self) -> int:
-        self.drawn += 1
-        return splitmix64(self.base ^ self.drawn) >> 1
 
 
 def rollout_probs_diff(rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor,

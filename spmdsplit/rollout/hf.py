@@ -46,8 +46,8 @@ class HFRollout:
         # Continuous generation (rollout.continuous): the requests held, each its context so far
         # and its budget left; a step decodes `step_tokens` more of each.
         self.requests: dict[str, tuple[list[int], int, bool]] = {}  # id -> (context, budget left, validate)
-        self.step_tokens = getattr(cfg, "hf_step_tokens", 8)
-        self.max_num_seqs = getattr(cfg, "max_num_seqs", 1024)
+        self.step_tokens = cfg.hf_step_tokens
+        self.max_num_seqs = cfg.max_num_seqs
         if adapter is not None:  # its weights come with the first sync
             self.model = lora.apply(self.model, adapter, "causal_lm", load_adapter=False, trained=False).eval()
 

@@ -46,7 +46,9 @@ import torch.distributed as dist
 
 from spmdsplit import lora
 from spmdsplit.batch import Batch
-from spmdsplit.rollout.base import GREEDY, Delta, SeedSequence, engine_peers, rollout_batch
+from spmdsplit.distributed import world_rank
+from spmdsplit.rollout.base import GREEDY, Delta, engine_peers, rollout_batch
+from spmdsplit.seeds import SeedSequence, engine_own_seed
 
 # vllm/v1/attention/backends/cpu_attn.py: CPUAttentionBackend.get_supported_head_sizes() (0.32);
 # spmdsplit/preflight.py check_vllm refuses other sizes before the job starts.
@@ -65,7 +67,8 @@ def max_lora_rank(cfg) -> int:
 def head_size(model_path: str, trust_remote_code: bool = False) -> int:
     from transformers import AutoConfig
 
-    # A multimodal checkpoint nests its language model's config.
+    # A multimodal checkpoint nests its language model's config; older configs have no head_dim
+    # (getattr), whose heads then split the hidden size.
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code).get_text_config()
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
@@ -253,10 +256,10 @@ class VLLMRollout:
         # trainer sets its thread count before; train.py does, before the world forms), and all
         # later allocations are bound to the NUMA node of the rank's first CPU (MEMBIND): pin each
         # rank to one node's cores (numactl / srun --cpu-bind) on multi-socket hosts.
-        engine_index = dist.get_rank() // cfg.rollout.tensor_model_parallel_size if dist.is_initialized() else 0
+        engine_index = world_rank() // cfg.rollout.tensor_model_parallel_size
         os.environ["VLLM_FLASHINFER_AUTOTUNE_CACHE_DIR"] = flashinfer_autotune_dir(engine_index)
         self.llm = LLM(**{**engine_kwargs(cfg, model_path, device, dtype, sleeps),
-                          "seed": cfg.trainer.seed * 1009 + engine_index})
+                          "seed": engine_own_seed(cfg.trainer.seed, engine_index)})
         # Every request carries a seed (generation.shares.sample_seeds gives each row one); one that comes
         # without takes the engine's own next seed, never a global generator's: on CUDA vLLM 0.32
         # (its V2 model runner) would draw it from numpy's global generator when the request is
@@ -267,7 +270,7 @@ class VLLMRollout:
         # batched sampling kernel (a hash of seed and position, gumbel.py; it takes no FlashInfer
         # path anyway with processed log-probs, which the engine always asks for), and CPU draws
         # one number per seeded row per token from the row's generator.
-        self.own_seeds = SeedSequence(cfg.trainer.seed * 1009 + engine_index)
+        self.own_seeds = SeedSequence(engine_own_seed(cfg.trainer.seed, engine_index))
         # The engine freezes every object alive now (gc.freeze) so GC never scans them: the
         # trainer's too, whose cyclic garbage would then never be freed.
         gc.unfreeze()
@@ -571,7 +574,7 @@ class AdapterFolder:
         self.bytes = 0  # the adapter's tensors, as last written
 
     def _make_root(self, parent: str) -> str:
-        rank = dist.get_rank() if dist.is_initialized() else 0
+        rank = world_rank()
         root = tempfile.mkdtemp(prefix=f"spmdsplit-lora-rank{rank}-", dir=parent)
         weakref.finalize(self, shutil.rmtree, root, True)
         return root

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from spmdsplit.rollout.base import splitmix64
+from spmdsplit.seeds import nth_seed
 
 
 @dataclass
@@ -97,7 +97,7 @@ class _Request:
         left, the seed (back after a pause: not the same draws again)."""
         seed = self.seed
         if seed is not None and self.tokens:
-            seed = splitmix64(seed ^ len(self.tokens)) >> 1
+            seed = nth_seed(seed, len(self.tokens))
         return self.prompt + self.tokens, self.budget - len(self.tokens), seed
 
 

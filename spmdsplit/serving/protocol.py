@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from spmdsplit.rollout.base import splitmix64
+from spmdsplit.seeds import nth_seed
 from spmdsplit.serving.driver import Completion, ContextTooLong, check_context
 
 # Content no chat template alters and no real message holds: where it lands in a rendered
@@ -356,7 +356,7 @@ def choice_seed(seed: int | None, choice: int) -> int | None:
     the first choice of n), a hash of both for the others (their samples differ)."""
     if seed is None or choice == 0:
         return seed
-    return splitmix64(seed ^ choice) >> 1
+    return nth_seed(seed, choice)
 
 
 # ------------------------------------------------------------------ writing the response

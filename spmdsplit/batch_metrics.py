@@ -2,7 +2,7 @@
 pool's reduction of them: the data metrics (scores, rewards, advantages, returns, values,
 lengths, multi-turn counts), the engine's log-probs against the actor's (rollout_probs_diff,
 rollout_corr/*) and the staleness of continuous generation's tokens. The math of each is local
-(spmdsplit/algo.py, spmdsplit/rollout/base.py); the all-reduces over the pool are here."""
+(spmdsplit/algo.py, spmdsplit/inference/base.py); the all-reduces over the pool are here."""
 
 from __future__ import annotations
 
@@ -107,8 +107,8 @@ def env_info_metrics(batch: Batch, group, sums: dict, counts: dict) -> None:
 def rollout_probs_diff_metrics(rollout_log_probs: torch.Tensor, old_log_probs: torch.Tensor,
                                response_mask: torch.Tensor, group, device) -> dict[str, float]:
     """verl's training/rollout_probs_diff_{max,mean} over the pool's valid tokens (the math:
-    spmdsplit/rollout/base.py rollout_probs_diff)."""
-    from spmdsplit.rollout.base import rollout_probs_diff
+    spmdsplit/inference/base.py rollout_probs_diff)."""
+    from spmdsplit.inference.base import rollout_probs_diff
 
     total, count, largest = rollout_probs_diff(rollout_log_probs, old_log_probs, response_mask)
     means = pool_reduce_metrics({"training/rollout_probs_diff_mean": total.item()},
@@ -166,7 +166,7 @@ def token_staleness(rollout: Batch, step: int, group, device) -> dict[str, float
     sums["rollout/current_version_tokens"], counts["rollout/current_version_tokens"] = current.sum().item(), mask.sum().item()
     extra_max = {}
     if "old_log_probs" in rollout:
-        from spmdsplit.rollout.base import rollout_probs_diff
+        from spmdsplit.inference.base import rollout_probs_diff
 
         _, _, largest = rollout_probs_diff(rollout["rollout_log_probs"], rollout["old_log_probs"], current)
         extra_max["rollout/current_version_probs_diff_max"] = largest.item()

@@ -479,7 +479,7 @@ class AgentConfig:
 
 @dataclass
 class RolloutConfig:
-    name: str = choice("hf", "vllm")  # hf (transformers generate on a copy of the policy) | vllm (spmdsplit/rollout/vllm_engine.py)
+    name: str = choice("hf", "vllm")  # hf (transformers generate on a copy of the policy) | vllm (spmdsplit/inference/vllm_engine.py)
     temperature: float = positive(1.0)
     top_p: float = bounded(1.0, lambda v: 0 < v <= 1, "expected 0 < top_p <= 1")
     top_k: int = -1  # -1 = off

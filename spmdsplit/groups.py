@@ -32,7 +32,7 @@ protocol between ranks, and it is written here, once:
      and for gloo), only with rollout.name=vllm: vLLM creates them itself, engine or not; with
      tensor parallel > 1 a rank without an engine also builds, eagerly, vLLM's communicators for
      its own tensor-parallel group (PyNccl, custom all-reduce buffers), which it never uses:
-     spmdsplit/rollout/vllm_engine.py init_vllm_distributed says what that costs. Then the
+     spmdsplit/inference/vllm_engine.py init_vllm_distributed says what that costs. Then the
      engine world: one group per engine's ranks (device and gloo), which an engine's vLLM takes
      as its world group, so that nothing vLLM runs over "the world" reaches another rank
 
@@ -183,7 +183,7 @@ def create_process_groups(cfg, placement: Placement, device: torch.device) -> Pr
     warm_up(groups, device)
     if vllm_engines(cfg):  # 10
         from spmdsplit.models import compute_dtypes
-        from spmdsplit.rollout.vllm_engine import init_vllm_distributed
+        from spmdsplit.inference.vllm_engine import init_vllm_distributed
 
         # The rollout's engines', else the judge's: both take one tensor-parallel size where both
         # exist (preflight), so one set of vLLM's groups serves either.

@@ -55,8 +55,8 @@ from spmdsplit.rewards.calls import check_reward_function
 from spmdsplit.rewards.custom import load_custom_reward_fn
 from spmdsplit.roles.build import trains_critic
 from spmdsplit.roles.reward import check_overlong_buffer_len
-from spmdsplit.rollout.base import engine_peers
-from spmdsplit.rollout.vllm_engine import CPU_HEAD_SIZES, MAX_LORA_RANKS, head_size
+from spmdsplit.inference.base import engine_peers
+from spmdsplit.inference.vllm_engine import CPU_HEAD_SIZES, MAX_LORA_RANKS, head_size
 from spmdsplit.sinks import missing_logger
 
 # The keys whose values name what the runtime registers (spmdsplit/algo.py's registries and

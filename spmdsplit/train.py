@@ -148,7 +148,7 @@ def leave_vllm(cfg) -> None:
     from spmdsplit.groups import vllm_engines
 
     if vllm_engines(cfg):  # before the trainer's world goes: vLLM's clean-up would take it along
-        from spmdsplit.rollout.vllm_engine import shutdown_vllm_distributed
+        from spmdsplit.inference.vllm_engine import shutdown_vllm_distributed
 
         shutdown_vllm_distributed()
 

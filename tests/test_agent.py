@@ -114,9 +114,9 @@ def test_token_in_token_out_equals_the_templates_whole_conversation():
 
 
 def agent_rollout(cfg, tokenizer, eos_ids):
-    from spmdsplit.rollout import build_rollout
+    from spmdsplit.inference import build_generator
 
-    engine = build_rollout(cfg, cfg.model.path, tokenizer, eos_ids, torch.device("cpu"), torch.float32, seed=3)
+    engine = build_generator(cfg, cfg.model.path, tokenizer, eos_ids, torch.device("cpu"), torch.float32, seed=3)
     return engine
 
 
@@ -167,7 +167,7 @@ def test_episodes_on_the_hf_engine_mask_tool_tokens_and_keep_the_policys_log_pro
 
 def test_bad_tools_are_answered_and_counted_and_no_row_is_lost(lookup_setup, tmp_path):
     """Each failure of a tool becomes an error response the model reads; the episodes go on."""
-    from spmdsplit.agent.loop import AgentRollout
+    from spmdsplit.agent.loop import AgentLoop
     from spmdsplit.agent.parsers import build_parser
     from spmdsplit.agent.tools import ERROR_KINDS, load_tools
     from spmdsplit.data.prompts import collate_prompts
@@ -183,7 +183,7 @@ def test_bad_tools_are_answered_and_counted_and_no_row_is_lost(lookup_setup, tmp
     (tmp_path / "tools.yaml").write_text(json.dumps({"tools": [{"class_name": str(tmp_path / "bad.py") + ":lookup"}]}))
     tools = load_tools(str(tmp_path / "tools.yaml"), timeout_s=0.5, max_response_chars=4)
     base = agent_rollout(cfg, tokenizer, eos_ids).engine
-    rollout = AgentRollout(base, tokenizer, eos_ids, tools, build_parser("compact", tools.schemas), cfg.rollout.multi_turn,
+    rollout = AgentLoop(base, tokenizer, eos_ids, tools, build_parser("compact", tools.schemas), cfg.rollout.multi_turn,
                            cfg.data.max_response_length, "single_turn_agent")
     prompts = collate_prompts(rows[:32], tokenizer, cfg.data.max_prompt_length, step=1, first_row=0)
     batch = rollout.generate(prompts)

@@ -62,8 +62,8 @@ def tensor_parallel_episodes(rank, world_size, model_dir, tool_config, calls_fil
     from spmdsplit.data.sources import build_rows
     from spmdsplit.generation.shares import engine_shares
     from spmdsplit.models import eos_token_ids, load_causal_lm, load_tokenizer
-    from spmdsplit.rollout import build_rollout
-    from spmdsplit.rollout.vllm_engine import init_vllm_distributed, shutdown_vllm_distributed
+    from spmdsplit.inference import build_generator
+    from spmdsplit.inference.vllm_engine import init_vllm_distributed, shutdown_vllm_distributed
 
     cfg = load_config(os.path.join(ROOT, "configs", "agent_lookup.yaml"), [
         "rollout.name=vllm", f"model.path={model_dir}", "rollout.kv_cache_memory_gb=0.0625",
@@ -73,7 +73,7 @@ def tensor_parallel_episodes(rank, world_size, model_dir, tool_config, calls_fil
     try:
         tokenizer = load_tokenizer(model_dir)
         rows, _ = build_rows(cfg.data, tokenizer, "train", tools=check_multi_turn(cfg, tokenizer).schemas)
-        engine = build_rollout(cfg, model_dir, tokenizer, eos_token_ids(model_dir, tokenizer), torch.device("cpu"),
+        engine = build_generator(cfg, model_dir, tokenizer, eos_token_ids(model_dir, tokenizer), torch.device("cpu"),
                                torch.float32, 0)
         engine.wake_up(load_causal_lm(model_dir, torch.float32, torch.device("cpu"), 0).state_dict().items())
         greedy = engine.generate(collate_prompts(rows[:PROMPTS], tokenizer, cfg.data.max_prompt_length, step=1,
@@ -116,7 +116,7 @@ def harness_episodes(engine, tokenizer, model_dir, log, prompts):
     """The echo harness (tests/support/harnesses.py) over the engine's endpoint, each episode
     written down with the process that played it; validation's sampling (greedy)."""
     from spmdsplit.agent import engine_ranks
-    from spmdsplit.agent.harness import HarnessRollout
+    from spmdsplit.agent.harness import HarnessRunner
     from tests.support.harnesses import echo_harness
 
     cfg = load_config(os.path.join(ROOT, "configs", "environment_echo.yaml"), [
@@ -127,7 +127,7 @@ def harness_episodes(engine, tokenizer, model_dir, log, prompts):
         with open(log, "a") as f:
             f.write(f"{os.getpid()}\n")
         return await echo_harness(client, row)
-    rollout = HarnessRollout(engine, tokenizer, written_down, cfg.rollout.agent, cfg.data.max_response_length,
+    rollout = HarnessRunner(engine, tokenizer, written_down, cfg.rollout.agent, cfg.data.max_response_length,
                              sampling=cfg.rollout, val_sampling=cfg.rollout.val_kwargs, **engine_ranks(engine))
     try:
         return rollout.generate(prompts, validate=True)

@@ -26,13 +26,13 @@ class SlowLookup(LookupTool):
 def make_stream(cfg, tokenizer, eos_ids, rows, tmp_path, prompts_per_batch=8, n=2):
     from omegaconf import OmegaConf
 
-    from spmdsplit.agent.loop import AgentRollout
+    from spmdsplit.agent.loop import AgentLoop
     from spmdsplit.agent.parsers import build_parser
     from spmdsplit.agent.tools import load_tools
     from spmdsplit.generation.continuous import ContinuousGeneration
     from spmdsplit.data.prompts import PromptDataset
     from spmdsplit.generation.shares import step_prompts
-    from spmdsplit.rollout import build_rollout
+    from spmdsplit.inference import build_generator
 
     (tmp_path / "slow.py").write_text(SLOW_TOOL)
     (tmp_path / "tools.yaml").write_text(
@@ -43,9 +43,9 @@ def make_stream(cfg, tokenizer, eos_ids, rows, tmp_path, prompts_per_batch=8, n=
         "rollout.continuous=true", "rollout.hf_step_tokens=1", f"rollout.n={n}", "rollout.staleness=4",
         f"data.train_batch_size={prompts_per_batch}", "rollout.per_row_seed=false"]))
     torch.manual_seed(5)
-    base = build_rollout(cfg, cfg.model.path, tokenizer, eos_ids, torch.device("cpu"), torch.float32, seed=3).engine
+    base = build_generator(cfg, cfg.model.path, tokenizer, eos_ids, torch.device("cpu"), torch.float32, seed=3).engine
     tools = load_tools(str(tmp_path / "tools.yaml"), timeout_s=5, max_response_chars=8)
-    agent = AgentRollout(base, tokenizer, eos_ids, tools, build_parser("compact", tools.schemas), cfg.rollout.multi_turn,
+    agent = AgentLoop(base, tokenizer, eos_ids, tools, build_parser("compact", tools.schemas), cfg.rollout.multi_turn,
                          cfg.data.max_response_length, "tool_agent")
     weights = {k: v.clone() for k, v in base.model.state_dict().items()}
     dataset = PromptDataset(rows, prompts_per_batch, shuffle=False, seed=0)

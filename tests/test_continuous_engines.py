@@ -1,4 +1,4 @@
-"""Engines driven step by step (rollout/base.py StepwiseRollout: submit, step, abort, and
+"""Engines driven step by step (inference/base.py StepwiseEngine: submit, step, abort, and
 update_weights between two steps), HF and vLLM, on a random tiny Qwen2 (heads of 32 for vLLM's
 CPU kernel). The oracle is outside the engine: each request's tokens are scored by transformers
 under the weights of the version the driver recorded for each token, and must equal the engine's
@@ -74,17 +74,17 @@ def check_in_flight_load(engine, tokenizer, load_after: int) -> dict:
 def hf_checks():
     from spmdsplit.config import RolloutConfig
     from spmdsplit.embedded import build_tokenizer
-    from spmdsplit.rollout.hf import HFRollout
+    from spmdsplit.inference.hf import HFEngine
 
     tokenizer = build_tokenizer()
     model, _ = build_model(seed=0)
-    engine = HFRollout(model, tokenizer, RolloutConfig(temperature=TEMPERATURE, hf_step_tokens=3), R,
+    engine = HFEngine(model, tokenizer, RolloutConfig(temperature=TEMPERATURE, hf_step_tokens=3), R,
                        [tokenizer.eos_token_id])
     return check_in_flight_load(engine, tokenizer, load_after=2)
 
 
 def vllm_checks(rank, world_size, model_dir):
-    from spmdsplit.rollout.vllm_engine import shutdown_vllm_distributed
+    from spmdsplit.inference.vllm_engine import shutdown_vllm_distributed
 
     _, tokenizer, make_engine = start_engine(model_dir, f"data.max_response_length={R}",
                                              f"rollout.temperature={TEMPERATURE}")

@@ -38,13 +38,13 @@ class Actor:
 
 def make_stream(staleness: int):
     from spmdsplit.embedded import build_tokenizer
-    from spmdsplit.rollout.hf import HFRollout
+    from spmdsplit.inference.hf import HFEngine
 
     cfg = load_config(None, [f"rollout.staleness={staleness}", f"rollout.n={N}", f"data.train_batch_size={PROMPTS}",
                              "data.max_response_length=12", "rollout.hf_step_tokens=2", "rollout.per_row_seed=false"])
     tokenizer = build_tokenizer()
     torch.manual_seed(0)
-    engine = HFRollout(build_model(seed=0)[0], tokenizer, cfg.rollout, 12, [tokenizer.eos_token_id])
+    engine = HFEngine(build_model(seed=0)[0], tokenizer, cfg.rollout, 12, [tokenizer.eos_token_id])
     dataset = PromptDataset(make_dataset("repeat", 64, seed=1), PROMPTS, shuffle=False, seed=0)
     actor = Actor(engine)
     stream = ContinuousGeneration(cfg, engine, lambda t: step_prompts(cfg, dataset, tokenizer, t, [0], 0),

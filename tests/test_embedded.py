@@ -13,7 +13,7 @@ from spmdsplit.config import DataConfig
 from spmdsplit.data.synthetic import TASKS, make_dataset
 from spmdsplit.embedded import ensure_embedded_model
 from spmdsplit.models import load_tokenizer
-from spmdsplit.rollout.hf import response_mask_until_eos
+from spmdsplit.inference.hf import response_mask_until_eos
 from spmdsplit.roles.reward import RuleReward
 from tests.support import launch
 

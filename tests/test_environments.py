@@ -218,11 +218,11 @@ def test_echo_episodes_on_the_hf_engine_mask_observations_and_carry_the_environm
     from spmdsplit.data.prompts import collate_prompts
     from spmdsplit.rewards.rule import ENVIRONMENT_REWARD
     from spmdsplit.roles.reward import RuleReward
-    from spmdsplit.rollout import build_rollout
+    from spmdsplit.inference import build_generator
 
     cfg, tokenizer, eos_ids, rows = echo_setup
     torch.manual_seed(5)
-    rollout = build_rollout(cfg, cfg.model.path, tokenizer, eos_ids, torch.device("cpu"), torch.float32, seed=3)
+    rollout = build_generator(cfg, cfg.model.path, tokenizer, eos_ids, torch.device("cpu"), torch.float32, seed=3)
     prompts = collate_prompts(rows[:48], tokenizer, cfg.data.max_prompt_length, step=1, first_row=0)
     batch = rollout.generate(prompts)
     digit_ids = tokenizer.convert_tokens_to_ids(list("0123456789"))
@@ -247,11 +247,11 @@ def test_echo_episodes_on_the_hf_engine_mask_observations_and_carry_the_environm
 
 def gym_rollout(cfg, tokenizer, eos_ids, rows, environment: str):
     from spmdsplit.data.prompts import collate_prompts
-    from spmdsplit.rollout import build_rollout
+    from spmdsplit.inference import build_generator
 
     cfg = cfg.copy()
     cfg.rollout.multi_turn.environment = environment
-    rollout = build_rollout(cfg, cfg.model.path, tokenizer, eos_ids, torch.device("cpu"), torch.float32, seed=3)
+    rollout = build_generator(cfg, cfg.model.path, tokenizer, eos_ids, torch.device("cpu"), torch.float32, seed=3)
     return rollout.generate(collate_prompts(rows[:16], tokenizer, cfg.data.max_prompt_length, step=1, first_row=0))
 
 

@@ -55,14 +55,14 @@ def rollout_of(embedded_cache):
     from spmdsplit.data.sources import build_rows
     from spmdsplit.embedded import ensure_embedded_model
     from spmdsplit.models import eos_token_ids, load_tokenizer
-    from spmdsplit.rollout import build_rollout
+    from spmdsplit.inference import build_generator
 
     cfg = load_config(PRESET, [*HARNESS, "rollout.agent.harness_timeout_s=5"])
     cfg.model.path = ensure_embedded_model(agent=True)
     tokenizer = load_tokenizer(cfg.model.path)
     rows, _ = build_rows(cfg.data, tokenizer, "train")
     prompts = collate_prompts(rows[:8], tokenizer, cfg.data.max_prompt_length, step=1, first_row=0)
-    rollout = build_rollout(cfg, cfg.model.path, tokenizer, eos_token_ids(cfg.model.path, tokenizer),
+    rollout = build_generator(cfg, cfg.model.path, tokenizer, eos_token_ids(cfg.model.path, tokenizer),
                             torch.device("cpu"), torch.float32, seed=3)
 
     def make(harness):  # one engine and server for the module, each test's harness

@@ -22,7 +22,7 @@ from spmdsplit.rewards import verdicts
 from spmdsplit.rewards.calls import RewardCalls, Sample
 from spmdsplit.rewards.judge import Judge, JudgeContextError, JudgeSampling
 from spmdsplit.rewards.rule import positional_match_score
-from spmdsplit.rollout.hf import HFRollout
+from spmdsplit.inference.hf import HFEngine
 from tests.support.judge_model import JUDGE_PROMPT, ensure_judge_model, verdict_for
 from tests.support.engines import needs_vllm
 from tests.support.launch import job
@@ -78,7 +78,7 @@ def judge_config(**overrides):
 def start_judge(cfg, serve=False) -> Judge:
     tokenizer = load_tokenizer(cfg.path)
     model = load_causal_lm(cfg.path, torch.float32, torch.device("cpu"), 0)
-    engine = HFRollout(model, tokenizer, JudgeSampling(cfg), cfg.max_tokens, eos_token_ids(cfg.path, tokenizer))
+    engine = HFEngine(model, tokenizer, JudgeSampling(cfg), cfg.max_tokens, eos_token_ids(cfg.path, tokenizer))
     return Judge(cfg, engine, tokenizer).start(serve=serve)
 
 

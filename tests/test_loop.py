@@ -103,5 +103,5 @@ def test_no_program_imports_another_and_only_the_rollout_program_generates(name)
     imported = spmdsplit_imports(f"spmdsplit/programs/{name}")
     others = {f"spmdsplit.programs.{other[:-3]}" for other in PROGRAMS if other != name}
     assert not imported & others, f"{name} imports {sorted(imported & others)}"
-    generation = {m for m in imported if m.startswith(("spmdsplit.generation", "spmdsplit.rollout"))}
+    generation = {m for m in imported if m.startswith(("spmdsplit.generation", "spmdsplit.inference"))}
     assert not generation or name == "rollout.py", f"{name} imports generation: {sorted(generation)}"

@@ -110,7 +110,7 @@ def test_an_adapter_that_does_not_fit_its_folder_goes_to_the_nodes_temp_folder(e
     tensors and AdapterFolder's headroom, against 96 KiB): written to TMPDIR instead, said once, and the engine's path names it; the
     folder it left is gone. Where it fits, it stays."""
     from spmdsplit.models import hf_tensors
-    from spmdsplit.rollout.vllm_engine import AdapterFolder
+    from spmdsplit.inference.vllm_engine import AdapterFolder
 
     model = peft_model(embedded_model_dir)
     adapter = lambda: ((lora.saved_name(n), t) for n, t in hf_tensors(model) if lora.is_adapter(n))  # noqa: E731
@@ -138,7 +138,7 @@ def _lora_in_a_pool(rank, world_size, model_dir, mixed):
     from spmdsplit.engines.fsdp import FSDPEngine
     from spmdsplit.models import ModelSource, load_causal_lm, load_tokenizer
     from spmdsplit.roles.actor import Actor
-    from spmdsplit.rollout.hf import HFRollout
+    from spmdsplit.inference.hf import HFEngine
     from spmdsplit.weight_sync import PolicyWeights
 
     mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
@@ -161,7 +161,7 @@ def _lora_in_a_pool(rank, world_size, model_dir, mixed):
     out["ref_unchanged"] = torch.equal(ref.compute_log_prob(batch), before)
     out["policy_moved"] = (actor.compute_log_prob(batch) - before).abs().max().item()
     # The adapter alone, streamed into an HF engine that holds the base: it computes as the policy.
-    copy = HFRollout(load_causal_lm(model_dir, base_dtype, "cpu", seed=0), tokenizer, RolloutConfig(), 4, adapter=SPEC)
+    copy = HFEngine(load_causal_lm(model_dir, base_dtype, "cpu", seed=0), tokenizer, RolloutConfig(), 4, adapter=SPEC)
     weights = PolicyWeights(engine, copy.dtype, None, None, adapter=SPEC)
     streamed = []
     copy.load_weights((streamed.append(name) or (name, t)) for name, t in weights.stream())

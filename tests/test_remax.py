@@ -14,7 +14,7 @@ from spmdsplit.data.synthetic import make_dataset
 from spmdsplit.embedded import ensure_embedded_model
 from spmdsplit.models import load_causal_lm, load_tokenizer
 from spmdsplit.roles.reward import RuleReward
-from spmdsplit.rollout.hf import HFRollout
+from spmdsplit.inference.hf import HFEngine
 
 N, WIDTH = 3, 6  # responses per prompt, data.max_response_length
 
@@ -25,14 +25,14 @@ def engine_and_prompts():
     tokenizer = load_tokenizer(path)
     model = load_causal_lm(path, torch.float32, torch.device("cpu"), seed=0)
     prompts = collate_prompts(make_dataset("repeat", 4, seed=0), tokenizer, 8, step=1, first_row=0)
-    return tokenizer, HFRollout(model, tokenizer, RolloutConfig(do_sample=True, temperature=1.5), WIDTH), prompts
+    return tokenizer, HFEngine(model, tokenizer, RolloutConfig(do_sample=True, temperature=1.5), WIDTH), prompts
 
 
 def test_every_row_carries_its_prompts_greedy_response_whatever_the_sampling(engine_and_prompts):
     tokenizer, sampling_engine, prompts = engine_and_prompts
     rows = prompts.repeat_interleave(N)
     baselines = greedy_baselines(sampling_engine, rows, N, WIDTH)
-    greedy = HFRollout(sampling_engine.model, tokenizer, RolloutConfig(do_sample=False), WIDTH).generate(prompts)
+    greedy = HFEngine(sampling_engine.model, tokenizer, RolloutConfig(do_sample=False), WIDTH).generate(prompts)
     R = greedy["responses"].shape[1]
     assert baselines["baseline_responses"].shape == (len(rows), WIDTH)  # one width, whatever the batch's
     for g in range(len(prompts)):

@@ -1,4 +1,4 @@
-"""HF rollout (spmdsplit/rollout/hf.py): EOS masks, positions, and `HFRollout.generate` on the
+"""HF rollout (spmdsplit/inference/hf.py): EOS masks, positions, and `HFEngine.generate` on the
 embedded tiny model, with no process group."""
 
 import pytest
@@ -9,7 +9,7 @@ from spmdsplit.config import RolloutConfig
 from spmdsplit.data.prompts import collate_prompts
 from spmdsplit.data.synthetic import make_dataset
 from spmdsplit.models import load_causal_lm, load_tokenizer
-from spmdsplit.rollout.hf import HFRollout, position_ids_from_mask, response_mask_until_eos
+from spmdsplit.inference.hf import HFEngine, position_ids_from_mask, response_mask_until_eos
 from tests.support.helpers import forcing_state_dict
 
 EOS = 2
@@ -61,7 +61,7 @@ def test_position_ids_count_real_tokens_only_under_left_padding():
     assert (pos >= 0).all()  # pads must still index the rotary table
 
 
-# --------------------------------------------------------------------------- HFRollout.generate
+# --------------------------------------------------------------------------- HFEngine.generate
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +123,7 @@ def test_prompts_are_left_padded(tokenizer):
 def test_generate_shapes_layout_and_columns(model, tokenizer):
     rows, prompts = prompts_batch(tokenizer, n=32, seed=3)
     torch.manual_seed(0)
-    rollout = HFRollout(model, tokenizer, RolloutConfig(do_sample=True, temperature=1.5), R)
+    rollout = HFEngine(model, tokenizer, RolloutConfig(do_sample=True, temperature=1.5), R)
     out = rollout.generate(prompts)
     check_rollout_layout(out, prompts, tokenizer, R)
     # The sampled rows include ones that stopped early, so the right padding was exercised.
@@ -135,7 +135,7 @@ def test_generate_shapes_layout_and_columns(model, tokenizer):
 
 def test_greedy_is_deterministic_and_matches_a_teacher_forced_forward(model, tokenizer):
     _, prompts = prompts_batch(tokenizer, n=8, seed=5)
-    rollout = HFRollout(model, tokenizer, RolloutConfig(do_sample=False), R)
+    rollout = HFEngine(model, tokenizer, RolloutConfig(do_sample=False), R)
     a, b = rollout.generate(prompts), rollout.generate(prompts)
     check_rollout_layout(a, prompts, tokenizer, R)
     for k in ("responses", "response_mask", "input_ids", "attention_mask", "position_ids"):
@@ -154,7 +154,7 @@ def test_greedy_is_deterministic_and_matches_a_teacher_forced_forward(model, tok
 def test_rows_that_all_stop_at_once_give_one_column(embedded_model_dir, tokenizer):
     """The rollout is cut to its longest response (issue 20): here one column, the EOS."""
     model = load_causal_lm(embedded_model_dir, torch.float32, CPU, seed=0)
-    rollout = HFRollout(model, tokenizer, RolloutConfig(do_sample=False), 7)
+    rollout = HFEngine(model, tokenizer, RolloutConfig(do_sample=False), 7)
     _, prompts = prompts_batch(tokenizer, n=4, seed=1)
     before = rollout.generate(prompts)
     eos = tokenizer.eos_token_id
@@ -170,7 +170,7 @@ def test_rows_that_all_stop_at_once_give_one_column(embedded_model_dir, tokenize
 
 def test_load_weights_changes_what_is_generated(embedded_model_dir, tokenizer):
     model = load_causal_lm(embedded_model_dir, torch.float32, CPU, seed=0)
-    rollout = HFRollout(model, tokenizer, RolloutConfig(do_sample=True), R)
+    rollout = HFEngine(model, tokenizer, RolloutConfig(do_sample=True), R)
     _, prompts = prompts_batch(tokenizer, n=6, seed=2)
     digit7 = tokenizer.convert_tokens_to_ids("7")
     rollout.load_weights(forcing_state_dict(model, digit7))
@@ -187,7 +187,7 @@ def test_load_weights_changes_what_is_generated(embedded_model_dir, tokenizer):
 
 def test_load_weights_is_strict(embedded_model_dir, tokenizer):
     model = load_causal_lm(embedded_model_dir, torch.float32, CPU, seed=0)
-    rollout = HFRollout(model, tokenizer, RolloutConfig(), R)
+    rollout = HFEngine(model, tokenizer, RolloutConfig(), R)
     partial = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
     with pytest.raises(RuntimeError, match="lm_head.weight"):
         rollout.load_weights(partial)
@@ -216,7 +216,7 @@ def test_generate_needs_no_process_group_and_calls_no_collective(model, tokenize
             monkeypatch.setattr(dist, name, forbid(name))
     _, prompts = prompts_batch(tokenizer, n=4, seed=4)
     for do_sample in (True, False):
-        out = HFRollout(model, tokenizer, RolloutConfig(do_sample=do_sample), R).generate(prompts)
+        out = HFEngine(model, tokenizer, RolloutConfig(do_sample=do_sample), R).generate(prompts)
         assert out["responses"].shape[0] == 4 and out["responses"].shape[1] <= R
     assert called == []
     assert not dist.is_initialized()
@@ -236,7 +236,7 @@ def test_checkpoint_generation_defaults_do_not_leak_into_the_rollout(embedded_mo
     seven, eight = tokenizer.convert_tokens_to_ids("7"), tokenizer.convert_tokens_to_ids("8")
     state = forcing_state_dict(model, seven)  # logit 64 for "7", 0 for all else ...
     state["lm_head.weight"][eight] = 63 / 64  # ... but 63 for "8": a close second
-    rollout = HFRollout(model, tokenizer, RolloutConfig(do_sample=False), R)
+    rollout = HFEngine(model, tokenizer, RolloutConfig(do_sample=False), R)
     rollout.load_weights(state)
     batch = collate_prompts([{"prompt": p, "data_source": "synthetic/repeat", "reward_model": {"ground_truth": "x"}}
                              for p in ("12=", "345=", "9=")], tokenizer, P, step=1, first_row=0)
@@ -263,7 +263,7 @@ def test_eos_token_ids_include_the_checkpoints_generation_config(embedded_model_
     assert eos_token_ids(str(embedded_model_dir), tokenizer) == [tokenizer.eos_token_id]
 
     model = load_causal_lm(str(folder), torch.float32, CPU, seed=0)
-    rollout = HFRollout(model, tokenizer, RolloutConfig(do_sample=False), R, eos_token_ids(str(folder), tokenizer))
+    rollout = HFEngine(model, tokenizer, RolloutConfig(do_sample=False), R, eos_token_ids(str(folder), tokenizer))
     rollout.load_weights(forcing_state_dict(model, equals))  # always emits the chat-style stop token
     _, prompts = prompts_batch(tokenizer, n=2, seed=1)
     out = rollout.generate(prompts)
@@ -295,7 +295,7 @@ def test_hf_rollout_log_probs_are_the_actors_in_fp32(model, tokenizer, temperatu
     0 past each response. Its copy holds the actor's weights, so in fp32 they are the actor's."""
     _, prompts = prompts_batch(tokenizer, n=32, seed=3)
     torch.manual_seed(1)
-    out = HFRollout(model, tokenizer, RolloutConfig(do_sample=True, temperature=temperature), R).generate(prompts)
+    out = HFEngine(model, tokenizer, RolloutConfig(do_sample=True, temperature=temperature), R).generate(prompts)
     engine, mask = out["rollout_log_probs"], out["response_mask"]
     assert engine.dtype == torch.float32 and engine.shape == out["responses"].shape
     assert torch.equal(engine == 0, mask == 0)
@@ -307,7 +307,7 @@ def test_hf_rollout_log_probs_are_of_the_truncated_distribution_under_top_k(mode
     """As vLLM's processed log-probs: the distribution the token was drawn from, after top-k."""
     _, prompts = prompts_batch(tokenizer, n=16, seed=4)
     torch.manual_seed(2)
-    out = HFRollout(model, tokenizer, RolloutConfig(do_sample=True, temperature=1.5, top_k=3), R).generate(prompts)
+    out = HFEngine(model, tokenizer, RolloutConfig(do_sample=True, temperature=1.5, top_k=3), R).generate(prompts)
     mask = out["response_mask"].bool()
     truncated = teacher_forced_log_probs(model, out, 1.5, top_k=3)
     full = teacher_forced_log_probs(model, out, 1.5)
@@ -317,5 +317,5 @@ def test_hf_rollout_log_probs_are_of_the_truncated_distribution_under_top_k(mode
 
 def test_greedy_rollout_log_probs_are_of_the_raw_logits(model, tokenizer):
     _, prompts = prompts_batch(tokenizer, n=8, seed=5)
-    out = HFRollout(model, tokenizer, RolloutConfig(do_sample=False), R).generate(prompts)
+    out = HFEngine(model, tokenizer, RolloutConfig(do_sample=False), R).generate(prompts)
     assert (out["rollout_log_probs"] - teacher_forced_log_probs(model, out, 1.0)).abs().max() < 1e-5

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from spmdsplit.batch import Batch
-from spmdsplit.rollout.base import GREEDY
+from spmdsplit.inference.base import GREEDY
 from tests.support.engines import needs_vllm
 from tests.support.launch import run_ranks
 
@@ -31,9 +31,9 @@ PROMPTS = ["12=", "345=", "6789=", "1=", "90817=", "2468=", "13579=", "55="]
 
 def hf_engine(model, tokenizer):
     from spmdsplit.config import RolloutConfig
-    from spmdsplit.rollout.hf import HFRollout
+    from spmdsplit.inference.hf import HFEngine
 
-    return HFRollout(model, tokenizer, RolloutConfig(do_sample=False, hf_step_tokens=STEP_TOKENS), R)
+    return HFEngine(model, tokenizer, RolloutConfig(do_sample=False, hf_step_tokens=STEP_TOKENS), R)
 
 
 @pytest.fixture(scope="module")
@@ -327,7 +327,7 @@ def test_a_pause_holds_requests_and_a_stop_ends_them(model, tokenizer):
 
 def vllm_serving(rank, world_size, model_dir):
     """A vLLM engine (greedy: validation's sampling) served; its answers and its own generate's."""
-    from spmdsplit.rollout.vllm_engine import shutdown_vllm_distributed
+    from spmdsplit.inference.vllm_engine import shutdown_vllm_distributed
     from spmdsplit.serving import OpenAIServer
     from tests.support.engines import build_model, start_engine
 

@@ -74,7 +74,7 @@ def _load_update_sync(rank, world_size, model_dir, engine_name, out_dir):
     from spmdsplit.exchange import row_ranges
     from spmdsplit.models import ModelSource, load_causal_lm, load_tokenizer
     from spmdsplit.roles.actor import Actor
-    from spmdsplit.rollout.hf import HFRollout
+    from spmdsplit.inference.hf import HFEngine
 
     pools = [dist.new_group([0]), dist.new_group([1, 2])]
     group = pools[0] if rank == 0 else pools[1]
@@ -98,7 +98,7 @@ def _load_update_sync(rank, world_size, model_dir, engine_name, out_dir):
     actor_weights = {k: v.clone() for k, v in engine.iter_full_weights()}
     rollout, gathered_dtypes = {}, {}
     for dtype in (torch.float32, torch.bfloat16):
-        copy = HFRollout(load_causal_lm(model_dir, dtype, torch.device("cpu"), seed=0), load_tokenizer(model_dir),
+        copy = HFEngine(load_causal_lm(model_dir, dtype, torch.device("cpu"), seed=0), load_tokenizer(model_dir),
                          RolloutConfig(), 4)
         with _AllGatherDtypes() as seen:
             copy.load_weights(engine.iter_full_weights(copy.dtype))

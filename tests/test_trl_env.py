@@ -266,12 +266,12 @@ def test_trl_episodes_on_the_hf_engine_open_with_reset_call_methods_and_are_scor
     from spmdsplit.data.prompts import collate_prompts
     from spmdsplit.rewards.rule import ENVIRONMENT_REWARD
     from spmdsplit.roles.reward import RuleReward
-    from spmdsplit.rollout import build_rollout
+    from spmdsplit.inference import build_generator
 
     cfg, tokenizer, eos_ids, rows, log = trl_echo
     assert rows[0]["tools"][0]["function"]["name"] == "say"  # the prompt is rendered with the methods' schemas
     torch.manual_seed(5)
-    rollout = build_rollout(cfg, cfg.model.path, tokenizer, eos_ids, torch.device("cpu"), torch.float32, seed=3)
+    rollout = build_generator(cfg, cfg.model.path, tokenizer, eos_ids, torch.device("cpu"), torch.float32, seed=3)
     prompts = collate_prompts(rows[:32], tokenizer, cfg.data.max_prompt_length, step=1, first_row=0)
     batch = rollout.generate(prompts)
     _, scores = RuleReward(tokenizer, eos_ids).compute(batch)

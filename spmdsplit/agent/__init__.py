@@ -235,9 +235,9 @@ def build_agent(cfg, engine, tokenizer, eos_ids: list[int]):
 
 
 def build_harness_rollout(cfg, engine, tokenizer):
-    from spmdsplit.agent.harness import HarnessRollout, endpoint_port
+    from spmdsplit.agent.harness import HarnessRunner, endpoint_port
 
-    return HarnessRollout(engine, tokenizer, load_harness(cfg), cfg.rollout.agent, cfg.data.max_response_length,
+    return HarnessRunner(engine, tokenizer, load_harness(cfg), cfg.rollout.agent, cfg.data.max_response_length,
                           cfg.rollout.multi_turn.max_assistant_turns or 0, sampling=cfg.rollout,
                           val_sampling=cfg.rollout.val_kwargs, stepped=cfg.rollout.continuous,
                           tool_format=cfg.rollout.multi_turn.format,
@@ -246,19 +246,19 @@ def build_harness_rollout(cfg, engine, tokenizer):
 
 def engine_ranks(engine) -> dict:
     """A tensor-parallel engine's group of ranks and whether this is its first (the harness runs
-    there): `peers` and `first` for HarnessRollout; nothing for an engine of one rank."""
+    there): `peers` and `first` for HarnessRunner; nothing for an engine of one rank."""
     group = getattr(engine, "tensor_parallel_group", lambda: None)()
     return {} if group is None else {"peers": group.cpu_group, "first": group.is_first_rank}
 
 
 def build_agent_rollout(cfg, engine, tokenizer, eos_ids: list[int]):
-    from spmdsplit.agent.loop import AgentRollout
+    from spmdsplit.agent.loop import AgentLoop
     from spmdsplit.agent.parsers import build_parser
 
     tools = load_job_tools(cfg)
     # An engine whose ranks generate in lockstep (vLLM) runs each turn's tool calls and environment
     # steps on its first rank only.
-    return AgentRollout(engine, tokenizer, eos_ids, tools, build_parser(cfg.rollout.multi_turn.format, call_schemas(cfg)),
+    return AgentLoop(engine, tokenizer, eos_ids, tools, build_parser(cfg.rollout.multi_turn.format, call_schemas(cfg)),
                         cfg.rollout.multi_turn, cfg.data.max_response_length, default_agent(cfg),
                         run_once=getattr(engine, "run_on_first_rank", None),
                         environments=load_job_environments(cfg), seed=cfg.trainer.seed)

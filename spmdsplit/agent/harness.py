@@ -44,7 +44,7 @@ import torch
 
 from spmdsplit.batch import Batch
 from spmdsplit.rewards.rule import ENVIRONMENT_REWARD
-from spmdsplit.rollout.base import AroundEngine, episodes_batch
+from spmdsplit.inference.base import AroundEngine, episodes_batch
 from spmdsplit.serving.episodes import Episodes, Row
 from spmdsplit.agent.loop import EveryEpisodeFailed
 from spmdsplit.agent.tools import ERROR_KINDS
@@ -116,7 +116,7 @@ class Ended:
     extra_rows: int
 
 
-class HarnessRollout(AroundEngine):
+class HarnessRunner(AroundEngine):
     """The rollout engine behind the OpenAI server, each row an episode of the harness (a
     validation row's sampled with val_sampling). In batch mode the server's driver owns the engine
     from the first generation on (the engine's sleeps and weight loads happen with it paused);

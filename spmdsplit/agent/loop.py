@@ -1,5 +1,5 @@
 """The agent loop: multi-turn, tool-using episodes, run by the rollout group's engine (HF or vLLM)
-in every placement, behind the same contract as a single-turn engine (rollout/base.Rollout).
+in every placement, behind the same contract as a single-turn engine (inference/base.Engine).
 
 For each prompt: generate until the model ends its turn (its EOS, or a parser's stop token); if the
 turn holds tool calls, run them, append their responses, generate again; stop at an answer without
@@ -34,7 +34,7 @@ from spmdsplit.agent.tools import ERROR_KINDS, Tools
 from spmdsplit.batch import Batch
 from spmdsplit.data.parquet import ENVIRONMENT_AGENT
 from spmdsplit.rewards.rule import ENVIRONMENT_REWARD
-from spmdsplit.rollout.base import AroundEngine, episodes_batch
+from spmdsplit.inference.base import AroundEngine, episodes_batch
 from spmdsplit.seeds import nth_seed, reset_seed
 
 
@@ -101,8 +101,8 @@ class Episode:
         return 1 + self.assistant_turns + self.tool_turns
 
 
-class AgentRollout(AroundEngine):
-    """A rollout engine (HFRollout, VLLMRollout: anything with `continue_ids`) driven turn by turn."""
+class AgentLoop(AroundEngine):
+    """A rollout engine (HFEngine, VLLMEngine: anything with `continue_ids`) driven turn by turn."""
 
     def __init__(self, engine, tokenizer, eos_ids: list[int], tools: Tools, parser: ToolParser, multi_turn,
                  max_response_length: int, default_agent: str, run_once: Callable | None = None,

@@ -1,5 +1,5 @@
 """Generation: where the rollout program's rows come from, one home for every place the rollout
-group generates (the engines themselves are spmdsplit/rollout/'s).
+group generates (the engines themselves are spmdsplit/inference/'s).
 
     sources.py      the row sources the rollout program reads, one interface: BatchSource (a step's
                     rows when due, or rollout.staleness steps ahead on a pool of its own; dynamic

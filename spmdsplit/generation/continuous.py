@@ -5,8 +5,8 @@ are no longer running; a batch is handed over as soon as this rank's share of it
 complete, in completion order, but for the groups the next batch would not allow (a long answer
 begun for this batch and overtaken by shorter ones): the batch takes those first, waiting for the
 ones still running, so that they are not started again; new weights are loaded between two engine
-steps while the requests go on (their next tokens are the new version's: rollout/base.py
-StepwiseRollout).
+steps while the requests go on (their next tokens are the new version's: inference/base.py
+StepwiseEngine).
 
 Staleness, per token: every response token records the version of the weights it was sampled with
 (`token_weights_version`). Batch k trains update k with the policy of version k-1, and
@@ -46,9 +46,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from spmdsplit.agent.harness import HarnessRollout, Playing
+from spmdsplit.agent.harness import HarnessRunner, Playing
 from spmdsplit.batch import Batch
-from spmdsplit.rollout.base import rollout_batch
+from spmdsplit.inference.base import rollout_batch
 
 
 def padded(rows: list[list], fill, device) -> torch.Tensor:
@@ -117,8 +117,8 @@ class ContinuousGeneration:
     loads the next version the actor pool sends and returns it (blocking: sources.ContinuousSource);
     `ready()` says,
     without waiting, whether the actor pool is sending one (weight_sync.WeightsReady). `agent`:
-    the agent loop (agent/loop.py AgentRollout) around `engine` with rollout.multi_turn, or a
-    harness's server (agent/harness.py HarnessRollout) with rollout.agent.harness."""
+    the agent loop (agent/loop.py AgentLoop) around `engine` with rollout.multi_turn, or a
+    harness's server (agent/harness.py HarnessRunner) with rollout.agent.harness."""
 
     def __init__(self, cfg, engine, prompts: Callable[[int], Batch], take_weights: Callable[[int], int],
                  ready: Callable[[], bool], part: int, parts: int, pad_token_id: int, eos_token_ids: list[int],
@@ -126,7 +126,7 @@ class ContinuousGeneration:
         self.cfg, self.engine, self.prompts, self.take_weights, self.ready = cfg, engine, prompts, take_weights, ready
         # A harness's episodes make their calls themselves (the stream steps the engine for them);
         # the agent loop's turns are the stream's requests.
-        self.harness = agent if isinstance(agent, HarnessRollout) else None
+        self.harness = agent if isinstance(agent, HarnessRunner) else None
         self.agent = None if self.harness is not None else agent
         self.n, self.staleness = cfg.rollout.n, cfg.rollout.staleness
         self.budget = cfg.data.max_response_length
@@ -445,7 +445,7 @@ class ContinuousGeneration:
     # ---------------------------------------------------------------- the rows
 
     def rows(self, groups: list[Group]) -> Batch:
-        """The groups as rollout rows: verl's columns (rollout/base.py rollout_batch), the engine's
+        """The groups as rollout rows: verl's columns (inference/base.py rollout_batch), the engine's
         log-probs, each token's version, each row's oldest version (`weights_version`, which the
         actor checks against the staleness bound), and `row_index`: the row's place in the batch."""
         prompts = Batch.concat([g.prompts for g in groups])

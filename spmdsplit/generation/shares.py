@@ -11,7 +11,7 @@ from spmdsplit import algo, seeds
 from spmdsplit.batch import Batch
 from spmdsplit.data.prompts import PromptDataset, collate_prompts
 from spmdsplit.distributed import world_rank
-from spmdsplit.rollout.base import engine_peers
+from spmdsplit.inference.base import engine_peers
 
 
 def peers_of(cfg, rank: int) -> list[int]:

@@ -35,7 +35,7 @@ from spmdsplit.generation.shares import engine_shares, step_prompts
 from spmdsplit.generation.validation import ValidationSet, validation_rows
 from spmdsplit.generation.weights import EngineWeights
 from spmdsplit.groups import Pools
-from spmdsplit.rollout.base import AroundEngine
+from spmdsplit.inference.base import AroundEngine
 from spmdsplit.timing import PhaseTimer
 from spmdsplit.staleness import next_version_sent, validates_after, weights_needed
 from spmdsplit.weight_sync import WeightsReady
@@ -47,7 +47,7 @@ def freeze_start_up() -> None:
     scans from now on (gc.freeze). Else every full collection, which the stream's objects trigger
     every few steps, scans them all: measured 0.4-0.95 s a pause, 5.2 s over 12 steps of the agent
     bench (tools/bench/agent.py) on vLLM-CPU, in the middle of a batch's generation. vLLM's engine
-    freezes so itself; VLLMRollout unfreezes for the placements where a trainer shares the process.
+    freezes so itself; VLLMEngine unfreezes for the placements where a trainer shares the process.
     Frozen objects are still freed when no longer referenced; only a cycle among them would stay."""
     gc.collect()
     gc.freeze()

@@ -61,7 +61,7 @@ class CriticProgram(Program):
                 check_rows(scores, part, "scores")
                 del scores.tensors["row_index"]
                 part.update(scores.with_width(part["responses"].shape[1]))
-        # Each chunk is as wide as the longest response in it (rollout/base.py): pad them to one width.
+        # Each chunk is as wide as the longest response in it (inference/base.py): pad them to one width.
         batch = Batch.concat(parts, pad_to_widest=True)
         if self.cfg.algorithm.use_kl_in_reward:  # sent after every rollout chunk, so taken after them
             log_probs = receive_for(batch, channel.recv_log_probs, "log-probs", step, self.chunks, self.timer,

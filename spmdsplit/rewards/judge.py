@@ -2,7 +2,7 @@
 and writes a verdict, which becomes the response's score (rewards/verdicts.py).
 
 Each scoring rank holds its own judge (no collective: a rank scores its own rows). The judge's
-engine (a rollout engine, rollout/hf.py) is owned by an EngineDriver (serving/driver.py) for the
+engine (a rollout engine, inference/hf.py) is owned by an EngineDriver (serving/driver.py) for the
 whole job, so the rows this rank scores and the calls a custom reward function makes through the
 judge's OpenAI-compatible endpoint (serving/server.py, on 127.0.0.1, started when a custom function
 is set) go into the same engine steps: a batch of verdicts, however they were asked for.
@@ -367,7 +367,7 @@ class Judge:
 
 
 def vllm_view(cfg):
-    """The job's config as VLLMRollout reads it, for the judge's engine: rollout.* and data.* from
+    """The job's config as VLLMEngine reads it, for the judge's engine: rollout.* and data.* from
     reward.judge (its sampling, its context: the judge's max_position_embeddings, max_tokens of it for
     the verdict), its tensor parallel size and sleep, no LoRA."""
 

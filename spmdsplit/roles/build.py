@@ -29,12 +29,12 @@ from spmdsplit.roles.critic import Critic
 from spmdsplit.roles.reward import RuleReward
 from spmdsplit.roles.reward_model import RewardModel
 from spmdsplit.agent import build_agent
-from spmdsplit.rollout import Rollout
-from spmdsplit.rollout import build_engine as build_engine_of_rollout
+from spmdsplit.inference import Engine
+from spmdsplit.inference import build_engine as build_engine_of_rollout
 
 if TYPE_CHECKING:
-    from spmdsplit.agent.harness import HarnessRollout
-    from spmdsplit.agent.loop import AgentRollout
+    from spmdsplit.agent.harness import HarnessRunner
+    from spmdsplit.agent.loop import AgentLoop
 
 
 @dataclass
@@ -45,13 +45,13 @@ class ActorRoles:
 
 @dataclass
 class RolloutRoles:
-    engine: Rollout  # takes the policy's weights, and generates (stepwise for continuous generation)
+    engine: Engine  # takes the policy's weights, and generates (stepwise for continuous generation)
     # rollout.multi_turn: the agent loop around the engine; rollout.agent.harness: the engine served to
     # the harness (agent/harness.py). What generates a batch.
-    agent: AgentRollout | HarnessRollout | None
+    agent: AgentLoop | HarnessRunner | None
 
     @property
-    def generates(self) -> Rollout:
+    def generates(self) -> Engine:
         """What generates a batch: the agent loop or the harness, else the engine."""
         return self.agent or self.engine
 
@@ -162,7 +162,7 @@ def build_judge(cfg, pools: Pools) -> Judge | None:
     import torch.distributed as dist
 
     from spmdsplit.models import eos_token_ids
-    from spmdsplit.rollout.hf import HFRollout
+    from spmdsplit.inference.hf import HFEngine
 
     device, remote = pools.device, cfg.model.trust_remote_code
     dtype, _ = compute_dtypes(cfg, device)
@@ -172,9 +172,9 @@ def build_judge(cfg, pools: Pools) -> Judge | None:
         from vllm.distributed.parallel_state import get_tp_group
 
         from spmdsplit.rewards.judge import checkpoint_tensors, vllm_view
-        from spmdsplit.rollout.vllm_engine import VLLMRollout
+        from spmdsplit.inference.vllm_engine import VLLMEngine
 
-        engine = VLLMRollout(vllm_view(cfg), j.path, tokenizer, eos_token_ids(j.path, tokenizer), device, dtype,
+        engine = VLLMEngine(vllm_view(cfg), j.path, tokenizer, eos_token_ids(j.path, tokenizer), device, dtype,
                              sleeps=sleeps)
         engine.wake_up(checkpoint_tensors(j.path))  # awake from here on, its own weights (asleep: offload)
         # The engine's ranks trade their requests over vLLM's gloo group of them (its tensor-parallel
@@ -183,7 +183,7 @@ def build_judge(cfg, pools: Pools) -> Judge | None:
         peers = get_tp_group().cpu_group
     else:
         model = load_causal_lm(j.path, dtype, device, cfg.trainer.seed, remote)
-        engine = HFRollout(model, tokenizer, JudgeSampling(j), j.max_tokens, eos_token_ids(j.path, tokenizer))
+        engine = HFEngine(model, tokenizer, JudgeSampling(j), j.max_tokens, eos_token_ids(j.path, tokenizer))
     verdict_fn = load_custom_reward_fn(j.verdict_fn.path, j.verdict_fn.name, key="reward.judge.verdict_fn") if j.verdict == "custom" else None
     place = pools.placement.ranks("reward").index(dist.get_rank()) if dist.is_initialized() else 0
     judge = Judge(j, engine, tokenizer, verdict_fn, cfg.reward.timeout_s, sleeps)

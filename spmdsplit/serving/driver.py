@@ -1,6 +1,6 @@
 """The engine while it serves: requests from any thread, one thread stepping the engine.
 
-An engine (rollout/base.py StepwiseRollout) is not thread-safe and decodes every request it holds
+An engine (inference/base.py StepwiseEngine) is not thread-safe and decodes every request it holds
 at each step, so one thread owns it: `submit` queues a request from any thread or coroutine and
 returns a future; the stepping thread puts every queued request into the engine before each step,
 so requests that arrive together share the engine's steps (a batch), and resolves each future when
@@ -102,7 +102,7 @@ class _Request:
 
 
 class EngineDriver:
-    """`engine` (a StepwiseRollout: HFRollout, VLLMRollout) served to callers on any thread.
+    """`engine` (a StepwiseEngine: HFEngine, VLLMEngine) served to callers on any thread.
     `validate`: the engine samples as its validation settings say (rollout.val_kwargs), unless a
     request says otherwise (submit's `validate`). `gather_s`:
     when a request finds the engine idle, how long the driver waits for others to join it before

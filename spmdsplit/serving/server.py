@@ -35,7 +35,7 @@ class PortInUse(OSError):
 
 
 class OpenAIServer:
-    """`engine` (a StepwiseRollout) served over the OpenAI API as `model_name`, on 127.0.0.1:`port`
+    """`engine` (a StepwiseEngine) served over the OpenAI API as `model_name`, on 127.0.0.1:`port`
     (0: any free port; `port` and `base_url` say which once started). `sampling`: what the engine
     samples with (an object with do_sample, temperature, top_p, top_k: its rollout.*, or its
     rollout.val_kwargs with `validate=True`); requests asking for other settings are refused.

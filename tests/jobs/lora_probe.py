@@ -18,7 +18,7 @@ import torch
 
 from spmdsplit import lora
 from spmdsplit.programs.actor import ActorProgram
-from spmdsplit.rollout.hf import HFRollout
+from spmdsplit.inference.hf import HFEngine
 from spmdsplit.train import main
 
 OUT = os.environ["PROBE_DIR"]
@@ -56,11 +56,11 @@ def update(self, step):
 ActorProgram.start, ActorProgram.compute_log_probs, ActorProgram.update = start, compute_log_probs, update
 
 if os.environ.get("PROBE_SKIP_SYNC") == "1":
-    engines = [HFRollout]
+    engines = [HFEngine]
     try:
-        from spmdsplit.rollout.vllm_engine import VLLMRollout
+        from spmdsplit.inference.vllm_engine import VLLMEngine
 
-        engines.append(VLLMRollout)
+        engines.append(VLLMEngine)
     except ImportError:
         pass
 

@@ -1,4 +1,4 @@
-"""Rollout engines on tiny models, for the engine tests (tests/test_vllm_rollout.py,
+"""Inference engines on tiny models, for the engine tests (tests/test_vllm_rollout.py,
 tests/test_continuous_engines.py, tests/test_continuous_stream.py): a random Qwen2 with heads of size 32
 (vLLM's CPU attention kernel rejects 16), the task's prompts, and a vLLM engine started as a job
 starts one (the config checked as on its ranks, vLLM's groups made on every rank)."""
@@ -57,11 +57,11 @@ def task_prompts(tokenizer, n: int, seed: int, max_prompt_length: int = P_SHORT,
 def start_engine(model_dir: str, *overrides: str):
     """Every rank: vLLM's groups; returns (cfg, engine factory)."""
     from spmdsplit.models import eos_token_ids, load_tokenizer
-    from spmdsplit.rollout import build_rollout
-    from spmdsplit.rollout.vllm_engine import init_vllm_distributed
+    from spmdsplit.inference import build_generator
+    from spmdsplit.inference.vllm_engine import init_vllm_distributed
 
     cfg = job_config(model_dir, *overrides)
     init_vllm_distributed(cfg, model_dir, torch.device("cpu"), torch.float32)
     tokenizer = load_tokenizer(model_dir)
     eos = eos_token_ids(model_dir, tokenizer)
-    return cfg, tokenizer, lambda: build_rollout(cfg, model_dir, tokenizer, eos, torch.device("cpu"), torch.float32, 0)
+    return cfg, tokenizer, lambda: build_generator(cfg, model_dir, tokenizer, eos, torch.device("cpu"), torch.float32, 0)

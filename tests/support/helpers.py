@@ -43,7 +43,7 @@ def ppo_rows(prompts, responses, prompt_mask, response_mask, generator: torch.Ge
     """A rollout ready for an update: left-padded prompts and right-padded responses [B, P] and
     [B, R] with their masks, joined as the rollout joins them, and random old log-probs,
     advantages, values and returns (drawn from `generator`, in that order)."""
-    from spmdsplit.rollout.base import position_ids_from_mask
+    from spmdsplit.inference.base import position_ids_from_mask
 
     rows, R = responses.shape
     attention_mask = torch.cat([prompt_mask, response_mask], 1)

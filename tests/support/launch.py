@@ -74,7 +74,7 @@ def base_env(**extra) -> dict[str, str]:
 # "cold" is no server at all, a spawned interpreter that has imported nothing (a test of what an
 # import does).
 EXTRA_PRELOAD = {"plain": [], "deepspeed": ["deepspeed", "spmdsplit.engines.deepspeed"],
-                 "vllm": ["vllm", "spmdsplit.rollout.vllm_engine", "tests.support.vllm_compiled"]}
+                 "vllm": ["vllm", "spmdsplit.inference.vllm_engine", "tests.support.vllm_compiled"]}
 _servers: dict = {}
 
 

@@ -16,7 +16,7 @@ def agent_stream_factory(cfg, tokenizer, eos_ids: list[int], rows: list[dict]):
     from spmdsplit.generation.continuous import ContinuousGeneration
     from spmdsplit.data.prompts import PromptDataset
     from spmdsplit.generation.shares import step_prompts
-    from spmdsplit.rollout import build_rollout
+    from spmdsplit.inference import build_generator
 
     cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([
         "rollout.continuous=true", "rollout.hf_step_tokens=1", "rollout.n=2", "rollout.staleness=4",
@@ -24,7 +24,7 @@ def agent_stream_factory(cfg, tokenizer, eos_ids: list[int], rows: list[dict]):
 
     def make_stream():
         torch.manual_seed(5)
-        base = build_rollout(cfg, cfg.model.path, tokenizer, eos_ids, torch.device("cpu"), torch.float32, seed=3).engine
+        base = build_generator(cfg, cfg.model.path, tokenizer, eos_ids, torch.device("cpu"), torch.float32, seed=3).engine
         dataset = PromptDataset(rows, 8, shuffle=False, seed=0)
         weights = {k: v.clone() for k, v in base.model.state_dict().items()}
 

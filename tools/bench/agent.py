@@ -5,7 +5,7 @@ against the issue's targets, with a tool that sleeps 0.2 s per call (a plain fun
 verl-format tool YAML, written under --out):
 
 1. One tool turn of 32 episodes, in this process: `Tools.run` of 32 calls, and the whole
-   `AgentRollout.generate` of 32 prompts (HF engine, embedded agent model, compact format,
+   `AgentLoop.generate` of 32 prompts (HF engine, embedded agent model, compact format,
    max_assistant_turns=2, so an episode calls at most once) with the sleeping tool and with one that
    answers at once. A random model seldom writes the call "@", so a logit bias of AT_BOOST on "@"
    makes nearly every first turn a call; the calls and tool rounds that happened are counted.
@@ -239,7 +239,7 @@ def measure_turn(paths: dict[str, str], repeats: int) -> dict:
     from spmdsplit.data.sources import build_rows
     from spmdsplit.embedded import ensure_embedded_model
     from spmdsplit.models import eos_token_ids, load_tokenizer
-    from spmdsplit.rollout import build_rollout
+    from spmdsplit.inference import build_generator
 
     torch.set_num_threads(1)  # one rank's share of the machine
     cfgs = {n: load_config(PRESET, [f"rollout.multi_turn.tool_config_path={p}",
@@ -261,7 +261,7 @@ def measure_turn(paths: dict[str, str], repeats: int) -> dict:
                          default_agent=cfg.rollout.agent.default_agent_loop)
     prompts = collate_prompts(rows[:EPISODES], tok, cfg.data.max_prompt_length, 1, 0)
     eos = eos_token_ids(path, tok)
-    agents = {"sleepy": build_rollout(cfg, path, tok, eos, torch.device("cpu"), torch.float32, 1)}
+    agents = {"sleepy": build_generator(cfg, path, tok, eos, torch.device("cpu"), torch.float32, 1)}
     agents["instant"] = build_agent_rollout(cfgs["instant"], agents["sleepy"].engine, tok, eos)  # the same model
     at = tok.convert_tokens_to_ids("@")
 

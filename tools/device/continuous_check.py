@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     from spmdsplit.generation.shares import step_prompts
     from spmdsplit.models import eos_token_ids, load_causal_lm, load_tokenizer
     from spmdsplit.preflight import check_config
-    from spmdsplit.rollout import build_rollout
+    from spmdsplit.inference import build_generator
     from spmdsplit.staleness import weights_needed
 
     cfg = load_config(PRESET, [*DEFAULTS, f"trainer.device={args.device}", f"trainer.total_steps={args.batches}",
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     path = cfg.model.path or ensure_embedded_model()
     tokenizer = load_tokenizer(path)
     eos = eos_token_ids(path, tokenizer)
-    engine = build_rollout(cfg, path, tokenizer, eos, device, dtype, cfg.trainer.seed, sleeps=False)
+    engine = build_generator(cfg, path, tokenizer, eos, device, dtype, cfg.trainer.seed, sleeps=False)
     oracle = load_causal_lm(path, dtype, device, cfg.trainer.seed).eval()
     oracle_params = dict(oracle.named_parameters())  # a tied head: its first name only
     noise = torch.Generator(device="cpu").manual_seed(cfg.trainer.seed)

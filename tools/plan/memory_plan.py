@@ -257,7 +257,7 @@ def rollout_rows(rows: int, prompt_len: int, response_len: int, vocab: int, seed
     """A rank's rollout of `rows` full rows (every prompt and response token real), with the
     columns the update reads."""
     from spmdsplit.batch import Batch
-    from spmdsplit.rollout.base import position_ids_from_mask
+    from spmdsplit.inference.base import position_ids_from_mask
 
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(3, vocab, (rows, prompt_len), generator=g)

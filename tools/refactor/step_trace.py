@@ -25,7 +25,7 @@ import tempfile
 # A landmark: a name to find (a function's qualified name), and what reaching it means.
 LANDMARKS = {
     "collate_prompts": "the step's prompts tokenised",
-    "HFRollout.load_weights": "the policy's weights into the engine",
+    "HFEngine.load_weights": "the policy's weights into the engine",
     "compute_advantage": "the advantages",
     "compute_policy_loss": "the policy loss",
 }

@@ -1,4 +1,4 @@
-"""Rollout with vLLM, in-process, one engine per generating rank (or tensor-parallel group), under
+"""An inference engine: vLLM, in-process, one engine per generating rank (or tensor-parallel group), under
 torchrun (`rollout.name=vllm`). vLLM is imported only from here, and only when it is chosen.
 
 Four things make an in-process vLLM engine safe inside an SPMD trainer (measured facts in the
@@ -47,7 +47,7 @@ import torch.distributed as dist
 from spmdsplit import lora
 from spmdsplit.batch import Batch
 from spmdsplit.distributed import world_rank
-from spmdsplit.rollout.base import GREEDY, Delta, engine_peers, rollout_batch
+from spmdsplit.inference.base import GREEDY, Delta, engine_peers, rollout_batch
 from spmdsplit.seeds import SeedSequence, engine_own_seed
 
 # vllm/v1/attention/backends/cpu_attn.py: CPUAttentionBackend.get_supported_head_sizes() (0.32);
@@ -105,7 +105,7 @@ def engine_kwargs(cfg, model_path: str, device: torch.device, dtype: torch.dtype
         # the actor scores; the default ("raw") ignores the temperature.
         logprobs_mode="processed_logprobs",
         # Sampling comes from rollout.* only, never from the checkpoint's generation_config.json
-        # (an instruct model's repetition_penalty, top_k, ...), as in HFRollout.
+        # (an instruct model's repetition_penalty, top_k, ...), as in HFEngine.
         generation_config="vllm",
         # One scheduling mode on every device, the one the suite runs: vLLM 0.32 turns async
         # scheduling on by itself on CUDA for this executor (config/vllm.py; the external launcher
@@ -236,7 +236,7 @@ def init_vllm_distributed(cfg, model_path: str, device: torch.device, dtype: tor
             current_platform.dist_backend, group_name="engine_world", use_device_communicator=False)
 
 
-class VLLMRollout:
+class VLLMEngine:
     """One in-process vLLM engine. Construct only on generating ranks, after every rank ran
     `init_vllm_distributed`; with tensor parallel > 1 the ranks of a group must be given the same
     prompts (and seeds) and return the same rollout."""
@@ -362,7 +362,7 @@ class VLLMRollout:
         temporaries, map the KV cache. Every `generate` of the step (all chunks, all validation
         batches) runs before `sleep`."""
         if self.awake:
-            raise RuntimeError("VLLMRollout.wake_up: the engine is already awake (one wake_up per sleep)")
+            raise RuntimeError("VLLMEngine.wake_up: the engine is already awake (one wake_up per sleep)")
         self.wake_ups += 1
         if self.sleep_mode and not self.adapter:
             torch.cuda.empty_cache()
@@ -380,7 +380,7 @@ class VLLMRollout:
         apart) takes each new version of the policy so, instead of a sleep and a wake that
         would unmap and map again its whole share of the device for nothing."""
         if not self.awake:
-            raise RuntimeError("VLLMRollout.update_weights: the engine is asleep; wake_up(weights) first")
+            raise RuntimeError("VLLMEngine.update_weights: the engine is asleep; wake_up(weights) first")
         self.weight_updates += 1
         self.load_weights(weights)
         self.reset_prefix_cache()
@@ -409,7 +409,7 @@ class VLLMRollout:
     def sleep(self) -> None:
         """The end of a step's generation: give the device back to the trainer (GPU), keeping nothing."""
         if not self.awake:
-            raise RuntimeError("VLLMRollout.sleep: the engine is not awake")
+            raise RuntimeError("VLLMEngine.sleep: the engine is not awake")
         self.sleeps += 1
         if self.sleep_mode:
             self._release()
@@ -446,7 +446,7 @@ class VLLMRollout:
 
     @torch.no_grad()
     def generate(self, prompts: Batch, validate: bool = False, greedy: bool = False) -> Batch:
-        """As HFRollout.generate, plus `rollout_log_probs` [B, R] float32 (the sampled tokens'
+        """As HFEngine.generate, plus `rollout_log_probs` [B, R] float32 (the sampled tokens'
         log-probs after temperature, 0 past each response). An int64 `sample_seed` [B] column seeds
         each row's sampling on its own (row_seeds), so a row's tokens do not depend on its batch;
         without it each row takes the engine's next own seed."""
@@ -456,7 +456,7 @@ class VLLMRollout:
         seeds = prompts["sample_seed"].tolist() if "sample_seed" in prompts else [None] * len(requests)
         params = [self.seeded(base.clone(), seed) for seed in seeds]
         if not self.awake:
-            raise RuntimeError("VLLMRollout.generate: the engine is asleep; wake_up(weights) first")
+            raise RuntimeError("VLLMEngine.generate: the engine is asleep; wake_up(weights) first")
         outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request)
         responses, log_probs = sampled_tokens_and_log_probs([out.outputs[0] for out in outputs],
                                                             self.max_response_length, self.pad_token_id)
@@ -466,11 +466,11 @@ class VLLMRollout:
     @torch.no_grad()
     def continue_ids(self, contexts: list[list[int]], budgets: list[int], stop_ids: list[int],
                      seeds: list[int] | None = None, validate: bool = False) -> list[tuple[list[int], list[float]]]:
-        """As HFRollout.continue_ids: one turn of multi-turn episodes, token ids in and out, each
+        """As HFEngine.continue_ids: one turn of multi-turn episodes, token ids in and out, each
         row with its own budget of new tokens (and its own seed, when given). With prefix caching
         on, a turn's context (the previous turns) is found in the KV cache and not computed again."""
         if not self.awake:
-            raise RuntimeError("VLLMRollout.continue_ids: the engine is asleep; wake_up(weights) first")
+            raise RuntimeError("VLLMEngine.continue_ids: the engine is asleep; wake_up(weights) first")
         base = self.val_sampling if validate else self.sampling
         params = []
         for i, budget in enumerate(budgets):
@@ -483,7 +483,7 @@ class VLLMRollout:
         _, log_probs = sampled_tokens_and_log_probs(samples, max(budgets), self.pad_token_id)
         return [(list(s.token_ids), row[: len(s.token_ids)]) for s, row in zip(samples, log_probs.tolist())]
 
-    # ---- continuous generation (spmdsplit/generation/continuous.py; rollout/base.py StepwiseRollout): the
+    # ---- continuous generation (spmdsplit/generation/continuous.py; inference/base.py StepwiseEngine): the
     # engine's own loop, one scheduler step per call (LLMEngine.add_request / step / abort_request,
     # in-process: each step runs the model in this thread), outputs as deltas.
 
@@ -492,7 +492,7 @@ class VLLMRollout:
         from vllm.sampling_params import RequestOutputKind
 
         if not self.awake:
-            raise RuntimeError("VLLMRollout.submit: the engine is asleep; wake_up(weights) first")
+            raise RuntimeError("VLLMEngine.submit: the engine is asleep; wake_up(weights) first")
         params = (self.val_sampling if validate else self.sampling).clone()
         params.max_tokens, params.output_kind = budget, RequestOutputKind.DELTA
         if stop_ids is not None:  # an agent's turn: its parser's stop token too (kept, as the EOS)

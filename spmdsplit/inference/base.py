@@ -15,7 +15,7 @@ import torch
 from spmdsplit.batch import Batch
 
 
-class Rollout(Protocol):
+class Engine(Protocol):
     dtype: torch.dtype  # what the actor streams its weights in (the engine's compute dtype)
 
     def generate(self, prompts: Batch, validate: bool = False, greedy: bool = False) -> Batch:
@@ -41,7 +41,7 @@ class Rollout(Protocol):
 
 
 class Delta(NamedTuple):
-    """What one engine step gave one request (continuous generation, `Rollout.step`): the tokens
+    """What one engine step gave one request (continuous generation, `Engine.step`): the tokens
     sampled in that step (a few, or none while it waits), their log-probs under the distribution
     sampled from, and whether the request is done (an EOS, kept, or its budget spent)."""
 
@@ -51,7 +51,7 @@ class Delta(NamedTuple):
     finished: bool
 
 
-class StepwiseRollout(Rollout, Protocol):
+class StepwiseEngine(Engine, Protocol):
     """An engine driven one step at a time (rollout.continuous, spmdsplit/generation/continuous.py): requests
     go in whenever there is room, each step advances all of them, and new weights may be loaded
     between two steps (`update_weights`) while the requests held go on: their next tokens are
@@ -144,7 +144,7 @@ class AroundEngine:
     """What generates by driving an engine (`self.engine`: the agent loop, a harness's server): the
     engine's weights and sleep are the engine's own."""
 
-    engine: Rollout
+    engine: Engine
 
     @property
     def dtype(self) -> torch.dtype:

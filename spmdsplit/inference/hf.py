@@ -1,4 +1,4 @@
-"""Rollout with transformers `generate` on a plain (unsharded) copy of the policy.
+"""An inference engine: transformers `generate` on a plain (unsharded) copy of the policy.
 
 Why a copy and not the FSDP actor itself: `generate` on an FSDP-managed model turns
 `synced_gpus` on and all-reduces over the *world* every token (it would hang the other pool),
@@ -20,11 +20,11 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 from spmdsplit import lora
 from spmdsplit.batch import Batch
-from spmdsplit.rollout.base import (GREEDY, Delta, position_ids_from_mask, response_mask_until_eos,  # noqa: F401
+from spmdsplit.inference.base import (GREEDY, Delta, position_ids_from_mask, response_mask_until_eos,  # noqa: F401
                                     rollout_batch)
 
 
-class HFRollout:
+class HFEngine:
     def __init__(self, model, tokenizer, cfg, max_response_length: int, eos_token_ids: list[int] | None = None,
                  val_cfg=None, adapter: lora.LoraSpec | None = None):
         """`adapter`: the policy's LoRA, when each sync brings the adapter alone (lora.engines_take_adapter)."""
@@ -172,19 +172,19 @@ class HFRollout:
         return turns
 
 
-    # ---- continuous generation (spmdsplit/generation/continuous.py; rollout/base.py StepwiseRollout)
+    # ---- continuous generation (spmdsplit/generation/continuous.py; inference/base.py StepwiseEngine)
     #
     # transformers has no engine that takes requests while it decodes, so a step here is one
     # `generate` of `step_tokens` tokens over the requests held (up to max_num_seqs, oldest first),
     # each from its whole context: the KV cache is computed again at every step (a prefill per
     # step_tokens tokens; vLLM keeps it). What that buys: a request that finishes frees its row at
     # the next step, and weights loaded between two steps are the ones every later token is
-    # sampled with, the context included, as on vLLM (VLLMRollout.update_weights).
+    # sampled with, the context included, as on vLLM (VLLMEngine.update_weights).
 
     def submit(self, request_id: str, context: list[int], budget: int, seed: int | None = None,
                validate: bool = False, stop_ids: list[int] | None = None) -> None:
         if request_id in self.requests:
-            raise RuntimeError(f"HFRollout.submit: request {request_id!r} is already held")
+            raise RuntimeError(f"HFEngine.submit: request {request_id!r} is already held")
         self.requests[request_id] = (list(context), budget, (validate, tuple(stop_ids or self.eos_token_ids)))
 
     def step(self) -> list[Delta]:

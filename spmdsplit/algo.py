@@ -142,6 +142,12 @@ class AdvEstimator:
     def needs_critic(self) -> bool:
         return "values" in self.inputs
 
+    @property
+    def one_per_response(self) -> bool:
+        """Whether it gives a response one advantage, on every token of it (an outcome estimator):
+        those that compare a prompt's responses do."""
+        return self.groups
+
 
 ADV_ESTIMATOR_REGISTRY: dict[str, AdvEstimator] = {}
 POLICY_LOSS_REGISTRY: dict[str, Callable] = {}
@@ -473,12 +479,37 @@ def apply_kl_penalty(token_level_scores: Tensor, old_log_probs: Tensor, ref_log_
     return token_level_rewards, {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
 
 
+def episode_first_rows(batch):
+    """Where an agent harness's episodes train several rows each (an `episode_row` column: 0 an
+    episode's first row, k its k-th more, -1 an empty one), the episodes' first rows; else the batch."""
+    if "episode_row" not in batch:
+        return batch
+    return batch.index((batch["episode_row"] == 0).nonzero().squeeze(1).tolist())
+
+
 def compute_advantage(batch, algorithm, kl_ctrl: FixedKLController | None,
                       reduce_sum: ReduceSum | None = None) -> dict[str, float]:
     """A step's advantages and returns into `batch` (its columns by name: token_level_scores,
     response_mask, uid, old_log_probs and ref_log_prob with the KL penalty in the reward, and what
     the estimator's registration names: values for gae, reward_baselines for remax). `algorithm`:
-    the config's algorithm section. Returns the KL penalty's metrics (none without it)."""
+    the config's algorithm section. Returns the KL penalty's metrics (none without it).
+
+    An agent harness's episodes with several rows each (`episode_row`): the estimator sees each
+    episode once, as its first row, and each of the episode's rows takes that row's advantage, one
+    number per episode (an outcome estimator's: preflight); an empty row's is 0. Its rows are
+    consecutive, the first first (agent/harness.py)."""
+    if "episode_row" in batch:
+        first_rows = episode_first_rows(batch)
+        episodes = first_rows.select([k for k in first_rows.keys() if k != "episode_row"])
+        metrics = compute_advantage(episodes, algorithm, kl_ctrl, reduce_sum)
+        per_episode = masked_mean(episodes["advantages"], episodes["response_mask"], axis=-1)
+        first = batch["episode_row"] == 0
+        episode_of_row = first.long().cumsum(0) - 1
+        per_row = torch.where(batch["episode_row"] >= 0, per_episode[episode_of_row], 0.0)
+        batch["token_level_rewards"] = batch["token_level_scores"]
+        batch["advantages"] = per_row.unsqueeze(-1) * batch["response_mask"].to(per_row.dtype)
+        batch["returns"] = batch["advantages"]
+        return metrics
     metrics = {}
     if algorithm.use_kl_in_reward:
         batch["token_level_rewards"], metrics = apply_kl_penalty(

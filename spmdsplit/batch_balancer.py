@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from spmdsplit.balanced_order import balanced_group_order, seqlen_metrics, slice_sums
 from spmdsplit.batch import Batch
+from spmdsplit.config import rows_per_prompt
 from spmdsplit.messages import ROWS_TO, PoolChannel
 from spmdsplit.groups import Pools
 from spmdsplit.timing import PhaseTimer
@@ -19,7 +20,8 @@ from spmdsplit.timing import PhaseTimer
 
 class BatchBalancer:
     def __init__(self, cfg, pools: Pools, channel: PoolChannel, timer: PhaseTimer):
-        self.pools, self.channel, self.timer, self.n = pools, channel, timer, cfg.rollout.n
+        # a prompt group: its rows (rollout.n responses, each rollout.agent.rows_per_episode rows)
+        self.pools, self.channel, self.timer, self.n = pools, channel, timer, rows_per_prompt(cfg)
         # role group -> [before, after] balancing, per rank: the step's sums so far, chunk by chunk
         self.tokens_per_rank: dict[str, list[list[int]]] = {}
 

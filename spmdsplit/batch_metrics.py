@@ -18,7 +18,11 @@ def compute_data_metrics(batch: Batch, group, device, max_response_length: int) 
     """verl's data metrics (critic/score, rewards, advantages, returns, values, response and
     prompt lengths) over the pool's whole global batch, from one SUM and one MAX all-reduce.
     `max_response_length`: data.max_response_length, what a clipped response ran to (the batch
-    is only as wide as its longest response)."""
+    is only as wide as its longest response). An agent harness's episodes with several rows each
+    are described by their first rows (the metrics of one row per episode), with the rows they
+    trained beyond those (agent/harness/rows_extra)."""
+    extra_rows = float((batch["episode_row"] > 0).sum().item()) if "episode_row" in batch else None
+    batch = algo.episode_first_rows(batch)
     response_mask = batch["response_mask"].float()
     prompt_mask = batch["attention_mask"][:, : -response_mask.shape[1]].float()
     response_length = response_mask.sum(-1)
@@ -45,6 +49,11 @@ def compute_data_metrics(batch: Batch, group, device, max_response_length: int) 
     counts["response_length/clip_ratio"] = len(response_length)
     if "num_turns" in batch:  # multi-turn: verl's num_turns/*, and the tool calls per step
         agent_metrics(batch, group, sums, counts, maxes, mins)
+    if extra_rows is not None:  # a count of the step: the pool's sum, as a "mean" over weights summing to 1
+        import torch.distributed as dist
+
+        sums["agent/harness/rows_extra"] = extra_rows
+        counts["agent/harness/rows_extra"] = 1.0 / (dist.get_world_size(group) if dist.is_initialized() else 1)
     metrics = pool_reduce_metrics(sums, counts, group, device)
     maxes, mins = pool_max_min(maxes, mins, group, device)
     metrics.update(maxes)
@@ -78,7 +87,7 @@ def agent_metrics(batch: Batch, group, sums: dict, counts: dict, maxes: dict, mi
             sums[f"env/{key.removeprefix('env_')}"], counts[f"env/{key.removeprefix('env_')}"] = \
                 float(batch[key].sum().item()), 1.0 / ranks
         env_info_metrics(batch, group, sums, counts)
-    if "harness_rows_dropped" in batch:  # a harness's calls that did not extend their episode's row
+    if "harness_rows_dropped" in batch:  # the rows a harness's episodes made beyond rollout.agent.rows_per_episode
         sums["agent/harness/rows_dropped"] = float(batch["harness_rows_dropped"].sum().item())
         counts["agent/harness/rows_dropped"] = 1.0 / ranks
     R = batch["response_mask"].shape[1]

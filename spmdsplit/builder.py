@@ -15,6 +15,7 @@ import torch.distributed as dist
 from spmdsplit import checkpoint_files, lora
 from spmdsplit.batch_balancer import BatchBalancer
 from spmdsplit.checkpoint_manager import CheckpointManager, seed_sampling
+from spmdsplit.config import rows_per_prompt
 from spmdsplit.data.prompts import PromptDataset
 from spmdsplit.dumps import Dumps, RowDump
 from spmdsplit.dynamic_sampling import DynamicSampling
@@ -104,7 +105,7 @@ def build(cfg, groups: ProcessGroups, rows: dict[str, list[dict]], resume_from: 
     val_set = validation_set(cfg, placement, rows["val"]) if rows.get("val") else None
     timer = PhaseTimer(rank, device)
     profiler = StepProfiler(cfg.trainer.profile_steps, cfg.trainer.profile_dir, rank, device)
-    channel = PoolChannel(placement, list(placement.generating_ranks), device, batch_size * cfg.rollout.n,
+    channel = PoolChannel(placement, list(placement.generating_ranks), device, batch_size * rows_per_prompt(cfg),
                           cfg.rollout.stream_chunks, groups.bulk, groups.control, pools.meet)
     channel.connect(num_val_rows=val_set.responses if val_set else 0,
                     balance_group=pools.group("actor") if cfg.trainer.balance_batch else None)

@@ -475,6 +475,19 @@ class AgentConfig:
     # port + k (a port taken stops the job before it starts); 0: any free port (the harness is
     # given its URL either way).
     port: int = bounded(0, lambda v: 0 <= v <= 65535 - 256, "expected 0 (any free port) or a port up to 65279")
+    # The rows a harness's episode trains: its first call's row and the rows its calls start that do
+    # not extend the row before (a history the harness rewrote, a sub-agent), each taking the
+    # episode's advantage; an episode with fewer fills the rest with empty rows (no tokens trained),
+    # one with more trains the first this many (agent/harness/rows_dropped). A step trains
+    # data.train_batch_size x rollout.n x this many rows (rows_per_prompt). Needs an outcome
+    # estimator (one advantage per episode: grpo, rloo, ...).
+    rows_per_episode: int = positive(1)
+
+
+def rows_per_prompt(cfg) -> int:
+    """The rows a step trains per prompt: rollout.n responses, each rollout.agent.rows_per_episode rows
+    (more than one only where a harness plays them: preflight)."""
+    return cfg.rollout.n * cfg.rollout.agent.rows_per_episode
 
 
 @dataclass

@@ -27,7 +27,7 @@ from spmdsplit.roles.reward import VERDICT_TEXT, decoded_prompts, host_lists, re
 
 # Our columns a line carries when the rows have them (besides verl's fields).
 EXTRA_COLUMNS = ("weights_version", "num_turns", "tool_calls", "tool_errors", "env_terminated", "env_truncated",
-                 "harness_rows_dropped")
+                 "harness_rows_dropped", "episode_row")
 
 
 def dump_lines(tokenizer, eos_ids: list[int], step: int, rows: Batch, scores: torch.Tensor) -> list[dict]:

@@ -142,7 +142,8 @@ ROW_KEYS = ("responses", "response_mask", "input_ids", "attention_mask", "positi
             "data_source", "ground_truth", "extra_info", "uid", "row_index")
 # A multi-turn rollout's per-row counts and, with an environment, how each episode ended
 # (spmdsplit/agent/loop.py), for the critic pool's data metrics and the dumps.
-AGENT_KEYS = ("num_turns", "tool_calls", "tool_errors", "env_terminated", "env_truncated", "harness_rows_dropped")
+AGENT_KEYS = ("num_turns", "tool_calls", "tool_errors", "env_terminated", "env_truncated", "harness_rows_dropped",
+              "episode_row")
 # ReMax's greedy response of each row's prompt (generation.shares.greedy_baselines), scored by the reward group.
 BASELINE_KEYS = ("baseline_responses", "baseline_response_mask")
 # The update whose weights generated each row, where a rollout pool of its own says so (the dumps' column).

@@ -99,6 +99,7 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares each episode with its "
                           "prompt's greedy single-turn response, which a multi-turn episode has no counterpart of; "
                           "use grpo or rloo with rollout.multi_turn.enable=true")
+    check_rows_per_episode(cfg)
     check_filter_groups(cfg)
     check_engines(cfg)
     check_lora(cfg)
@@ -113,6 +114,28 @@ def check_config(cfg: DictConfig) -> None:
             "e.g. placement.pools=[6,2], or named pools with placement.roles, e.g. placement.pools='{gen: 1, train: 1}' "
             "placement.roles='{rollout: gen, actor: train, critic: train}'"
         )
+
+
+def check_rows_per_episode(cfg: DictConfig) -> None:
+    """rollout.agent.rows_per_episode > 1: an agent harness's episodes, each taking one advantage on
+    all its rows (algo.compute_advantage), so an estimator that gives one per response, from the
+    scores alone."""
+    rows = cfg.rollout.agent.rows_per_episode
+    if rows == 1:
+        return
+    key = f"rollout.agent.rows_per_episode={rows}"
+    if not cfg.rollout.agent.harness:
+        raise ConfigError(f"{key}: only an agent harness's episodes make several rows (rollout.agent.harness is empty)")
+    if not get_adv_estimator(cfg.algorithm.adv_estimator).one_per_response:
+        raise ConfigError(f"{key} gives each row of an episode the episode's advantage, one number per episode, "
+                          f"which algorithm.adv_estimator={cfg.algorithm.adv_estimator} does not compute; use one of "
+                          + ", ".join(name for name, e in ADV_ESTIMATOR_REGISTRY.items() if e.one_per_response))
+    if cfg.algorithm.use_kl_in_reward:
+        raise ConfigError(f"{key} takes each episode's reward from its first row; algorithm.use_kl_in_reward=true "
+                          "would put a KL penalty on each row's tokens: use actor.use_kl_loss instead")
+    if cfg.algorithm.filter_groups.enable:
+        raise ConfigError(f"{key} does not run with algorithm.filter_groups.enable=true (dynamic sampling keeps "
+                          "groups of rollout.n rows)")
 
 
 def check_overlong_buffer(cfg: DictConfig) -> None:

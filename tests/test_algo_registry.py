@@ -243,6 +243,23 @@ def test_compute_advantage_calls_the_registered_estimator_with_its_inputs():
     assert torch.equal(batch["advantages"], adv)
 
 
+def test_an_episodes_rows_take_its_advantage_which_the_estimator_computes_over_episodes():
+    """rollout.agent.rows_per_episode=2: each episode's first row, then its extra row (scored too:
+    the scorer puts the episode's reward on each of its rows) or an empty one. GRPO's groups are
+    the episodes, each once: counting episode 0's extra row would move group a's mean and std."""
+    first = advantage_batch()  # 4 episodes, 2 per prompt: their first rows
+    empty = first.index([0])
+    empty["response_mask"], empty["token_level_scores"] = torch.zeros(1, 5), torch.zeros(1, 5)
+    batch = Batch.concat([first.index([0]), first.index([0]), first.index([1]), empty, first.index([2]), empty,
+                          first.index([3]), empty])
+    batch["episode_row"] = torch.tensor([0, 1, 0, -1, 0, -1, 0, -1])
+    advantage_of(batch, "algorithm.adv_estimator=grpo")
+    advantage_of(first, "algorithm.adv_estimator=grpo")
+    per_episode = algo.masked_mean(first["advantages"], first["response_mask"], axis=-1)
+    expected = per_episode[[0, 0, 1, 1, 2, 2, 3, 3]].unsqueeze(-1) * batch["response_mask"]
+    assert torch.equal(batch["advantages"], expected) and batch["advantages"][1].abs().sum() > 0
+
+
 def test_remax_reads_reward_baselines_and_says_so_when_they_are_missing():
     with pytest.raises(ValueError, match=r"algorithm.adv_estimator=remax needs the batch column\(s\) "
                                          r"\['reward_baselines'\]"):

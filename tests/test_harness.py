@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.support.jobs import POOL, ROOT, learning_run
-from tests.support.launch import job  # noqa: F401 - the e2e runs go through learning_run
+from tests.support.launch import job
 
 PRESET = f"{ROOT}/configs/environment_echo.yaml"
 HARNESS = ["rollout.multi_turn.enable=false", "rollout.agent.harness=tests.support.harnesses.echo_harness"]
@@ -27,6 +27,34 @@ def test_an_openai_client_harness_learns_the_echo_task_through_the_endpoint(tmp_
     layout = ["placement.mode=split"] if mode == "batch_split" else [*POOL, "rollout.continuous=true"]
     stdout, first, best = learning_run(tmp_path, PRESET, 0.9, *layout, *HARNESS, "trainer.num_threads=1")
     assert first <= 0.15 and best >= 0.9, (first, best, stdout[-1500:])
+
+
+@pytest.mark.e2e
+def test_a_harness_episodes_rows_that_do_not_extend_each_other_are_all_trained(tmp_path):
+    """forgetful_echo_harness (3 calls an episode, none extending the one before) with
+    rollout.agent.rows_per_episode=3 under GRPO, on a rollout pool of its own, 2 steps of 8 prompts
+    x 2: the dumps hold every episode's 3 rows in order, each with the episode's score, and the
+    step counts the 32 rows beyond the episodes' first (with one row an episode: 16 rows, none)."""
+    import json
+
+    from tools.jobs import read_scalars
+
+    dumps = tmp_path / "dumps"
+    result = job(2, "--config", PRESET, "rollout.multi_turn.enable=false",
+                 "rollout.agent.harness=tests.support.harnesses.forgetful_echo_harness",
+                 "rollout.agent.rows_per_episode=3", "algorithm.adv_estimator=grpo", "rollout.n=2",
+                 *POOL, "trainer.total_steps=2", "data.train_batch_size=8",
+                 "actor.ppo_mini_batch_size=4", "trainer.num_threads=1", f"trainer.rollout_data_dir={dumps}",
+                 f"trainer.log_dir={tmp_path}/tb", "trainer.timeline=", "trainer.output_dir=", timeout=240, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [json.loads(line) for line in (dumps / "2.jsonl").read_text().splitlines()]
+    assert sorted(r["episode_row"] for r in rows) == [0] * 16 + [1] * 16 + [2] * 16, rows[:3]
+    assert all(r["row_index"] % 3 == r["episode_row"] for r in rows), rows[:3]  # an episode's rows in order
+    by_episode = {}
+    for r in sorted(rows, key=lambda r: r["row_index"]):
+        by_episode.setdefault(r["row_index"] // 3, []).append(r["score"])
+    assert all(len(set(scores)) == 1 for scores in by_episode.values()), by_episode
+    assert read_scalars(str(tmp_path / "tb"))["agent/harness/rows_extra"] == {1: 32.0, 2: 32.0}
 
 
 async def raises(client, row):
@@ -95,6 +123,37 @@ def test_harnesses_that_fail_are_contained_counted_and_scored_zero(rollout_of):
     assert batch["response_mask"][0].sum() == 1  # what a failed episode's calls made is kept
 
 
+def test_calls_that_do_not_extend_the_row_before_are_the_episodes_further_rows(rollout_of):
+    """forgetful_echo_harness: 3 calls an episode, none extending the one before. With
+    rollout.agent.rows_per_episode=4 each episode trains its 3 rows (one token each) and an empty
+    one, each row says which of its episode's it is, and generate_rows places row j of prompt row i
+    at 4 i + j of the global batch; with 2, the third row is dropped and counted."""
+    from spmdsplit.generation.shares import generate_rows
+    from spmdsplit.rewards.rule import ENVIRONMENT_REWARD
+    from tests.support.harnesses import forgetful_echo_harness
+
+    rollout, prompts = rollout_of(forgetful_echo_harness)
+    prompts = prompts.slice(0, 4)
+    prompts["row_index"] = torch.arange(10, 14)
+    try:
+        rollout.cfg.rows_per_episode = 4
+        batch = generate_rows(rollout, prompts, torch.device("cpu"))
+        assert batch["episode_row"].tolist() == [0, 1, 2, -1] * 4
+        assert batch["response_mask"].sum(-1).tolist() == [1, 1, 1, 0] * 4
+        assert batch["row_index"].tolist() == list(range(40, 56))
+        assert batch["uid"] == [uid for uid in prompts["uid"] for _ in range(4)]
+        rewards = [info[ENVIRONMENT_REWARD] for info in batch["extra_info"]]
+        assert rewards == [r for r in rewards[::4] for _ in range(4)]  # the episode's, on each of its rows
+        assert batch["harness_rows_dropped"].sum() == 0
+        rollout.cfg.rows_per_episode = 2
+        batch = rollout.generate(prompts)
+        assert batch["episode_row"].tolist() == [0, 1] * 4 and batch["harness_rows_dropped"].tolist() == [1] * 8
+        validation = rollout.generate(prompts, validate=True)  # scored once an episode: its first row
+        assert len(validation) == 4 and "episode_row" not in validation
+    finally:
+        rollout.cfg.rows_per_episode = 1
+
+
 def test_a_batch_whose_every_harness_episode_failed_stops_in_one_line(rollout_of):
     from spmdsplit.agent.harness import EveryHarnessEpisodeFailed
 
@@ -120,6 +179,24 @@ def test_a_bad_harness_stops_the_job_before_it_starts_with_one_line(tmp_path):
         with pytest.raises(ConfigError) as e:
             check_harness(cfg)
         assert expected in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_rows_per_episode_is_refused_in_one_line_where_an_episodes_advantage_is_not_one_number():
+    from spmdsplit.config import load_config
+    from spmdsplit.errors import ConfigError
+    from spmdsplit.preflight import check_config
+
+    rows, grpo = "rollout.agent.rows_per_episode=2", ["algorithm.adv_estimator=grpo", "rollout.n=2"]
+    cases = [(["rollout.agent.harness="], "rollout.agent.harness is empty"),
+             (["algorithm.adv_estimator=gae"], "algorithm.adv_estimator=gae does not compute; use one of grpo, rloo"),
+             (["algorithm.use_kl_in_reward=true"], "use actor.use_kl_loss"),
+             (["algorithm.filter_groups.enable=true"], "algorithm.filter_groups.enable=true")]
+    for overrides, expected in cases:
+        cfg = load_config(PRESET, [*HARNESS, rows, *grpo, *overrides])
+        with pytest.raises(ConfigError) as e:
+            check_config(cfg)
+        assert expected in str(e.value) and rows in str(e.value) and "\n" not in str(e.value), str(e.value)
+    check_config(load_config(PRESET, [*HARNESS, rows, *grpo]))
 
 
 def test_a_fixed_port_in_use_stops_the_job_before_it_starts_and_a_free_one_is_served(monkeypatch):

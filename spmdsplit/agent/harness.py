@@ -8,10 +8,13 @@ row, calls the model as often as it likes, and returns the episode's reward.
 `row`: the prompt's text (`prompt`, as the tokenizer decodes the row's prompt), `prompt_ids`,
 `data_source`, `ground_truth`, `extra_info`, `uid`. The result: a number, or a dict with "reward"
 (or verl's "score"); it becomes the row's score as an environment's reward does
-(extra_info["environment_reward"]). The episode's trained row is what the server recorded of its
-calls (serving/episodes.py): the first call's prompt as the row's prompt, its completions trained,
+(extra_info["environment_reward"]). The episode's trained rows are what the server recorded of its
+calls (serving/episodes.py): the first call's prompt as a row's prompt, its completions trained,
 what the harness put between them masked out; a call that does not extend the row before it starts
-another, which is counted (agent/harness/rows_dropped) and not trained yet: one row per episode.
+another row of the episode. An episode trains rollout.agent.rows_per_episode rows: its first ones,
+then empty rows (no token trained) where it made fewer; rows beyond are counted
+(agent/harness/rows_dropped). Each row says which of its episode's it is (`episode_row`: 0 the
+first, -1 an empty one): the advantage is the episode's, on every row of it (algo.compute_advantage).
 A chat call with `tools` gets the model's calls as `tool_calls`, read in the job's format
 (rollout.multi_turn.format, agent/parsers.py ServedToolCalls); the harness runs the tools.
 Its calls and faults are counted as the agent loop's turns and tool errors are (num_turns,
@@ -105,15 +108,14 @@ class Playing:
 
 @dataclass
 class Ended:
-    """An episode's end: its trained row, its reward, its fault (`error`: a usercode kind or
-    NOT_A_REWARD, with `message`), its calls, and the rows it made beyond the trained one."""
+    """An episode's end: its rows (at least one: its prompt alone where it made no call), its
+    reward, its fault (`error`: a usercode kind or NOT_A_REWARD, with `message`), its calls."""
 
-    row: Row
+    rows: list[Row]
     reward: float
     error: str | None
     message: str
     calls: int
-    extra_rows: int
 
 
 class HarnessRunner(AroundEngine):
@@ -169,7 +171,7 @@ class HarnessRunner(AroundEngine):
             ended = self._play(prompts, validate) if self.first else self.server.driver.posted()
         finally:
             self.server.pause()  # the engine is the trainer's again (a sleep, new weights)
-        return self.finish(prompts, ended)
+        return self.finish(prompts, ended, validate)
 
     def _play(self, prompts: Batch, validate: bool) -> list[Ended]:
         prompt_ids = prompt_ids_of(prompts)
@@ -235,12 +237,12 @@ class HarnessRunner(AroundEngine):
 
     # ---- both
 
-    def finish(self, prompts: Batch, ended: list[Ended]) -> Batch:
+    def finish(self, prompts: Batch, ended: list[Ended], validate: bool = False) -> Batch:
         """The episodes' rows as a batch; EveryHarnessEpisodeFailed if none ran."""
         errors = [f"{e.error}: {e.message}" for e in ended if e.error is not None]
         if errors and len(errors) == len(ended):
             raise EveryHarnessEpisodeFailed.of(SETTING, errors)
-        return self._batch(prompts, ended)
+        return self._batch(prompts, ended, validate)
 
     def _end(self, episode: str, prompt_ids: list[int], outcome) -> Ended:
         made, record = self.episodes.close(episode)
@@ -250,8 +252,7 @@ class HarnessRunner(AroundEngine):
                 reward = harness_reward(outcome.value)
             except ValueError:
                 error, message = NOT_A_REWARD, repr(outcome.value)
-        return Ended(made[0] if made else Row(prompt_ids), reward, error, message, len(record.calls),
-                     max(len(made) - 1, 0))
+        return Ended(made or [Row(prompt_ids)], reward, error, message, len(record.calls))
 
     def _job(self, prompts: Batch, i: int, prompt_ids: list[int], episode: str) -> Callable:
         """Row `i`'s episode as a job for the harness's loop: the harness called with its client (or
@@ -277,12 +278,23 @@ class HarnessRunner(AroundEngine):
             self.client = openai.AsyncOpenAI(base_url="http://127.0.0.1", api_key="spmdsplit", max_retries=0)
         return self.client
 
-    def _batch(self, prompts: Batch, ended: list[Ended]) -> Batch:
-        """The rows as a batch: each episode's first call's prompt as its prompt (left-padded to the
-        widest), its response, mask and log-probs; the reward in extra_info; the agent loop's counts
+    def _batch(self, prompts: Batch, ended: list[Ended], validate: bool) -> Batch:
+        """The rows as a batch, `slots` per episode (rollout.agent.rows_per_episode; validation
+        scores an episode once: its first row): its rows in the order made, then empty ones (its
+        first prompt, no response). Each row's prompt is its first call's (left-padded to the
+        widest); its response, mask and log-probs; the reward in extra_info; the agent loop's counts
         (num_turns: 1 + its calls, tool_calls: its calls, tool_errors: the harness's fault by kind)
-        and the rows it made beyond the trained one (harness_rows_dropped)."""
-        pad, made = self.tokenizer.pad_token_id, [e.row for e in ended]
+        and the rows it made beyond its slots (harness_rows_dropped), on each of its rows. With
+        more than one slot, `episode_row` (which of its episode's rows: 0 the first, -1 an empty
+        one) and, under continuous generation, each row's own token versions."""
+        slots = 1 if validate else self.cfg.rows_per_episode
+        episode_of = [i for i in range(len(ended)) for _ in range(slots)]
+        episode_row = [j if j < len(e.rows) else -1 for e in ended for j in range(slots)]
+        made = [ended[i].rows[j] if j >= 0 else Row(ended[i].rows[0].prompt_ids) for i, j in zip(episode_of, episode_row)]
+        if slots > 1:
+            prompts = prompts.index(episode_of)
+            ended = [ended[i] for i in episode_of]
+        pad = self.tokenizer.pad_token_id
         width = max(len(r.prompt_ids) for r in made)
         input_ids = torch.full((len(made), width), pad, dtype=torch.long)
         attention = torch.zeros((len(made), width), dtype=torch.long)
@@ -301,7 +313,15 @@ class HarnessRunner(AroundEngine):
         batch["num_turns"] = torch.tensor([1 + e.calls for e in ended], device=device)
         batch["tool_calls"] = torch.tensor([e.calls for e in ended], device=device)
         batch["tool_errors"] = errors.to(device)
-        batch["harness_rows_dropped"] = torch.tensor([e.extra_rows for e in ended], device=device)
+        batch["harness_rows_dropped"] = torch.tensor([max(len(e.rows) - slots, 0) for e in ended], device=device)
+        if slots > 1:
+            batch["episode_row"] = torch.tensor(episode_row, dtype=torch.int64, device=device)
+            if self.signal is not None:  # continuous generation: every row's tokens, their versions
+                width = batch["responses"].shape[1]
+                oldest = [min(r.versions or e.rows[0].versions or [0]) for r, e in zip(made, ended)]  # empty: its episode's
+                batch["token_weights_version"] = torch.tensor([(r.versions + [0] * width)[:width] for r in made],
+                                                              dtype=torch.int64, device=device)
+                batch["weights_version"] = torch.tensor(oldest, dtype=torch.int64, device=device)
         return batch
 
     def close(self) -> None:

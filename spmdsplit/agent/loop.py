@@ -311,7 +311,7 @@ class AgentLoop(AroundEngine):
                 e.env_rewards.append(reward)
         return [reward is not None for reward, _ in outcomes]
 
-    def finish(self, prompts: Batch, episodes: list[Episode]) -> Batch:
+    def finish(self, prompts: Batch, episodes: list[Episode], validate: bool = False) -> Batch:
         check_some_episode_ran(episodes, self.environment)
         scored = self.end_episodes(episodes)
         batch = episodes_batch(prompts, episodes, self.tokenizer.pad_token_id)

@@ -263,7 +263,7 @@ class ContinuousGeneration:
             self.playing.remove((group, member))
             response = group.responses[member]
             response.episode = self.harness.end(response.episode)
-            row = response.episode.row
+            row = response.episode.rows[0]  # the stream's response: its first row (all of them go out: harness.finish)
             response.tokens, response.log_probs = list(row.response_ids), list(row.log_probs)
             response.versions = list(row.versions) or [self.version]  # an episode that made no call: now
             self.response_done(group, member)
@@ -329,7 +329,7 @@ class ContinuousGeneration:
             self.submit(group, member)
         while not group.complete:
             self.engine_step()
-        return self.columns(prompts, group.responses, prompts["input_ids"].device)
+        return self.columns(prompts, group.responses, prompts["input_ids"].device, validate)
 
     def due(self, version: int) -> int | None:
         """The fixed schedule's engine step for `version`: v*K, or later if batch v (which the
@@ -451,18 +451,19 @@ class ContinuousGeneration:
         prompts = Batch.concat([g.prompts for g in groups])
         responses = [r for g in groups for r in g.responses]
         rows = self.columns(prompts.to(self.device), responses, self.device)
-        rows["token_weights_version"] = padded([r.versions for r in responses], 0, self.device)[:, : rows["responses"].shape[1]]
-        first = self.part * self.quota * self.n
+        if "token_weights_version" not in rows:  # else a harness's episodes made several rows, each with its own
+            rows["token_weights_version"] = padded([r.versions for r in responses], 0, self.device)[:, : rows["responses"].shape[1]]
+            rows["weights_version"] = torch.tensor([min(r.versions) for r in responses], dtype=torch.int64,
+                                                   device=self.device)
+        first = self.part * len(rows)  # every generating rank hands over as many rows
         rows["row_index"] = torch.arange(first, first + len(rows), dtype=torch.int64, device=self.device)
-        rows["weights_version"] = torch.tensor([min(r.versions) for r in responses], dtype=torch.int64,
-                                               device=self.device)
         return rows
 
-    def columns(self, prompts: Batch, responses: list[Response], device) -> Batch:
+    def columns(self, prompts: Batch, responses: list[Response], device, validate: bool = False) -> Batch:
         """verl's columns of the responses with the engine's log-probs (an agent's: its episodes',
         tool tokens masked, as batch mode's loop gives them)."""
         if self.agent is not None or self.harness is not None:
-            return (self.agent or self.harness).finish(prompts, [r.episode for r in responses])
+            return (self.agent or self.harness).finish(prompts, [r.episode for r in responses], validate)
         return rollout_batch(prompts, padded([r.tokens for r in responses], self.pad_token_id, device),
                              self.pad_token_id, self.eos_token_ids,
                              {"rollout_log_probs": padded([r.log_probs for r in responses], 0.0, device)})

@@ -39,8 +39,9 @@ class EngineShares:
         rollout = generate_rows(rollout_engine, prompts, device, validate)
         if self.baselines and not validate:
             rollout.update(greedy_baselines(rollout_engine, prompts.to(device), *self.baselines))
-        first = sum(len(share) for share in self.shares[: self.mine])
-        return rollout.slice(first, first + len(self.shares[self.mine]))
+        per_prompt = len(rollout) // len(prompts)  # a harness's episodes may each make several rows
+        first = sum(len(share) for share in self.shares[: self.mine]) * per_prompt
+        return rollout.slice(first, first + len(self.shares[self.mine]) * per_prompt)
 
 
 def greedy_baselines(rollout_engine, prompts: Batch, n: int, width: int) -> Batch:
@@ -95,8 +96,13 @@ def sample_seeds(cfg, step: int, row_index: torch.Tensor, rank: int, validation:
 
 
 def generate_rows(rollout_engine, prompts: Batch, device, validate: bool = False) -> Batch:
+    """The engine's rows of `prompts`, each with `row_index`, its place in the global batch: the
+    prompt row's, or where an agent harness's episodes make k rows each (rollout.agent.rows_per_episode),
+    k x the prompt row's + which of the episode's rows it is."""
     rollout = rollout_engine.generate(prompts.to(device), validate=validate)
-    rollout["row_index"] = prompts["row_index"].to(device)  # where each row sits in the global batch
+    per_prompt = len(rollout) // len(prompts)
+    index = prompts["row_index"].repeat_interleave(per_prompt) * per_prompt
+    rollout["row_index"] = (index + torch.arange(per_prompt).repeat(len(prompts))).to(device)
     return rollout
 
 

@@ -86,7 +86,9 @@ class CriticProgram(Program):
                                             self.cfg.data.max_response_length))
         if self.dumps.rollout:
             with phase("dump", step):
-                self.dumps.rollout.write(step, batch, batch["token_level_scores"].sum(-1))
+                trained = batch if "episode_row" not in batch else batch.index(  # an empty row trains nothing
+                    (batch["episode_row"] >= 0).nonzero().squeeze(1).tolist())
+                self.dumps.rollout.write(step, trained, trained["token_level_scores"].sum(-1))
         self.handoff()  # blocking mode: the actor updates only after the critic did
         for sent in self.sends:
             sent.wait()

@@ -17,6 +17,7 @@ import torch
 from omegaconf import OmegaConf
 
 from spmdsplit import algo, lora
+from spmdsplit.config import rows_per_prompt
 from spmdsplit.engines import build_engine
 from spmdsplit.models import ModelSource, attention_implementation, compute_dtypes, load_causal_lm, load_tokenizer
 from spmdsplit.groups import Pools
@@ -86,7 +87,7 @@ def build_actor_roles(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> Actor
     adapter = lora.policy_spec(cfg)
     policy = ModelSource("causal_lm", path, dtype if adapter else torch.float32, seed, remote, attention, adapter)
     actor = Actor(build_engine(cfg, "actor", policy, mesh, device, mixed), cfg.actor, temperature, device,
-                  rollout_n=cfg.rollout.n, remove_padding=packed, loss_horizon=cfg.data.max_response_length)
+                  rollout_n=rows_per_prompt(cfg), remove_padding=packed, loss_horizon=cfg.data.max_response_length)
     if adapter:  # the reference is the base: the policy's own model with its adapter off, no second model
         ref = Actor(actor.engine, ref_config(cfg), temperature, device, remove_padding=packed, base_only=True)
     else:
@@ -129,7 +130,7 @@ def build_critic_roles(cfg, pools: Pools) -> CriticRoles:
         value_model = ModelSource("value", cfg.critic.model_path or cfg.model.path, dtype if adapter else torch.float32,
                                   seed, remote, attention, adapter)
         critic = Critic(build_engine(cfg, "critic", value_model, pools.mesh("critic"), device, mixed), cfg.critic,
-                        device, rollout_n=cfg.rollout.n, remove_padding=packed,
+                        device, rollout_n=rows_per_prompt(cfg), remove_padding=packed,
                         loss_horizon=cfg.data.max_response_length)
     kl = cfg.algorithm.kl_ctrl
     return CriticRoles(critic, algo.get_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon))

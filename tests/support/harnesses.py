@@ -27,3 +27,20 @@ async def echo_harness(client, row):
             break
         messages += [{"role": "assistant", "content": text}, {"role": "user", "content": shown.text}]
     return {"reward": reward}
+
+
+async def forgetful_echo_harness(client, row):
+    """The echo task with a harness that keeps no history: each call shows only the digit of its
+    turn, a conversation of its own, so no call extends the one before and each starts a row of
+    the episode (rollout.agent.rows_per_episode trains them)."""
+    seed = int.from_bytes(hashlib.sha256(str(row["uid"]).encode()).digest()[:4], "big")
+    env = EchoDigits(turns=TURNS)
+    shown, reward = env.reset(seed=seed), 0.0
+    for _ in range(TURNS):
+        answer = await client.chat.completions.create(model="policy", max_tokens=1,
+                                                      messages=[{"role": "user", "content": shown.text}])
+        shown = env.step(answer.choices[0].message.content or "")
+        reward += shown.reward
+        if shown.done:
+            break
+    return {"reward": reward}

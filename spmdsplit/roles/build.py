@@ -31,7 +31,7 @@ from spmdsplit.roles.reward import RuleReward
 from spmdsplit.roles.reward_model import RewardModel
 from spmdsplit.agent import build_agent
 from spmdsplit.inference import Engine
-from spmdsplit.inference import build_engine as build_engine_of_rollout
+from spmdsplit.inference import build_engine as build_inference_engine
 
 if TYPE_CHECKING:
     from spmdsplit.agent.harness import HarnessRunner
@@ -115,7 +115,7 @@ def build_rollout_roles(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> Rol
     around it (with rollout.agent.harness, the harness's episodes over it). Its weights come from the actor. vLLM: every rank must have run
     rollout.vllm_engine.init_vllm_distributed before."""
     dtype, _ = compute_dtypes(cfg, pools.device)
-    engine = build_engine_of_rollout(cfg, cfg.model.path, tokenizer, eos_ids, pools.device, dtype, cfg.trainer.seed,
+    engine = build_inference_engine(cfg, cfg.model.path, tokenizer, eos_ids, pools.device, dtype, cfg.trainer.seed,
                                      sleeps=pools.placement.engines_share_device)
     return RolloutRoles(engine, build_agent(cfg, engine, tokenizer, eos_ids))
 

@@ -2,7 +2,7 @@
 (the update's mini-batch shuffle, each rank's sampling generator, the generated rows, an engine's
 own, an environment's reset), from data's seeds (the epochs' prompt order, the validation set's),
 and from a seed already drawn (`nth_seed`: a turn's, a choice's, a continuation's). A run's tokens
-follow from these numbers: a change to one changes every run (tools.preset_fingerprint shows it)."""
+follow from these numbers: a change to one changes every run (tools.refactor.preset_fingerprint shows it)."""
 
 from __future__ import annotations
 

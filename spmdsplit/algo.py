@@ -174,7 +174,7 @@ def get_adv_estimator_fn(name: str) -> Callable:
 
 def generates_greedy_baselines(cfg) -> bool:
     """Whether the job generates each prompt's greedy response as its reward baseline: its
-    estimator reads `reward_baselines` (ReMax). generation.py generates them; preflight refuses
+    estimator reads `reward_baselines` (ReMax). generation/shares.py generates them; preflight refuses
     what cannot have them (multi-turn episodes, continuous generation)."""
     return "reward_baselines" in get_adv_estimator(cfg.algorithm.adv_estimator).inputs
 

@@ -142,7 +142,7 @@ def build(cfg, groups: ProcessGroups, rows: dict[str, list[dict]], resume_from: 
                                                      broadcast, weights_ready, tokenizer, eos_ids)
     if here("rollout"):  # its engine's weights: the actor's shards on this pool, else the broadcast
         pull = policy_weights.pull if policy_weights else broadcast.pull
-        programs.rollout = build_generator(cfg, pools, channel, timer, dataset, sampler, pull, weights_ready,
+        programs.rollout = build_rollout(cfg, pools, channel, timer, dataset, sampler, pull, weights_ready,
                                          tokenizer, eos_ids)
     if here("critic"):
         programs.critic = build_critic(cfg, pools, channel, timer, handoff, dumps, tokenizer, eos_ids)
@@ -188,7 +188,7 @@ def build_actor(cfg, pools: Pools, channel: PoolChannel, timer: PhaseTimer, hand
     return program, policy_weights
 
 
-def build_generator(cfg, pools: Pools, channel: PoolChannel, timer: PhaseTimer, dataset: PromptDataset,
+def build_rollout(cfg, pools: Pools, channel: PoolChannel, timer: PhaseTimer, dataset: PromptDataset,
                   sampler: DynamicSampling | None, pull, ready: WeightsReady | None, tokenizer,
                   eos_ids) -> RolloutProgram:
     """The rollout group's program on this rank, over its row source; `pull`: the policy's weights

@@ -68,7 +68,7 @@ def engine_seeds(trainer_seed: int, step: int, engine_index: int, global_row_ind
 
 def sample_seeds(trainer_seed: int, step: int, row_index: torch.Tensor, engine_index: int | None = None,
                  validation: bool = False) -> torch.Tensor:
-    """Each generated row's sampling seed (generation.sample_seeds): the row's own (row_seeds), or
+    """Each generated row's sampling seed (generation/shares.py sample_seeds): the row's own (row_seeds), or
     with `engine_index` (rollout.per_row_seed=false) one per engine per step (engine_seeds);
     validation rows apart from the training rows of the same step."""
     seed = trainer_seed ^ (VALIDATION_SEED_SALT if validation else 0)

@@ -184,7 +184,7 @@ def test_bad_tools_are_answered_and_counted_and_no_row_is_lost(lookup_setup, tmp
     tools = load_tools(str(tmp_path / "tools.yaml"), timeout_s=0.5, max_response_chars=4)
     base = agent_rollout(cfg, tokenizer, eos_ids).engine
     rollout = AgentLoop(base, tokenizer, eos_ids, tools, build_parser("compact", tools.schemas), cfg.rollout.multi_turn,
-                           cfg.data.max_response_length, "single_turn_agent")
+                        cfg.data.max_response_length, "single_turn_agent")
     prompts = collate_prompts(rows[:32], tokenizer, cfg.data.max_prompt_length, step=1, first_row=0)
     batch = rollout.generate(prompts)
     assert len(batch) == 32 and batch["tool_calls"].sum() > 0

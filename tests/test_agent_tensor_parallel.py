@@ -74,7 +74,7 @@ def tensor_parallel_episodes(rank, world_size, model_dir, tool_config, calls_fil
         tokenizer = load_tokenizer(model_dir)
         rows, _ = build_rows(cfg.data, tokenizer, "train", tools=check_multi_turn(cfg, tokenizer).schemas)
         engine = build_generator(cfg, model_dir, tokenizer, eos_token_ids(model_dir, tokenizer), torch.device("cpu"),
-                               torch.float32, 0)
+                                 torch.float32, 0)
         engine.wake_up(load_causal_lm(model_dir, torch.float32, torch.device("cpu"), 0).state_dict().items())
         greedy = engine.generate(collate_prompts(rows[:PROMPTS], tokenizer, cfg.data.max_prompt_length, step=1,
                                                  first_row=0), validate=True)
@@ -128,7 +128,7 @@ def harness_episodes(engine, tokenizer, model_dir, log, prompts):
             f.write(f"{os.getpid()}\n")
         return await echo_harness(client, row)
     rollout = HarnessRunner(engine, tokenizer, written_down, cfg.rollout.agent, cfg.data.max_response_length,
-                             sampling=cfg.rollout, val_sampling=cfg.rollout.val_kwargs, **engine_ranks(engine))
+                            sampling=cfg.rollout, val_sampling=cfg.rollout.val_kwargs, **engine_ranks(engine))
     try:
         return rollout.generate(prompts, validate=True)
     finally:

@@ -46,7 +46,7 @@ def make_stream(cfg, tokenizer, eos_ids, rows, tmp_path, prompts_per_batch=8, n=
     base = build_generator(cfg, cfg.model.path, tokenizer, eos_ids, torch.device("cpu"), torch.float32, seed=3).engine
     tools = load_tools(str(tmp_path / "tools.yaml"), timeout_s=5, max_response_chars=8)
     agent = AgentLoop(base, tokenizer, eos_ids, tools, build_parser("compact", tools.schemas), cfg.rollout.multi_turn,
-                         cfg.data.max_response_length, "tool_agent")
+                      cfg.data.max_response_length, "tool_agent")
     weights = {k: v.clone() for k, v in base.model.state_dict().items()}
     dataset = PromptDataset(rows, prompts_per_batch, shuffle=False, seed=0)
     state = {}

@@ -79,7 +79,7 @@ def hf_checks():
     tokenizer = build_tokenizer()
     model, _ = build_model(seed=0)
     engine = HFEngine(model, tokenizer, RolloutConfig(temperature=TEMPERATURE, hf_step_tokens=3), R,
-                       [tokenizer.eos_token_id])
+                      [tokenizer.eos_token_id])
     return check_in_flight_load(engine, tokenizer, load_after=2)
 
 

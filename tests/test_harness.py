@@ -91,7 +91,7 @@ def rollout_of(embedded_cache):
     rows, _ = build_rows(cfg.data, tokenizer, "train")
     prompts = collate_prompts(rows[:8], tokenizer, cfg.data.max_prompt_length, step=1, first_row=0)
     rollout = build_generator(cfg, cfg.model.path, tokenizer, eos_token_ids(cfg.model.path, tokenizer),
-                            torch.device("cpu"), torch.float32, seed=3)
+                              torch.device("cpu"), torch.float32, seed=3)
 
     def make(harness):  # one engine and server for the module, each test's harness
         rollout.harness = harness

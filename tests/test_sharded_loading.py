@@ -99,7 +99,7 @@ def _load_update_sync(rank, world_size, model_dir, engine_name, out_dir):
     rollout, gathered_dtypes = {}, {}
     for dtype in (torch.float32, torch.bfloat16):
         copy = HFEngine(load_causal_lm(model_dir, dtype, torch.device("cpu"), seed=0), load_tokenizer(model_dir),
-                         RolloutConfig(), 4)
+                        RolloutConfig(), 4)
         with _AllGatherDtypes() as seen:
             copy.load_weights(engine.iter_full_weights(copy.dtype))
         gathered_dtypes[dtype] = seen.dtypes

@@ -62,7 +62,7 @@ def rollout(embedded_cache, tmp_path_factory):
     rows, _ = build_rows(cfg.data, tokenizer, "train")
     prompts = collate_prompts(rows, tokenizer, cfg.data.max_prompt_length, step=1, first_row=0)
     rollout = build_generator(cfg, cfg.model.path, tokenizer, eos_token_ids(cfg.model.path, tokenizer),
-                            torch.device("cpu"), torch.float32, seed=3)
+                              torch.device("cpu"), torch.float32, seed=3)
     yield rollout, prompts, tokenizer
     rollout.close()
 

@@ -238,10 +238,10 @@ def build_harness_rollout(cfg, engine, tokenizer):
     from spmdsplit.agent.harness import HarnessRunner, endpoint_port
 
     return HarnessRunner(engine, tokenizer, load_harness(cfg), cfg.rollout.agent, cfg.data.max_response_length,
-                          cfg.rollout.multi_turn.max_assistant_turns or 0, sampling=cfg.rollout,
-                          val_sampling=cfg.rollout.val_kwargs, stepped=cfg.rollout.continuous,
-                          tool_format=cfg.rollout.multi_turn.format,
-                          port=endpoint_port(cfg.rollout.agent.port, local_rank()), **engine_ranks(engine))
+                         cfg.rollout.multi_turn.max_assistant_turns or 0, sampling=cfg.rollout,
+                         val_sampling=cfg.rollout.val_kwargs, stepped=cfg.rollout.continuous,
+                         tool_format=cfg.rollout.multi_turn.format,
+                         port=endpoint_port(cfg.rollout.agent.port, local_rank()), **engine_ranks(engine))
 
 
 def engine_ranks(engine) -> dict:
@@ -259,6 +259,6 @@ def build_agent_rollout(cfg, engine, tokenizer, eos_ids: list[int]):
     # An engine whose ranks generate in lockstep (vLLM) runs each turn's tool calls and environment
     # steps on its first rank only.
     return AgentLoop(engine, tokenizer, eos_ids, tools, build_parser(cfg.rollout.multi_turn.format, call_schemas(cfg)),
-                        cfg.rollout.multi_turn, cfg.data.max_response_length, default_agent(cfg),
-                        run_once=getattr(engine, "run_on_first_rank", None),
-                        environments=load_job_environments(cfg), seed=cfg.trainer.seed)
+                     cfg.rollout.multi_turn, cfg.data.max_response_length, default_agent(cfg),
+                     run_once=getattr(engine, "run_on_first_rank", None),
+                     environments=load_job_environments(cfg), seed=cfg.trainer.seed)

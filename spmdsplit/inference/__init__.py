@@ -12,7 +12,7 @@ from spmdsplit.inference.base import Engine  # noqa: F401 - the package's public
 
 
 def build_generator(cfg, model_path: str, tokenizer, eos_ids: list[int], device: torch.device, dtype: torch.dtype,
-                  seed: int, sleeps: bool = True) -> Engine:
+                    seed: int, sleeps: bool = True) -> Engine:
     """What generates a batch: the engine (build_engine), driven turn by turn by the agent loop
     with rollout.multi_turn.enable (spmdsplit/agent/loop.py), or served to the agent harness
     rollout.agent.harness names (spmdsplit/agent/harness.py)."""
@@ -39,5 +39,5 @@ def build_engine(cfg, model_path: str, tokenizer, eos_ids: list[int], device: to
 
         model = load_causal_lm(model_path, dtype, device, seed, cfg.model.trust_remote_code)
         engine = HFEngine(model, tokenizer, cfg.rollout, cfg.data.max_response_length, eos_ids,
-                           val_cfg=cfg.rollout.val_kwargs, adapter=lora.engines_take_adapter(cfg))
+                          val_cfg=cfg.rollout.val_kwargs, adapter=lora.engines_take_adapter(cfg))
     return engine

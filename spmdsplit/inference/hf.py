@@ -21,7 +21,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 from spmdsplit import lora
 from spmdsplit.batch import Batch
 from spmdsplit.inference.base import (GREEDY, Delta, position_ids_from_mask, response_mask_until_eos,  # noqa: F401
-                                    rollout_batch)
+                                      rollout_batch)
 
 
 class HFEngine:

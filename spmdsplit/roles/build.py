@@ -116,7 +116,7 @@ def build_rollout_roles(cfg, pools: Pools, tokenizer, eos_ids: list[int]) -> Rol
     rollout.vllm_engine.init_vllm_distributed before."""
     dtype, _ = compute_dtypes(cfg, pools.device)
     engine = build_inference_engine(cfg, cfg.model.path, tokenizer, eos_ids, pools.device, dtype, cfg.trainer.seed,
-                                     sleeps=pools.placement.engines_share_device)
+                                    sleeps=pools.placement.engines_share_device)
     return RolloutRoles(engine, build_agent(cfg, engine, tokenizer, eos_ids))
 
 
@@ -176,7 +176,7 @@ def build_judge(cfg, pools: Pools) -> Judge | None:
         from spmdsplit.inference.vllm_engine import VLLMEngine
 
         engine = VLLMEngine(vllm_view(cfg), j.path, tokenizer, eos_token_ids(j.path, tokenizer), device, dtype,
-                             sleeps=sleeps)
+                            sleeps=sleeps)
         engine.wake_up(checkpoint_tensors(j.path))  # awake from here on, its own weights (asleep: offload)
         # The engine's ranks trade their requests over vLLM's gloo group of them (its tensor-parallel
         # group's cpu_group, one rank at tensor parallel 1): only the judge's driver threads use it

@@ -11,12 +11,17 @@ from spmdsplit import algo, seeds
 from spmdsplit.batch import Batch
 from spmdsplit.data.prompts import PromptDataset, collate_prompts
 from spmdsplit.distributed import world_rank
-from spmdsplit.inference.base import engine_peers
+from spmdsplit.inference.base import engine_index, engine_peers
+
+
+def engine_size(cfg) -> int:
+    """The ranks one engine spans: vLLM's tensor-parallel size, else 1."""
+    return cfg.rollout.tensor_model_parallel_size if cfg.rollout.name == "vllm" else 1
 
 
 def peers_of(cfg, rank: int) -> list[int]:
     """The ranks whose prompts `rank`'s engine generates: its vLLM tensor-parallel group, else itself."""
-    return engine_peers(cfg.rollout.tensor_model_parallel_size if cfg.rollout.name == "vllm" else 1, rank)
+    return engine_peers(engine_size(cfg), rank)
 
 
 class EngineShares:
@@ -90,8 +95,7 @@ def sample_seeds(cfg, step: int, row_index: torch.Tensor, rank: int, validation:
     v1/worker/gpu/sample/states.py; on CPU: torch's, at every token) that a tool or an environment,
     run on the engine's first rank only, may move. per_row_seed: the row's own (row_seeds: the same
     tokens on any layout); false: one seed per engine per step (engine_seeds)."""
-    peers = peers_of(cfg, rank)
-    engine = None if cfg.rollout.per_row_seed else peers[0] // len(peers)
+    engine = None if cfg.rollout.per_row_seed else engine_index(engine_size(cfg), rank)
     return seeds.sample_seeds(cfg.trainer.seed, step, row_index, engine, validation)
 
 

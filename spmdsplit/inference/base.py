@@ -77,11 +77,17 @@ class StepwiseEngine(Engine, Protocol):
 GREEDY = SimpleNamespace(do_sample=False, temperature=1.0, top_p=1.0, top_k=-1)
 
 
+def engine_index(tensor_parallel_size: int, rank: int) -> int:
+    """Which of the job's engines `rank` runs in, counted from 0 in rank order (its seeds, its
+    caches are the engine's)."""
+    return rank // tensor_parallel_size
+
+
 def engine_peers(tensor_parallel_size: int, rank: int) -> list[int]:
     """The ranks that run one engine together, `rank` among them: consecutive ranks, as vLLM cuts
     its tensor-parallel groups out of the world (preflight.check_rollout_placement keeps each
     inside one pool). Every engine of the job is engine_peers(tp, first) for first in range(0, world, tp)."""
-    first = rank // tensor_parallel_size * tensor_parallel_size
+    first = engine_index(tensor_parallel_size, rank) * tensor_parallel_size
     return list(range(first, first + tensor_parallel_size))
 
 

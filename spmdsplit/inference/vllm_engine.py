@@ -47,7 +47,7 @@ import torch.distributed as dist
 from spmdsplit import lora
 from spmdsplit.batch import Batch
 from spmdsplit.distributed import world_rank
-from spmdsplit.inference.base import GREEDY, Delta, engine_peers, rollout_batch
+from spmdsplit.inference.base import GREEDY, Delta, engine_index, engine_peers, rollout_batch
 from spmdsplit.seeds import SeedSequence, engine_own_seed
 
 # vllm/v1/attention/backends/cpu_attn.py: CPUAttentionBackend.get_supported_head_sizes() (0.32);
@@ -256,10 +256,10 @@ class VLLMEngine:
         # trainer sets its thread count before; train.py does, before the world forms), and all
         # later allocations are bound to the NUMA node of the rank's first CPU (MEMBIND): pin each
         # rank to one node's cores (numactl / srun --cpu-bind) on multi-socket hosts.
-        engine_index = world_rank() // cfg.rollout.tensor_model_parallel_size
-        os.environ["VLLM_FLASHINFER_AUTOTUNE_CACHE_DIR"] = flashinfer_autotune_dir(engine_index)
+        index = engine_index(cfg.rollout.tensor_model_parallel_size, world_rank())
+        os.environ["VLLM_FLASHINFER_AUTOTUNE_CACHE_DIR"] = flashinfer_autotune_dir(index)
         self.llm = LLM(**{**engine_kwargs(cfg, model_path, device, dtype, sleeps),
-                          "seed": engine_own_seed(cfg.trainer.seed, engine_index)})
+                          "seed": engine_own_seed(cfg.trainer.seed, index)})
         # Every request carries a seed (generation.shares.sample_seeds gives each row one); one that comes
         # without takes the engine's own next seed, never a global generator's: on CUDA vLLM 0.32
         # (its V2 model runner) would draw it from numpy's global generator when the request is
@@ -270,7 +270,7 @@ class VLLMEngine:
         # batched sampling kernel (a hash of seed and position, gumbel.py; it takes no FlashInfer
         # path anyway with processed log-probs, which the engine always asks for), and CPU draws
         # one number per seeded row per token from the row's generator.
-        self.own_seeds = SeedSequence(engine_own_seed(cfg.trainer.seed, engine_index))
+        self.own_seeds = SeedSequence(engine_own_seed(cfg.trainer.seed, index))
         # The engine freezes every object alive now (gc.freeze) so GC never scans them: the
         # trainer's too, whose cyclic garbage would then never be freed.
         gc.unfreeze()

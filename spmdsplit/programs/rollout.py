@@ -48,6 +48,10 @@ class RolloutProgram(Program):
         """This rank's validation responses to the reward group (not balanced: scoring them is cheap
         next to a training step)."""
         rows = self.source.validation_rows(step, val_set)
+        # The engine may be asleep by now (a training pool's): the rows outlive it, as vLLM's sleep
+        # frees only what its CuMem pools hold (weights, KV cache, workspace: gpu_worker.py's
+        # _maybe_get_memory_pool_context), and the engines build rows from token lists with torch's
+        # own allocator (inference/vllm_engine.py generate). No send is pending through the sleep.
         if rows is not None:
             self.channel.send_val_rows(step, rows, val_set.responses).wait()
 
